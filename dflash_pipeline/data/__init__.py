@@ -1,0 +1,1 @@
+"""Data handling: prompt rows, sharding, tokenized rows. Depends only on storage."""

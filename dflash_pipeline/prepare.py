@@ -1,0 +1,265 @@
+"""Prepare stage: ingest prompt files into one sorted table, then cut it into shards.
+
+``ingest`` reads every dataset file (local or S3), validates each row, drops exact duplicates
+(same prompt turns), gives each sample a stable id, assigns its shard (hash of the id) and its
+split (held-out or train), and writes one parquet sorted by shard, one row group per shard.
+``select_shard`` then reads one shard's row group cheaply: every per-shard job of the workflow
+starts from a single small object.
+
+Run by hand: ``python -m dflash_pipeline.prepare ingest --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_pipeline.data.prompts import BadRow, Prompt, prompt_hash, read_prompt_file
+from dflash_pipeline.data.sharding import HELDOUT, shard_of, split_of
+from dflash_pipeline.storage import open_object, write_atomically
+
+log = logging.getLogger(__name__)
+
+PROMPT_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("shard", pa.int32()),
+        ("split", pa.string()),
+        (
+            "messages",
+            pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])),
+        ),
+        ("source", pa.string()),
+    ]
+)
+
+
+class PrepareError(RuntimeError):
+    """The dataset cannot be prepared; the message names the file, row and reason."""
+
+
+@dataclass
+class IngestResult:
+    rows_read: int = 0
+    bad: list[BadRow] = field(default_factory=list)
+    duplicates: int = 0
+    prompts: list[Prompt] = field(default_factory=list)
+
+    @property
+    def bad_fraction(self) -> float:
+        return len(self.bad) / self.rows_read if self.rows_read else 0.0
+
+
+def read_dataset(paths: list[str], max_row_bytes: int, id_field: str) -> IngestResult:
+    """Read and validate every row of every file; keep the first of exact duplicates."""
+    result = IngestResult()
+    seen: set[str] = set()
+    for url in paths:
+        storage, key = open_object(url)
+        if not storage.exists(key):
+            raise PrepareError(f"dataset file {url} does not exist (config key dataset.paths)")
+        with storage.local_copy(key) as local:
+            for item in read_prompt_file(local, url, max_row_bytes, id_field):
+                result.rows_read += 1
+                if isinstance(item, BadRow):
+                    result.bad.append(item)
+                    continue
+                key_hash = prompt_hash(item.prompt_turns)
+                if key_hash in seen:
+                    result.duplicates += 1
+                    continue
+                seen.add(key_hash)
+                result.prompts.append(item)
+    return result
+
+
+def assign_ids(prompts: list[Prompt]) -> list[str]:
+    """The source id where present and unique, else a hash of the prompt turns."""
+    counts = Counter(p.source_id for p in prompts if p.source_id is not None)
+    ids = [
+        p.source_id
+        if p.source_id is not None and counts[p.source_id] == 1
+        else prompt_hash(p.prompt_turns)
+        for p in prompts
+    ]
+    clashes = [i for i, n in Counter(ids).items() if n > 1]
+    if clashes:
+        raise PrepareError(
+            f"sample id {clashes[0]!r} is used by a source id and by a prompt hash; "
+            "rename that source id"
+        )
+    return ids
+
+
+def check_bad_fraction(result: IngestResult, max_bad_fraction: float) -> None:
+    if result.rows_read == 0:
+        raise PrepareError("the dataset has no rows (config key dataset.paths)")
+    if result.bad_fraction > max_bad_fraction:
+        first = result.bad[0]
+        reasons = Counter(b.reason for b in result.bad).most_common()
+        listed = ", ".join(f"{reason} {n}" for reason, n in reasons)
+        examples = "\n  ".join(b.describe() for b in result.bad[:5])
+        raise PrepareError(
+            f"{len(result.bad)} of {result.rows_read} rows ({result.bad_fraction:.1%}) are bad, "
+            f"above dataset.max_bad_fraction={max_bad_fraction}. First: {first.describe()}. "
+            f"Reasons: {listed}. Examples:\n  {examples}"
+        )
+    if not result.prompts:
+        raise PrepareError("no valid prompt rows remain after validation")
+
+
+def build_table(
+    prompts: list[Prompt], ids: list[str], num_shards: int, heldout_fraction: float
+) -> pa.Table:
+    rows = sorted(
+        (shard_of(sample_id, num_shards), sample_id, prompt)
+        for sample_id, prompt in zip(ids, prompts, strict=True)
+    )
+    return pa.table(
+        {
+            "id": [r[1] for r in rows],
+            "shard": [r[0] for r in rows],
+            "split": [split_of(r[1], heldout_fraction) for r in rows],
+            "messages": [[{"role": m[0], "content": m[1]} for m in r[2].messages] for r in rows],
+            "source": [r[2].source for r in rows],
+        },
+        schema=PROMPT_SCHEMA,
+    )
+
+
+def write_by_shard(table: pa.Table, num_shards: int, out: str) -> None:
+    """One row group per shard (empty shards get none), so a shard is read without a scan."""
+    with write_atomically(out) as tmp:
+        shards = table.column("shard").to_numpy()
+        with pq.ParquetWriter(tmp, PROMPT_SCHEMA) as writer:
+            start = 0
+            for shard in range(num_shards):
+                end = start
+                while end < len(shards) and shards[end] == shard:
+                    end += 1
+                if end > start:
+                    writer.write_table(table.slice(start, end - start))
+                start = end
+
+
+def summarize(result: IngestResult, table: pa.Table, num_shards: int, paths: list[str]) -> dict:
+    shards = Counter(table.column("shard").to_pylist())
+    heldout = Counter(
+        s for s, split in zip(table.column("shard").to_pylist(), table.column("split").to_pylist())
+        if split == HELDOUT
+    )
+    return {
+        "files": paths,
+        "rows_read": result.rows_read,
+        "bad_rows": len(result.bad),
+        "bad_fraction": round(result.bad_fraction, 6),
+        "bad_by_reason": dict(Counter(b.reason for b in result.bad).most_common()),
+        "duplicates_dropped": result.duplicates,
+        "samples": table.num_rows,
+        "heldout_samples": sum(heldout.values()),
+        "num_shards": num_shards,
+        "samples_per_shard": [shards.get(s, 0) for s in range(num_shards)],
+        "heldout_per_shard": [heldout.get(s, 0) for s in range(num_shards)],
+    }
+
+
+def ingest(
+    paths: list[str],
+    num_shards: int,
+    out_prompts: str,
+    out_summary: str,
+    out_quarantine: str,
+    *,
+    heldout_fraction: float = 0.05,
+    max_bad_fraction: float = 0.05,
+    max_row_bytes: int = 1_000_000,
+    id_field: str = "id",
+) -> dict:
+    """Validate, dedupe, id and shard the dataset; write the table, summary and quarantine."""
+    result = read_dataset(paths, max_row_bytes, id_field)
+    check_bad_fraction(result, max_bad_fraction)
+    table = build_table(result.prompts, assign_ids(result.prompts), num_shards, heldout_fraction)
+    write_by_shard(table, num_shards, out_prompts)
+    with write_atomically(out_quarantine) as tmp:
+        tmp.write_text("".join(json.dumps(b.to_json()) + "\n" for b in result.bad))
+    summary = summarize(result, table, num_shards, paths)
+    with write_atomically(out_summary) as tmp:
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    log.info(
+        "ingested %d rows: %d samples, %d bad, %d duplicates, %d held out, %d shards",
+        result.rows_read,
+        summary["samples"],
+        summary["bad_rows"],
+        result.duplicates,
+        summary["heldout_samples"],
+        num_shards,
+    )
+    for bad in result.bad[:20]:
+        log.warning("quarantined: %s", bad.describe())
+    return summary
+
+
+def read_shard(ingested: str | Path, shard: int) -> pa.Table:
+    """The rows of one shard of the ingested table (uses row-group statistics, no full scan)."""
+    return pq.read_table(ingested, filters=[("shard", "=", shard)], schema=PROMPT_SCHEMA)
+
+
+def select_shard(ingested: str, shard: int, out: str) -> int:
+    """Write one shard's prompts as its own parquet object; returns the row count."""
+    table = read_shard(ingested, shard)
+    with write_atomically(out) as tmp:
+        pq.write_table(table, tmp)
+    log.info("shard %05d: %d prompts", shard, table.num_rows)
+    return table.num_rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.prepare", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ing = sub.add_parser("ingest", help="validate, dedupe, id and shard a prompt dataset")
+    ing.add_argument("paths", nargs="+", help=".jsonl/.parquet files, local or s3://")
+    ing.add_argument("--num-shards", type=int, required=True)
+    ing.add_argument("--out-prompts", required=True)
+    ing.add_argument("--out-summary", required=True)
+    ing.add_argument("--out-quarantine", required=True)
+    ing.add_argument("--heldout-fraction", type=float, default=0.05)
+    ing.add_argument("--max-bad-fraction", type=float, default=0.05)
+    ing.add_argument("--max-row-bytes", type=int, default=1_000_000)
+    ing.add_argument("--id-field", default="id")
+    sel = sub.add_parser("select", help="write one shard of an ingested table")
+    sel.add_argument("ingested")
+    sel.add_argument("--shard", type=int, required=True)
+    sel.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        if args.command == "ingest":
+            ingest(
+                args.paths,
+                args.num_shards,
+                args.out_prompts,
+                args.out_summary,
+                args.out_quarantine,
+                heldout_fraction=args.heldout_fraction,
+                max_bad_fraction=args.max_bad_fraction,
+                max_row_bytes=args.max_row_bytes,
+                id_field=args.id_field,
+            )
+        else:
+            select_shard(args.ingested, args.shard, args.out)
+    except PrepareError as err:
+        log.error("%s", err)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""One storage API for local directories and ``s3://`` URIs.
+
+Snakemake moves the declared (small) outputs of every rule itself. Everything else a job writes
+(in-flight generation parts, telemetry, training checkpoints, hidden-state shards) goes through
+this module, so the same code runs against a local run directory and against S3.
+
+Rules the rest of the pipeline relies on:
+
+* every write is atomic: a reader sees the old object, or the whole new one, never a prefix
+  (local: temp file in the same directory + ``os.replace``; S3: one PUT or a completed multipart
+  upload, which S3 makes visible all at once);
+* S3 endpoint and credentials come from the same environment variables as
+  ``snakemake-storage-plugin-s3`` (``SNAKEMAKE_STORAGE_S3_*``), so the plugin and the jobs can
+  never disagree about where the run lives;
+* the bucket keeps a permanent sentinel object, because the S3 plugin deletes a bucket once it
+  is empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+S3_ENV_PREFIX = "SNAKEMAKE_STORAGE_S3_"
+BUCKET_SENTINEL_KEY = ".dflash-pipeline-bucket"
+# Local temp files carry this marker so listings never show a half-written object.
+PARTIAL_MARKER = ".partial-"
+
+
+class StorageError(RuntimeError):
+    """A storage operation failed; the message names the URL."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: key relative to the storage root, size in bytes, mtime (epoch s)."""
+
+    key: str
+    size: int
+    mtime: float
+
+
+class Storage(ABC):
+    """A root (a local directory or an S3 prefix) holding objects addressed by relative keys."""
+
+    url: str
+
+    def join(self, key: str) -> str:
+        """The full URL (or local path) of ``key``."""
+        return f"{self.url.rstrip('/')}/{key.lstrip('/')}"
+
+    def child(self, prefix: str) -> Storage:
+        """A storage rooted at ``prefix`` below this one."""
+        return open_storage(self.join(prefix))
+
+    @abstractmethod
+    def read_bytes(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Write ``data`` to ``key`` atomically."""
+
+    @abstractmethod
+    def upload_file(self, key: str, local_path: str | os.PathLike) -> None:
+        """Copy a finished local file to ``key`` atomically."""
+
+    @abstractmethod
+    def download_file(self, key: str, local_path: str | os.PathLike) -> None: ...
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (recursively), sorted by key."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete ``key``; deleting a missing key is not an error."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under ``prefix``; returns how many were deleted."""
+        objects = self.list(prefix)
+        for obj in objects:
+            self.delete(obj.key)
+        return len(objects)
+
+    def read_text(self, key: str) -> str:
+        return self.read_bytes(key).decode("utf-8")
+
+    def write_text(self, key: str, text: str) -> None:
+        self.write_bytes(key, text.encode("utf-8"))
+
+    @contextlib.contextmanager
+    def local_copy(self, key: str) -> Iterator[Path]:
+        """A local path holding the object's content for the duration of the block."""
+        with tempfile.TemporaryDirectory(prefix="dflash-dl-") as tmp:
+            path = Path(tmp) / Path(key).name
+            self.download_file(key, path)
+            yield path
+
+
+class LocalStorage(Storage):
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.url = str(root)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve() if key else self.root.resolve()
+        root = self.root.resolve()
+        if path != root and root not in path.parents:
+            raise StorageError(f"key {key!r} escapes the storage root {self.url}")
+        return path
+
+    def read_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError as err:
+            raise StorageError(f"{self.join(key)} does not exist") from err
+
+    def _atomic_target(self, key: str) -> tuple[Path, Path]:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}{PARTIAL_MARKER}{uuid.uuid4().hex[:8]}")
+        return path, tmp
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        path, tmp = self._atomic_target(key)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def upload_file(self, key: str, local_path: str | os.PathLike) -> None:
+        path, tmp = self._atomic_target(key)
+        try:
+            shutil.copyfile(local_path, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def download_file(self, key: str, local_path: str | os.PathLike) -> None:
+        src = self._path(key)
+        if not src.is_file():
+            raise StorageError(f"{self.join(key)} does not exist")
+        shutil.copyfile(src, local_path)
+
+    @contextlib.contextmanager
+    def local_copy(self, key: str) -> Iterator[Path]:
+        path = self._path(key)
+        if not path.is_file():
+            raise StorageError(f"{self.join(key)} does not exist")
+        yield path  # already local: no copy
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        root = self.root.resolve()
+        if not root.is_dir():
+            return []
+        found = []
+        for dirpath, _, filenames in os.walk(root):
+            for name in filenames:
+                if PARTIAL_MARKER in name:
+                    continue
+                full = Path(dirpath) / name
+                key = full.relative_to(root).as_posix()
+                if key.startswith(prefix):
+                    st = full.stat()
+                    found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        return sorted(found, key=lambda o: o.key)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
+def s3_settings_from_env(env: dict[str, str] | None = None) -> dict[str, str | None]:
+    """The S3 plugin's settings, read from the same environment variables it reads."""
+    env = os.environ if env is None else env
+    return {
+        "endpoint_url": env.get(S3_ENV_PREFIX + "ENDPOINT_URL") or None,
+        "access_key": env.get(S3_ENV_PREFIX + "ACCESS_KEY") or None,
+        "secret_key": env.get(S3_ENV_PREFIX + "SECRET_KEY") or None,
+        "token": env.get(S3_ENV_PREFIX + "TOKEN") or None,
+        "region": env.get(S3_ENV_PREFIX + "REGION") or "us-east-1",
+    }
+
+
+def _s3_client():
+    import boto3
+    from botocore.config import Config
+
+    settings = s3_settings_from_env()
+    # Non-AWS servers (SeaweedFS, MinIO) store boto's default checksum trailers inside the
+    # object; the S3 plugin switches them off the same way.
+    config = Config(
+        retries={"max_attempts": 5, "mode": "standard"},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    return boto3.client(
+        "s3",
+        endpoint_url=settings["endpoint_url"],
+        aws_access_key_id=settings["access_key"],
+        aws_secret_access_key=settings["secret_key"],
+        aws_session_token=settings["token"],
+        region_name=settings["region"],
+        config=config,
+    )
+
+
+def split_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` -> (``bucket``, ``a/b``)."""
+    if not url.startswith("s3://"):
+        raise StorageError(f"{url!r} is not an s3:// URL")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    if not bucket:
+        raise StorageError(f"{url!r} names no bucket")
+    return bucket, prefix.strip("/")
+
+
+class S3Storage(Storage):
+    def __init__(self, url: str, client=None):
+        self.bucket, self.prefix = split_s3_url(url)
+        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        self.client = client or _s3_client()
+
+    def _key(self, key: str) -> str:
+        key = key.lstrip("/")
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, what: str, key: str, fn, *args, **kwargs):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(*args, **kwargs)
+        except ClientError as err:
+            code = err.response.get("Error", {}).get("Code", "")
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise StorageError(f"{self.join(key)} does not exist") from err
+            raise StorageError(f"{what} {self.join(key)} failed: {code or err}") from err
+        except BotoCoreError as err:
+            raise StorageError(f"{what} {self.join(key)} failed: {err}") from err
+
+    def read_bytes(self, key: str) -> bytes:
+        resp = self._call(
+            "reading", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key)
+        )
+        return resp["Body"].read()
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        self._call(
+            "writing",
+            key,
+            self.client.put_object,
+            Bucket=self.bucket,
+            Key=self._key(key),
+            Body=data,
+        )
+
+    def upload_file(self, key: str, local_path: str | os.PathLike) -> None:
+        # Multipart uploads become visible only when completed: still one atomic object.
+        self._call(
+            "uploading", key, self.client.upload_file, str(local_path), self.bucket, self._key(key)
+        )
+
+    def download_file(self, key: str, local_path: str | os.PathLike) -> None:
+        self._call(
+            "downloading",
+            key,
+            self.client.download_file,
+            self.bucket,
+            self._key(key),
+            str(local_path),
+        )
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call("checking", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+            return True
+        except StorageError as err:
+            if "does not exist" in str(err):
+                return False
+            raise
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        paginator = self.client.get_paginator("list_objects_v2")
+        found = []
+        pages = self._call(
+            "listing",
+            prefix,
+            lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=base + prefix)),
+        )
+        for page in pages:
+            for obj in page.get("Contents", []):
+                found.append(
+                    ObjectInfo(
+                        obj["Key"][len(base) :], obj["Size"], obj["LastModified"].timestamp()
+                    )
+                )
+        return sorted(found, key=lambda o: o.key)
+
+    def delete(self, key: str) -> None:
+        self._call(
+            "deleting", key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key)
+        )
+
+    def ensure_bucket(self) -> None:
+        """Create the bucket if needed and put the permanent sentinel object into it."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError:
+            self._call("creating bucket", "", self.client.create_bucket, Bucket=self.bucket)
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=BUCKET_SENTINEL_KEY)
+        except ClientError:
+            self.client.put_object(
+                Bucket=self.bucket,
+                Key=BUCKET_SENTINEL_KEY,
+                Body=(
+                    b"Kept on purpose: the Snakemake S3 plugin deletes a bucket once it is empty.\n"
+                ),
+            )
+
+
+@contextlib.contextmanager
+def write_atomically(url: str | os.PathLike) -> Iterator[Path]:
+    """Yield a local temp path; when the block succeeds, it becomes the object at ``url`` at once.
+
+    For a local ``url`` the temp file sits in the destination folder and is renamed over it;
+    for S3 it is uploaded in one (multipart) upload. On error nothing is written.
+    """
+    storage, key = open_object(url)
+    if isinstance(storage, LocalStorage):
+        path, tmp = storage._atomic_target(key)
+        try:
+            yield tmp
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="dflash-up-") as tmpdir:
+        tmp = Path(tmpdir) / key
+        yield tmp
+        storage.upload_file(key, tmp)
+
+
+def is_s3_url(url: str | os.PathLike) -> bool:
+    return str(url).startswith("s3://")
+
+
+def open_storage(url: str | os.PathLike) -> Storage:
+    """A storage for a local directory or an ``s3://bucket/prefix`` URL."""
+    return S3Storage(str(url)) if is_s3_url(url) else LocalStorage(url)
+
+
+def open_object(url: str | os.PathLike) -> tuple[Storage, str]:
+    """Split a full object URL (or local path) into its parent storage and the object's key."""
+    url = str(url)
+    if is_s3_url(url):
+        bucket, key = split_s3_url(url)
+        parent, _, name = key.rpartition("/")
+        return S3Storage(f"s3://{bucket}/{parent}" if parent else f"s3://{bucket}"), name
+    path = Path(url)
+    return LocalStorage(path.parent), path.name
+

@@ -1,0 +1,92 @@
+# The one place that validates the config, names every path and wires the GPU slot wrapper.
+import sys
+
+# Import the package from this checkout even where it is not pip-installed (e.g. conda envs).
+sys.path.insert(0, workflow.basedir)
+
+from dflash_pipeline import layout
+from dflash_pipeline.config import ConfigError, validate_config
+from dflash_pipeline.gpu_slots import count_gpus, default_lock_dir
+from dflash_pipeline.storage import S3Storage, is_s3_url
+
+try:
+    config.update(validate_config(config))
+except ConfigError as err:
+    raise ValueError(f"{err}\n(check config.yaml or the file given with --configfile)") from None
+
+
+RUN_ROOT = f"{config['results_dir'].rstrip('/')}/{config['run']}"
+SHARDS = [layout.shard_name(i) for i in range(config["num_shards"])]
+DEFAULT_STORAGE = workflow.storage_settings.default_storage_provider
+# Where jobs write objects that Snakemake does not track (_progress/, checkpoints, big shards):
+# the same place Snakemake puts the run's outputs, local or S3. Jobs get it as a parameter.
+RUN_URL = (
+    f"{workflow.storage_settings.default_storage_prefix.rstrip('/')}/{RUN_ROOT}"
+    if DEFAULT_STORAGE == "s3"
+    else RUN_ROOT
+)
+
+
+wildcard_constraints:
+    shard=r"\d{5}",
+
+
+def run_path(key):
+    """Path of an artifact of this run (mapped to S3 by the s3 profile)."""
+    return f"{RUN_ROOT}/{key}"
+
+
+def shard_output(stage, ext=None):
+    return run_path(layout.shard_key(stage, "{shard}", ext))
+
+
+def log_path(rule_name, per_shard=True):
+    name = f"{rule_name}/{{shard}}.log" if per_shard else f"{rule_name}.log"
+    return run_path(f"{layout.LOGS_DIR}/{name}")
+
+
+def benchmark_path(rule_name, per_shard=True):
+    name = f"{rule_name}/{{shard}}.tsv" if per_shard else f"{rule_name}.tsv"
+    return run_path(f"{layout.BENCHMARKS_DIR}/{name}")
+
+
+def local_dataset_files():
+    """Local dataset files, as inputs that stay local even in S3 runs (so edits trigger a new
+    ingest). s3:// dataset URLs are read by the job itself through the storage layer."""
+    return [local(path) for path in config["dataset"]["paths"] if not is_s3_url(path)]
+
+
+# GPU slots: Snakemake counts `gpu`; the wrapper picks the devices (see dflash_pipeline.gpu_slots).
+GPU_POOL = config["gpus"] if config["gpus"] is not None else count_gpus()
+GPU_LOCK_DIR = config["gpu_lock_dir"] or str(default_lock_dir())
+# `--resources gpu=N` (absent: Snakemake ignores the gpu resource altogether).
+_gpu_limit = getattr(workflow.global_resources.get("gpu"), "value", None)
+if _gpu_limit is not None and int(_gpu_limit) > GPU_POOL:
+    logger.warning(
+        f"--resources gpu={_gpu_limit} exceeds the GPU pool ({GPU_POOL}, config key `gpus`): "
+        "GPU jobs will wait for free devices"
+    )
+
+
+def gpu_wrapper(n):
+    """Shell prefix that runs a command on n free devices of this machine."""
+    return (
+        f"python -m dflash_pipeline.gpu_slots --gpus {n} --pool {GPU_POOL} "
+        f"--lock-dir {GPU_LOCK_DIR} --"
+    )
+
+
+def get_final_output():
+    # A shards/ object comes first: the S3 plugin lists the folder of the first input only,
+    # and every shard object of the run lives in that one folder (dflash_pipeline.layout).
+    outputs = expand(shard_output("prompts"), shard=SHARDS)
+    outputs.append(run_path(layout.INGEST_SUMMARY))
+    if config["target"]["build_demo"]:
+        outputs.append(local(config["target"]["model"]))
+    return outputs
+
+
+onstart:
+    if DEFAULT_STORAGE == "s3":
+        # The S3 plugin deletes a bucket once it is empty; keep one object in it for good.
+        S3Storage(RUN_URL).ensure_bucket()

@@ -1,0 +1,19 @@
+# The demo target: a tiny Qwen3 trained locally on a synthetic arithmetic task, so the whole
+# pipeline runs on a CPU with no model download (dflash_pipeline.demo.build_model). It is cached
+# by the hash of its build code, so it is trained once per machine.
+
+
+rule build_demo_model:
+    output:
+        model=local(directory(config["target"]["model"])),
+    log:
+        local("logs/build_demo_model.log"),
+    benchmark:
+        local("benchmarks/build_demo_model.tsv")
+    threads: 2
+    resources:
+        mem_mb=4000,
+    conda:
+        "../envs/cpu.yaml"
+    shell:
+        "python -m dflash_pipeline.demo.build_model --out {output.model} > {log} 2>&1"

@@ -1,0 +1,23 @@
+"""Snakemake glue for rule `ingest_prompts`; the logic is dflash_pipeline.prepare.ingest."""
+
+from dflash_pipeline.joblog import job_logging
+from dflash_pipeline.prepare import ingest
+
+
+def run(smk) -> None:
+    dataset = smk.params.dataset
+    with job_logging(smk.log[0]):
+        ingest(
+            dataset["paths"],
+            smk.params.num_shards,
+            smk.output.prompts,
+            smk.output.summary,
+            smk.output.quarantine,
+            heldout_fraction=dataset["heldout_fraction"],
+            max_bad_fraction=dataset["max_bad_fraction"],
+            max_row_bytes=dataset["max_row_bytes"],
+            id_field=dataset["id_field"],
+        )
+
+
+run(snakemake)  # noqa: F821 (injected by Snakemake)

@@ -1,0 +1,12 @@
+"""Snakemake glue for rule `prepare_prompts`; the logic is dflash_pipeline.prepare.select_shard."""
+
+from dflash_pipeline.joblog import job_logging
+from dflash_pipeline.prepare import select_shard
+
+
+def run(smk) -> None:
+    with job_logging(smk.log[0]):
+        select_shard(smk.input.prompts, int(smk.wildcards.shard), smk.output.prompts)
+
+
+run(snakemake)  # noqa: F821 (injected by Snakemake)
