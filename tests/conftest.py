@@ -15,7 +15,17 @@ from tests.support.seaweed import start_seaweed
 
 REPO = Path(__file__).resolve().parent.parent
 # What a clone needs to run the workflow (the package itself is pip-installed).
-WORKFLOW_FILES = ["Snakefile", "config.yaml", "config", "rules", "scripts", "report", "envs", "data"]
+WORKFLOW_FILES = [
+    "Snakefile",
+    "config.yaml",
+    "config",
+    "rules",
+    "scripts",
+    "report",
+    "envs",
+    "profiles",
+    "data",
+]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,59 @@
+"""The workflow on local storage: plan, run, re-plan only what is missing, refuse bad data."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+pytestmark = pytest.mark.workflow
+
+NO_DEMO_MODEL = {"target": {"build_demo": False}}
+
+
+def test_dry_run_lists_the_jobs_of_every_stage(workflow):
+    workflow.write_config(num_shards=3, **NO_DEMO_MODEL)
+    assert workflow.planned_jobs() == {"ingest_prompts": 1, "prepare_prompts": 3, "all": 1}
+
+
+def test_demo_config_plans_the_demo_model(workflow):
+    assert workflow.planned_jobs()["build_demo_model"] == 1
+
+
+def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow):
+    workflow.write_config(num_shards=3, **NO_DEMO_MODEL)
+    workflow.snakemake()
+    shards = workflow.root / "results/demo/shards"
+    names = sorted(p.name for p in shards.iterdir())
+    assert names == [f"prompts-0000{i}.parquet" for i in range(3)]
+    summary = json.loads((workflow.root / "results/demo/ingest/summary.json").read_text())
+    total = sum(pq.read_table(shards / n).num_rows for n in names)
+    assert total == summary["samples"] > 0
+    assert workflow.planned_jobs() == {}
+    (shards / "prompts-00001.parquet").unlink()
+    proc = workflow.snakemake("-n")
+    assert workflow.planned_jobs() == {"prepare_prompts": 1, "all": 1}
+    assert "prompts-00001.parquet" in proc.stdout and "prompts-00000.parquet" not in proc.stdout.split(
+        "rule all"
+    )[0]
+
+
+def test_bad_config_key_stops_the_workflow_with_its_name(workflow):
+    workflow.write_config(dataset={"max_bad_fraction": 3})
+    proc = workflow.snakemake("-n", check=False)
+    assert proc.returncode != 0
+    assert "config key 'dataset.max_bad_fraction'" in proc.stdout + proc.stderr
+
+
+def test_mostly_bad_dataset_fails_ingest_naming_file_row_and_reason(workflow):
+    data = workflow.root / "data/bad.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{oops\n{oops\n')
+    workflow.write_config(dataset={"paths": ["data/bad.jsonl"]}, **NO_DEMO_MODEL)
+    proc = workflow.snakemake(check=False)
+    assert proc.returncode != 0
+    log = (workflow.root / "results/demo/logs/ingest_prompts.log").read_text()
+    for text in (log, proc.stderr):
+        assert "2 of 3 rows (66.7%) are bad" in text
+        assert "data/bad.jsonl row 2: malformed JSON" in text
+    assert not (workflow.root / "results/demo/shards").exists()
