@@ -47,3 +47,18 @@ def progress_prefix(stage: str, shard: int | str) -> str:
 INGESTED_PROMPTS = f"{INGEST_DIR}/prompts.parquet"
 INGEST_SUMMARY = f"{INGEST_DIR}/summary.json"
 QUARANTINE = f"{INGEST_DIR}/quarantine.jsonl"
+
+
+def run_root(results_dir: str, run: str) -> str:
+    """The run's folder relative to the working directory, e.g. ``results/demo``."""
+    return f"{results_dir.rstrip('/')}/{run}"
+
+
+def run_url(root: str, storage_provider: str | None, storage_prefix: str | None) -> str:
+    """Where the run's objects really live: ``root`` locally, or below the S3 storage prefix
+    (Snakemake's ``--default-storage-prefix`` maps every output path the same way)."""
+    if storage_provider == "s3":
+        if not storage_prefix:
+            raise ValueError("--default-storage-provider s3 needs --default-storage-prefix")
+        return f"{storage_prefix.rstrip('/')}/{root}"
+    return root

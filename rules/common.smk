@@ -12,18 +12,18 @@ from dflash_pipeline.storage import S3Storage, is_s3_url
 try:
     config.update(validate_config(config))
 except ConfigError as err:
-    raise ValueError(f"{err}\n(check config.yaml or the file given with --configfile)") from None
+    raise ValueError(
+        f"{err}\n(check config.yaml or the file given with --configfile)"
+    ) from None
 
 
-RUN_ROOT = f"{config['results_dir'].rstrip('/')}/{config['run']}"
+RUN_ROOT = layout.run_root(config["results_dir"], config["run"])
 SHARDS = [layout.shard_name(i) for i in range(config["num_shards"])]
 DEFAULT_STORAGE = workflow.storage_settings.default_storage_provider
 # Where jobs write objects that Snakemake does not track (_progress/, checkpoints, big shards):
 # the same place Snakemake puts the run's outputs, local or S3. Jobs get it as a parameter.
-RUN_URL = (
-    f"{workflow.storage_settings.default_storage_prefix.rstrip('/')}/{RUN_ROOT}"
-    if DEFAULT_STORAGE == "s3"
-    else RUN_ROOT
+RUN_URL = layout.run_url(
+    RUN_ROOT, DEFAULT_STORAGE, workflow.storage_settings.default_storage_prefix
 )
 
 

@@ -10,10 +10,10 @@ rule build_demo_model:
         local("logs/build_demo_model.log"),
     benchmark:
         local("benchmarks/build_demo_model.tsv")
+    conda:
+        "../envs/cpu.yaml"
     threads: 2
     resources:
         mem_mb=4000,
-    conda:
-        "../envs/cpu.yaml"
     shell:
         "python -m dflash_pipeline.demo.build_model --out {output.model} > {log} 2>&1"

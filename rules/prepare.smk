@@ -8,18 +8,18 @@ rule ingest_prompts:
         prompts=run_path(layout.INGESTED_PROMPTS),
         summary=run_path(layout.INGEST_SUMMARY),
         quarantine=run_path(layout.QUARANTINE),
-    params:
-        num_shards=config["num_shards"],
-        dataset=config["dataset"],
     log:
         log_path("ingest_prompts", per_shard=False),
     benchmark:
         benchmark_path("ingest_prompts", per_shard=False)
+    conda:
+        "../envs/cpu.yaml"
     threads: 1
     resources:
         mem_mb=4000,
-    conda:
-        "../envs/cpu.yaml"
+    params:
+        num_shards=config["num_shards"],
+        dataset=config["dataset"],
     script:
         "../scripts/ingest_prompts.py"
 
@@ -33,10 +33,10 @@ rule prepare_prompts:
         log_path("prepare_prompts"),
     benchmark:
         benchmark_path("prepare_prompts")
+    conda:
+        "../envs/cpu.yaml"
     threads: 1
     resources:
         mem_mb=2000,
-    conda:
-        "../envs/cpu.yaml"
     script:
         "../scripts/prepare_prompts.py"
