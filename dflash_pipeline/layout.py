@@ -2,20 +2,23 @@
 
 One module owns the key layout so that the Snakefile, the jobs and the status page agree.
 
-Why shard outputs of every stage sit in ONE folder (``shards/``), named ``<stage>-NNNNN.<ext>``:
-the Snakemake S3 plugin lists only the folder of the first input of the target job; every object
-outside that listing costs about three sequential requests during a dry-run. With nested
-per-stage folders, 10,000 shards x 4 stages took 305 s to plan against a local S3 server; with one
-flat folder, 23 s. ``rule all`` therefore lists a ``shards/`` object first.
+Why every output Snakemake tracks sits in ONE flat folder (``outputs/``), named
+``<stage>-NNNNN.<ext>`` for shard objects and ``<stage>-<name>`` for run-level ones: the Snakemake
+S3 plugin lists objects once, under the folder of the first storage file the DAG happens to
+inventory (in practice the input of the deepest job, not a target of ``rule all``); every object
+outside that listing costs three sequential requests (HEAD object, HEAD bucket, LIST) during a
+dry-run. With one folder for everything, whichever file comes first, the single listing covers
+the whole run. (Measured: 1,000 shards took 8.7 s and 3,014 requests to plan with the ingest
+outputs in a folder of their own, because that folder was listed first.)
+Benchmark files are existence-checked too, so they live in the same folder; logs, ``_progress/``
+and checkpoints live beside it and are never checked by Snakemake.
 """
 
 from __future__ import annotations
 
-SHARDS_DIR = "shards"
-INGEST_DIR = "ingest"
+OUTPUTS_DIR = "outputs"
 PROGRESS_DIR = "_progress"
 LOGS_DIR = "logs"
-BENCHMARKS_DIR = "benchmarks"
 
 # The stages that produce one object per shard, in pipeline order, and their file extensions.
 SHARD_STAGES = {
@@ -31,10 +34,19 @@ def shard_name(shard: int) -> str:
 
 
 def shard_key(stage: str, shard: int | str, ext: str | None = None) -> str:
-    """Key of one shard's object, e.g. ``shards/prompts-00003.parquet``."""
+    """Key of one shard's object, e.g. ``outputs/prompts-00003.parquet``."""
     if isinstance(shard, int):
         shard = shard_name(shard)
-    return f"{SHARDS_DIR}/{stage}-{shard}.{ext or SHARD_STAGES[stage]}"
+    return f"{OUTPUTS_DIR}/{stage}-{shard}.{ext or SHARD_STAGES[stage]}"
+
+
+def benchmark_key(rule_name: str, shard: int | str | None = None) -> str:
+    """Key of a job's Snakemake benchmark (runtime and memory), e.g.
+    ``outputs/benchmark.prepare_prompts-00003.tsv``."""
+    if isinstance(shard, int):
+        shard = shard_name(shard)
+    suffix = f"-{shard}" if shard is not None else ""
+    return f"{OUTPUTS_DIR}/benchmark.{rule_name}{suffix}.tsv"
 
 
 def progress_prefix(stage: str, shard: int | str) -> str:
@@ -44,9 +56,9 @@ def progress_prefix(stage: str, shard: int | str) -> str:
     return f"{PROGRESS_DIR}/{stage}/shard-{shard}/"
 
 
-INGESTED_PROMPTS = f"{INGEST_DIR}/prompts.parquet"
-INGEST_SUMMARY = f"{INGEST_DIR}/summary.json"
-QUARANTINE = f"{INGEST_DIR}/quarantine.jsonl"
+INGESTED_PROMPTS = f"{OUTPUTS_DIR}/ingest-prompts.parquet"
+INGEST_SUMMARY = f"{OUTPUTS_DIR}/ingest-summary.json"
+QUARANTINE = f"{OUTPUTS_DIR}/ingest-quarantine.jsonl"
 
 
 def run_root(results_dir: str, run: str) -> str:

@@ -24,10 +24,10 @@ def test_demo_config_plans_the_demo_model(workflow):
 def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow):
     workflow.write_config(num_shards=3, **NO_DEMO_MODEL)
     workflow.snakemake()
-    shards = workflow.root / "results/demo/shards"
-    names = sorted(p.name for p in shards.iterdir())
+    shards = workflow.root / "results/demo/outputs"
+    names = sorted(p.name for p in shards.glob("prompts-*"))
     assert names == [f"prompts-0000{i}.parquet" for i in range(3)]
-    summary = json.loads((workflow.root / "results/demo/ingest/summary.json").read_text())
+    summary = json.loads((workflow.root / "results/demo/outputs/ingest-summary.json").read_text())
     total = sum(pq.read_table(shards / n).num_rows for n in names)
     assert total == summary["samples"] > 0
     assert workflow.planned_jobs() == {}
@@ -56,4 +56,4 @@ def test_mostly_bad_dataset_fails_ingest_naming_file_row_and_reason(workflow):
     for text in (log, proc.stderr):
         assert "2 of 3 rows (66.7%) are bad" in text
         assert "data/bad.jsonl row 2: malformed JSON" in text
-    assert not (workflow.root / "results/demo/shards").exists()
+    assert not (workflow.root / "results/demo/outputs").exists()

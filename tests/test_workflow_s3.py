@@ -35,9 +35,9 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
     client = s3_client(s3_server)
     listed = client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/")
     keys = {o["Key"][len(prefix) + 1 :] for o in listed.get("Contents", [])}
-    shard_keys = [f"results/demo/shards/prompts-{i:05d}.parquet" for i in range(NUM_SHARDS)]
+    shard_keys = [f"results/demo/outputs/prompts-{i:05d}.parquet" for i in range(NUM_SHARDS)]
     assert set(shard_keys) <= keys
-    assert {"results/demo/ingest/summary.json", "results/demo/ingest/prompts.parquet"} <= keys
+    assert {"results/demo/outputs/ingest-summary.json", "results/demo/outputs/ingest-prompts.parquet"} <= keys
     assert "results/demo/logs/ingest_prompts.log" in keys
     assert not (workflow.root / "results").exists(), "an S3 run must leave no local results"
     sentinel = client.head_object(Bucket=s3_server.bucket, Key=BUCKET_SENTINEL_KEY)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
     PreTrainedTokenizerFast,
@@ -43,15 +43,10 @@ log = logging.getLogger(__name__)
 
 SEED = 0
 VOCAB_SIZE = 512
-# Ids 0..5 in this order; the first one pads, the end of turn stops generation.
-SPECIAL_TOKENS = (
-    task.END_OF_TEXT,
-    task.TURN_START,
-    task.END_OF_TURN,
-    task.THINK_START,
-    task.THINK_END,
-    task.MASK,
-)
+# Ids 0..3 in this order; the first one pads, the end of turn stops generation.
+SPECIAL_TOKENS = (task.END_OF_TEXT, task.TURN_START, task.END_OF_TURN, task.MASK)
+# Single tokens too, but not special (as in Qwen3): decoding without special tokens keeps them.
+THINK_TOKENS = (task.THINK_START, task.THINK_END)
 # Qwen2/3's pre-tokenizer split: digits one by one, words, punctuation runs, newlines, spaces.
 PRETOKENIZE_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -210,15 +205,15 @@ def build_demo_model(
     """
     out_dir = Path(out_dir)
     if not use_cache:
-        _publish(out_dir, _train_into)
+        _publish(out_dir, _train_into, replace=True)
         return out_dir
     cached = Path(cache_dir or default_cache_dir()) / f"demo-target-{source_key()}"
     if is_complete(cached):
         log.info("demo target cache hit: %s", cached)
     else:
         log.info("demo target not cached; training it into %s", cached)
-        _publish(cached, _train_into)
-    _publish(out_dir, lambda tmp: shutil.copytree(cached, tmp, dirs_exist_ok=True))
+        _publish(cached, _train_into, replace=False)
+    _publish(out_dir, lambda tmp: shutil.copytree(cached, tmp, dirs_exist_ok=True), replace=True)
     return out_dir
 
 
@@ -226,21 +221,19 @@ def is_complete(build_dir: Path) -> bool:
     return all((build_dir / name).is_file() for name in (*COMPLETE_FILES, BUILD_INFO))
 
 
-def _publish(target: Path, write) -> None:
+def _publish(target: Path, write, *, replace: bool) -> None:
     """Let ``write`` fill a temp dir beside ``target``, then rename it into place at once.
 
-    A concurrent builder that published first wins for the cache; an existing ``out_dir`` is
-    replaced.
+    Without ``replace`` a complete ``target`` that appeared meanwhile (a concurrent build of
+    the same key) is kept and ours dropped.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         write(tmp)
-        if target.exists() and not is_complete(target):
-            shutil.rmtree(target)
-        elif target.exists() and target.name.startswith("demo-target-"):
-            return  # another process cached the same build meanwhile
-        elif target.exists():
+        if target.exists():
+            if not replace and is_complete(target):
+                return
             shutil.rmtree(target)
         os.rename(tmp, target)
     finally:
@@ -257,16 +250,14 @@ def _train_into(out_dir: Path) -> None:
     torch.set_num_threads(SETTINGS.threads)
     random.seed(SEED)
     torch.manual_seed(SEED)
-    rng = random.Random(SEED)
 
-    tokenizer = build_tokenizer(rng)
-    examples = training_examples(tokenizer, rng, SETTINGS.steps * SETTINGS.batch_size)
+    tokenizer = build_tokenizer()
+    examples = training_examples(tokenizer)
     model = new_model(tokenizer)
     final_loss = train(model, tokenizer, examples)
     train_seconds = time.monotonic() - started
 
-    seen = {example.problem.answer for example in examples}
-    heldout = heldout_problems(SETTINGS.eval_prompts, exclude=seen)
+    heldout = heldout_problems(SETTINGS.eval_prompts)
     rate = measure_format_rate(model, tokenizer, heldout, batch_size=SETTINGS.eval_batch_size)
     log.info("greedy format rate on %d held-out prompts: %.1f%%", len(heldout), 100 * rate)
 
@@ -284,8 +275,8 @@ def _train_into(out_dir: Path) -> None:
     (out_dir / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
-def build_tokenizer(rng: random.Random) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on task text; the chat markup are single, never-split tokens."""
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on task text; every piece of chat markup is one token."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -300,7 +291,8 @@ def build_tokenizer(rng: random.Random) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_tokenizer_corpus(rng), trainer=trainer)
+    bpe.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    bpe.add_tokens([AddedToken(token, normalized=False, special=False) for token in THINK_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         pad_token=task.END_OF_TEXT,
@@ -312,23 +304,29 @@ def build_tokenizer(rng: random.Random) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _tokenizer_corpus(rng: random.Random):
-    """Texts as the model will see them, markup removed (it is already in the vocabulary)."""
+def _tokenizer_corpus():
+    """Texts as the model will see them, markup left out (it is already in the vocabulary)."""
+    rng = random.Random(SEED + 2)
     for _ in range(SETTINGS.tokenizer_corpus):
         problem = task.sample_problem(rng)
-        text = f"{rng.choice(SYSTEM_PROMPTS)}\nuser\n{problem.question}\nassistant\n"
-        yield text + task.assistant_text(problem, thinking=True)
+        yield "\n".join(
+            [rng.choice(SYSTEM_PROMPTS), "user", problem.question, "assistant", problem.reasoning, "", problem.answer]
+        )
 
 
-def training_examples(
-    tokenizer: PreTrainedTokenizerFast, rng: random.Random, count: int
-) -> list[Example]:
-    """Chat conversations rendered by the template: mostly thinking, some with thinking off."""
-    return [_example(tokenizer, rng) for _ in range(count)]
+def training_problems() -> list[Problem]:
+    """Every problem training uses, in order; a stream of its own so it is cheap to replay."""
+    rng = random.Random(SEED)
+    return [task.sample_problem(rng) for _ in range(SETTINGS.steps * SETTINGS.batch_size)]
 
 
-def _example(tokenizer: PreTrainedTokenizerFast, rng: random.Random) -> Example:
-    problem = task.sample_problem(rng)
+def training_examples(tokenizer: PreTrainedTokenizerFast) -> list[Example]:
+    """The problems as chat conversations: mostly thinking, some with thinking off."""
+    rng = random.Random(SEED + 1)
+    return [_example(tokenizer, problem, rng) for problem in training_problems()]
+
+
+def _example(tokenizer: PreTrainedTokenizerFast, problem: Problem, rng: random.Random) -> Example:
     thinking = rng.random() >= SETTINGS.thinking_off_fraction
     system = rng.choice(SYSTEM_PROMPTS) if rng.random() < SETTINGS.system_prompt_fraction else None
     messages = task.prompt_messages(problem, system)
