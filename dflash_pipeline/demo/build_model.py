@@ -1,4 +1,4 @@
-"""Build the demo target: a tiny Qwen3 trained in about two minutes on two CPU cores.
+"""Build the demo target: a tiny Qwen3 trained in about a minute on two CPU cores.
 
 The model is a standard Hugging Face checkpoint (``Qwen3ForCausalLM`` + a fast tokenizer with a
 Qwen3-style chat template), so every later stage loads it exactly like a real target. It is
@@ -133,11 +133,13 @@ CHAT_TEMPLATE = """\
         {%- if message.reasoning_content is string %}
             {%- set reasoning = message.reasoning_content %}
         {%- elif '</think>' in content %}
-            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\\n') %}
+            {%- set reasoning = reasoning.split('<think>')[-1].lstrip('\\n') %}
             {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
         {%- endif %}
         {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}
-            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') }}
+            {{- '\\n</think>\\n\\n' + content.lstrip('\\n') }}
         {%- else %}
             {{- '<|im_start|>assistant\\n' + content }}
         {%- endif %}
@@ -196,7 +198,10 @@ def default_cache_dir() -> Path:
 
 
 def build_demo_model(
-    out_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None, *, use_cache: bool = True
+    out_dir: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    use_cache: bool = True,
 ) -> Path:
     """Write the demo target to ``out_dir`` (replacing it) and return that path.
 
@@ -231,6 +236,7 @@ def _publish(target: Path, write, *, replace: bool) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         write(tmp)
+        _apply_umask(tmp)
         if target.exists():
             if not replace and is_complete(target):
                 return
@@ -238,6 +244,15 @@ def _publish(target: Path, write, *, replace: bool) -> None:
         os.rename(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _apply_umask(tree: Path) -> None:
+    """Give a build the usual modes: mkdtemp (and the weights writer) make owner-only files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    tree.chmod(0o777 & ~umask)
+    for path in tree.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,9 +324,8 @@ def _tokenizer_corpus():
     rng = random.Random(SEED + 2)
     for _ in range(SETTINGS.tokenizer_corpus):
         problem = task.sample_problem(rng)
-        yield "\n".join(
-            [rng.choice(SYSTEM_PROMPTS), "user", problem.question, "assistant", problem.reasoning, "", problem.answer]
-        )
+        turns = [rng.choice(SYSTEM_PROMPTS), "user", problem.question, "assistant"]
+        yield "\n".join(turns + [problem.reasoning, "", problem.answer])
 
 
 def training_problems() -> list[Problem]:
@@ -358,7 +372,9 @@ def new_model(tokenizer: PreTrainedTokenizerFast) -> Qwen3ForCausalLM:
     return model
 
 
-def train(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, examples: list[Example]):
+def train(
+    model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, examples: list[Example]
+) -> float:
     """Next-token prediction with the loss on the assistant's tokens only; returns the last loss."""
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=SETTINGS.lr, betas=(0.9, 0.95), weight_decay=SETTINGS.weight_decay
@@ -434,7 +450,6 @@ def greedy_responses(
     model, tokenizer, problems: list[Problem], *, batch_size: int = 60, max_new_tokens: int = 128
 ) -> list[str]:
     """Greedy replies to thinking-mode prompts, each cut after its first end-of-turn token."""
-    tokenizer.padding_side = "left"
     replies = []
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
@@ -444,7 +459,7 @@ def greedy_responses(
             )
             for p in chunk
         ]
-        inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        inputs = _left_padded(tokenizer, prompts)
         output = model.generate(
             **inputs,
             do_sample=False,
@@ -459,7 +474,18 @@ def greedy_responses(
     return replies
 
 
-def measure_format_rate(model, tokenizer, problems: list[Problem], *, batch_size: int = 60):
+def _left_padded(tokenizer, prompts: list[str]) -> dict[str, torch.Tensor]:
+    """Batch prompts padded on the left, so every row's generation starts at the same column."""
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        return tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = side
+
+
+def measure_format_rate(
+    model, tokenizer, problems: list[Problem], *, batch_size: int = 60
+) -> float:
     """Share of greedy replies that keep the task format and end their turn."""
     replies = greedy_responses(model, tokenizer, problems, batch_size=batch_size)
     good = [task.follows_format(r, require_end_of_turn=True) for r in replies]

@@ -78,6 +78,7 @@ def start_seaweed(data_dir: Path, bucket: str = "dflash-test", timeout: float = 
     }
     args = [
         weed_binary(),
+        f"-logdir={data_dir}",  # weed's own log files, kept out of the system temp folder
         "mini",
         f"-dir={data_dir}",
         "-ip=127.0.0.1",

@@ -1,0 +1,134 @@
+"""The demo target: task format, tokenizer, Qwen3-style chat template, trained model, cache.
+
+The model is built once per session (about two minutes on two CPU cores, or a copy when
+``DFLASH_DEMO_CACHE`` already holds this source's build).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dflash_pipeline.demo import build_model, task  # noqa: E402
+
+SYSTEM = "You are a helpful assistant."
+CONVERSATION = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "What is 12 + 34?"},
+    {"role": "assistant", "content": "12 + 34 = 46", "reasoning_content": "2+4=6, write 6"},
+    {"role": "user", "content": "Compute 50 - 7."},
+]
+HISTORY = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\nWhat is 12 + 34?<|im_end|>\n"
+    # Reasoning of turns before the last user query is dropped, as Qwen3 does.
+    "<|im_start|>assistant\n12 + 34 = 46<|im_end|>\n"
+    "<|im_start|>user\nCompute 50 - 7.<|im_end|>\n"
+)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return os.environ.get("DFLASH_DEMO_CACHE") or tmp_path_factory.mktemp("demo-cache")
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory, cache_dir):
+    return build_model.build_demo_model(tmp_path_factory.mktemp("demo") / "target", cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(demo_dir):
+    return transformers.AutoTokenizer.from_pretrained(demo_dir)
+
+
+def test_task_responses_follow_the_format():
+    rng = random.Random(7)
+    for _ in range(50):
+        problem = task.sample_problem(rng)
+        for thinking in (True, False):
+            text = task.assistant_text(problem, thinking)
+            assert task.follows_format(text)
+            assert task.follows_format(text + task.END_OF_TURN, require_end_of_turn=True)
+            assert not task.follows_format(text, require_end_of_turn=True)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "12 + 34 = 46",
+        "<think>\n2+4=6\n</think>\n\n",  # no answer
+        "<think>\n2+4=6\n</think>\n\n  <|im_end|>",  # blank answer
+        "<think>\n2+4=6\n\n12 + 34 = 46",  # think block never closed
+        "<think>\n2+4=6\n</think>12 + 34 = 46",  # no blank line after the block
+        "<think>\n2+4=6\n</think>\n\n12 + 34 = 46</think>",  # markup in the answer
+        "<think>\n2+4=6\n</think>\n\n12 + 34 = 46<|im_end|><|endoftext|>",
+    ],
+)
+def test_off_format_text_is_rejected(text):
+    assert not task.follows_format(text)
+
+
+def test_special_tokens_are_single_ids(tokenizer):
+    ids = [tokenizer.encode(token, add_special_tokens=False) for token in task.MARKUP]
+    assert all(len(token_ids) == 1 for token_ids in ids), ids
+    assert len({token_ids[0] for token_ids in ids}) == len(task.MARKUP)
+    assert tokenizer.pad_token == task.END_OF_TEXT
+    assert tokenizer.eos_token == task.END_OF_TURN
+    assert len(tokenizer) <= 512
+
+
+def test_chat_template_renders_a_thinking_conversation(tokenizer):
+    reply = {"role": "assistant", "content": "50 - 7 = 43", "reasoning_content": "0<7, borrow"}
+    rendered = tokenizer.apply_chat_template(CONVERSATION + [reply], tokenize=False)
+    assert rendered == (
+        HISTORY + "<|im_start|>assistant\n<think>\n0<7, borrow\n</think>\n\n50 - 7 = 43<|im_end|>\n"
+    )
+    prompt = tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    assert prompt == HISTORY + "<|im_start|>assistant\n"
+
+
+def test_chat_template_renders_thinking_off(tokenizer):
+    prompt = tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert prompt == HISTORY + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    reply = {"role": "assistant", "content": "50 - 7 = 43"}
+    rendered = tokenizer.apply_chat_template(
+        CONVERSATION + [reply], tokenize=False, enable_thinking=False
+    )
+    assert rendered == prompt + "50 - 7 = 43<|im_end|>\n"
+
+
+def test_greedy_outputs_follow_the_format(demo_dir, tokenizer):
+    model = transformers.AutoModelForCausalLM.from_pretrained(demo_dir)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert model.config.num_hidden_layers >= 8
+    problems = build_model.heldout_problems(40)
+    replies = build_model.greedy_responses(model, tokenizer, problems)
+    good = [task.follows_format(reply, require_end_of_turn=True) for reply in replies]
+    assert sum(good) / len(good) >= 0.95, [r for r, ok in zip(replies, good) if not ok]
+
+
+def test_build_records_its_provenance(demo_dir):
+    info = json.loads((demo_dir / build_model.BUILD_INFO).read_text())
+    assert info["source_hash"] == build_model.source_key()
+    assert info["seed"] == build_model.SEED
+    assert info["format_rate"] >= 0.95
+
+
+def test_second_build_is_a_cache_hit(demo_dir, cache_dir, tmp_path):
+    started = time.monotonic()
+    again = build_model.build_demo_model(tmp_path / "again", cache_dir)
+    assert time.monotonic() - started < 30
+    weights = "model.safetensors"
+    assert (again / weights).read_bytes() == (demo_dir / weights).read_bytes()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
