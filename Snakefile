@@ -14,6 +14,7 @@ report: "report/workflow.rst"
 include: "rules/common.smk"
 include: "rules/demo.smk"
 include: "rules/prepare.smk"
+include: "rules/generate.smk"
 
 
 rule all:

@@ -77,10 +77,19 @@ def gpu_wrapper(n):
     )
 
 
+def target_model_input(wildcards):
+    """The demo target is built by a rule; a real target is a folder the user provides."""
+    return (
+        {"model": local(config["target"]["model"])}
+        if config["target"]["build_demo"]
+        else {}
+    )
+
+
 def get_final_output():
     # Every tracked output lives in one folder, so the S3 plugin's single listing covers the
     # whole run (dflash_pipeline.layout).
-    outputs = expand(shard_output("prompts"), shard=SHARDS)
+    outputs = expand(shard_output("generated"), shard=SHARDS)
     outputs.append(run_path(layout.INGEST_SUMMARY))
     if config["target"]["build_demo"]:
         outputs.append(local(config["target"]["model"]))

@@ -1,0 +1,178 @@
+"""One async HTTP client for every engine.
+
+Two small adapters speak the two APIs the engines offer for a prompt the pipeline rendered:
+OpenAI-compatible ``/v1/completions`` (transformers serve, vLLM, external endpoints) and SGLang's
+native ``/generate`` (token ids in, token ids out). Everything else is shared: bounded concurrency
+(the caller's), timeouts, retries with backoff on transient errors, and spreading requests over
+several servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
+
+
+class RequestFailed(RuntimeError):
+    """A request failed for good (after retries, or with a non-transient error)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    finish_reason: str  # stop | length | ...
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    output_ids: list[int] | None
+
+
+class CompletionsAdapter:
+    """OpenAI ``/v1/completions``. ``strict`` sends only standard fields: transformers serve
+    rejects unknown ones; vLLM understands ``top_k``/``min_p``/``return_token_ids``."""
+
+    def __init__(self, model: str, strict: bool = True):
+        self.model = model
+        self.strict = strict
+
+    def request(self, prompt_text: str, prompt_ids: list[int], sampling: Sampling) -> tuple[str, dict]:
+        body = {
+            "model": self.model,
+            "prompt": prompt_text,
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if not self.strict:
+            body["skip_special_tokens"] = False
+            body["return_token_ids"] = True
+            if sampling.top_k is not None:
+                body["top_k"] = sampling.top_k
+            if sampling.min_p is not None:
+                body["min_p"] = sampling.min_p
+        return "/v1/completions", body
+
+    def parse(self, data: dict) -> Completion:
+        choice = data["choices"][0]
+        usage = data.get("usage") or {}
+        return Completion(
+            text=choice.get("text") or "",
+            finish_reason=choice.get("finish_reason") or "unknown",
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            output_ids=choice.get("token_ids"),
+        )
+
+
+class SglangAdapter:
+    """SGLang's native ``/generate``: the rendered prompt's ids in, generated ids out."""
+
+    def request(self, prompt_text: str, prompt_ids: list[int], sampling: Sampling) -> tuple[str, dict]:
+        params = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "skip_special_tokens": False,
+        }
+        for key in ("top_k", "min_p"):
+            if getattr(sampling, key) is not None:
+                params[key] = getattr(sampling, key)
+        if sampling.seed is not None:
+            params["sampling_seed"] = sampling.seed
+        return "/generate", {"input_ids": prompt_ids, "sampling_params": params}
+
+    def parse(self, data: dict) -> Completion:
+        meta = data.get("meta_info") or {}
+        reason = meta.get("finish_reason") or {}
+        return Completion(
+            text=data.get("text") or "",
+            finish_reason=reason.get("type", "unknown") if isinstance(reason, dict) else str(reason),
+            prompt_tokens=meta.get("prompt_tokens"),
+            completion_tokens=meta.get("completion_tokens"),
+            output_ids=data.get("output_ids"),
+        )
+
+
+def make_adapter(engine: str, model: str):
+    if engine == "sglang":
+        return SglangAdapter()
+    return CompletionsAdapter(model, strict=engine in ("transformers", "endpoint"))
+
+
+class EngineClient:
+    """Sends completion requests to one or more servers of the same engine."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        adapter,
+        timeout: float = 600,
+        max_retries: int = 5,
+        backoff: float = 1.0,
+    ):
+        if not urls:
+            raise ValueError("no server URL given")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.adapter = adapter
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.in_flight = {u: 0 for u in self.urls}
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=30),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.aclose()
+
+    def _pick_url(self) -> str:
+        # Least in-flight first: a slow server gets fewer new requests.
+        return min(self.urls, key=lambda u: (self.in_flight[u], random.random()))
+
+    async def complete(self, prompt_text: str, prompt_ids: list[int], sampling: Sampling) -> Completion:
+        path, body = self.adapter.request(prompt_text, prompt_ids, sampling)
+        last_error = "no attempt"
+        for attempt in range(self.max_retries + 1):
+            url = self._pick_url()
+            self.in_flight[url] += 1
+            try:
+                resp = await self.http.post(url + path, json=body)
+                if resp.status_code == 200:
+                    return self.adapter.parse(resp.json())
+                last_error = f"HTTP {resp.status_code} from {url}: {resp.text[:300]}"
+                if resp.status_code not in TRANSIENT_STATUS:
+                    raise RequestFailed(last_error)
+            except httpx.TransportError as err:
+                last_error = f"{type(err).__name__} talking to {url}: {err}"
+            finally:
+                self.in_flight[url] -= 1
+            if attempt < self.max_retries:
+                delay = min(30.0, self.backoff * 2**attempt) * (0.5 + random.random())
+                log.warning("request failed (%s); retry %d in %.1f s", last_error, attempt + 1, delay)
+                await asyncio.sleep(delay)
+        raise RequestFailed(f"gave up after {self.max_retries + 1} attempts: {last_error}")

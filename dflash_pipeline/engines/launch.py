@@ -1,0 +1,252 @@
+"""Launch an inference server for a generation job, and make sure it dies with the job.
+
+The job starts the server in its own process group with a parent-death signal (Linux
+``PR_SET_PDEATHSIG``), so a SIGKILLed job takes its server down with it; a pid file per port lets a
+restarted job reap a leftover that still holds the port. The server's output goes to a log file
+that every error message names.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+class EngineError(RuntimeError):
+    """The engine failed; the message names its log."""
+
+
+@dataclass
+class ServerSpec:
+    """What to launch: built from the ``generation`` config section."""
+
+    engine: str  # sglang | vllm | transformers
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    tp: int = 1
+    dp: int = 1
+    mem_fraction: float | None = None
+    reasoning_parser: str | None = None
+    speculative: dict = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def sglang_command(spec: ServerSpec) -> list[str]:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model]
+    cmd += ["--host", spec.host, "--port", str(spec.port)]
+    cmd += ["--tp-size", str(spec.tp), "--dp-size", str(spec.dp)]
+    if spec.mem_fraction is not None:
+        cmd += ["--mem-fraction-static", str(spec.mem_fraction)]
+    if spec.reasoning_parser:
+        cmd += ["--reasoning-parser", spec.reasoning_parser]
+    spec_cfg = {k: v for k, v in spec.speculative.items() if v is not None}
+    if spec_cfg.get("algorithm"):
+        cmd += ["--speculative-algorithm", spec_cfg["algorithm"]]
+        for key, flag in (
+            ("num_steps", "--speculative-num-steps"),
+            ("eagle_topk", "--speculative-eagle-topk"),
+            ("num_draft_tokens", "--speculative-num-draft-tokens"),
+            ("draft_model", "--speculative-draft-model-path"),
+        ):
+            if key in spec_cfg:
+                cmd += [flag, str(spec_cfg[key])]
+    return cmd + list(spec.extra_args)
+
+
+def vllm_command(spec: ServerSpec) -> list[str]:
+    cmd = ["vllm", "serve", spec.model, "--host", spec.host, "--port", str(spec.port)]
+    cmd += ["--tensor-parallel-size", str(spec.tp), "--data-parallel-size", str(spec.dp)]
+    if spec.mem_fraction is not None:
+        cmd += ["--gpu-memory-utilization", str(spec.mem_fraction)]
+    if spec.reasoning_parser:
+        cmd += ["--reasoning-parser", spec.reasoning_parser]
+    spec_cfg = {k: v for k, v in spec.speculative.items() if v is not None}
+    if spec_cfg.get("algorithm"):
+        method = {"NEXTN": "mtp", "EAGLE": "eagle", "EAGLE3": "eagle3"}.get(
+            spec_cfg["algorithm"].upper(), spec_cfg["algorithm"].lower()
+        )
+        vllm_spec = {"method": method, "num_speculative_tokens": spec_cfg.get("num_steps", 1)}
+        if "draft_model" in spec_cfg:
+            vllm_spec["model"] = spec_cfg["draft_model"]
+        cmd += ["--speculative-config", json.dumps(vllm_spec)]
+    return cmd + list(spec.extra_args)
+
+
+def transformers_command(spec: ServerSpec) -> list[str]:
+    cmd = ["transformers", "serve", "--host", spec.host, "--port", str(spec.port)]
+    cmd += ["--continuous-batching", "--device", "auto"]
+    return cmd + list(spec.extra_args) + [spec.model]
+
+
+COMMANDS = {"sglang": sglang_command, "vllm": vllm_command, "transformers": transformers_command}
+HEALTH_PATHS = {"sglang": "/health", "vllm": "/health", "transformers": "/health"}
+
+
+def server_command(spec: ServerSpec) -> list[str]:
+    try:
+        return COMMANDS[spec.engine](spec)
+    except KeyError:
+        raise EngineError(f"unknown engine {spec.engine!r} (sglang, vllm, transformers)") from None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: its own process group, SIGKILL when the parent dies."""
+    os.setsid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_leftover(pid_file: Path, host: str, port: int, timeout: float = 30) -> None:
+    """Kill the process group recorded for this port by an earlier job that did not clean up."""
+    if not pid_file.exists():
+        return
+    try:
+        pgid = int(pid_file.read_text().split()[0])
+    except (ValueError, IndexError):
+        pid_file.unlink(missing_ok=True)
+        return
+    if _process_alive(pgid):
+        log.warning("reaping leftover server (process group %d) holding port %d", pgid, port)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + timeout / 2
+            while time.monotonic() < deadline and _process_alive(pgid):
+                time.sleep(0.2)
+    pid_file.unlink(missing_ok=True)
+    deadline = time.monotonic() + timeout
+    while port_in_use(host, port) and time.monotonic() < deadline:
+        time.sleep(0.3)
+
+
+class ManagedServer:
+    """A server process owned by this job: started, health-checked, stopped, logged."""
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        log_path: str | Path,
+        run_dir: str | Path,
+        startup_timeout: float = 1800,
+        env: dict | None = None,
+    ):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.pid_file = Path(run_dir) / f"server-{spec.port}.pid"
+        self.startup_timeout = startup_timeout
+        self.env = env
+        self.process: subprocess.Popen | None = None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def fail(self, what: str) -> EngineError:
+        return EngineError(
+            f"{self.spec.engine} server {what}; see its log {self.log_path}. Last lines:\n"
+            f"{self.log_tail()}"
+        )
+
+    def start(self) -> None:
+        self.pid_file.parent.mkdir(parents=True, exist_ok=True)
+        reap_leftover(self.pid_file, self.spec.host, self.spec.port)
+        if port_in_use(self.spec.host, self.spec.port):
+            raise EngineError(
+                f"port {self.spec.port} is held by a process this pipeline did not start; "
+                "free it or set generation.server.port_base"
+            )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = server_command(self.spec)
+        log.info("starting %s server: %s (log: %s)", self.spec.engine, " ".join(cmd), self.log_path)
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        with open(self.log_path, "ab") as out:
+            self.process = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+            )
+        self.pid_file.write_text(f"{self.process.pid}\n{' '.join(cmd)}\n")
+        self.wait_healthy()
+
+    def healthy(self) -> bool:
+        try:
+            resp = httpx.get(self.spec.url + HEALTH_PATHS[self.spec.engine], timeout=5)
+            return resp.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise self.fail(f"exited with code {self.process.returncode} while starting")
+            if self.healthy():
+                log.info("%s server healthy at %s", self.spec.engine, self.spec.url)
+                return
+            time.sleep(1)
+        self.stop()
+        raise self.fail(f"did not become healthy within {self.startup_timeout:.0f} s")
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+            except ProcessLookupError:
+                pass
+        self.pid_file.unlink(missing_ok=True)
+        log.info("%s server stopped", self.spec.engine)
+
+    def __enter__(self) -> ManagedServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,72 @@
+"""In-flight state of a running shard job: parts of finished rows and live telemetry.
+
+Everything lives under ``_progress/<stage>/shard-NNNNN/`` of the run (local or S3) and is written
+by the job through the storage layer, each object atomically. A restarted job reads the parts
+back, so a crash costs only the rows not yet in a part; the status page reads the telemetry.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_pipeline import layout
+from dflash_pipeline.storage import Storage, StorageError
+
+TELEMETRY = "telemetry.json"
+
+
+class ShardProgress:
+    def __init__(self, run: Storage, stage: str, shard: int):
+        self.run = run
+        self.stage = stage
+        self.shard = shard
+        self.prefix = layout.progress_prefix(stage, shard)
+
+    def part_keys(self) -> list[str]:
+        return [
+            o.key
+            for o in self.run.list(self.prefix + "part-")
+            if o.key.endswith(".parquet")
+        ]
+
+    def load_parts(self, schema: pa.Schema) -> pa.Table:
+        """Every row saved so far (later parts win for a repeated id)."""
+        tables = []
+        for key in self.part_keys():
+            try:
+                tables.append(pq.read_table(io.BytesIO(self.run.read_bytes(key)), schema=schema))
+            except (StorageError, pa.ArrowInvalid) as err:
+                # A part is written atomically, so an unreadable one is foreign or damaged:
+                # say so and regenerate its rows rather than trust it.
+                raise StorageError(f"unreadable progress part {self.run.join(key)}: {err}") from err
+        return pa.concat_tables(tables) if tables else schema.empty_table()
+
+    def write_part(self, table: pa.Table) -> str:
+        # Time-ordered names: parts sort in the order they were written.
+        key = f"{self.prefix}part-{time.time_ns():020d}-{uuid.uuid4().hex[:6]}.parquet"
+        sink = io.BytesIO()
+        pq.write_table(table, sink)
+        self.run.write_bytes(key, sink.getvalue())
+        return key
+
+    def clear_parts(self) -> int:
+        keys = self.part_keys()
+        for key in keys:
+            self.run.delete(key)
+        return len(keys)
+
+    def write_telemetry(self, record: dict) -> None:
+        record = {"stage": self.stage, "shard": self.shard, "updated_at": time.time(), **record}
+        self.run.write_text(self.prefix + TELEMETRY, json.dumps(record, indent=1))
+
+    def read_telemetry(self) -> dict | None:
+        try:
+            return json.loads(self.run.read_text(self.prefix + TELEMETRY))
+        except StorageError:
+            return None
