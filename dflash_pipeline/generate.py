@@ -30,11 +30,12 @@ from dflash_pipeline.data.chat import assistant_message, render_prompt, split_re
 from dflash_pipeline.engines.client import (
     Completion,
     EngineClient,
+    EngineError,
     RequestFailed,
     Sampling,
     make_adapter,
 )
-from dflash_pipeline.engines.launch import EngineError, ManagedServer, ServerSpec
+from dflash_pipeline.engines.launch import ManagedServer, ServerSpec
 from dflash_pipeline.progress import ShardProgress
 from dflash_pipeline.storage import open_storage, write_atomically
 
@@ -390,9 +391,11 @@ def run_job(
 
     async def main() -> pa.Table:
         adapter = make_adapter(engine, model)
-        async with EngineClient(urls, adapter, gen["request_timeout_s"], gen["max_retries"]) as client:
+        health = server.alive if server else (lambda: True)
+        async with EngineClient(
+            urls, adapter, gen["request_timeout_s"], gen["max_retries"], alive=health
+        ) as client:
             generator = ShardGenerator(tokenizer, client, settings, fp)
-            health = server.alive if server else (lambda: True)
             return await generate_shard(prompts, generator, progress, engine_info, health)
 
     try:

@@ -112,3 +112,25 @@ def workflow(tmp_path) -> Workflow:
         else:
             shutil.copy2(src, root / name)
     return Workflow(root)
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory) -> Path:
+    """The demo target, from the cache keyed by its build code (built once per machine)."""
+    from dflash_pipeline.demo.build_model import build_demo_model
+
+    return Path(build_demo_model(tmp_path_factory.mktemp("demo") / "demo-target"))
+
+
+@pytest.fixture(scope="session")
+def transformers_server(demo_model, tmp_path_factory):
+    """A real `transformers serve` with the demo target on a free port, shared by the session."""
+    from dflash_pipeline.engines.launch import ManagedServer, ServerSpec
+    from tests.support.seaweed import free_port
+
+    runtime = tmp_path_factory.mktemp("server")
+    spec = ServerSpec(engine="transformers", model=str(demo_model), port=free_port())
+    server = ManagedServer(spec, runtime / "engine.log", runtime, startup_timeout=300)
+    server.start()
+    yield server
+    server.stop()

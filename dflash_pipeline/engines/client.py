@@ -25,6 +25,10 @@ class RequestFailed(RuntimeError):
     """A request failed for good (after retries, or with a non-transient error)."""
 
 
+class EngineError(RuntimeError):
+    """The engine itself is broken (did not start, died, keeps failing); names its log."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     max_new_tokens: int
@@ -131,6 +135,7 @@ class EngineClient:
         timeout: float = 600,
         max_retries: int = 5,
         backoff: float = 1.0,
+        alive=None,
     ):
         if not urls:
             raise ValueError("no server URL given")
@@ -138,6 +143,8 @@ class EngineClient:
         self.adapter = adapter
         self.max_retries = max_retries
         self.backoff = backoff
+        # A launched server can die; retrying against a dead process only delays the error.
+        self.alive = alive or (lambda: True)
         self.in_flight = {u: 0 for u in self.urls}
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=30),
@@ -169,6 +176,8 @@ class EngineClient:
                     raise RequestFailed(last_error)
             except httpx.TransportError as err:
                 last_error = f"{type(err).__name__} talking to {url}: {err}"
+                if not self.alive():
+                    raise EngineError(f"the engine process died ({last_error})") from None
             finally:
                 self.in_flight[url] -= 1
             if attempt < self.max_retries:

@@ -22,13 +22,11 @@ from pathlib import Path
 
 import httpx
 
+from dflash_pipeline.engines.client import EngineError
+
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
-
-
-class EngineError(RuntimeError):
-    """The engine failed; the message names its log."""
 
 
 @dataclass

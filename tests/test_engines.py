@@ -1,0 +1,165 @@
+"""Engine launch commands, the shared client's adapters, and response splitting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from dflash_pipeline.data.chat import split_reasoning
+from dflash_pipeline.engines.client import (
+    CompletionsAdapter,
+    EngineClient,
+    RequestFailed,
+    Sampling,
+    SglangAdapter,
+    make_adapter,
+)
+from dflash_pipeline.engines.launch import ServerSpec, server_command
+from dflash_pipeline.generate import sampling_from_config
+from tests.support.seaweed import free_port
+
+
+def test_sglang_command_carries_parallelism_memory_and_mtp_flags():
+    spec = ServerSpec(
+        engine="sglang",
+        model="/models/Qwen3.6-27B",
+        port=30001,
+        tp=2,
+        dp=1,
+        mem_fraction=0.85,
+        speculative={"algorithm": "NEXTN", "num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4},
+        extra_args=["--context-length", "16384"],
+    )
+    cmd = server_command(spec)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    joined = " ".join(cmd)
+    for part in (
+        "--model-path /models/Qwen3.6-27B",
+        "--host 127.0.0.1 --port 30001",
+        "--tp-size 2 --dp-size 1",
+        "--mem-fraction-static 0.85",
+        "--speculative-algorithm NEXTN",
+        "--speculative-num-steps 3",
+        "--speculative-eagle-topk 1",
+        "--speculative-num-draft-tokens 4",
+    ):
+        assert part in joined
+    assert cmd[-2:] == ["--context-length", "16384"]
+    assert "--reasoning-parser" not in cmd  # the pipeline splits <think> itself
+
+
+def test_vllm_command_maps_the_same_settings():
+    spec = ServerSpec(
+        engine="vllm",
+        model="/m",
+        port=8001,
+        tp=4,
+        mem_fraction=0.9,
+        reasoning_parser="qwen3",
+        speculative={"algorithm": "NEXTN", "num_steps": 2},
+    )
+    cmd = server_command(spec)
+    assert cmd[:3] == ["vllm", "serve", "/m"]
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "4"
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.9"
+    assert cmd[cmd.index("--reasoning-parser") + 1] == "qwen3"
+    spec_json = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec_json == {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def test_transformers_command_serves_one_local_model_with_continuous_batching():
+    cmd = server_command(ServerSpec(engine="transformers", model="resources/demo-target", port=9))
+    assert cmd[:2] == ["transformers", "serve"] and cmd[-1] == "resources/demo-target"
+    assert "--continuous-batching" in cmd and cmd[cmd.index("--port") + 1] == "9"
+
+
+def test_sglang_adapter_sends_ids_and_reads_ids_back():
+    adapter = SglangAdapter()
+    path, body = adapter.request("ignored", [1, 2, 3], Sampling(16, 0.6, 0.95, top_k=20, seed=4))
+    assert path == "/generate" and body["input_ids"] == [1, 2, 3]
+    assert body["sampling_params"] == {
+        "max_new_tokens": 16,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "skip_special_tokens": False,
+        "sampling_seed": 4,
+    }
+    done = adapter.parse(
+        {
+            "text": "<think>\nx\n</think>\n\nA",
+            "output_ids": [7, 8],
+            "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 3, "completion_tokens": 2},
+        }
+    )
+    assert (done.finish_reason, done.output_ids, done.completion_tokens) == ("length", [7, 8], 2)
+
+
+def test_strict_openai_adapter_sends_only_standard_fields_and_vllm_asks_for_ids():
+    _, strict = make_adapter("transformers", "m").request("p", [], Sampling(8, 0.0, top_k=5))
+    assert set(strict) == {"model", "prompt", "max_tokens", "temperature", "top_p"}
+    _, vllm = make_adapter("vllm", "m").request("p", [], Sampling(8, 0.0, top_k=5))
+    assert vllm["return_token_ids"] is True and vllm["top_k"] == 5
+    done = CompletionsAdapter("m").parse(
+        {"choices": [{"text": "hi", "finish_reason": "stop", "token_ids": [5]}], "usage": {}}
+    )
+    assert done.output_ids == [5] and done.prompt_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "generated", "expected"),
+    [
+        ("<|im_start|>assistant\n", "<think>\nsteps\n</think>\n\nanswer<|im_end|>", ("steps", "answer", True)),
+        ("<|im_start|>assistant\n<think>\n", "steps\n</think>\n\nanswer", ("steps", "answer", True)),
+        ("<|im_start|>assistant\n", "<think>\nsteps cut at the lim", ("steps cut at the lim", "", False)),
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "just the answer", (None, "just the answer", True)),
+        ("<|im_start|>assistant\n", "stray steps\n</think>\n\nanswer", ("stray steps", "answer", True)),
+        ("<|im_start|>assistant\n", "<think>\n\n</think>\n\nOK.", ("", "OK.", True)),
+    ],
+)
+def test_split_reasoning(prompt, generated, expected):
+    split = split_reasoning(prompt, generated, "<|im_end|>")
+    assert (split.reasoning, split.content, split.think_closed) == expected
+
+
+def test_sampling_follows_the_model_generation_config_unless_overridden(tmp_path):
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20})
+    )
+    sampling = sampling_from_config(str(tmp_path), {"temperature": None}, 4096, 0)
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.6, 0.95, 20)
+    assert sampling_from_config(str(tmp_path), {"temperature": 0}, 8, None).temperature == 0
+
+
+def test_client_spreads_requests_and_reports_unreachable_servers():
+    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+
+    async def attempt():
+        async with EngineClient(dead, make_adapter("endpoint", "m"), timeout=2, max_retries=1, backoff=0.05) as c:
+            await c.complete("p", [], Sampling(4, 0.0))
+
+    with pytest.raises(RequestFailed, match="gave up after 2 attempts: ConnectError"):
+        asyncio.run(attempt())
+
+
+def test_shared_client_path_against_a_real_transformers_server(transformers_server, demo_model):
+    from transformers import AutoTokenizer
+
+    from dflash_pipeline.data.chat import render_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": "What is 12 + 34?"}], thinking=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    async def ask():
+        adapter = make_adapter("transformers", str(demo_model))
+        async with EngineClient([transformers_server.spec.url], adapter, timeout=120) as client:
+            return await asyncio.gather(*(client.complete(prompt, ids, Sampling(96, 0.0)) for _ in range(3)))
+
+    answers = asyncio.run(ask())
+    assert len({a.text for a in answers}) == 1  # greedy: the same text every time
+    split = split_reasoning(prompt, answers[0].text, tokenizer.eos_token)
+    assert split.think_closed and split.reasoning and split.content
+    assert answers[0].finish_reason == "stop" and answers[0].prompt_tokens == len(ids)

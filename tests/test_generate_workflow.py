@@ -1,0 +1,185 @@
+"""Generation through the workflow with the demo target on `transformers serve` (CPU):
+killed mid-shard and rerun, it ends with exactly the prompt set; broken engines fail clearly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_pipeline.progress import ShardProgress
+from dflash_pipeline.storage import open_storage
+
+pytestmark = pytest.mark.workflow
+
+GENERATED = "results/demo/outputs/generated-00000.parquet"
+PROMPTS = "results/demo/outputs/prompts-00000.parquet"
+
+
+def configure(workflow, demo_model, tmp_path, **generation):
+    workflow.write_config(
+        num_shards=1,
+        target={"model": str(demo_model), "build_demo": False},
+        gpu_lock_dir=str(tmp_path / "locks"),
+        generation={
+            "part_every_samples": 4,
+            "concurrency": 2,
+            "max_new_tokens": 96,
+            "telemetry_every_seconds": 1,
+            **generation,
+        },
+    )
+
+
+def start_snakemake(workflow, *args, env=None):
+    run_env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    run_env.update(env or {})
+    return subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "2", *args],
+        cwd=workflow.root,
+        env=run_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own group: the test kills the whole run at once
+    )
+
+
+def wait_until(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_sigkilled_generation_resumes_with_exactly_the_prompt_set(
+    where, workflow, demo_model, tmp_path, request
+):
+    configure(workflow, demo_model, tmp_path)
+    args, env = (), {}
+    run_url = workflow.root / "results/demo"
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        prefix = f"s3://{server.bucket}/gen-{uuid.uuid4().hex[:8]}"
+        args = ("--profile", "profiles/s3", "--default-storage-prefix", prefix)
+        env = server.env
+        request.getfixturevalue("s3_env")
+        run_url = f"{prefix}/results/demo"
+    progress = ShardProgress(open_storage(run_url), "generate", 0)
+
+    run = start_snakemake(workflow, *args, env=env)
+    try:
+        wait_until(lambda: len(progress.part_keys()) >= 2, 240, "two progress parts")
+        pid_files = list((tmp_path / "locks").glob("server-*.pid"))
+        assert len(pid_files) == 1
+        server_pid = int(pid_files[0].read_text().split()[0])
+        os.killpg(run.pid, signal.SIGKILL)  # the job and Snakemake, not the server's own group
+        run.wait()
+        wait_until(lambda: not pid_alive(server_pid), 20, "the orphaned server to die")
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    saved = len(progress.load_parts(__import__("dflash_pipeline.generate").generate.GENERATED_SCHEMA))
+    assert saved >= 8
+
+    workflow.snakemake("--unlock", *args, env=env)  # what a user does after a hard kill
+    workflow.snakemake(*args, env=env)
+    log_text = _read(run_url, "logs/generate/00000.log")
+    assert f"{saved} resumed from parts" in log_text
+    if where == "local":
+        generated = pq.read_table(workflow.root / GENERATED)
+        prompts = pq.read_table(workflow.root / PROMPTS)
+    else:
+        store = open_storage(run_url)
+        with store.local_copy("outputs/generated-00000.parquet") as g, store.local_copy(
+            "outputs/prompts-00000.parquet"
+        ) as p:
+            generated, prompts = pq.read_table(g), pq.read_table(p)
+    ids = generated.column("id").to_pylist()
+    assert ids == prompts.column("id").to_pylist()  # every prompt, once, in order
+    assert len(set(ids)) == len(ids)
+    assert all(e is None for e in generated.column("error").to_pylist())
+    rows = generated.to_pylist()
+    assert sum(1 for r in rows if r["messages"][-1]["reasoning_content"]) > 0.9 * len(rows)
+    assert progress.part_keys() == []  # parts became the output and are gone
+    assert progress.read_telemetry()["state"] == "done"
+
+
+def _read(run_url, key) -> str:
+    return open_storage(run_url).read_text(key)
+
+
+def test_engine_that_fails_to_start_names_its_log(workflow, demo_model, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(demo_model, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    workflow.write_config(
+        num_shards=1,
+        target={"model": str(broken), "build_demo": False},
+        gpu_lock_dir=str(tmp_path / "locks"),
+        generation={"server": {"startup_timeout_s": 120}},
+    )
+    proc = workflow.snakemake(check=False)
+    assert proc.returncode != 0
+    log_text = (workflow.root / "results/demo/logs/generate/00000.log").read_text()
+    assert "see its log logs/engine/demo-generate-00000.log" in log_text
+    assert (workflow.root / "logs/engine/demo-generate-00000.log").is_file()
+
+
+def test_engine_dying_mid_shard_fails_the_job_and_keeps_finished_parts(workflow, demo_model, tmp_path):
+    configure(workflow, demo_model, tmp_path)
+    progress = ShardProgress(open_storage(workflow.root / "results/demo"), "generate", 0)
+    run = start_snakemake(workflow)
+    try:
+        wait_until(lambda: len(progress.part_keys()) >= 1, 240, "a progress part")
+        pid_file = next((tmp_path / "locks").glob("server-*.pid"))
+        os.killpg(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+        assert run.wait(timeout=120) != 0
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    log_text = (workflow.root / "results/demo/logs/generate/00000.log").read_text()
+    assert "the engine process died" in log_text
+    assert "Engine log: logs/engine/demo-generate-00000.log" in log_text
+    assert len(progress.part_keys()) >= 1
+    assert progress.read_telemetry()["state"] == "failed"
+
+
+def test_endpoint_that_keeps_failing_stops_the_job_with_a_clear_error(workflow, demo_model, tmp_path):
+    from tests.support.seaweed import free_port
+
+    configure(
+        workflow,
+        demo_model,
+        tmp_path,
+        engine="endpoint",
+        endpoints=[f"http://127.0.0.1:{free_port()}"],
+        max_retries=0,
+        max_consecutive_failures=3,
+    )
+    proc = workflow.snakemake(check=False)
+    assert proc.returncode != 0
+    log_text = (workflow.root / "results/demo/logs/generate/00000.log").read_text()
+    assert "engine unhealthy: 3 requests in a row failed" in log_text
+    assert "ConnectError" in log_text
