@@ -12,17 +12,26 @@ pytestmark = pytest.mark.workflow
 NO_DEMO_MODEL = {"target": {"build_demo": False}}
 
 
+def use_built_demo_model(demo_model):
+    return {"target": {"model": str(demo_model), "build_demo": False}}
+
+
 def test_dry_run_lists_the_jobs_of_every_stage(workflow):
     workflow.write_config(num_shards=3, **NO_DEMO_MODEL)
-    assert workflow.planned_jobs() == {"ingest_prompts": 1, "prepare_prompts": 3, "all": 1}
+    assert workflow.planned_jobs() == {
+        "ingest_prompts": 1,
+        "prepare_prompts": 3,
+        "generate": 3,
+        "all": 1,
+    }
 
 
 def test_demo_config_plans_the_demo_model(workflow):
     assert workflow.planned_jobs()["build_demo_model"] == 1
 
 
-def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow):
-    workflow.write_config(num_shards=3, **NO_DEMO_MODEL)
+def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model):
+    workflow.write_config(num_shards=3, **use_built_demo_model(demo_model))
     workflow.snakemake()
     shards = workflow.root / "results/demo/outputs"
     names = sorted(p.name for p in shards.glob("prompts-*"))
@@ -30,13 +39,17 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow):
     summary = json.loads((workflow.root / "results/demo/outputs/ingest-summary.json").read_text())
     total = sum(pq.read_table(shards / n).num_rows for n in names)
     assert total == summary["samples"] > 0
+    generated = sum(pq.read_table(shards / f"generated-0000{i}.parquet").num_rows for i in range(3))
+    assert generated == total
     assert workflow.planned_jobs() == {}
-    (shards / "prompts-00001.parquet").unlink()
+    (shards / "generated-00001.parquet").unlink()
+    assert workflow.planned_jobs() == {"generate": 1, "all": 1}
+    # A missing intermediate alone is not rebuilt (its product exists); both gone: the chain.
+    (shards / "prompts-00002.parquet").unlink()
+    (shards / "generated-00002.parquet").unlink()
     proc = workflow.snakemake("-n")
-    assert workflow.planned_jobs() == {"prepare_prompts": 1, "all": 1}
-    assert "prompts-00001.parquet" in proc.stdout and "prompts-00000.parquet" not in proc.stdout.split(
-        "rule all"
-    )[0]
+    assert workflow.planned_jobs() == {"prepare_prompts": 1, "generate": 2, "all": 1}
+    assert "wildcards: shard=00002" in proc.stdout and "wildcards: shard=00000" not in proc.stdout
 
 
 def test_bad_config_key_stops_the_workflow_with_its_name(workflow):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 
 import boto3
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from dflash_pipeline.storage import BUCKET_SENTINEL_KEY
@@ -25,8 +27,10 @@ def s3_client(server):
     )
 
 
-def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_server):
-    workflow.write_config(num_shards=NUM_SHARDS, target={"build_demo": False})
+def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_server, demo_model):
+    workflow.write_config(
+        num_shards=NUM_SHARDS, target={"model": str(demo_model), "build_demo": False}
+    )
     prefix = f"run-{uuid.uuid4().hex[:8]}"
     s3_args = ("--profile", "profiles/s3", "--default-storage-prefix", f"s3://{s3_server.bucket}/{prefix}")
     env = s3_server.env
@@ -46,7 +50,9 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
     assert workflow.planned_jobs(*s3_args, env=env) == {}
 
     client.delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/{shard_keys[1]}")
-    assert workflow.planned_jobs(*s3_args, env=env) == {"prepare_prompts": 1, "all": 1}
+    generated_1 = "results/demo/outputs/generated-00001.parquet"
+    client.delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/{generated_1}")
+    assert workflow.planned_jobs(*s3_args, env=env) == {"prepare_prompts": 1, "generate": 1, "all": 1}
     workflow.snakemake(*s3_args, env=env)
     assert workflow.planned_jobs(*s3_args, env=env) == {}
 
@@ -54,3 +60,9 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
     for key in shard_keys:
         remote = client.get_object(Bucket=s3_server.bucket, Key=f"{prefix}/{key}")["Body"].read()
         assert remote == (workflow.root / key).read_bytes(), key
+    for i in range(NUM_SHARDS):
+        key = f"results/demo/outputs/generated-{i:05d}.parquet"
+        body = client.get_object(Bucket=s3_server.bucket, Key=f"{prefix}/{key}")["Body"].read()
+        remote = pq.read_table(pa.BufferReader(body))
+        local = pq.read_table(workflow.root / key)
+        assert remote.column("id").to_pylist() == local.column("id").to_pylist()
