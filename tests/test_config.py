@@ -50,3 +50,8 @@ def test_invalid_config_names_the_bad_key(config, named):
     with pytest.raises(ConfigError) as err:
         validate_config(config)
     assert f"'{named}'" in str(err.value)
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "config/examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_are_valid(example):
+    validate_config(yaml.safe_load(example.read_text()))
