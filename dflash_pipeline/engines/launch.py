@@ -93,6 +93,8 @@ def vllm_command(spec: ServerSpec) -> list[str]:
 def transformers_command(spec: ServerSpec) -> list[str]:
     cmd = ["transformers", "serve", "--host", spec.host, "--port", str(spec.port)]
     cmd += ["--continuous-batching", "--device", "auto"]
+    if spec.mem_fraction is not None:
+        cmd += ["--cb-max-memory-percent", str(spec.mem_fraction)]
     return cmd + list(spec.extra_args) + [spec.model]
 
 

@@ -1,0 +1,178 @@
+"""Generation client overhead: the pipeline's generate path against a minimal load generator.
+
+Both send the same rendered prompts to the same `transformers serve` server at the same
+concurrency; the pipeline adds chat rendering, tokenization, reasoning splitting, progress parts
+and telemetry. Design target: pipeline tokens/s >= 0.97 x the load generator's.
+
+The model has a realistic layer shape (random weights; hidden/layers/heads configurable) with
+the demo tokenizer, so every request runs to `--max-new-tokens` (random weights never stop).
+
+    python bench/generation_client.py --device cuda --out bench/results/generation_client.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from dflash_pipeline.demo.build_model import build_demo_model  # noqa: E402
+from dflash_pipeline.demo.task import prompt_messages, sample_problem  # noqa: E402
+from dflash_pipeline.engines.client import EngineClient, Sampling, make_adapter  # noqa: E402
+from dflash_pipeline.engines.launch import ManagedServer, ServerSpec  # noqa: E402
+from dflash_pipeline.generate import GenerationSettings, ShardGenerator, generate_shard  # noqa: E402
+from dflash_pipeline.progress import ShardProgress  # noqa: E402
+from dflash_pipeline.storage import open_storage  # noqa: E402
+
+
+def make_model(out: Path, demo: Path | None, hidden: int, layers: int, heads: int, kv_heads: int, inter: int) -> Path:
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    demo = demo or build_demo_model(out / "demo")
+    tokenizer = AutoTokenizer.from_pretrained(demo)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=128,
+        intermediate_size=inter,
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    # Make end-of-turn unlikely so every request generates its full length.
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id].zero_()
+    path = out / "model"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def prompts(n: int) -> list[dict]:
+    rng = random.Random(0)
+    return [
+        {"id": f"b{i}", "shard": 0, "split": "train",
+         "messages": [dict(m) for m in prompt_messages(sample_problem(rng))]}
+        for i in range(n)
+    ]
+
+
+async def load_generator(url: str, model: str, texts: list[str], concurrency: int, max_new: int) -> dict:
+    """The minimal client: POST the same prompts, count completion tokens."""
+    sem = asyncio.Semaphore(concurrency)
+    tokens = 0
+    async with httpx.AsyncClient(timeout=600) as http:
+        async def one(text):
+            nonlocal tokens
+            async with sem:
+                r = await http.post(url + "/v1/completions", json={
+                    "model": model, "prompt": text, "max_tokens": max_new,
+                    "temperature": 0.0, "top_p": 1.0})
+                r.raise_for_status()
+                tokens += r.json()["usage"]["completion_tokens"]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(t) for t in texts))
+        wall = time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1)}
+
+
+async def pipeline(url, model, tokenizer, rows, concurrency, max_new, run_dir) -> dict:
+    import pyarrow as pa
+
+    settings = GenerationSettings(thinking=True, sampling=Sampling(max_new, 0.0),
+                                  concurrency=concurrency, part_every_samples=64,
+                                  part_every_seconds=30, telemetry_every_seconds=2)
+    progress = ShardProgress(open_storage(run_dir), "generate", 0)
+    progress.clear_parts()
+    async with EngineClient([url], make_adapter("transformers", model)) as client:
+        gen = ShardGenerator(tokenizer, client, settings, "bench")
+        t0 = time.perf_counter()
+        table = await generate_shard(pa.Table.from_pylist(rows), gen, progress, lambda: {})
+        wall = time.perf_counter() - t0
+    tokens = sum(table.column("completion_tokens").to_pylist())
+    return {"tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=6144)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--demo-model", type=Path, default=None, help="a built demo target (its tokenizer)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from transformers import AutoTokenizer
+
+    from dflash_pipeline.data.chat import render_prompt
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = make_model(tmp, args.demo_model, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        rows = prompts(args.prompts)
+        texts = [render_prompt(tokenizer, r["messages"], True) for r in rows]
+        spec = ServerSpec(engine="transformers", model=str(model), port=18931)
+        runs = []
+        with ManagedServer(spec, tmp / "engine.log", tmp, startup_timeout=600) as server:
+            # Warm-up, then alternate the two clients so drift hits both alike.
+            asyncio.run(load_generator(spec.url, str(model), texts[:16], 16, 16))
+            for _ in range(args.repeats):
+                base = asyncio.run(load_generator(spec.url, str(model), texts, args.concurrency, args.max_new_tokens))
+                ours = asyncio.run(pipeline(spec.url, str(model), tokenizer, rows, args.concurrency,
+                                            args.max_new_tokens, str(tmp / "run")))
+                runs.append({"load_generator": base, "pipeline": ours,
+                             "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 3)})
+                print(json.dumps(runs[-1]), flush=True)
+            log_tail = server.log_tail(5)
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip() if os.path.exists("/usr/bin/nvidia-smi") else ""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    import transformers
+
+    result = {
+        "benchmark": "generation_client",
+        "engine": f"transformers serve {transformers.__version__} --continuous-batching",
+        "model_shape": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+                        "kv_heads": args.kv_heads, "intermediate": args.intermediate,
+                        "vocab": len(tokenizer), "weights": "random, bf16"},
+        "prompts": args.prompts, "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
+        "runs": runs,
+        "ratio_mean": round(sum(r["ratio"] for r in runs) / len(runs), 3),
+        "device": gpu or platform.processor() or "cpu",
+        "commit": commit, "date": time.strftime("%Y-%m-%d"),
+        "server_log_tail": log_tail,
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
