@@ -163,3 +163,27 @@ def test_shared_client_path_against_a_real_transformers_server(transformers_serv
     split = split_reasoning(prompt, answers[0].text, tokenizer.eos_token)
     assert split.think_closed and split.reasoning and split.content
     assert answers[0].finish_reason == "stop" and answers[0].prompt_tokens == len(ids)
+
+
+def test_a_leftover_server_holding_the_port_is_reaped(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from dflash_pipeline.engines.launch import port_in_use, reap_leftover
+
+    port = free_port()
+    leftover = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while not port_in_use("127.0.0.1", port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pid_file = tmp_path / f"server-{port}.pid"
+    pid_file.write_text(f"{leftover.pid}\nleft by a killed job\n")
+    reap_leftover(pid_file, "127.0.0.1", port)
+    assert leftover.wait(timeout=5) is not None
+    assert not port_in_use("127.0.0.1", port) and not pid_file.exists()
