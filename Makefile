@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(SNAKEMAKE) --cores $(CORES)
 	@echo ""
-	@echo "Demo finished. Results: results/demo/ (prompt shards in results/demo/shards/)"
+	@echo "Demo finished. Results: results/demo/ (shard outputs in results/demo/outputs/, live telemetry in results/demo/_progress/)"
 	@echo "Demo target model: resources/demo-target/"
 	@echo "Plan of what remains: $(SNAKEMAKE) -n"
 
