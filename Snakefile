@@ -15,6 +15,7 @@ include: "rules/common.smk"
 include: "rules/demo.smk"
 include: "rules/prepare.smk"
 include: "rules/generate.smk"
+include: "rules/tokenize.smk"
 
 
 rule all:

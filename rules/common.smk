@@ -89,7 +89,7 @@ def target_model_input(wildcards):
 def get_final_output():
     # Every tracked output lives in one folder, so the S3 plugin's single listing covers the
     # whole run (dflash_pipeline.layout).
-    outputs = expand(shard_output("generated"), shard=SHARDS)
+    outputs = expand(shard_output("tokenized"), shard=SHARDS)
     outputs.append(run_path(layout.INGEST_SUMMARY))
     if config["target"]["build_demo"]:
         outputs.append(local(config["target"]["model"]))

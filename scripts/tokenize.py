@@ -1,0 +1,19 @@
+"""Snakemake glue for rule `tokenize`; the logic is dflash_pipeline.tokenization."""
+
+from dflash_pipeline.joblog import job_logging
+from dflash_pipeline.tokenization import tokenize_file
+
+
+def run(smk) -> None:
+    with job_logging(smk.log[0]):
+        tokenize_file(
+            smk.input.generated,
+            smk.params.model,
+            smk.output.tokenized,
+            smk.output.stats,
+            smk.params.thinking,
+            dict(smk.params.settings),
+        )
+
+
+run(snakemake)  # noqa: F821 (injected by Snakemake)

@@ -1,0 +1,222 @@
+"""Exact ids and loss masks against hand-built expectations, and the data-quality gate."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from dflash_pipeline.data.tokenize import conversation_sequences, repetition_loop
+from dflash_pipeline.generate import GENERATED_SCHEMA
+from dflash_pipeline.tokenization import DegenerateShard, ShardTokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(demo_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_model)
+
+
+def pieces(tok, *parts):
+    """Expected ids and mask from (text, supervised) pieces tokenized one by one."""
+    ids, mask = [], []
+    for text, supervised in parts:
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [int(supervised)] * len(piece)
+    return ids, mask
+
+
+def only(seqs):
+    assert len(seqs) == 1
+    return seqs[0][1]
+
+
+def test_single_turn_thinking_with_system_prompt(tok):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 12 + 30?"},
+        {"role": "assistant", "content": "12 + 30 = 42", "reasoning_content": "2+0=2, write 2\n1+3=4, write 4"},
+    ]
+    seq = only(conversation_sequences(tok, messages, thinking=True, per_turn=True))
+    assert (seq.input_ids, seq.loss_mask) == pieces(
+        tok,
+        ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<think>\n2+0=2, write 2\n1+3=4, write 4\n</think>\n\n12 + 30 = 42<|im_end|>", 1),
+    )
+    assert seq.input_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>") and seq.loss_mask[-1] == 1
+    assert seq.round_trip_ok(tok)
+
+
+def test_thinking_off_supervises_the_answer_not_the_empty_think_block_of_the_prompt(tok):
+    messages = [
+        {"role": "user", "content": "Add 5 and 7."},
+        {"role": "assistant", "content": "5 + 7 = 12"},
+    ]
+    seq = only(conversation_sequences(tok, messages, thinking=False, per_turn=True))
+    rendered = tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert rendered.endswith("<think>\n\n</think>\n\n")  # scaffolding of the prompt: not supervised
+    assert (seq.input_ids, seq.loss_mask) == pieces(tok, (rendered, 0), ("5 + 7 = 12<|im_end|>", 1))
+
+
+def test_multi_turn_gives_one_row_per_turn_when_the_template_drops_old_reasoning(tok):
+    messages = [
+        {"role": "user", "content": "What is 1 + 2?"},
+        {"role": "assistant", "content": "1 + 2 = 3", "reasoning_content": "1+2=3, write 3"},
+        {"role": "user", "content": "And 2 + 2?"},
+        {"role": "assistant", "content": "2 + 2 = 4", "reasoning_content": "2+2=4, write 4"},
+    ]
+    (i1, first), (i2, second) = conversation_sequences(tok, messages, thinking=True, per_turn=True)
+    assert (i1, i2) == (1, 3)
+    assert (first.input_ids, first.loss_mask) == pieces(
+        tok,
+        ("<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<think>\n1+2=3, write 3\n</think>\n\n1 + 2 = 3<|im_end|>", 1),
+    )
+    # In the second row the first answer is history, rendered as the template renders it:
+    # without its reasoning, and not supervised.
+    assert (second.input_ids, second.loss_mask) == pieces(
+        tok,
+        (
+            "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n1 + 2 = 3<|im_end|>\n"
+            "<|im_start|>user\nAnd 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+            0,
+        ),
+        ("<think>\n2+2=4, write 4\n</think>\n\n2 + 2 = 4<|im_end|>", 1),
+    )
+
+
+def test_tool_turns_are_never_supervised(tok):
+    messages = [
+        {"role": "user", "content": "What is 40 + 2?"},
+        {"role": "assistant", "content": "Let me check.", "reasoning_content": "use the tool"},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "40 + 2 = 42", "reasoning_content": "the tool said 42"},
+    ]
+    rows = conversation_sequences(tok, messages, thinking=True, per_turn=True)
+    last = rows[-1][1]
+    supervised = tok.decode([i for i, m in zip(last.input_ids, last.loss_mask) if m])
+    assert supervised == "<think>\nthe tool said 42\n</think>\n\n40 + 2 = 42<|im_end|>"
+    prompt = tok.decode([i for i, m in zip(last.input_ids, last.loss_mask) if not m])
+    assert "42" in prompt and "<tool_response>" in prompt
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_one_row_per_conversation_supervises_every_turn_with_a_stable_template(tok):
+    import copy
+
+    from dflash_pipeline.data.tokenize import needs_rows_per_turn
+
+    plain = copy.deepcopy(tok)
+    plain.chat_template = CHATML
+    assert not needs_rows_per_turn(plain)
+    messages = [
+        {"role": "user", "content": "What is 1 + 2?"},
+        {"role": "assistant", "content": "1 + 2 = 3"},
+        {"role": "user", "content": "And 2 + 2?"},
+        {"role": "assistant", "content": "2 + 2 = 4"},
+    ]
+    seq = only(conversation_sequences(plain, messages, thinking=False, per_turn=False))
+    assert (seq.input_ids, seq.loss_mask) == pieces(
+        plain,
+        ("<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("1 + 2 = 3<|im_end|>", 1),
+        ("\n<|im_start|>user\nAnd 2 + 2?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("2 + 2 = 4<|im_end|>", 1),
+        ("\n", 0),
+    )
+
+
+def test_a_template_whose_turns_change_later_is_refused_as_one_row(tok):
+    from dflash_pipeline.data.tokenize import TemplateMismatch
+
+    messages = [
+        {"role": "user", "content": "What is 1 + 2?"},
+        {"role": "assistant", "content": "1 + 2 = 3"},
+        {"role": "user", "content": "And 2 + 2?"},
+        {"role": "assistant", "content": "2 + 2 = 4"},
+    ]
+    with pytest.raises(TemplateMismatch):
+        conversation_sequences(tok, messages, thinking=False, per_turn=False)
+
+
+def generated_row(i, content, reasoning, finish="stop", closed=True, error=None):
+    return {
+        "id": f"s{i}",
+        "shard": 0,
+        "split": "train",
+        "messages": [
+            {"role": "user", "content": f"What is {i} + {i}?", "reasoning_content": None},
+            {"role": "assistant", "content": content, "reasoning_content": reasoning},
+        ],
+        "turns": [
+            {
+                "message_index": 1,
+                "finish_reason": finish,
+                "think_closed": closed,
+                "prompt_tokens": 10,
+                "completion_tokens": 10,
+                "output_ids": None,
+            }
+        ],
+        "prompt_tokens": 10,
+        "completion_tokens": 10,
+        "error": error,
+        "fingerprint": "f",
+    }
+
+
+def healthy(i):
+    steps = "\n".join(f"{d}+{d}={2 * d}, write {2 * d % 10}" for d in range(1, 4))
+    return generated_row(i, f"{i} + {i} = {2 * i}", steps)
+
+
+def test_a_shard_like_the_seed_incident_fails_naming_the_cause(tok):
+    rows = [healthy(i) for i in range(13)]
+    rows += [generated_row(100 + i, "OK.", "") for i in range(87)]
+    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
+    with pytest.raises(DegenerateShard) as err:
+        ShardTokenizer(tok, thinking=True).run(table, "generated-00007.parquet")
+    message = str(err.value)
+    assert "generated-00007.parquet: 87 of 100 samples (87.0%) are degenerate" in message
+    assert "identical_response 87" in message and "too_few_supervised 87" in message
+    assert "s100" in message
+    assert "Most common response (87 times): ' | OK.'" in message
+
+
+def test_a_healthy_shard_passes_and_counts_cut_traces_without_failing(tok):
+    rows = [healthy(i) for i in range(40)]
+    rows.append(generated_row(99, "", "1+1=2, write 2\n" * 3, finish="length", closed=False))
+    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
+    out, stats = ShardTokenizer(tok, thinking=True).run(table, "g")
+    assert stats["degenerate_samples"] == 0 and out.num_rows == 41
+    assert stats["finish_reasons"] == {"stop": 40, "length": 1}
+    assert all(sum(m) == n for m, n in zip(out.column("loss_mask").to_pylist(), out.column("num_supervised").to_pylist()))
+
+
+def test_each_degenerate_reason_is_counted(tok):
+    loop = "1+1=2, write 2 " * 40
+    rows = [healthy(i) for i in range(60)]
+    rows += [
+        generated_row(200, "", "", error="gave up after 6 attempts"),
+        generated_row(201, "  ", ""),
+        generated_row(202, "x", "never closed", closed=False),
+        generated_row(203, "ok", loop),
+    ]
+    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
+    _, stats = ShardTokenizer(tok, thinking=True, settings={"max_degenerate_fraction": 0.5}).run(table, "g")
+    assert stats["examples"]["generation_error"] == ["s200"]
+    assert stats["examples"]["empty_response"] == ["s201"]
+    assert stats["examples"]["think_not_closed"] == ["s202"]
+    assert stats["examples"]["repetition_loop"] == ["s203"]
+    assert stats["degenerate_samples"] == 4
+
+
+def test_repetition_loop_detector():
+    assert repetition_loop(list(range(8)) * 20)
+    assert not repetition_loop(list(range(200)))
