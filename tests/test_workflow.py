@@ -22,6 +22,7 @@ def test_dry_run_lists_the_jobs_of_every_stage(workflow):
         "ingest_prompts": 1,
         "prepare_prompts": 3,
         "generate": 3,
+        "tokenize": 3,
         "all": 1,
     }
 
@@ -41,14 +42,17 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
     assert total == summary["samples"] > 0
     generated = sum(pq.read_table(shards / f"generated-0000{i}.parquet").num_rows for i in range(3))
     assert generated == total
+    for i in range(3):
+        stats = json.loads((shards / f"tokenized-0000{i}.stats.json").read_text())
+        assert stats["degenerate_samples"] == 0 and stats["sequences_out"] >= stats["samples"]
     assert workflow.planned_jobs() == {}
-    (shards / "generated-00001.parquet").unlink()
-    assert workflow.planned_jobs() == {"generate": 1, "all": 1}
-    # A missing intermediate alone is not rebuilt (its product exists); both gone: the chain.
-    (shards / "prompts-00002.parquet").unlink()
-    (shards / "generated-00002.parquet").unlink()
+    (shards / "tokenized-00001.parquet").unlink()
+    assert workflow.planned_jobs() == {"tokenize": 1, "all": 1}
+    # A missing intermediate alone is not rebuilt (its product exists); all gone: the chain.
+    for stage in ("prompts", "generated", "tokenized"):
+        (shards / f"{stage}-00002.parquet").unlink()
     proc = workflow.snakemake("-n")
-    assert workflow.planned_jobs() == {"prepare_prompts": 1, "generate": 2, "all": 1}
+    assert workflow.planned_jobs() == {"prepare_prompts": 1, "generate": 1, "tokenize": 2, "all": 1}
     assert "wildcards: shard=00002" in proc.stdout and "wildcards: shard=00000" not in proc.stdout
 
 

@@ -50,9 +50,15 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
     assert workflow.planned_jobs(*s3_args, env=env) == {}
 
     client.delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/{shard_keys[1]}")
-    generated_1 = "results/demo/outputs/generated-00001.parquet"
-    client.delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/{generated_1}")
-    assert workflow.planned_jobs(*s3_args, env=env) == {"prepare_prompts": 1, "generate": 1, "all": 1}
+    for stage in ("generated", "tokenized"):
+        key = f"results/demo/outputs/{stage}-00001.parquet"
+        client.delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/{key}")
+    assert workflow.planned_jobs(*s3_args, env=env) == {
+        "prepare_prompts": 1,
+        "generate": 1,
+        "tokenize": 1,
+        "all": 1,
+    }
     workflow.snakemake(*s3_args, env=env)
     assert workflow.planned_jobs(*s3_args, env=env) == {}
 
