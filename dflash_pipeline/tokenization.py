@@ -13,8 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
+import os
 import sys
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,11 +26,13 @@ from dflash_pipeline.data.tokenize import (
     DEGENERATE_REASONS,
     Sequence,
     TemplateMismatch,
-    conversation_sequences,
+    conversation_pieces,
+    needs_rows_per_turn,
     render,
     repetition_loop,
     response_key,
-    needs_rows_per_turn,
+    round_trip_failures,
+    tokenize_pieces,
 )
 from dflash_pipeline.storage import write_atomically
 
@@ -57,6 +62,21 @@ DEFAULTS = {
     "repetition_ngram": 8,
     "repetition_min_repeats": 12,
 }
+
+
+CHUNK = 256  # rows per worker task
+_WORKER = None  # the ShardTokenizer a forked worker renders with
+
+
+def _render_or_error(tokenizer: ShardTokenizer, row: dict):
+    try:
+        return tokenizer.render_row(row)
+    except TemplateMismatch as err:
+        return str(err)
+
+
+def _render_chunk(rows: list[dict]) -> list:
+    return [_render_or_error(_WORKER, r) for r in rows]
 
 
 class DegenerateShard(RuntimeError):
@@ -91,8 +111,9 @@ def _engine_sequence(tokenizer, messages: list[dict], turn: dict, thinking: bool
 
 
 class ShardTokenizer:
-    def __init__(self, tokenizer, thinking: bool, settings: dict | None = None):
+    def __init__(self, tokenizer, thinking: bool, settings: dict | None = None, workers: int = 1):
         self.tokenizer = tokenizer
+        self.workers = workers
         self.thinking = thinking
         self.cfg = {**DEFAULTS, **(settings or {})}
         self.per_turn = needs_rows_per_turn(tokenizer, thinking)
@@ -111,14 +132,39 @@ class ShardTokenizer:
                 reasons.append("think_not_closed")
         return sorted(set(reasons))
 
-    def sequences(self, row: dict) -> list[tuple[int, Sequence]]:
+    def render_row(self, row: dict) -> list[tuple[int, object]]:
+        """(turn, text pieces) per sequence of the row, or (turn, engine Sequence) where the
+        engine returned its ids. Raises TemplateMismatch."""
         messages = _messages(row)
-        found = conversation_sequences(self.tokenizer, messages, self.thinking, self.per_turn)
+        found = conversation_pieces(self.tokenizer, messages, self.thinking, self.per_turn)
         if len(found) == 1 and len(row["turns"]) == 1:
             engine = _engine_sequence(self.tokenizer, messages, row["turns"][0], self.thinking)
             if engine is not None:
-                found = [(found[0][0], engine)]
+                return [(found[0][0], engine)]
         return found
+
+    def render_rows(self, rows: list[dict]) -> list[list[tuple[int, object]] | str]:
+        """Rendering is the Python-heavy part: spread it over worker processes."""
+        if self.workers <= 1 or len(rows) < 2 * CHUNK:
+            return [_render_or_error(self, r) for r in rows]
+        global _WORKER
+        _WORKER = self  # inherited by the forked workers
+        chunks = [rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)]
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(self.workers, mp_context=ctx) as pool:
+            return [item for part in pool.map(_render_chunk, chunks) for item in part]
+
+    def sequences(self, rendered: list) -> list[list[tuple[int, Sequence]] | str]:
+        """Tokenize every row's pieces with one batched tokenizer call."""
+        pending = [pieces for item in rendered if not isinstance(item, str) for _, pieces in item if not isinstance(pieces, Sequence)]
+        encoded = iter(tokenize_pieces(self.tokenizer, pending))
+        out = []
+        for item in rendered:
+            if isinstance(item, str):
+                out.append(item)
+                continue
+            out.append([(turn, p if isinstance(p, Sequence) else next(encoded)) for turn, p in item])
+        return out
 
     def run(self, table: pa.Table, shard_name: str = "shard") -> tuple[pa.Table, dict]:
         cfg = self.cfg
@@ -135,21 +181,24 @@ class ShardTokenizer:
         identical_limit = max(cfg["identical_response_min_count"], cfg["identical_response_min_fraction"] * len(rows))
         out, supervised_counts = [], []
         stats = Counter()
+        checks = {r["id"]: self.row_checks(r) for r in rows}
+        to_render = [r for r in rows if "generation_error" not in checks[r["id"]]]
+        rendered = dict(zip((r["id"] for r in to_render), self.sequences(self.render_rows(to_render))))
+        all_seqs = [seq for item in rendered.values() if not isinstance(item, str) for _, seq in item]
+        failures = iter(round_trip_failures(self.tokenizer, all_seqs))
         for row in rows:
             for turn in row["turns"]:
                 finish[turn["finish_reason"]] += 1
-            reasons = self.row_checks(row)
+            reasons = list(checks[row["id"]])
             if row["id"] in keys and key_counts[keys[row["id"]]] >= identical_limit:
                 reasons.append("identical_response")
-            produced = []
-            if "generation_error" not in reasons:
-                try:
-                    produced = self.sequences(row)
-                except TemplateMismatch as err:
-                    reasons.append("template_mismatch")
-                    log.warning("%s: %s", row["id"], err)
+            produced = rendered.get(row["id"], [])
+            if isinstance(produced, str):
+                reasons.append("template_mismatch")
+                log.warning("%s: %s", row["id"], produced)
+                produced = []
             for turn_index, seq in produced:
-                if not seq.round_trip_ok(self.tokenizer):
+                if next(failures):
                     stats["round_trip_mismatches"] += 1
                     reasons.append("template_mismatch")
                 truncated = len(seq.input_ids) > cfg["max_length"]
@@ -241,7 +290,8 @@ def tokenize_file(generated: str, model: str, out: str, stats_out: str, thinking
     table = pq.read_table(generated)
     name = generated.rsplit("/", 1)[-1]
     try:
-        result, summary = ShardTokenizer(tokenizer, thinking, settings).run(table, name)
+        workers = settings.pop("workers", None) or os.cpu_count() or 1
+        result, summary = ShardTokenizer(tokenizer, thinking, settings, workers).run(table, name)
     except DegenerateShard as err:
         log.error("%s", err)
         raise

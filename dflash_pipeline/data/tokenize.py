@@ -52,10 +52,6 @@ def needs_rows_per_turn(tokenizer, thinking: bool = True) -> bool:
     return not render(tokenizer, probe, False, thinking).startswith(first)
 
 
-def _ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 @dataclass
 class Sequence:
     input_ids: list[int] = field(default_factory=list)
@@ -63,9 +59,7 @@ class Sequence:
     text: str = ""  # what was tokenized, piece by piece
 
     def round_trip_ok(self, tokenizer) -> bool:
-        """The pieces tokenized apart give the same ids as the whole text tokenized at once
-        (a BPE merge across a boundary would shift the mask by a token)."""
-        return _ids(tokenizer, self.text) == self.input_ids
+        return not round_trip_failures(tokenizer, [self])[0]
 
 
 def _supervised_span(tokenizer, messages: list[dict], index: int, thinking: bool) -> tuple[str, str]:
@@ -81,40 +75,67 @@ def _supervised_span(tokenizer, messages: list[dict], index: int, thinking: bool
     return prompt, full[: end + len(eos)]
 
 
-def conversation_sequences(tokenizer, messages: list[dict], thinking: bool, per_turn: bool) -> list[tuple[int, Sequence]]:
-    """(assistant message index or -1, sequence) pairs for one conversation."""
+Pieces = list[tuple[str, int]]  # (text, supervised) in order
+
+
+def conversation_pieces(
+    tokenizer, messages: list[dict], thinking: bool, per_turn: bool
+) -> list[tuple[int, Pieces]]:
+    """(assistant message index or -1, text pieces with their mask value) for one conversation.
+    Rendering only: tokenizing is batched over many rows by ``tokenize_pieces``."""
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if per_turn and len(assistant) > 1:
         return [(i, _single_turn(tokenizer, messages, i, thinking)) for i in assistant]
     if len(assistant) == 1:
         return [(-1, _single_turn(tokenizer, messages, assistant[0], thinking))]
     full = render(tokenizer, messages, False, thinking)
-    seq = Sequence()
+    pieces: Pieces = []
     pos = 0
     for i in assistant:
         prompt, turn = _supervised_span(tokenizer, messages, i, thinking)
         if not full.startswith(turn):
             raise TemplateMismatch(f"turn {i} renders differently inside the whole conversation")
-        _append(tokenizer, seq, prompt[pos:], 0)
-        _append(tokenizer, seq, turn[len(prompt) :], 1)
+        pieces += [(prompt[pos:], 0), (turn[len(prompt) :], 1)]
         pos = len(turn)
-    _append(tokenizer, seq, full[pos:], 0)
-    return [(-1, seq)]
+    pieces.append((full[pos:], 0))
+    return [(-1, [p for p in pieces if p[0]])]
 
 
-def _single_turn(tokenizer, messages: list[dict], index: int, thinking: bool) -> Sequence:
+def _single_turn(tokenizer, messages: list[dict], index: int, thinking: bool) -> Pieces:
     prompt, turn = _supervised_span(tokenizer, messages, index, thinking)
-    seq = Sequence()
-    _append(tokenizer, seq, prompt, 0)
-    _append(tokenizer, seq, turn[len(prompt) :], 1)
-    return seq
+    return [(prompt, 0), (turn[len(prompt) :], 1)]
 
 
-def _append(tokenizer, seq: Sequence, text: str, mask: int) -> None:
-    ids = _ids(tokenizer, text) if text else []
-    seq.text += text
-    seq.input_ids.extend(ids)
-    seq.loss_mask.extend([mask] * len(ids))
+def tokenize_pieces(tokenizer, all_pieces: list[Pieces]) -> list[Sequence]:
+    """Sequences for many piece lists with one batched tokenizer call."""
+    flat = [text for pieces in all_pieces for text, _ in pieces]
+    encoded = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    out, k = [], 0
+    for pieces in all_pieces:
+        seq = Sequence()
+        for text, mask in pieces:
+            seq.input_ids.extend(encoded[k])
+            seq.loss_mask.extend([mask] * len(encoded[k]))
+            seq.text += text
+            k += 1
+        out.append(seq)
+    return out
+
+
+def round_trip_failures(tokenizer, seqs: list[Sequence]) -> list[bool]:
+    """For each sequence: do the pieces tokenized apart differ from the whole text tokenized at
+    once? (A BPE merge across a boundary would shift the mask by a token.)"""
+    whole = tokenizer([s.text for s in seqs], add_special_tokens=False)["input_ids"] if seqs else []
+    return [w != s.input_ids for w, s in zip(whole, seqs)]
+
+
+def conversation_sequences(
+    tokenizer, messages: list[dict], thinking: bool, per_turn: bool
+) -> list[tuple[int, Sequence]]:
+    """(assistant message index or -1, sequence) pairs for one conversation."""
+    found = conversation_pieces(tokenizer, messages, thinking, per_turn)
+    seqs = tokenize_pieces(tokenizer, [pieces for _, pieces in found])
+    return [(index, seq) for (index, _), seq in zip(found, seqs)]
 
 
 def repetition_loop(ids: list[int], n: int = 8, min_repeats: int = 12, min_cover: float = 0.5) -> bool:
