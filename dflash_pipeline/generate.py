@@ -233,10 +233,15 @@ async def generate_shard(
     """Generate every prompt not already in a saved part; returns the shard in prompt order."""
     settings = generator.settings
     rows = prompts.to_pylist()
-    done = reusable_rows(progress.load_parts(GENERATED_SCHEMA), generator.fingerprint)
+    # Rows of an earlier finished build of this shard (the shard was re-planned, e.g. after data
+    # was added), then rows saved in parts by an interrupted attempt.
+    done = reusable_rows(progress.load_reusable(GENERATED_SCHEMA), generator.fingerprint)
+    done.update(reusable_rows(progress.load_parts(GENERATED_SCHEMA), generator.fingerprint))
+    wanted = {r["id"] for r in rows}
+    done = {k: v for k, v in done.items() if k in wanted}
     todo = [r for r in rows if r["id"] not in done]
     telemetry = Telemetry(total=len(rows), resumed=len(rows) - len(todo))
-    log.info("shard %05d: %d prompts, %d resumed from parts, %d to generate",
+    log.info("shard %05d: %d prompts, %d resumed from earlier work, %d to generate",
              progress.shard, len(rows), telemetry.resumed, len(todo))
     pending: list[dict] = []
     last_flush = time.monotonic()
@@ -413,6 +418,7 @@ def run_job(
             server.stop()
     with write_atomically(out_path) as tmp:
         pq.write_table(table, tmp)
+    progress.save_reusable(table)
     removed = progress.clear_parts()
     log.info("shard %05d written (%d rows); %d parts removed", shard, table.num_rows, removed)
 

@@ -56,6 +56,14 @@ def progress_prefix(stage: str, shard: int | str) -> str:
     return f"{PROGRESS_DIR}/{stage}/shard-{shard}/"
 
 
+def reuse_key(stage: str, shard: int | str) -> str:
+    """A copy of a finished shard kept outside Snakemake's reach: Snakemake deletes an output
+    before it rebuilds it (e.g. after data was added), and the job must not redo finished rows."""
+    if isinstance(shard, int):
+        shard = shard_name(shard)
+    return f"{PROGRESS_DIR}/reuse/{stage}-{shard}.parquet"
+
+
 INGESTED_PROMPTS = f"{OUTPUTS_DIR}/ingest-prompts.parquet"
 INGEST_SUMMARY = f"{OUTPUTS_DIR}/ingest-summary.json"
 QUARANTINE = f"{OUTPUTS_DIR}/ingest-quarantine.jsonl"

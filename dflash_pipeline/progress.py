@@ -47,6 +47,18 @@ class ShardProgress:
                 raise StorageError(f"unreadable progress part {self.run.join(key)}: {err}") from err
         return pa.concat_tables(tables) if tables else schema.empty_table()
 
+    def save_reusable(self, table: pa.Table) -> None:
+        """Keep the finished shard so a later rebuild of it reuses its rows."""
+        sink = io.BytesIO()
+        pq.write_table(table, sink)
+        self.run.write_bytes(layout.reuse_key(self.stage, self.shard), sink.getvalue())
+
+    def load_reusable(self, schema: pa.Schema) -> pa.Table:
+        key = layout.reuse_key(self.stage, self.shard)
+        if not self.run.exists(key):
+            return schema.empty_table()
+        return pq.read_table(io.BytesIO(self.run.read_bytes(key)), schema=schema)
+
     def write_part(self, table: pa.Table) -> str:
         # Time-ordered names: parts sort in the order they were written.
         key = f"{self.prefix}part-{time.time_ns():020d}-{uuid.uuid4().hex[:6]}.parquet"

@@ -129,7 +129,14 @@ def transformers_server(demo_model, tmp_path_factory):
     from tests.support.seaweed import free_port
 
     runtime = tmp_path_factory.mktemp("server")
-    spec = ServerSpec(engine="transformers", model=str(demo_model), port=free_port())
+    # The demo config's bounded KV cache: unbounded, one CPU server took ~14 GB of RAM.
+    demo_config = yaml.safe_load((REPO / "config.yaml").read_text())
+    spec = ServerSpec(
+        engine="transformers",
+        model=str(demo_model),
+        port=free_port(),
+        extra_args=demo_config["generation"]["server"]["extra_args"],
+    )
     server = ManagedServer(spec, runtime / "engine.log", runtime, startup_timeout=300)
     server.start()
     yield server

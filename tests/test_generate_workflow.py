@@ -104,7 +104,7 @@ def test_sigkilled_generation_resumes_with_exactly_the_prompt_set(
     workflow.snakemake("--unlock", *args, env=env)  # what a user does after a hard kill
     workflow.snakemake(*args, env=env)
     log_text = _read(run_url, "logs/generate/00000.log")
-    assert f"{saved} resumed from parts" in log_text
+    assert f"{saved} resumed from earlier work" in log_text
     if where == "local":
         generated = pq.read_table(workflow.root / GENERATED)
         prompts = pq.read_table(workflow.root / PROMPTS)
@@ -183,3 +183,24 @@ def test_endpoint_that_keeps_failing_stops_the_job_with_a_clear_error(workflow, 
     log_text = (workflow.root / "results/demo/logs/generate/00000.log").read_text()
     assert "engine unhealthy: 3 requests in a row failed" in log_text
     assert "ConnectError" in log_text
+
+
+def test_adding_data_regenerates_only_the_new_prompts(workflow, demo_model, tmp_path):
+    import json
+
+    configure(workflow, demo_model, tmp_path, concurrency=8, part_every_samples=64)
+    workflow.snakemake()
+    before = pq.read_table(workflow.root / GENERATED)
+    data = workflow.root / "data/demo/prompts.jsonl"
+    new = [{"id": f"added-{i}", "messages": [{"role": "user", "content": f"What is {i} + 77?"}]} for i in range(3)]
+    with open(data, "a") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in new))
+    workflow.snakemake()
+    log_text = (workflow.root / "results/demo/logs/generate/00000.log").read_text()
+    assert f"{before.num_rows} resumed from earlier work, 3 to generate" in log_text
+    after = pq.read_table(workflow.root / GENERATED)
+    assert after.num_rows == before.num_rows + 3
+    old = {r["id"]: r for r in before.to_pylist()}
+    for row in after.to_pylist():
+        if row["id"] in old:
+            assert row["messages"] == old[row["id"]]["messages"]  # reused, not regenerated
