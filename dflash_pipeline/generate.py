@@ -80,6 +80,18 @@ class GenerationSettings:
     max_consecutive_failures: int = 8
     max_error_fraction: float = 0.02
 
+    @classmethod
+    def from_config(cls, gen: dict, model_dir: str) -> GenerationSettings:
+        """From the `generation` config section; sampling falls back to the model's defaults."""
+        return cls(
+            thinking=gen["thinking"],
+            sampling=sampling_from_config(model_dir, gen["sampling"], gen["max_new_tokens"], gen["seed"]),
+            **{k: gen[k] for k in (
+                "concurrency", "part_every_samples", "part_every_seconds",
+                "telemetry_every_seconds", "max_consecutive_failures", "max_error_fraction",
+            )},
+        )
+
 
 def sampling_from_config(model_dir: str, overrides: dict, max_new_tokens: int, seed: int | None) -> Sampling:
     """The model's own generation config, with the config's non-null values on top."""
@@ -351,16 +363,7 @@ def run_job(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    settings = GenerationSettings(
-        thinking=gen["thinking"],
-        sampling=sampling_from_config(model, gen["sampling"], gen["max_new_tokens"], gen["seed"]),
-        concurrency=gen["concurrency"],
-        part_every_samples=gen["part_every_samples"],
-        part_every_seconds=gen["part_every_seconds"],
-        telemetry_every_seconds=gen["telemetry_every_seconds"],
-        max_consecutive_failures=gen["max_consecutive_failures"],
-        max_error_fraction=gen["max_error_fraction"],
-    )
+    settings = GenerationSettings.from_config(gen, model)
     engine = gen["engine"]
     progress = ShardProgress(open_storage(run_url), "generate", shard)
     prompts = pq.read_table(prompts_path)
@@ -371,17 +374,7 @@ def run_job(
             raise EngineError("generation.engine is 'endpoint' but generation.endpoints is empty")
     else:
         srv = gen["server"]
-        spec = ServerSpec(
-            engine=engine,
-            model=model,
-            port=server_port(srv["port_base"]),
-            tp=srv["tp"],
-            dp=srv["dp"],
-            mem_fraction=srv["mem_fraction"],
-            reasoning_parser=srv["reasoning_parser"],
-            speculative=srv["speculative"],
-            extra_args=srv["extra_args"],
-        )
+        spec = ServerSpec.from_config(engine, model, server_port(srv["port_base"]), srv)
         server = ManagedServer(spec, engine_log, runtime_dir, startup_timeout=srv["startup_timeout_s"])
         urls = [spec.url]
     fp = fingerprint(model, tokenizer.chat_template, settings, engine, engine_version(engine))

@@ -156,7 +156,13 @@ class ShardTokenizer:
 
     def sequences(self, rendered: list) -> list[list[tuple[int, Sequence]] | str]:
         """Tokenize every row's pieces with one batched tokenizer call."""
-        pending = [pieces for item in rendered if not isinstance(item, str) for _, pieces in item if not isinstance(pieces, Sequence)]
+        pending = [
+            pieces
+            for item in rendered
+            if not isinstance(item, str)
+            for _, pieces in item
+            if not isinstance(pieces, Sequence)
+        ]
         encoded = iter(tokenize_pieces(self.tokenizer, pending))
         out = []
         for item in rendered:
@@ -290,7 +296,7 @@ def tokenize_file(generated: str, model: str, out: str, stats_out: str, thinking
     table = pq.read_table(generated)
     name = generated.rsplit("/", 1)[-1]
     try:
-        workers = settings.pop("workers", None) or os.cpu_count() or 1
+        workers = os.cpu_count() or 1
         result, summary = ShardTokenizer(tokenizer, thinking, settings, workers).run(table, name)
     except DegenerateShard as err:
         log.error("%s", err)

@@ -48,6 +48,17 @@ class ServerSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @classmethod
+    def from_config(cls, engine: str, model: str, port: int, server: dict) -> ServerSpec:
+        """From the `generation.server` config section."""
+        keys = ("tp", "dp", "mem_fraction", "reasoning_parser", "speculative", "extra_args")
+        return cls(engine=engine, model=model, port=port, **{k: server[k] for k in keys})
+
+    def speculative_settings(self) -> dict:
+        """The speculative-decoding settings that are set, or {} when it is off."""
+        settings = {k: v for k, v in self.speculative.items() if v is not None}
+        return settings if settings.get("algorithm") else {}
+
 
 def sglang_command(spec: ServerSpec) -> list[str]:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model]
@@ -57,8 +68,8 @@ def sglang_command(spec: ServerSpec) -> list[str]:
         cmd += ["--mem-fraction-static", str(spec.mem_fraction)]
     if spec.reasoning_parser:
         cmd += ["--reasoning-parser", spec.reasoning_parser]
-    spec_cfg = {k: v for k, v in spec.speculative.items() if v is not None}
-    if spec_cfg.get("algorithm"):
+    spec_cfg = spec.speculative_settings()
+    if spec_cfg:
         cmd += ["--speculative-algorithm", spec_cfg["algorithm"]]
         for key, flag in (
             ("num_steps", "--speculative-num-steps"),
@@ -78,8 +89,8 @@ def vllm_command(spec: ServerSpec) -> list[str]:
         cmd += ["--gpu-memory-utilization", str(spec.mem_fraction)]
     if spec.reasoning_parser:
         cmd += ["--reasoning-parser", spec.reasoning_parser]
-    spec_cfg = {k: v for k, v in spec.speculative.items() if v is not None}
-    if spec_cfg.get("algorithm"):
+    spec_cfg = spec.speculative_settings()
+    if spec_cfg:
         method = {"NEXTN": "mtp", "EAGLE": "eagle", "EAGLE3": "eagle3"}.get(
             spec_cfg["algorithm"].upper(), spec_cfg["algorithm"].lower()
         )
