@@ -29,9 +29,8 @@ sys.path.insert(0, str(REPO))
 
 from dflash_pipeline import layout  # noqa: E402
 from dflash_pipeline.storage import S3Storage  # noqa: E402
+from tests.conftest import WORKFLOW_FILES  # noqa: E402
 from tests.support.seaweed import start_seaweed  # noqa: E402
-
-WORKFLOW_FILES = ["Snakefile", "config.yaml", "config", "rules", "scripts", "report", "envs", "profiles", "data"]
 
 
 def planned_keys(num_shards: int) -> list[list[str]]:
