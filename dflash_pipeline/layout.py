@@ -82,3 +82,39 @@ def run_url(root: str, storage_provider: str | None, storage_prefix: str | None)
             raise ValueError("--default-storage-provider s3 needs --default-storage-prefix")
         return f"{storage_prefix.rstrip('/')}/{root}"
     return root
+
+
+# Training runs as a chain of checkpoint segments (dflash_pipeline.training). Snakemake tracks a
+# small manifest per segment; the checkpoint itself and the live metrics are written by the job.
+def segment_name(segment: int) -> str:
+    return f"{segment:04d}"
+
+
+def segment_manifest_key(segment: int | str) -> str:
+    """Declared output of training segment K, e.g. ``outputs/train-segment-0003.json``."""
+    if isinstance(segment, int):
+        segment = segment_name(segment)
+    return f"{OUTPUTS_DIR}/train-segment-{segment}.json"
+
+
+def checkpoint_prefix(segment: int | str) -> str:
+    """Folder of segment K's finished checkpoint (weights, optimizer, scheduler, data, RNG)."""
+    if isinstance(segment, int):
+        segment = segment_name(segment)
+    return f"checkpoints/segment-{segment}/"
+
+
+def train_progress_prefix(segment: int | str) -> str:
+    """In-flight state of segment K: periodic checkpoints, ``metrics.jsonl`` (one JSON object per
+    optimizer step) and ``telemetry.json``."""
+    if isinstance(segment, int):
+        segment = segment_name(segment)
+    return f"{PROGRESS_DIR}/train/segment-{segment}/"
+
+
+TRAIN_METRICS = "metrics.jsonl"
+# The exported drafter (z-lab format) that SGLang and vLLM load: a folder of two files.
+DRAFTER_DIR = "drafter"
+DRAFTER_CONFIG = f"{DRAFTER_DIR}/config.json"
+DRAFTER_WEIGHTS = f"{DRAFTER_DIR}/model.safetensors"
+EVAL_METRICS = f"{OUTPUTS_DIR}/eval-metrics.json"
