@@ -1,4 +1,31 @@
 # Train: the drafter as a chain of checkpoint segments, then its export (dflash_pipeline.training).
+# Offline mode first stores the target's taps per shard (rule `extract`).
+
+
+rule extract:
+    input:
+        unpack(target_model_input),
+        tokenized=shard_output("tokenized"),
+    output:
+        manifest=shard_output("hidden"),
+    log:
+        log_path("extract"),
+    benchmark:
+        benchmark_path("extract")
+    conda:
+        "../envs/gpu-train.yaml"
+    threads: 2
+    resources:
+        gpu=min(1, config["train"]["gpus_per_job"]),
+        mem_mb=16000,
+    params:
+        run_url=lambda wildcards: RUN_URL,
+        model=config["target"]["model"],
+        settings=config["train"],
+        gpu_pool=GPU_POOL,
+        gpu_lock_dir=GPU_LOCK_DIR,
+    script:
+        "../scripts/extract.py"
 
 
 def train_inputs(wildcards):

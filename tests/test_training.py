@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from dflash_pipeline import layout
 from dflash_pipeline.config import validate_config
+from dflash_pipeline.storage import open_storage
 from dflash_pipeline.training.export import export_drafter, expected_tensor_shapes
 from dflash_pipeline.training.trainer import PREEMPTED_EXIT_CODE, SegmentJob, lr_factor
 from tests.support.train_data import write_tokenized_shard
@@ -209,3 +210,42 @@ def test_lr_schedule_warms_up_then_decays_to_floor():
     assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
     assert values[10] == pytest.approx(1.0) and values[-1] == pytest.approx(0.1, abs=1e-3)
     assert all(a >= b for a, b in zip(values[10:], values[11:]))
+
+
+@pytest.mark.parametrize("hidden_dtype", ["float32", "float8_e4m3fn"])
+def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_model, tokenized, tmp_path):
+    from dflash_pipeline.extraction import extract_shard
+
+    hidden = {}
+    for shard, path in tokenized.items():
+        manifest = tmp_path / layout.shard_key("hidden", shard)
+        extract_shard(path, str(demo_model), [1, 5], str(tmp_path), shard, str(manifest), hidden_dtype)
+        hidden[shard] = str(manifest)
+        written = json.loads(manifest.read_text())
+        assert (tmp_path / written["key"]).stat().st_size == written["size"]
+    job = SegmentJob(
+        run_url=str(tmp_path), segment=0, settings=settings(mode="offline", hidden_dtype=hidden_dtype),
+        target_dir=str(demo_model), tokenized=tokenized, hidden=hidden,
+        manifest_path=str(tmp_path / layout.segment_manifest_key(0)), device="cpu",
+    )
+    job.run()
+    # The stored taps are the target's taps (up to the rounding of a different batch shape, or
+    # of fp8), and training from them lands next to online training.
+    from dflash_pipeline.extraction import HiddenShards
+    from dflash_pipeline.model.taps import TargetTaps, load_target
+    from dflash_pipeline.training.data import collate, read_training_sequences
+    from dflash_pipeline.training.trainer import build_drafter_config
+
+    config = build_drafter_config(settings(), str(demo_model))
+    sequences = read_training_sequences(tokenized)[:3]
+    ids, _ = collate(sequences, "cpu")
+    stored = HiddenShards(open_storage(str(tmp_path)), hidden, config).taps(sequences, ids.shape[1], "cpu", torch.float32)
+    online = TargetTaps(load_target(str(demo_model)), [1, 5])(ids)
+    for i, seq in enumerate(sequences):
+        n = len(seq.input_ids)
+        tolerance = 1e-5 if hidden_dtype == "float32" else 0.07
+        torch.testing.assert_close(stored[i, :n], online[i, :n], rtol=tolerance, atol=tolerance * 10)
+    ref_weights, _ = final_state(reference[0])
+    weights, _ = final_state(tmp_path)
+    drift = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
+    assert drift < (1e-3 if hidden_dtype == "float32" else 0.05), drift
