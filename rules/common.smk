@@ -91,6 +91,17 @@ def target_model_input(wildcards):
     )
 
 
+def train_inputs(wildcards):
+    segment = int(wildcards.segment)
+    inputs = {"tokenized": expand(shard_output("tokenized"), shard=SHARDS)}
+    if segment > 0:
+        inputs["previous"] = segment_manifest(segment - 1)
+    if config["train"]["mode"] == "offline":
+        inputs["hidden"] = expand(shard_output("hidden"), shard=SHARDS)
+    inputs.update(target_model_input(wildcards))
+    return inputs
+
+
 def get_final_output():
     # Every tracked output lives in one folder, so the S3 plugin's single listing covers the
     # whole run (dflash_pipeline.layout).

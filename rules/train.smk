@@ -28,17 +28,6 @@ rule extract:
         "../scripts/extract.py"
 
 
-def train_inputs(wildcards):
-    segment = int(wildcards.segment)
-    inputs = {"tokenized": expand(shard_output("tokenized"), shard=SHARDS)}
-    if segment > 0:
-        inputs["previous"] = segment_manifest(segment - 1)
-    if config["train"]["mode"] == "offline":
-        inputs["hidden"] = expand(shard_output("hidden"), shard=SHARDS)
-    inputs.update(target_model_input(wildcards))
-    return inputs
-
-
 rule train:
     input:
         unpack(train_inputs),
