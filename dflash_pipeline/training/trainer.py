@@ -25,15 +25,10 @@ from dflash_pipeline import layout
 from dflash_pipeline.model.config import DrafterConfig, drafter_config_for_target
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.storage import Storage, open_storage
-from dflash_pipeline.training.blocks import (
-    block_loss,
-    block_metrics,
-    blocks_forward,
-    build_blocks,
-    sample_anchors,
-)
+from dflash_pipeline.training.blocks import block_metrics, blocks_forward
 from dflash_pipeline.training.checkpoint import RollingCheckpoints, load_checkpoint, save_checkpoint
 from dflash_pipeline.training.data import BatchPlan, collate, read_training_sequences
+from dflash_pipeline.training.step import optimizer_step
 
 PREEMPTED_EXIT_CODE = 143
 
@@ -302,42 +297,32 @@ class _SegmentRun:
         started = time.perf_counter()
         input_ids, loss_mask, taps, real_tokens = self._batch(step)
         generator = torch.Generator().manual_seed(s["seed"] * 1_000_003 + step * 1009 + self.dist.rank)
-        anchors, keep = sample_anchors(loss_mask, s["num_anchors"], generator)
-        blocks = build_blocks(
+        out = optimizer_step(
+            self.drafter,
+            self.optimizer,
+            self.scheduler,
+            taps,
             input_ids,
             loss_mask,
-            anchors,
-            keep,
-            block_size=self.drafter_config.block_size,
-            mask_token_id=self.drafter_config.mask_token_id,
-            gamma=s["loss_decay_gamma"],
+            self.embed_weight,
+            self.lm_head_weight,
+            s,
+            generator,
+            self.backend,
+            forward_module=self.model if self.dist.world > 1 else None,
         )
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.on_gpu):
-            if self.dist.world > 1:
-                hidden = self.model(taps, self.embed_weight, blocks, self.backend)
-            else:
-                hidden = blocks_forward(self.drafter, taps, self.embed_weight, blocks, self.backend)
-            result = block_loss(hidden, self.lm_head_weight, blocks, s["loss_chunk_rows"])
-        result.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.drafter.parameters(), s["grad_clip"] if s["grad_clip"] > 0 else float("inf")
-        )
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - started
         tokens = self.dist.sum(float(real_tokens), self.device)
-        metrics = block_metrics(result, blocks)
+        metrics = block_metrics(out.loss, out.blocks)
         return {
             "segment": self.job.segment,
             "step": step,
-            "loss": round(result.loss.item(), 6),
+            "loss": round(out.loss.loss.item(), 6),
             **metrics,
-            "grad_norm": round(float(grad_norm), 6),
-            "lr": lr,
+            "grad_norm": round(out.grad_norm, 6),
+            "lr": out.lr,
             "step_time_s": round(elapsed, 4),
             "steps_per_s": round(1.0 / elapsed, 4),
             "tokens_per_s": round(tokens / elapsed, 1),
