@@ -29,7 +29,6 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_pipeline.config import validate_config  # noqa: E402
 from dflash_pipeline.model.config import FULL, SLIDING, DrafterConfig  # noqa: E402
 from dflash_pipeline.model.drafter import DFlashDrafter  # noqa: E402
 from dflash_pipeline.training.step import optimizer_step  # noqa: E402
@@ -89,6 +88,14 @@ def drafter_step_flops(config: DrafterConfig, seq_len: int, num_blocks: int, sup
     return 3 * forward
 
 
+def train_defaults() -> dict:
+    """The `train` section's defaults, read from the schema (the GPU image lacks jsonschema)."""
+    import yaml
+
+    schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
+    return {k: v.get("default") for k, v in schema["properties"]["train"]["properties"].items()}
+
+
 def random_target(spec: dict, device):
     from transformers import AutoModelForCausalLM
 
@@ -119,7 +126,7 @@ def run_case(name: str, mode: str, steps: int, warmup: int, attention: str, anch
     torch.manual_seed(0)
     config = DrafterConfig(**case["drafter"], dtype="bfloat16")
     seq_len = case["seq_len"]
-    settings = validate_config({"train": {"num_anchors": anchors}})["train"]
+    settings = {**train_defaults(), "num_anchors": anchors}
     target = taps_fn = None
     if mode == "online":
         from dflash_pipeline.model.taps import TargetTaps
