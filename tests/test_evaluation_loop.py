@@ -62,6 +62,20 @@ def hybrid_target(seed: int = 0):
     return _finish(Qwen3_5ForCausalLM(config))
 
 
+def sliding_window_target(seed: int = 0):
+    """Dense, with sliding-window layers whose window (5) is shorter than a block of 8."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=0,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        **SHAPE,
+    )
+    return _finish(Qwen3ForCausalLM(config))
+
+
 @pytest.fixture(scope="module")
 def dense():
     return dense_target()
@@ -181,10 +195,11 @@ def test_proposer_sees_each_committed_position_once_with_the_targets_taps(dense)
 
 
 @pytest.mark.parametrize(
-    "target_kind, block", [("dense", 2), ("dense", 8), ("hybrid", 3), ("hybrid", 8)]
+    "target_kind, block",
+    [("dense", 2), ("dense", 8), ("hybrid", 3), ("hybrid", 8), ("sliding_window", 8)],
 )
 def test_greedy_loop_output_equals_plain_greedy_decoding(block, target_kind, dense, hybrid):
-    model = dense if target_kind == "dense" else hybrid
+    model = {"dense": dense, "hybrid": hybrid}.get(target_kind) or sliding_window_target()
     max_new = 30
     continuation = greedy_continuation(model, max_new + block)
     runner = TargetRunner(model, TAPS)

@@ -112,6 +112,11 @@ class TargetRunner:
         self.cache = DynamicCache(config=self.model.config)
         self.length = 0
         self._pending = None
+        self._classify_layers()
+
+    def _classify_layers(self) -> None:
+        """Sort the cache's layers into linear-attention and attention ones. Run again before
+        each verify: a cache built without layer types creates its layers during prefill."""
         self.linear_layers, self.attention_layers = [], []
         for index, layer in enumerate(self.cache.layers):
             if _is_linear(layer):
@@ -160,6 +165,7 @@ class TargetRunner:
 
     def verify(self, block: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run a block in one forward, remembering what is needed to take part of it back."""
+        self._classify_layers()
         snapshots = [_snapshot(layer) for layer in self.linear_layers] if self.is_hybrid else None
         logits, taps = self.forward(block)
         self._pending = (list(block), snapshots)
