@@ -60,7 +60,9 @@ def _resolve_device_dtype(options: EvalOptions):
         torch_dtype = getattr(torch, dtype)
         assert isinstance(torch_dtype, torch.dtype)
     except (AttributeError, AssertionError):
-        raise ValueError(f"--dtype {dtype!r} is not a torch dtype (float32, bfloat16, float16)") from None
+        raise ValueError(
+            f"--dtype {dtype!r} is not a torch dtype (float32, bfloat16, float16)"
+        ) from None
     return torch.device(device), torch_dtype
 
 
@@ -124,7 +126,9 @@ def run_evaluation(
     out = Path(out)
     prompts = read_eval_prompts(prompts_path, options.limit)
     if options.engine == "transformers":
-        results, sections, resolved = _run_transformers(target, drafter, prompts, options, load_proposer)
+        results, sections, resolved = _run_transformers(
+            target, drafter, prompts, options, load_proposer
+        )
     elif options.engine == "sglang":
         results, sections, resolved = _run_sglang(target, drafter, prompts, options, out)
     else:
@@ -139,7 +143,9 @@ def run_evaluation(
     )
     loop_tau = document["overall"]["tau"]
     if options.simulated_tau is not None and loop_tau is not None:
-        document["parity"] = parity_report(options.simulated_tau, loop_tau, options.parity_tolerance)
+        document["parity"] = parity_report(
+            options.simulated_tau, loop_tau, options.parity_tolerance
+        )
     _write_json(out, document)
     overall = document["overall"]
     log.info(
@@ -233,9 +239,9 @@ def _run_transformers(target, drafter, prompts, options: EvalOptions, load_propo
         "dtype": str(dtype).removeprefix("torch."),
         "block_size": proposer.block_size,
         "target_layer_ids": list(proposer.target_layer_ids),
-        "target_rollback": "snapshot+rerun (hybrid linear-attention target)"
-        if runner.is_hybrid
-        else "crop",
+        "target_rollback": (
+            "snapshot+rerun (hybrid linear-attention target)" if runner.is_hybrid else "crop"
+        ),
         "stop_token_ids": sorted(stop),
     }
     return results, {"lossless": lossless}, resolved
@@ -285,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--target", required=True, help="target model folder (Hugging Face format)")
     parser.add_argument("--drafter", required=True, help="exported drafter folder (z-lab format)")
-    parser.add_argument("--prompts", required=True, help="JSONL file of rows with OpenAI `messages`")
+    parser.add_argument(
+        "--prompts", required=True, help="JSONL file of rows with OpenAI `messages`"
+    )
     parser.add_argument("--out", required=True, help="metrics JSON to write")
     parser.add_argument("--max-new-tokens", type=int, default=EvalOptions.max_new_tokens)
     parser.add_argument("--temperature", type=float, default=EvalOptions.temperature)
@@ -294,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=EvalOptions.seed, help="sampling seed")
     parser.add_argument("--engine", choices=("transformers", "sglang"), default="transformers")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32 ...")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32 ..."
+    )
     parser.add_argument(
         "--lossless-margin",
         type=float,
@@ -302,7 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 0 in fp32, 0.25 in bf16)",
     )
     parser.add_argument("--limit", type=int, help="evaluate only the first N prompts")
-    parser.add_argument("--simulated-tau", type=float, help="training's simulated tau (parity gate)")
+    parser.add_argument(
+        "--simulated-tau", type=float, help="training's simulated tau (parity gate)"
+    )
     parser.add_argument("--parity-tolerance", type=float, default=EvalOptions.parity_tolerance)
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up decode")
     parser.add_argument("--sglang-port", type=int, default=EvalOptions.sglang_port)

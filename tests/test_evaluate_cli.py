@@ -36,8 +36,16 @@ def export_untrained_drafter(target_dir, out_dir, block_size=BLOCK):
 @pytest.fixture
 def prompts_file(tmp_path):
     rows = [
-        {"id": "a1", "prompt_set": "arith", "messages": [{"role": "user", "content": "What is 12 + 30?"}]},
-        {"id": "a2", "prompt_set": "arith", "messages": [{"role": "user", "content": "Add 7 and 5."}]},
+        {
+            "id": "a1",
+            "prompt_set": "arith",
+            "messages": [{"role": "user", "content": "What is 12 + 30?"}],
+        },
+        {
+            "id": "a2",
+            "prompt_set": "arith",
+            "messages": [{"role": "user", "content": "Add 7 and 5."}],
+        },
         {
             "id": "c1",
             "prompt_set": "chat",
@@ -52,7 +60,9 @@ def prompts_file(tmp_path):
     return path
 
 
-def test_evaluate_writes_the_metrics_json_and_gates_after_writing(demo_model, tmp_path, prompts_file):
+def test_evaluate_writes_the_metrics_json_and_gates_after_writing(
+    demo_model, tmp_path, prompts_file
+):
     drafter = export_untrained_drafter(demo_model, tmp_path / "drafter")
     out = tmp_path / "eval" / "metrics.json"
     args = ["--target", str(demo_model), "--drafter", str(drafter), "--prompts", str(prompts_file)]
@@ -95,3 +105,16 @@ def test_evaluate_reports_a_bad_prompt_row_without_loading_models(tmp_path):
     args = ["--target", str(tmp_path / "none"), "--drafter", str(tmp_path / "none")]
     assert main(args + ["--prompts", str(bad), "--out", str(tmp_path / "m.json")]) == 1
     assert not (tmp_path / "m.json").exists()
+
+
+def test_evaluate_sampled_with_a_smaller_block_than_trained(demo_model, tmp_path, prompts_file):
+    drafter = export_untrained_drafter(demo_model, tmp_path / "drafter")
+    out = tmp_path / "metrics.json"
+    args = ["--target", str(demo_model), "--drafter", str(drafter), "--prompts", str(prompts_file)]
+    args += ["--out", str(out), "--max-new-tokens", "12", "--limit", "1", "--device", "cpu"]
+    assert main(args + ["--block-size", "3", "--temperature", "0.7", "--no-warmup"]) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["overall"]["accept_hist"]) == 3 and doc["settings"]["block_size"] == 3
+    assert [p["id"] for p in doc["per_prompt"]] == ["a1"]
+    # Sampled outputs match the target in distribution only: no token-for-token check.
+    assert doc["lossless"]["checked"] is False and "lossless" not in doc["per_prompt"][0]

@@ -132,7 +132,9 @@ class RandomProposer(ContextCheckingProposer):
         self.vocab = vocab
 
     def drafts(self, anchor_token, anchor_position):
-        return torch.randint(0, self.vocab, (self.block_size - 1,), generator=self.generator).tolist()
+        return torch.randint(
+            0, self.vocab, (self.block_size - 1,), generator=self.generator
+        ).tolist()
 
 
 class CoinProposer(OracleProposer):
@@ -246,7 +248,9 @@ def test_a_naive_cache_crop_breaks_losslessness_on_the_hybrid_target(hybrid):
     max_new = 30
     continuation = greedy_continuation(hybrid, max_new + 4)
     proposer = CoinProposer(4, len(PROMPT), continuation)
-    trace = speculative_decode(NaiveCropRunner(hybrid, TAPS), proposer, PROMPT, DecodeSettings(max_new))
+    trace = speculative_decode(
+        NaiveCropRunner(hybrid, TAPS), proposer, PROMPT, DecodeSettings(max_new)
+    )
     assert any(a < 3 for a in trace.accepted_lengths)  # some drafts were rejected
     assert trace.tokens != continuation[:max_new]
 
@@ -318,7 +322,9 @@ def test_a_proposer_returning_the_wrong_number_of_drafts_is_named(dense):
             return super().drafts(anchor_token, anchor_position)[:-1]
 
     with pytest.raises(ProposerError, match="returned 2 drafts for block size 4"):
-        speculative_decode(TargetRunner(dense, TAPS), Short(4, len(PROMPT)), PROMPT, DecodeSettings(10))
+        speculative_decode(
+            TargetRunner(dense, TAPS), Short(4, len(PROMPT)), PROMPT, DecodeSettings(10)
+        )
 
 
 def test_tap_ids_outside_the_target_are_refused(dense):

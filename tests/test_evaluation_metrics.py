@@ -60,7 +60,11 @@ def test_prompt_tau_is_committed_tokens_per_verify_step():
 
 
 def test_groups_weight_tau_by_steps_and_split_by_prompt_set():
-    results = [result("a", "math", [3, 3]), result("b", "chat", [0, 0, 0, 1]), result("c", "math", [1])]
+    results = [
+        result("a", "math", [3, 3]),
+        result("b", "chat", [0, 0, 0, 1]),
+        result("c", "math", [1]),
+    ]
     overall = aggregate(results)
     assert overall["tau"] == pytest.approx((4 + 4 + 1 + 1 + 1 + 2 + 2) / 7, abs=1e-4)
     assert overall["tau_mean_of_prompts"] == pytest.approx((4 + 1.25 + 2) / 3, abs=1e-4)
@@ -108,14 +112,22 @@ def test_parity_gate_passes_within_tolerance_and_names_causes_outside():
         check_parity(4.0, 3.0)
     text = str(below.value)
     assert "25% below the simulated tau 4.000" in text
-    for cause in ("chat template or thinking", "layer ids off by one", "RoPE", "skipped", "sliding-window"):
+    for cause in (
+        "chat template or thinking",
+        "layer ids off by one",
+        "RoPE",
+        "skipped",
+        "sliding-window",
+    ):
         assert cause in text
     with pytest.raises(ParityError, match="above the simulated tau"):
         check_parity(2.0, 3.0, tolerance=0.2)
 
 
 def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" if not isinstance(r, str) else r + "\n" for r in rows))
+    path.write_text(
+        "".join(json.dumps(r) + "\n" if not isinstance(r, str) else r + "\n" for r in rows)
+    )
     return path
 
 
@@ -149,7 +161,10 @@ def test_prompts_are_read_with_ids_sets_and_without_trailing_assistant_turns(tmp
     "rows, message",
     [
         (['{"messages": [}'], r"p.jsonl row 1: malformed JSON"),
-        ([{"messages": [{"role": "user", "content": "a"}]}, {"messages": []}], r"p.jsonl row 2: empty"),
+        (
+            [{"messages": [{"role": "user", "content": "a"}]}, {"messages": []}],
+            r"p.jsonl row 2: empty",
+        ),
         ([{"messages": [{"role": "assistant", "content": "a"}]}], r"row 1: no user turn"),
         (
             [
@@ -196,7 +211,9 @@ def test_sglang_acceptance_is_read_from_meta_info():
     assert acceptance.accept_hist == [2, 3, 5, 0]
     record = prompt_result("p", "s", 12, acceptance, 4)
     assert record.tau == 4.0 and record.verify_steps == 10 and record.generated_tokens == 40
-    older = {"meta_info": {"completion_tokens": 9, "spec_verify_ct": 3, "spec_accept_histogram": [1, 2]}}
+    older = {
+        "meta_info": {"completion_tokens": 9, "spec_verify_ct": 3, "spec_accept_histogram": [1, 2]}
+    }
     assert acceptance_from_response(older, 4).accept_hist == [1, 2, 0, 0]
     bare = {"meta_info": {"completion_tokens": 9, "spec_verify_ct": 3}}
     assert acceptance_from_response(bare, 4).accept_hist is None
@@ -206,8 +223,14 @@ def test_sglang_acceptance_is_read_from_meta_info():
     "meta, message",
     [
         ({"completion_tokens": 9}, "spec_verify_ct missing .* without speculative decoding"),
-        ({"completion_tokens": 9, "spec_verify_ct": 3, "spec_accept_histogram": [1, 1]}, "counts 2 steps"),
-        ({"completion_tokens": 9, "spec_verify_ct": 2, "spec_accept_histogram": [1, 0, 0, 0, 1]}, "4 or fewer"),
+        (
+            {"completion_tokens": 9, "spec_verify_ct": 3, "spec_accept_histogram": [1, 1]},
+            "counts 2 steps",
+        ),
+        (
+            {"completion_tokens": 9, "spec_verify_ct": 2, "spec_accept_histogram": [1, 0, 0, 0, 1]},
+            "4 or fewer",
+        ),
     ],
 )
 def test_sglang_replies_without_usable_counters_are_refused(meta, message):

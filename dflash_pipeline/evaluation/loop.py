@@ -31,7 +31,9 @@ class Proposer(Protocol):
 
     def reset(self) -> None: ...
 
-    def propose(self, new_context: torch.Tensor, anchor_token: int, anchor_position: int) -> list[int]:
+    def propose(
+        self, new_context: torch.Tensor, anchor_token: int, anchor_position: int
+    ) -> list[int]:
         """Draft tokens for positions anchor_position+1 .. anchor_position+B-1.
 
         ``new_context`` holds the taps [n, K*H] of positions anchor_position-n .. anchor_position-1,
@@ -164,7 +166,9 @@ def speculative_decode(
 
 
 @torch.no_grad()
-def plain_decode(target: TargetRunner, prompt_ids: list[int], settings: DecodeSettings) -> PlainTrace:
+def plain_decode(
+    target: TargetRunner, prompt_ids: list[int], settings: DecodeSettings
+) -> PlainTrace:
     """The target alone, one token per forward: the reference for losslessness and speed."""
     pick = TokenPicker(settings, target.device)
     _synchronize(target.device)

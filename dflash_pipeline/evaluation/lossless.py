@@ -14,7 +14,12 @@ from dataclasses import dataclass
 import torch
 
 # Margins under which a divergence counts as rounding in reduced precision (logit units).
-DEFAULT_MARGIN_TOLERANCE = {torch.float32: 0.0, torch.float64: 0.0, torch.bfloat16: 0.25, torch.float16: 0.1}
+DEFAULT_MARGIN_TOLERANCE = {
+    torch.float32: 0.0,
+    torch.float64: 0.0,
+    torch.bfloat16: 0.25,
+    torch.float16: 0.1,
+}
 
 
 class LosslessError(AssertionError):
@@ -54,7 +59,10 @@ class LosslessResult:
 
 
 def compare_greedy(
-    loop_tokens: list[int], plain_tokens: list[int], plain_margins: list[float], margin_tolerance: float
+    loop_tokens: list[int],
+    plain_tokens: list[int],
+    plain_margins: list[float],
+    margin_tolerance: float,
 ) -> LosslessResult:
     """Find the first position where the two decodings differ (token, or one ending earlier)."""
     for index in range(max(len(loop_tokens), len(plain_tokens))):

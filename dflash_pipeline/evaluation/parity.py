@@ -30,7 +30,9 @@ class ParityError(AssertionError):
     """The loop's tau and the simulated tau disagree beyond the tolerance."""
 
 
-def parity_report(simulated_tau: float, loop_tau: float, tolerance: float = DEFAULT_TOLERANCE) -> dict:
+def parity_report(
+    simulated_tau: float, loop_tau: float, tolerance: float = DEFAULT_TOLERANCE
+) -> dict:
     """Both numbers side by side; ``gap`` is (loop - simulated) / simulated."""
     if simulated_tau <= 0:
         raise ValueError(f"simulated tau must be positive, got {simulated_tau}")
@@ -44,7 +46,9 @@ def parity_report(simulated_tau: float, loop_tau: float, tolerance: float = DEFA
     }
 
 
-def check_parity(simulated_tau: float, loop_tau: float, tolerance: float = DEFAULT_TOLERANCE) -> dict:
+def check_parity(
+    simulated_tau: float, loop_tau: float, tolerance: float = DEFAULT_TOLERANCE
+) -> dict:
     """The report, or ParityError naming the gap and where to look."""
     report = parity_report(simulated_tau, loop_tau, tolerance)
     if report["passed"]:

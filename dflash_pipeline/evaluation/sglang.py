@@ -72,7 +72,9 @@ class SpecAcceptance:
     output_ids: list[int] | None
 
 
-def acceptance_from_response(data: dict, block_size: int, source: str = "response") -> SpecAcceptance:
+def acceptance_from_response(
+    data: dict, block_size: int, source: str = "response"
+) -> SpecAcceptance:
     """Read one ``/generate`` reply's speculative counters; errors say what is missing."""
     meta = data.get("meta_info")
     if not isinstance(meta, dict):
@@ -154,7 +156,9 @@ def measure_with_sglang(
     """Launch the server, send every (id, prompt_set, prompt_ids), stop it, return the records."""
     sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature)
     log_dir = Path(log_dir)
-    with ManagedServer(spec, log_dir / "sglang.log", log_dir, startup_timeout=startup_timeout) as server:
+    with ManagedServer(
+        spec, log_dir / "sglang.log", log_dir, startup_timeout=startup_timeout
+    ) as server:
         client = EngineClient([spec.url], _RawSglangAdapter(), alive=server.alive)
 
         async def run():
@@ -163,6 +167,12 @@ def measure_with_sglang(
 
         replies = asyncio.run(run())
     return [
-        prompt_result(pid, pset, len(ids), acceptance_from_response(reply, block_size, f"prompt {pid}"), block_size)
+        prompt_result(
+            pid,
+            pset,
+            len(ids),
+            acceptance_from_response(reply, block_size, f"prompt {pid}"),
+            block_size,
+        )
         for (pid, pset, ids), reply in zip(prompts, replies)
     ]

@@ -43,7 +43,9 @@ class LinearStateSnapshot:
 
 
 def _is_linear(layer) -> bool:
-    return bool(LinearAttentionCacheLayerMixin) and isinstance(layer, LinearAttentionCacheLayerMixin)
+    return bool(LinearAttentionCacheLayerMixin) and isinstance(
+        layer, LinearAttentionCacheLayerMixin
+    )
 
 
 def _is_attention(layer) -> bool:
@@ -75,7 +77,11 @@ def _crop_attention(layer, tokens_to_remove: int) -> None:
     sliding-window layer back to its window)."""
     if _is_linear(layer):
         # A layer holding both kinds: crop its key/value part only; the linear part was restored.
-        base = DynamicSlidingWindowLayer if isinstance(layer, DynamicSlidingWindowLayer) else DynamicLayer
+        base = (
+            DynamicSlidingWindowLayer
+            if isinstance(layer, DynamicSlidingWindowLayer)
+            else DynamicLayer
+        )
         base.crop(layer, -tokens_to_remove)
     else:
         layer.crop(-tokens_to_remove)
@@ -145,7 +151,9 @@ class TargetRunner:
 
     # --- forwards -----------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, tokens: list[int], taps: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, tokens: list[int], taps: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append ``tokens`` to the sequence; returns logits [n, V] (fp32) and taps [n, K*H]."""
         if self.cache is None:
             raise RuntimeError("TargetRunner.start() must be called before the first forward")
