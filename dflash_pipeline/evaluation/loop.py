@@ -133,7 +133,7 @@ def speculative_decode(
     started = time.perf_counter()
     proposer.reset()
     target.start()
-    logits, context = target.forward(prompt_ids)
+    logits, context = target.forward(prompt_ids, last_logits_only=True)
     anchor = pick(logits[-1:])[0]
     anchor_position = len(prompt_ids)
     tokens = [anchor]
@@ -174,7 +174,7 @@ def plain_decode(
     _synchronize(target.device)
     started = time.perf_counter()
     target.start()
-    logits, _ = target.forward(prompt_ids, taps=False)
+    logits, _ = target.forward(prompt_ids, taps=False, last_logits_only=True)
     tokens: list[int] = []
     margins: list[float] = []
     while True:

@@ -108,6 +108,8 @@ class TargetRunner:
         # transformers 5.24 renamed the forward's cache argument; 5.17 only knows the old name.
         params = inspect.signature(model.forward).parameters
         self.cache_argument = "cache" if "cache" in params else "past_key_values"
+        # Prefill needs only the last position's logits: [P, V] fp32 would be GBs on long prompts.
+        self.can_keep_last_logits = "logits_to_keep" in params
         self.device = next(model.parameters()).device
         self.cache = None
         self.length = 0
@@ -123,7 +125,7 @@ class TargetRunner:
     def _classify_layers(self) -> None:
         """Sort the cache's layers into linear-attention and attention ones. Run again before
         each verify: a cache built without layer types creates its layers during prefill."""
-        self.linear_layers, self.attention_layers = [], []
+        self.linear_layers, self.attention_layers, self.sliding_layers = [], [], []
         for index, layer in enumerate(self.cache.layers):
             if _is_linear(layer):
                 self.linear_layers.append(layer)
@@ -138,6 +140,7 @@ class TargetRunner:
                 if isinstance(layer, DynamicSlidingWindowLayer):
                     # Keep the evicted keys until the next crop, so rejected tokens can go.
                     layer.activate_past_recording()
+                    self.sliding_layers.append(layer)
                 self.attention_layers.append(layer)
             else:
                 raise TargetCacheError(
@@ -152,24 +155,33 @@ class TargetRunner:
     # --- forwards -----------------------------------------------------------------------------
     @torch.no_grad()
     def forward(
-        self, tokens: list[int], taps: bool = True
+        self, tokens: list[int], taps: bool = True, last_logits_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Append ``tokens`` to the sequence; returns logits [n, V] (fp32) and taps [n, K*H]."""
+        """Append ``tokens`` to the sequence; returns logits [n, V] (fp32; [1, V] with
+        ``last_logits_only``) and the taps [n, K*H] of every appended position."""
         if self.cache is None:
             raise RuntimeError("TargetRunner.start() must be called before the first forward")
         want_taps = taps and bool(self.tap_layer_ids)
         ids = torch.tensor([tokens], device=self.device)
+        extra = {"logits_to_keep": 1} if last_logits_only and self.can_keep_last_logits else {}
+        for layer in self.sliding_layers:
+            # A recording sliding-window layer holds more than its window until cropped; the
+            # attention mask assumes the window, so trim before every forward (crop(0)).
+            if layer.is_initialized:
+                layer.crop(0)
         out = self.model(
             input_ids=ids,
             use_cache=True,
             output_hidden_states=want_taps,
             **{self.cache_argument: self.cache},
+            **extra,
         )
         self.length += len(tokens)
         tap_rows = None
         if want_taps:
             tap_rows = torch.cat([out.hidden_states[i + 1][0] for i in self.tap_layer_ids], dim=-1)
-        return out.logits[0].float(), tap_rows
+        logits = out.logits[0, -1:] if last_logits_only else out.logits[0]
+        return logits.float(), tap_rows
 
     def verify(self, block: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run a block in one forward, remembering what is needed to take part of it back."""
@@ -199,7 +211,7 @@ class TargetRunner:
             for layer in self.attention_layers:
                 _crop_attention(layer, len(block))
             self.length -= len(block)
-            _, taps = self.forward(block[:accepted])
+            _, taps = self.forward(block[:accepted], last_logits_only=True)
             return taps
         for layer in self.attention_layers:
             _crop_attention(layer, rejected)
