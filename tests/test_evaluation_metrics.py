@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -26,6 +28,7 @@ from dflash_pipeline.evaluation.sglang import (
     SglangResponseError,
     acceptance_from_response,
     prompt_result,
+    request_acceptance,
     sglang_server_spec,
 )
 
@@ -238,3 +241,56 @@ def test_sglang_replies_without_usable_counters_are_refused(meta, message):
         acceptance_from_response({"meta_info": meta}, 4, source="prompt q7")
     with pytest.raises(SglangResponseError, match="prompt q7: SGLang reply has no meta_info"):
         acceptance_from_response({}, 4, source="prompt q7")
+
+
+class StandInSglang(BaseHTTPRequestHandler):
+    """SGLang's ``/generate`` as far as the evaluation uses it (SGLang itself cannot run here):
+    checks the request and answers with counters derived from the prompt length."""
+
+    requests: list[dict] = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        StandInSglang.requests.append({"path": self.path, **body})
+        steps = len(body["input_ids"])
+        reply = {
+            "text": "",
+            "output_ids": [1] * (3 * steps),
+            "meta_info": {
+                "completion_tokens": 3 * steps,
+                "spec_verify_ct": steps,
+                "spec_correct_drafts_histogram": [0, steps - 1, 1],
+                "finish_reason": {"type": "length"},
+            },
+        }
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_sglang_mode_sends_prompt_ids_and_reads_acceptance_per_prompt():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandInSglang)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        prompts = [("p1", "math", [5, 6, 7, 8]), ("p2", "chat", [9, 10])]
+        results = request_acceptance(url, prompts, 4, max_new_tokens=64, temperature=0.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+    sent = sorted(StandInSglang.requests, key=lambda r: len(r["input_ids"]))
+    assert [r["path"] for r in sent] == ["/generate", "/generate"]
+    assert [r["input_ids"] for r in sent] == [[9, 10], [5, 6, 7, 8]]
+    assert sent[0]["sampling_params"]["max_new_tokens"] == 64
+    assert sent[0]["sampling_params"]["temperature"] == 0.0
+    by_id = {r.id: r for r in results}
+    assert by_id["p1"].tau == 3.0 and by_id["p1"].verify_steps == 4
+    assert by_id["p1"].accept_hist == [0, 3, 1, 0] and by_id["p2"].prompt_set == "chat"
+    assert aggregate(results)["tau"] == 3.0

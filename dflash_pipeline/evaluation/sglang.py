@@ -142,6 +142,39 @@ async def _request_all(client: EngineClient, requests, sampling: Sampling, concu
     return await asyncio.gather(*(one(ids) for ids in requests))
 
 
+def request_acceptance(
+    url: str,
+    prompts: list[tuple[str, str, list[int]]],
+    block_size: int,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    concurrency: int = 1,
+    alive=None,
+) -> list[PromptResult]:
+    """Send every (id, prompt_set, prompt_ids) to a running SGLang server's ``/generate`` and
+    read each reply's acceptance counters. Concurrency 1 by default: batch-1 acceptance, as the
+    transformers loop measures it."""
+    sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature)
+    client = EngineClient([url], _RawSglangAdapter(), alive=alive)
+
+    async def run():
+        async with client:
+            return await _request_all(client, [p[2] for p in prompts], sampling, concurrency)
+
+    replies = asyncio.run(run())
+    return [
+        prompt_result(
+            pid,
+            pset,
+            len(ids),
+            acceptance_from_response(reply, block_size, f"prompt {pid}"),
+            block_size,
+        )
+        for (pid, pset, ids), reply in zip(prompts, replies)
+    ]
+
+
 def measure_with_sglang(
     spec: ServerSpec,
     prompts: list[tuple[str, str, list[int]]],
@@ -153,26 +186,17 @@ def measure_with_sglang(
     concurrency: int = 1,
     startup_timeout: float = 1800,
 ) -> list[PromptResult]:
-    """Launch the server, send every (id, prompt_set, prompt_ids), stop it, return the records."""
-    sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature)
+    """Launch the server, measure every prompt, stop the server."""
     log_dir = Path(log_dir)
     with ManagedServer(
         spec, log_dir / "sglang.log", log_dir, startup_timeout=startup_timeout
     ) as server:
-        client = EngineClient([spec.url], _RawSglangAdapter(), alive=server.alive)
-
-        async def run():
-            async with client:
-                return await _request_all(client, [p[2] for p in prompts], sampling, concurrency)
-
-        replies = asyncio.run(run())
-    return [
-        prompt_result(
-            pid,
-            pset,
-            len(ids),
-            acceptance_from_response(reply, block_size, f"prompt {pid}"),
+        return request_acceptance(
+            spec.url,
+            prompts,
             block_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            concurrency=concurrency,
+            alive=server.alive,
         )
-        for (pid, pset, ids), reply in zip(prompts, replies)
-    ]
