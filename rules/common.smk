@@ -29,6 +29,7 @@ RUN_URL = layout.run_url(
 
 wildcard_constraints:
     shard=r"\d{5}",
+    segment=r"\d{4}",
 
 
 def run_path(key):
@@ -38,6 +39,10 @@ def run_path(key):
 
 def shard_output(stage, ext=None):
     return run_path(layout.shard_key(stage, "{shard}", ext))
+
+
+def segment_manifest(segment):
+    return run_path(layout.segment_manifest_key(segment))
 
 
 def log_path(rule_name, per_shard=True):
@@ -86,11 +91,23 @@ def target_model_input(wildcards):
     )
 
 
+def train_inputs(wildcards):
+    segment = int(wildcards.segment)
+    inputs = {"tokenized": expand(shard_output("tokenized"), shard=SHARDS)}
+    if segment > 0:
+        inputs["previous"] = segment_manifest(segment - 1)
+    if config["train"]["mode"] == "offline":
+        inputs["hidden"] = expand(shard_output("hidden"), shard=SHARDS)
+    inputs.update(target_model_input(wildcards))
+    return inputs
+
+
 def get_final_output():
     # Every tracked output lives in one folder, so the S3 plugin's single listing covers the
     # whole run (dflash_pipeline.layout).
     outputs = expand(shard_output("tokenized"), shard=SHARDS)
     outputs.append(run_path(layout.INGEST_SUMMARY))
+    outputs += [run_path(layout.DRAFTER_CONFIG), run_path(layout.DRAFTER_WEIGHTS)]
     if config["target"]["build_demo"]:
         outputs.append(local(config["target"]["model"]))
     return outputs
