@@ -17,6 +17,7 @@ from dflash_pipeline.evaluation.loop import (
     speculative_decode,
 )
 from dflash_pipeline.evaluation.target import TargetRunner, _snapshot
+from dflash_pipeline.model.taps import TargetTaps
 
 VOCAB = 64
 PROMPT = [1, 2, 3, 4, 5, 6, 7]
@@ -191,6 +192,9 @@ def test_proposer_sees_each_committed_position_once_with_the_targets_taps(dense)
     # Tap id i is the OUTPUT of decoder layer i: hidden_states[i + 1] (index 0 is the embedding).
     expected = torch.cat([hidden[i + 1][0] for i in TAPS], dim=-1)[:last_anchor_position]
     torch.testing.assert_close(context, expected, atol=1e-4, rtol=1e-4)
+    # The same taps training reads: evaluation and training agree on the layer offset.
+    training_taps = TargetTaps(dense, TAPS)(full)[0, :last_anchor_position]
+    torch.testing.assert_close(context, training_taps, atol=1e-4, rtol=1e-4)
     # Each anchor is the token at its position in the final sequence.
     sequence = PROMPT + trace.tokens
     assert all(sequence[pos] == token for token, pos in proposer.anchors)
