@@ -3,8 +3,9 @@
     python -m dflash_pipeline.evaluate --target DIR --drafter DIR --prompts FILE --out metrics.json
         [--max-new-tokens N --temperature T --block-size B --thinking on|off --engine transformers|sglang]
 
-Prompts are JSONL rows with OpenAI ``messages`` (and optionally ``id`` and ``prompt_set``), rendered
-with the target's chat template. With the default engine the target runs in transformers and the
+Prompts are JSONL rows with OpenAI ``messages`` (and optionally ``id`` and ``prompt_set``), or the
+prepare stage's prompts parquet (``--split heldout`` selects the held-out rows), rendered with the
+target's chat template. With the default engine the target runs in transformers and the
 exported drafter proposes blocks through ``dflash_pipeline.model.inference``; every prompt is also
 decoded plainly, which gives the speedup estimate and, in greedy mode, the lossless check (the loop
 must reproduce plain greedy decoding token for token). ``--engine sglang`` launches SGLang with
@@ -38,6 +39,7 @@ class EvalOptions:
     lossless_margin: float | None = None  # default by dtype (0 in fp32)
     engine: str = "transformers"  # transformers | sglang
     limit: int | None = None  # evaluate only the first N prompts
+    split: str | None = None  # only rows of this split ("heldout" in the prepare stage's parquet)
     simulated_tau: float | None = None  # training's teacher-forced tau, for the parity gate
     parity_tolerance: float = 0.15
     warmup: bool = True
@@ -124,7 +126,7 @@ def run_evaluation(
 
     options = options or EvalOptions()
     out = Path(out)
-    prompts = read_eval_prompts(prompts_path, options.limit)
+    prompts = read_eval_prompts(prompts_path, options.limit, options.split)
     if options.engine == "transformers":
         results, sections, resolved = _run_transformers(
             target, drafter, prompts, options, load_proposer
@@ -340,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         lossless_margin=args.lossless_margin,
         engine=args.engine,
         limit=args.limit,
+        split=args.split,
         simulated_tau=args.simulated_tau,
         parity_tolerance=args.parity_tolerance,
         warmup=not args.no_warmup,

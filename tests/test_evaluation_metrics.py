@@ -160,6 +160,33 @@ def test_prompts_are_read_with_ids_sets_and_without_trailing_assistant_turns(tmp
     assert len(read_eval_prompts(path, limit=2)) == 2
 
 
+def test_prepared_parquet_prompts_are_selected_by_split_and_grouped_by_source(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_pipeline.prepare import PROMPT_SCHEMA
+
+    def row(pid, split, source):
+        messages = [{"role": "user", "content": f"question {pid}"}]
+        return {"id": pid, "shard": 0, "split": split, "messages": messages, "source": source}
+
+    rows = [
+        row("a", "heldout", "data/gsm8k.jsonl:3"),
+        row("b", "train", "data/gsm8k.jsonl:4"),
+        row("c", "heldout", "s3://bucket/chat/sharegpt.parquet:9"),
+    ]
+    path = tmp_path / "prompts.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA), path)
+    heldout = read_eval_prompts(path, split="heldout")
+    assert [(p.id, p.prompt_set) for p in heldout] == [("a", "gsm8k"), ("c", "sharegpt")]
+    assert len(read_eval_prompts(path)) == 3
+    with pytest.raises(PromptFileError, match="has no rows in split 'test'"):
+        read_eval_prompts(path, split="test")
+    jsonl = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
+    with pytest.raises(PromptFileError, match=r"p.jsonl row 1: no `split` field"):
+        read_eval_prompts(jsonl, split="heldout")
+
+
 @pytest.mark.parametrize(
     "rows, message",
     [
