@@ -294,8 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", required=True, help="target model folder (Hugging Face format)")
     parser.add_argument("--drafter", required=True, help="exported drafter folder (z-lab format)")
     parser.add_argument(
-        "--prompts", required=True, help="JSONL file of rows with OpenAI `messages`"
+        "--prompts",
+        required=True,
+        help="JSONL rows with OpenAI `messages`, or the prepare stage's prompts parquet",
     )
+    parser.add_argument("--split", help="only rows whose `split` is this (e.g. heldout)")
     parser.add_argument("--out", required=True, help="metrics JSON to write")
     parser.add_argument("--max-new-tokens", type=int, default=EvalOptions.max_new_tokens)
     parser.add_argument("--temperature", type=float, default=EvalOptions.temperature)
