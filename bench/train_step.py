@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from dflash_pipeline.model.config import FULL, SLIDING, DrafterConfig  # noqa: E402
 from dflash_pipeline.model.drafter import DFlashDrafter  # noqa: E402
 from dflash_pipeline.training.step import optimizer_step  # noqa: E402
+from dflash_pipeline.training.trainer import make_optimizer  # noqa: E402
 
 PEAK_BF16_TFLOPS = 790.0  # measured dense bf16 peak of one H200 (design.md §6)
 
@@ -120,7 +121,7 @@ def random_target(spec: dict, device):
     return model
 
 
-def run_case(name: str, mode: str, steps: int, warmup: int, attention: str, anchors: int) -> dict:
+def run_case(name: str, mode: str, steps: int, warmup: int, attention: str, anchors: int, profile: bool = False) -> dict:
     case = CASES[name]
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -139,7 +140,7 @@ def run_case(name: str, mode: str, steps: int, warmup: int, attention: str, anch
         embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16) * 0.02
         head = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16) * 0.02
     drafter = DFlashDrafter(config).to(device)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4)
+    optimizer = make_optimizer(drafter, settings)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     # A realistic sequence: a prompt of 10% then a supervised response.
     input_ids = torch.randint(0, config.vocab_size - 1000, (1, seq_len), device=device)
@@ -167,6 +168,18 @@ def run_case(name: str, mode: str, steps: int, warmup: int, attention: str, anch
         times.append(time.perf_counter() - start)
         if step == warmup - 1:
             torch.cuda.reset_peak_memory_stats(device)
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for step in range(2):
+                taps = taps_fn(input_ids) if mode == "online" else fixed_taps
+                optimizer_step(
+                    drafter, optimizer, scheduler, taps, input_ids, loss_mask, embed, head, settings,
+                    torch.Generator().manual_seed(step), attention,
+                )
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
     measured = times[warmup:]
     step_s = sum(measured) / len(measured)
     rows = int(out.blocks.supervised.sum())
@@ -206,6 +219,7 @@ def main() -> None:
     parser.add_argument("--anchors", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="print the top kernels of two more steps")
     parser.add_argument("--out")
     args = parser.parse_args()
     commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
@@ -215,7 +229,7 @@ def main() -> None:
     for case in args.case:
         for mode in args.mode:
             try:
-                record = run_case(case, mode, args.steps, args.warmup, args.attention, args.anchors)
+                record = run_case(case, mode, args.steps, args.warmup, args.attention, args.anchors, args.profile)
             except Exception as err:  # record it and go on with the other cases
                 record = {"case": case, "mode": mode, "error": f"{type(err).__name__}: {err}"[:2000]}
                 torch.cuda.empty_cache()

@@ -20,6 +20,35 @@ from dflash_pipeline.model.config import SLIDING, DrafterConfig
 ATTENTION_BACKENDS = ("sdpa", "flex")
 
 
+def compiled_on_gpu(fn):
+    """``fn`` compiled (elementwise chains fused into one kernel) when called on CUDA tensors;
+    plain eager on the CPU, where tests need no compiler and runs stay bit-reproducible."""
+    compiled = None
+
+    def wrapper(*args):
+        nonlocal compiled
+        if args[0].is_cuda:
+            if compiled is None:
+                compiled = torch.compile(fn, dynamic=True)
+            return compiled(*args)
+        return fn(*args)
+
+    return wrapper
+
+
+@compiled_on_gpu
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+@compiled_on_gpu
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -27,10 +56,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -38,6 +64,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@compiled_on_gpu
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Neox-style rotary embedding; x [b, heads, T, hd], cos/sin [b, T, hd]."""
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
@@ -121,7 +148,7 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DrafterLayer(nn.Module):

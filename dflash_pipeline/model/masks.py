@@ -76,4 +76,5 @@ def flex_block_mask(
         num_blocks * block_size,
         context_len + num_blocks * block_size,
         device=anchors.device,
+        _compile=anchors.is_cuda,
     )

@@ -157,39 +157,59 @@ def block_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     blocks: Blocks,
-    chunk_rows: int = 4096,
+    chunk_rows: int = 2048,
 ) -> LossResult:
-    """Weighted cross-entropy sum(w * CE) / sum(w) over supervised slots, computed in chunks of
-    rows whose logits are recomputed in the backward pass, so full-vocabulary logits for every
-    block slot never sit in memory at once."""
-    from torch.utils.checkpoint import checkpoint
+    """Weighted cross-entropy sum(w * CE) / sum(w) over the supervised slots.
 
+    The LM head is frozen, so the loss's gradient with respect to each supervised row's hidden
+    state can be computed in the forward pass, chunk by chunk: w * (softmax - onehot) @ W. Only
+    that [rows, H] gradient is kept, so full-vocabulary logits exist for one chunk at a time and
+    are never recomputed in the backward pass."""
     rows = blocks.supervised.flatten().nonzero().flatten()
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = blocks.labels.flatten()
     weights = blocks.weights.flatten()
-    hits = torch.zeros_like(labels, dtype=torch.bool)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, rows.numel(), chunk_rows):
-        idx = rows[start : start + chunk_rows]
-        weighted, chunk_hits = checkpoint(
-            _chunk_loss,
-            flat_hidden[idx],
-            lm_head_weight,
-            labels[idx],
-            weights[idx],
-            use_reentrant=False,
-        )
-        total = total + weighted
-        hits[idx] = chunk_hits
     denominator = weights.sum().clamp_min(1e-12)
+    total, row_hits = _FusedWeightedCE.apply(
+        flat_hidden[rows], lm_head_weight, blocks.labels.flatten()[rows], weights[rows], chunk_rows
+    )
+    hits = torch.zeros(blocks.labels.numel(), dtype=torch.bool, device=hidden.device)
+    hits[rows] = row_hits
     return LossResult(loss=total / denominator, hits=hits.reshape(blocks.labels.shape), tokens=rows.numel())
 
 
-def _chunk_loss(hidden, lm_head_weight, labels, weights):
-    logits = (hidden @ lm_head_weight.t()).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * weights).sum(), logits.argmax(dim=-1) == labels
+class _FusedWeightedCE(torch.autograd.Function):
+    """sum(w * CE(h @ W.T, label)) with its gradient for h computed in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_rows):
+        compute_dtype = lm_head_weight.dtype
+        grad_hidden = torch.empty(hidden.shape, dtype=compute_dtype, device=hidden.device)
+        hits = torch.empty(labels.shape, dtype=torch.bool, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk_rows):
+                end = start + chunk_rows
+                h = hidden[start:end].to(compute_dtype)
+                label = labels[start:end]
+                w = weights[start:end].float()
+                logits = (h @ lm_head_weight.t()).float()
+                hits[start:end] = logits.argmax(dim=-1) == label
+                lse = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(1, label[:, None])[:, 0]
+                total += ((lse - picked) * w).sum()
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                probs[torch.arange(len(label), device=probs.device), label] -= 1.0
+                probs.mul_(w[:, None])
+                grad_hidden[start:end] = probs.to(compute_dtype) @ lm_head_weight
+        ctx.save_for_backward(grad_hidden)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(hits)
+        return total, hits
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_hits):
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_hidden * grad_total).to(ctx.hidden_dtype), None, None, None, None
 
 
 def block_metrics(result: LossResult, blocks: Blocks) -> dict:
