@@ -108,6 +108,7 @@ def get_final_output():
     outputs = expand(shard_output("tokenized"), shard=SHARDS)
     outputs.append(run_path(layout.INGEST_SUMMARY))
     outputs += [run_path(layout.DRAFTER_CONFIG), run_path(layout.DRAFTER_WEIGHTS)]
+    outputs.append(run_path(layout.EVAL_METRICS))
     if config["target"]["build_demo"]:
         outputs.append(local(config["target"]["model"]))
     return outputs
