@@ -18,21 +18,21 @@ import os
 import sys
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.data.tokenize import (
     DEGENERATE_REASONS,
     Sequence,
-    TemplateMismatch,
-    conversation_pieces,
+    conversation_pieces_many,
+    encode_pieces,
     needs_rows_per_turn,
-    render,
     repetition_loop,
     response_key,
     round_trip_failures,
-    tokenize_pieces,
 )
 from dflash_pipeline.storage import write_atomically
 
@@ -64,19 +64,19 @@ DEFAULTS = {
 }
 
 
-CHUNK = 256  # rows per worker task
-_WORKER = None  # the ShardTokenizer a forked worker renders with
+CHUNK = 256  # rows per batch: one rendering call, one tokenizer call, one worker task
+TELEMETRY_EVERY_S = 10.0
+_WORKER = None  # (ShardTokenizer, rows) a forked worker encodes from
 
 
-def _render_or_error(tokenizer: ShardTokenizer, row: dict):
-    try:
-        return tokenizer.render_row(row)
-    except TemplateMismatch as err:
-        return str(err)
+def _encode_chunk(bounds: tuple[int, int]) -> list:
+    tokenizer, rows = _WORKER
+    return tokenizer.encode_rows(rows[bounds[0] : bounds[1]])
 
 
-def _render_chunk(rows: list[dict]) -> list:
-    return [_render_or_error(_WORKER, r) for r in rows]
+def _worker_init() -> None:
+    # One worker per core: the tokenizer's own thread pool inside each worker would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 class DegenerateShard(RuntimeError):
@@ -93,21 +93,37 @@ def _messages(row: dict) -> list[dict]:
     return out
 
 
-def _engine_sequence(tokenizer, messages: list[dict], turn: dict, thinking: bool) -> Sequence | None:
-    """Prompt ids + the engine's own generated ids, where the engine returned them."""
-    ids = turn.get("output_ids")
-    if not ids:
-        return None
-    prompt = render(tokenizer, messages[: turn["message_index"]], True, thinking)
-    seq = Sequence()
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    out = list(ids)
-    if turn["finish_reason"] == "stop" and out[-1] != tokenizer.eos_token_id:
-        out.append(tokenizer.eos_token_id)
-    seq.input_ids = prompt_ids + out
-    seq.loss_mask = [0] * len(prompt_ids) + [1] * len(out)
-    seq.text = prompt + tokenizer.decode(out)
-    return seq
+def _engine_sequences(tokenizer, requests: list[tuple[str, dict]]) -> list[Sequence]:
+    """Prompt ids + the engine's own generated ids, for (rendered prompt, turn) pairs whose
+    engine returned its ids; batched like the rest."""
+    if not requests:
+        return []
+    prompt_ids = tokenizer([prompt for prompt, _ in requests], add_special_tokens=False)["input_ids"]
+    outs = []
+    for _, turn in requests:
+        out = list(turn["output_ids"])
+        if turn["finish_reason"] == "stop" and out[-1] != tokenizer.eos_token_id:
+            out.append(tokenizer.eos_token_id)
+        outs.append(out)
+    texts = tokenizer.batch_decode(outs)
+    return [
+        Sequence(ids + out, [0] * len(ids) + [1] * len(out), prompt + text)
+        for (prompt, _), ids, out, text in zip(requests, prompt_ids, outs, texts)
+    ]
+
+
+@dataclass
+class EncodedRow:
+    """One tokenized sequence of a row, truncated, with what the gate needs to know about it."""
+
+    turn: int
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # int8
+    truncated: bool
+    supervised: int
+    round_trip_ok: bool
+    fell_back: bool
+    repetition: bool
 
 
 class ShardTokenizer:
@@ -132,47 +148,80 @@ class ShardTokenizer:
                 reasons.append("think_not_closed")
         return sorted(set(reasons))
 
-    def render_row(self, row: dict) -> list[tuple[int, object]]:
-        """(turn, text pieces) per sequence of the row, or (turn, engine Sequence) where the
-        engine returned its ids. Raises TemplateMismatch."""
-        messages = _messages(row)
-        found = conversation_pieces(self.tokenizer, messages, self.thinking, self.per_turn)
-        if len(found) == 1 and len(row["turns"]) == 1:
-            engine = _engine_sequence(self.tokenizer, messages, row["turns"][0], self.thinking)
-            if engine is not None:
-                return [(found[0][0], engine)]
-        return found
-
-    def render_rows(self, rows: list[dict]) -> list[list[tuple[int, object]] | str]:
-        """Rendering is the Python-heavy part: spread it over worker processes."""
-        if self.workers <= 1 or len(rows) < 2 * CHUNK:
-            return [_render_or_error(self, r) for r in rows]
-        global _WORKER
-        _WORKER = self  # inherited by the forked workers
-        chunks = [rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)]
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(self.workers, mp_context=ctx) as pool:
-            return [item for part in pool.map(_render_chunk, chunks) for item in part]
-
-    def sequences(self, rendered: list) -> list[list[tuple[int, Sequence]] | str]:
-        """Tokenize every row's pieces with one batched tokenizer call."""
-        pending = [
-            pieces
-            for item in rendered
-            if not isinstance(item, str)
-            for _, pieces in item
-            if not isinstance(pieces, Sequence)
-        ]
-        encoded = iter(tokenize_pieces(self.tokenizer, pending))
-        out = []
-        for item in rendered:
+    def encode_rows(self, rows: list[dict]) -> list[list[EncodedRow] | str]:
+        """Every sequence of each row, or the row's TemplateMismatch text: renderings and
+        tokenization batched over the rows. A row with one turn whose engine returned its ids
+        takes those ids after the rendered prompt."""
+        found = conversation_pieces_many(self.tokenizer, [_messages(r) for r in rows], self.thinking, self.per_turn)
+        text_pieces, engine_requests = [], []
+        for row, item in zip(rows, found):
+            if isinstance(item, str):
+                continue
+            if len(item) == 1 and len(row["turns"]) == 1 and row["turns"][0].get("output_ids"):
+                engine_requests.append((item[0][1][0][0], row["turns"][0]))
+            else:
+                text_pieces += [pieces for _, pieces in item]
+        encoded = iter(encode_pieces(self.tokenizer, text_pieces))
+        engine = _engine_sequences(self.tokenizer, engine_requests)
+        engine_failures = iter(round_trip_failures(self.tokenizer, engine))
+        engine = iter(engine)
+        out: list[list[EncodedRow] | str] = []
+        for row, item in zip(rows, found):
             if isinstance(item, str):
                 out.append(item)
                 continue
-            out.append([(turn, p if isinstance(p, Sequence) else next(encoded)) for turn, p in item])
+            if len(item) == 1 and len(row["turns"]) == 1 and row["turns"][0].get("output_ids"):
+                seq = next(engine)
+                ids, mask = np.array(seq.input_ids, np.int32), np.array(seq.loss_mask, np.int8)
+                out.append([self._checked(item[0][0], ids, mask, not next(engine_failures), False)])
+            else:
+                out.append([
+                    self._checked(turn, e.input_ids, e.loss_mask, e.round_trip_ok, e.fell_back)
+                    for (turn, _), e in zip(item, encoded)
+                ])
         return out
 
-    def run(self, table: pa.Table, shard_name: str = "shard") -> tuple[pa.Table, dict]:
+    def _checked(self, turn: int, ids: np.ndarray, mask: np.ndarray, round_trip_ok: bool, fell_back: bool) -> EncodedRow:
+        cfg = self.cfg
+        limit = cfg["max_length"]
+        truncated = len(ids) > limit
+        ids, mask = ids[:limit], mask[:limit]
+        return EncodedRow(
+            turn=turn,
+            input_ids=ids,
+            loss_mask=mask,
+            truncated=truncated,
+            supervised=int(mask.sum()),
+            round_trip_ok=round_trip_ok,
+            fell_back=fell_back,
+            repetition=repetition_loop(ids[mask.astype(bool)], cfg["repetition_ngram"], cfg["repetition_min_repeats"]),
+        )
+
+    def encode_all(self, rows: list[dict], on_chunk=None) -> list[list[EncodedRow] | str]:
+        """``encode_rows`` over chunks of rows, in worker processes when there are several;
+        ``on_chunk(rows_done)`` after each chunk."""
+        bounds = [(i, min(i + CHUNK, len(rows))) for i in range(0, len(rows), CHUNK)]
+        out: list = []
+        if self.workers <= 1 or len(bounds) < 2:
+            for lo, hi in bounds:
+                out += self.encode_rows(rows[lo:hi])
+                if on_chunk:
+                    on_chunk(len(out))
+            return out
+        global _WORKER
+        _WORKER = (self, rows)  # inherited by the forked workers: no rows are pickled to them
+        ctx = multiprocessing.get_context("fork")
+        try:
+            with ProcessPoolExecutor(min(self.workers, len(bounds)), mp_context=ctx, initializer=_worker_init) as pool:
+                for part in pool.map(_encode_chunk, bounds):
+                    out += part
+                    if on_chunk:
+                        on_chunk(len(out))
+        finally:
+            _WORKER = None
+        return out
+
+    def run(self, table: pa.Table, shard_name: str = "shard", on_chunk=None) -> tuple[pa.Table, dict]:
         cfg = self.cfg
         rows = table.to_pylist()
         reasons_by_id: dict[str, list[str]] = {}
@@ -185,55 +234,39 @@ class ShardTokenizer:
         }
         key_counts = Counter(keys.values())
         identical_limit = max(cfg["identical_response_min_count"], cfg["identical_response_min_fraction"] * len(rows))
-        out, supervised_counts = [], []
+        out: list[tuple[dict, EncodedRow]] = []
+        supervised_counts = []
         stats = Counter()
         checks = {r["id"]: self.row_checks(r) for r in rows}
         to_render = [r for r in rows if "generation_error" not in checks[r["id"]]]
-        rendered = dict(zip((r["id"] for r in to_render), self.sequences(self.render_rows(to_render))))
-        all_seqs = [seq for item in rendered.values() if not isinstance(item, str) for _, seq in item]
-        failures = iter(round_trip_failures(self.tokenizer, all_seqs))
+        encoded = dict(zip((r["id"] for r in to_render), self.encode_all(to_render, on_chunk)))
         for row in rows:
             for turn in row["turns"]:
                 finish[turn["finish_reason"]] += 1
             reasons = list(checks[row["id"]])
             if row["id"] in keys and key_counts[keys[row["id"]]] >= identical_limit:
                 reasons.append("identical_response")
-            produced = rendered.get(row["id"], [])
+            produced = encoded.get(row["id"], [])
             if isinstance(produced, str):
                 reasons.append("template_mismatch")
                 log.warning("%s: %s", row["id"], produced)
                 produced = []
-            for turn_index, seq in produced:
-                if next(failures):
+            for seq in produced:
+                stats["offset_fallbacks"] += seq.fell_back
+                if not seq.round_trip_ok:
                     stats["round_trip_mismatches"] += 1
                     reasons.append("template_mismatch")
-                truncated = len(seq.input_ids) > cfg["max_length"]
-                ids = seq.input_ids[: cfg["max_length"]]
-                mask = seq.loss_mask[: cfg["max_length"]]
-                stats["truncated"] += truncated
-                supervised = sum(mask)
-                supervised_counts.append(supervised)
-                if supervised < cfg["min_supervised_tokens"]:
+                stats["truncated"] += seq.truncated
+                supervised_counts.append(seq.supervised)
+                if seq.supervised < cfg["min_supervised_tokens"]:
                     reasons.append("too_few_supervised")
-                sup_ids = [i for i, m in zip(ids, mask) if m]
-                if repetition_loop(sup_ids, cfg["repetition_ngram"], cfg["repetition_min_repeats"]):
+                if seq.repetition:
                     reasons.append("repetition_loop")
-                out.append(
-                    {
-                        "id": row["id"],
-                        "split": row["split"],
-                        "turn": turn_index,
-                        "input_ids": ids,
-                        "loss_mask": mask,
-                        "num_tokens": len(ids),
-                        "num_supervised": supervised,
-                        "truncated": truncated,
-                    }
-                )
+                out.append((row, seq))
             reasons_by_id[row["id"]] = sorted(set(reasons))
         counted = set(cfg["degenerate_reasons"])
         degenerate = {i for i, rs in reasons_by_id.items() if counted & set(rs)}
-        kept = [r for r in out if r["id"] not in degenerate]
+        kept = [(row, seq) for row, seq in out if row["id"] not in degenerate]
         reason_counts = Counter(reason for rs in reasons_by_id.values() for reason in rs)
         fraction = len(degenerate) / len(rows) if rows else 0.0
         common, common_n = key_counts.most_common(1)[0] if key_counts else ("", 0)
@@ -250,9 +283,10 @@ class ShardTokenizer:
             "finish_reasons": dict(finish),
             "truncated_sequences": stats["truncated"],
             "round_trip_mismatches": stats["round_trip_mismatches"],
+            "offset_fallbacks": stats["offset_fallbacks"],
             "rows_per_turn": self.per_turn,
-            "supervised_tokens_total": sum(r["num_supervised"] for r in kept),
-            "tokens_total": sum(r["num_tokens"] for r in kept),
+            "supervised_tokens_total": sum(seq.supervised for _, seq in kept),
+            "tokens_total": sum(len(seq.input_ids) for _, seq in kept),
             "supervised_histogram": {
                 "edges": HISTOGRAM_EDGES,
                 "counts": _histogram(supervised_counts),
@@ -261,7 +295,29 @@ class ShardTokenizer:
         }
         if fraction > cfg["max_degenerate_fraction"]:
             raise DegenerateShard(describe_failure(summary, cfg["max_degenerate_fraction"]))
-        return pa.Table.from_pylist(kept, schema=TOKENIZED_SCHEMA), summary
+        return tokenized_table(kept), summary
+
+
+def tokenized_table(kept: list[tuple[dict, EncodedRow]]) -> pa.Table:
+    """The output table, its list columns built from concatenated arrays rather than row by row."""
+    lengths = np.fromiter((len(seq.input_ids) for _, seq in kept), dtype=np.int32, count=len(kept))
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int32)]).astype(np.int32))
+
+    def concat(name: str, dtype) -> np.ndarray:
+        parts = [getattr(seq, name) for _, seq in kept]
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+    columns = [
+        pa.array([row["id"] for row, _ in kept], pa.string()),
+        pa.array([row["split"] for row, _ in kept], pa.string()),
+        pa.array([seq.turn for _, seq in kept], pa.int32()),
+        pa.ListArray.from_arrays(offsets, pa.array(concat("input_ids", np.int32))),
+        pa.ListArray.from_arrays(offsets, pa.array(concat("loss_mask", np.int8))),
+        pa.array(lengths, pa.int32()),
+        pa.array([seq.supervised for _, seq in kept], pa.int32()),
+        pa.array([seq.truncated for _, seq in kept], pa.bool_()),
+    ]
+    return pa.Table.from_arrays(columns, schema=TOKENIZED_SCHEMA)
 
 
 def _histogram(values: list[int]) -> list[int]:
