@@ -13,6 +13,7 @@ other templates give one row per conversation with every assistant turn supervis
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -185,6 +186,19 @@ def _token_starting_at(encoding, char: int, length: int, tokens: int) -> int | N
     return token
 
 
+@functools.lru_cache(maxsize=4)
+def plain_backend(tokenizer):
+    """A copy of the fast tokenizer's backend with padding and truncation off: what
+    ``tokenizer(texts, add_special_tokens=False)`` runs, without touching the settings that a
+    saved tokenizer may carry (padding to the longest, to the left) on the shared object."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_padding()
+    backend.no_truncation()
+    return backend
+
+
 def encode_pieces(tokenizer, all_pieces: list[Pieces]) -> list[Encoded]:
     """Ids and loss masks for many piece lists, tokenizing each whole text once.
 
@@ -198,7 +212,7 @@ def encode_pieces(tokenizer, all_pieces: list[Pieces]) -> list[Encoded]:
     """
     if not all_pieces:
         return []
-    backend = tokenizer.backend_tokenizer
+    backend = plain_backend(tokenizer)
     texts = ["".join(text for text, _ in pieces) for pieces in all_pieces]
     wholes = backend.encode_batch(texts, add_special_tokens=False)
     fixed_texts = [text for pieces in all_pieces for text, supervised in pieces if not supervised]
