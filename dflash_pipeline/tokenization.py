@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ from dflash_pipeline.data.tokenize import (
     response_key,
     round_trip_failures,
 )
-from dflash_pipeline.storage import write_atomically
+from dflash_pipeline.progress import ShardProgress
+from dflash_pipeline.storage import open_storage, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -199,14 +201,21 @@ class ShardTokenizer:
 
     def encode_all(self, rows: list[dict], on_chunk=None) -> list[list[EncodedRow] | str]:
         """``encode_rows`` over chunks of rows, in worker processes when there are several;
-        ``on_chunk(rows_done)`` after each chunk."""
+        ``on_chunk(rows_done, tokens_done)`` after each chunk."""
         bounds = [(i, min(i + CHUNK, len(rows))) for i in range(0, len(rows), CHUNK)]
         out: list = []
+        tokens = 0
+
+        def add(part: list) -> None:
+            nonlocal tokens
+            out.extend(part)
+            tokens += sum(len(seq.input_ids) for item in part if not isinstance(item, str) for seq in item)
+            if on_chunk:
+                on_chunk(len(out), tokens)
+
         if self.workers <= 1 or len(bounds) < 2:
             for lo, hi in bounds:
-                out += self.encode_rows(rows[lo:hi])
-                if on_chunk:
-                    on_chunk(len(out))
+                add(self.encode_rows(rows[lo:hi]))
             return out
         global _WORKER
         _WORKER = (self, rows)  # inherited by the forked workers: no rows are pickled to them
@@ -214,14 +223,14 @@ class ShardTokenizer:
         try:
             with ProcessPoolExecutor(min(self.workers, len(bounds)), mp_context=ctx, initializer=_worker_init) as pool:
                 for part in pool.map(_encode_chunk, bounds):
-                    out += part
-                    if on_chunk:
-                        on_chunk(len(out))
+                    add(part)
         finally:
             _WORKER = None
         return out
 
-    def run(self, table: pa.Table, shard_name: str = "shard", on_chunk=None) -> tuple[pa.Table, dict]:
+    def run(self, table: pa.Table, shard_name: str = "shard", on_progress=None) -> tuple[pa.Table, dict]:
+        """The shard's tokenized table and stats; ``on_progress(samples_done, tokens_done)`` as
+        chunks finish. Raises DegenerateShard."""
         cfg = self.cfg
         rows = table.to_pylist()
         reasons_by_id: dict[str, list[str]] = {}
@@ -239,7 +248,9 @@ class ShardTokenizer:
         stats = Counter()
         checks = {r["id"]: self.row_checks(r) for r in rows}
         to_render = [r for r in rows if "generation_error" not in checks[r["id"]]]
-        encoded = dict(zip((r["id"] for r in to_render), self.encode_all(to_render, on_chunk)))
+        skipped = len(rows) - len(to_render)  # error rows: done without tokenizing
+        report = (lambda done, tokens: on_progress(skipped + done, tokens)) if on_progress else None
+        encoded = dict(zip((r["id"] for r in to_render), self.encode_all(to_render, report)))
         for row in rows:
             for turn in row["turns"]:
                 finish[turn["finish_reason"]] += 1
@@ -345,22 +356,77 @@ def describe_failure(summary: dict, limit: float) -> str:
     )
 
 
-def tokenize_file(generated: str, model: str, out: str, stats_out: str, thinking: bool, settings: dict) -> dict:
+class TokenizeTelemetry:
+    """Live state of one tokenize job for the status page, in the same shape as the generate
+    stage's (``_progress/tokenize/shard-NNNNN/telemetry.json``), written at most every
+    ``every_s`` seconds while running and once at the end."""
+
+    def __init__(self, progress: ShardProgress | None, total: int, every_s: float = TELEMETRY_EVERY_S):
+        self.progress = progress
+        self.total = total
+        self.every_s = every_s
+        self.started = time.time()
+        self.last_write = 0.0
+        self.done = 0
+        self.tokens = 0
+
+    def record(self, state: str) -> dict:
+        elapsed = max(time.time() - self.started, 1e-6)
+        rate = self.done / elapsed
+        return {
+            "state": state,
+            "samples_total": self.total,
+            "samples_done": self.done,
+            "tokens_per_s": round(self.tokens / elapsed, 2),
+            "elapsed_s": round(elapsed, 1),
+            "eta_s": round((self.total - self.done) / rate, 1) if rate > 0 else None,
+        }
+
+    def update(self, done: int, tokens: int) -> None:
+        self.done, self.tokens = done, tokens
+        if time.time() - self.last_write >= self.every_s:
+            self.write("running")
+
+    def write(self, state: str) -> None:
+        if self.progress is not None:
+            self.last_write = time.time()
+            self.progress.write_telemetry(self.record(state))
+
+
+def tokenize_file(
+    generated: str,
+    model: str,
+    out: str,
+    stats_out: str,
+    thinking: bool,
+    settings: dict,
+    run_url: str | None = None,
+    shard: int | None = None,
+    workers: int | None = None,
+) -> dict:
+    """Tokenize one generated shard; with ``run_url`` and ``shard``, live telemetry goes under
+    the run's ``_progress/tokenize/``."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     table = pq.read_table(generated)
     name = generated.rsplit("/", 1)[-1]
+    progress = ShardProgress(open_storage(run_url), "tokenize", shard) if run_url and shard is not None else None
+    telemetry = TokenizeTelemetry(progress, table.num_rows)
+    telemetry.write("running")
     try:
-        workers = os.cpu_count() or 1
-        result, summary = ShardTokenizer(tokenizer, thinking, settings, workers).run(table, name)
-    except DegenerateShard as err:
-        log.error("%s", err)
+        shard_tokenizer = ShardTokenizer(tokenizer, thinking, settings, workers or os.cpu_count() or 1)
+        result, summary = shard_tokenizer.run(table, name, telemetry.update)
+    except BaseException as err:
+        if isinstance(err, DegenerateShard):
+            log.error("%s", err)
+        telemetry.write("failed")
         raise
     with write_atomically(out) as tmp:
         pq.write_table(result, tmp)
     with write_atomically(stats_out) as tmp:
         tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    telemetry.write("done")
     log.info(
         "%s: %d samples -> %d sequences, %d degenerate (%s), %d supervised tokens",
         name, summary["samples"], summary["sequences_out"], summary["degenerate_samples"],
@@ -377,11 +443,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stats", required=True)
     parser.add_argument("--thinking", choices=["on", "off"], default="on")
     parser.add_argument("--settings-json", default="{}", help="the `tokenize` config as JSON")
+    parser.add_argument("--run-url", default=None, help="run root (local folder or s3://) for live telemetry")
+    parser.add_argument("--shard", type=int, default=None, help="shard number, for live telemetry")
+    parser.add_argument("--workers", type=int, default=None, help="worker processes (default: all cores)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         tokenize_file(args.generated, args.model, args.out, args.stats, args.thinking == "on",
-                      json.loads(args.settings_json))
+                      json.loads(args.settings_json), args.run_url, args.shard, args.workers)
     except DegenerateShard:
         return 1
     return 0

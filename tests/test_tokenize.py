@@ -220,3 +220,80 @@ def test_each_degenerate_reason_is_counted(tok):
 def test_repetition_loop_detector():
     assert repetition_loop(list(range(8)) * 20)
     assert not repetition_loop(list(range(200)))
+
+
+def test_one_tokenization_of_the_whole_text_gives_the_piecewise_ids_and_masks(tok):
+    """The stage tokenizes each whole text once and places the boundaries by offsets: on
+    conversations with system prompts, non-ASCII text, several turns and tool results, the ids
+    and masks are those of the pieces tokenized one by one, without falling back."""
+    from dflash_pipeline.data.tokenize import conversation_pieces_many, encode_pieces, tokenize_pieces
+
+    conversations = [
+        [
+            {"role": "system", "content": "Réponds vite — 😀 "},
+            {"role": "user", "content": "What is 12 + 30?"},
+            {"role": "assistant", "content": "12 + 30 = 42 ✓", "reasoning_content": "2+0=2, write 2\n1+3=4, write 4"},
+        ],
+        [
+            {"role": "user", "content": "What is 40 + 2?"},
+            {"role": "assistant", "content": "Let me check.", "reasoning_content": "use the tool"},
+            {"role": "tool", "content": "42"},
+            {"role": "assistant", "content": "40 + 2 = 42\n", "reasoning_content": "the tool said 42"},
+            {"role": "user", "content": "  And 2 + 2?"},
+            {"role": "assistant", "content": " 2 + 2 = 4", "reasoning_content": "2+2=4, write 4"},
+        ],
+    ]
+    without_reasoning = [[{"role": m["role"], "content": m["content"]} for m in c] for c in conversations]
+    for thinking, given in ((True, conversations), (False, without_reasoning)):
+        found = conversation_pieces_many(tok, given, thinking, per_turn=True)
+        all_pieces = [parts for rows in found for _, parts in rows]
+        assert len(all_pieces) == 4
+        encoded = encode_pieces(tok, all_pieces)
+        for e, expected in zip(encoded, tokenize_pieces(tok, all_pieces)):
+            assert not e.fell_back and e.round_trip_ok
+            assert (e.input_ids.tolist(), e.loss_mask.tolist()) == (expected.input_ids, expected.loss_mask)
+
+
+def test_a_boundary_inside_a_token_falls_back_to_the_pieces_and_is_a_template_mismatch(tok):
+    import copy
+
+    from dflash_pipeline.data.tokenize import conversation_pieces, encode_pieces
+
+    plain = copy.deepcopy(tok)
+    plain.chat_template = CHATML
+    # The prompt ends with "\n" and the answer starts with "\n": the whole text merges them
+    # into one token, so no token starts where the answer does.
+    messages = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "\n2 + 2 = 4"}]
+    ((_, parts),) = conversation_pieces(plain, messages, thinking=False, per_turn=False)
+    (encoded,) = encode_pieces(plain, [parts])
+    assert encoded.fell_back and not encoded.round_trip_ok
+    # The fallback keeps the pieces tokenized apart, as the round-trip check reports them.
+    assert (encoded.input_ids.tolist(), encoded.loss_mask.tolist()) == pieces(plain, *parts)
+
+
+def test_the_stage_writes_live_telemetry_and_the_table_matches_the_stats(tok, demo_model, tmp_path):
+    import json
+
+    import pyarrow.parquet as pq
+
+    from dflash_pipeline.progress import ShardProgress
+    from dflash_pipeline.storage import open_storage
+    from dflash_pipeline.tokenization import tokenize_file
+
+    rows = [healthy(i) for i in range(30)] + [generated_row(90, "", "", error="gave up")]
+    pq.write_table(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), tmp_path / "generated-00003.parquet")
+    run = tmp_path / "run"
+    run.mkdir()
+    summary = tokenize_file(
+        str(tmp_path / "generated-00003.parquet"), str(demo_model), str(tmp_path / "tok.parquet"),
+        str(tmp_path / "tok.stats.json"), True, {}, run_url=str(run), shard=3, workers=1,
+    )
+    telemetry = ShardProgress(open_storage(str(run)), "tokenize", 3).read_telemetry()
+    assert telemetry["state"] == "done" and telemetry["stage"] == "tokenize"
+    assert telemetry["samples_done"] == telemetry["samples_total"] == 31
+    assert telemetry["tokens_per_s"] > 0 and telemetry["eta_s"] == 0
+    out = pq.read_table(tmp_path / "tok.parquet")
+    assert out.num_rows == summary["sequences_out"] == 30
+    assert sum(map(len, out.column("input_ids").to_pylist())) == summary["tokens_total"]
+    assert summary["offset_fallbacks"] == 0 and summary["round_trip_mismatches"] == 0
+    assert json.loads((tmp_path / "tok.stats.json").read_text()) == summary
