@@ -71,9 +71,40 @@ TELEMETRY_EVERY_S = 10.0
 _WORKER = None  # (ShardTokenizer, rows) a forked worker encodes from
 
 
-def _encode_chunk(bounds: tuple[int, int]) -> list:
+def _encode_chunk(bounds: tuple[int, int]) -> tuple:
     tokenizer, rows = _WORKER
-    return tokenizer.encode_rows(rows[bounds[0] : bounds[1]])
+    return _pack(tokenizer.encode_rows(rows[bounds[0] : bounds[1]]))
+
+
+def _pack(part: list) -> tuple:
+    """A chunk's results as two arrays and small tuples: pickling one pair of arrays per sequence
+    back from a worker cost more than tokenizing a short conversation."""
+    meta, ids, masks = [], [], []
+    for item in part:
+        if isinstance(item, str):
+            meta.append(item)
+            continue
+        meta.append([(s.turn, len(s.input_ids), s.truncated, s.supervised, s.round_trip_ok, s.fell_back, s.repetition)
+                     for s in item])
+        ids += [s.input_ids for s in item]
+        masks += [s.loss_mask for s in item]
+    return meta, np.concatenate(ids or [np.zeros(0, np.int32)]), np.concatenate(masks or [np.zeros(0, np.int8)])
+
+
+def _unpack(packed: tuple) -> list:
+    meta, ids, masks = packed
+    out, pos = [], 0
+    for item in meta:
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        seqs = []
+        for turn, n, truncated, supervised, round_trip_ok, fell_back, repetition in item:
+            seqs.append(EncodedRow(turn, ids[pos : pos + n], masks[pos : pos + n], truncated, supervised,
+                                   round_trip_ok, fell_back, repetition))
+            pos += n
+        out.append(seqs)
+    return out
 
 
 def _worker_init() -> None:
@@ -129,9 +160,12 @@ class EncodedRow:
 
 
 class ShardTokenizer:
-    def __init__(self, tokenizer, thinking: bool, settings: dict | None = None, workers: int = 1):
+    def __init__(
+        self, tokenizer, thinking: bool, settings: dict | None = None, workers: int = 1, chunk_rows: int = CHUNK
+    ):
         self.tokenizer = tokenizer
         self.workers = workers
+        self.chunk_rows = chunk_rows
         self.thinking = thinking
         self.cfg = {**DEFAULTS, **(settings or {})}
         self.per_turn = needs_rows_per_turn(tokenizer, thinking)
@@ -202,7 +236,8 @@ class ShardTokenizer:
     def encode_all(self, rows: list[dict], on_chunk=None) -> list[list[EncodedRow] | str]:
         """``encode_rows`` over chunks of rows, in worker processes when there are several;
         ``on_chunk(rows_done, tokens_done)`` after each chunk."""
-        bounds = [(i, min(i + CHUNK, len(rows))) for i in range(0, len(rows), CHUNK)]
+        step = self.chunk_rows
+        bounds = [(i, min(i + step, len(rows))) for i in range(0, len(rows), step)]
         out: list = []
         tokens = 0
 
@@ -222,8 +257,8 @@ class ShardTokenizer:
         ctx = multiprocessing.get_context("fork")
         try:
             with ProcessPoolExecutor(min(self.workers, len(bounds)), mp_context=ctx, initializer=_worker_init) as pool:
-                for part in pool.map(_encode_chunk, bounds):
-                    add(part)
+                for packed in pool.map(_encode_chunk, bounds):
+                    add(_unpack(packed))
         finally:
             _WORKER = None
         return out

@@ -297,3 +297,19 @@ def test_the_stage_writes_live_telemetry_and_the_table_matches_the_stats(tok, de
     assert sum(map(len, out.column("input_ids").to_pylist())) == summary["tokens_total"]
     assert summary["offset_fallbacks"] == 0 and summary["round_trip_mismatches"] == 0
     assert json.loads((tmp_path / "tok.stats.json").read_text()) == summary
+
+
+def test_worker_processes_give_the_same_table_and_stats_as_one_process(tok):
+    loop = "1+1=2, write 2 " * 40
+    rows = [healthy(i) for i in range(36)]
+    rows += [generated_row(200, "", "", error="gave up"), generated_row(203, "ok", loop)]
+    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
+    settings = {"max_degenerate_fraction": 0.5, "max_length": 200}  # cuts the loop row only
+    one = ShardTokenizer(tok, thinking=True, settings=settings).run(table, "g")
+    progress = []
+    spread = ShardTokenizer(tok, thinking=True, settings=settings, workers=2, chunk_rows=8).run(
+        table, "g", on_progress=lambda done, tokens: progress.append(done)
+    )
+    assert spread[0].equals(one[0]) and spread[1] == one[1]
+    assert one[1]["truncated_sequences"] == 1 and one[1]["reasons"]["repetition_loop"] == 1
+    assert progress == [9, 17, 25, 33, 38]  # the error row counts as done before any chunk
