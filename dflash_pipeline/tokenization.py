@@ -66,7 +66,7 @@ DEFAULTS = {
 }
 
 
-CHUNK = 256  # rows per batch: one rendering call, one tokenizer call, one worker task
+CHUNK = 256  # rows per batch at most: one rendering call, one tokenizer call, one worker task
 TELEMETRY_EVERY_S = 10.0
 _WORKER = None  # (ShardTokenizer, rows) a forked worker encodes from
 
@@ -237,6 +237,9 @@ class ShardTokenizer:
         """``encode_rows`` over chunks of rows, in worker processes when there are several;
         ``on_chunk(rows_done, tokens_done)`` after each chunk."""
         step = self.chunk_rows
+        if self.workers > 1:
+            # Several chunks per worker, or one long-response chunk leaves the other workers idle.
+            step = max(1, min(step, -(-len(rows) // (4 * self.workers))))
         bounds = [(i, min(i + step, len(rows))) for i in range(0, len(rows), step)]
         out: list = []
         tokens = 0
