@@ -5,12 +5,13 @@ text once (prompt pieces apart, to check them), runs the quality gate and builds
 table; the raw baseline is one batched tokenizer call over the full rendered conversations
 (rendering not timed) over the same texts the stage's sequences cover. Design target: stage tokens/s >= 0.8 x raw.
 
-Two shapes of data: `short`, the demo's conversations (~85 tokens each, where rendering the chat
-template dominates), and `long`, the same shape with a thinking trace of 2-4k tokens, as a real
-reasoning target produces. Raw and stage runs alternate, `--repeats` times; the best of each is
+Shapes of data: `short`, the demo's conversations (~85 tokens each, where rendering the chat
+template dominates); `long`, the same shape with a thinking trace of 2-4k tokens, as a real
+reasoning target produces; `long-engine-ids`, the long rows with the engine's own token ids (as
+SGLang and vLLM return them), which the stage keeps after the prompt and round-trips. Raw and stage runs alternate, `--repeats` times; the best of each is
 recorded (the machine may be shared).
 
-    python bench/tokenize_throughput.py --shape short long --workers 2 --out bench/results/tokenize_throughput.json
+    python bench/tokenize_throughput.py --workers 1 2 --out bench/results/tokenize_throughput.json
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ def synthetic_rows(n: int, shape: str = "short") -> list[dict]:
                        "prompt_tokens": 0, "completion_tokens": 0, "output_ids": None}],
             "prompt_tokens": 0, "completion_tokens": 0, "error": None, "fingerprint": "bench",
         })
+    return rows
+
+
+def with_engine_ids(tok, rows: list[dict]) -> list[dict]:
+    """The rows as an engine that returns its token ids (SGLang, vLLM) leaves them: the stage then
+    takes those ids after the rendered prompt and checks their round trip."""
+    for row in rows:
+        message = row["messages"][1]
+        text = f"<think>\n{message['reasoning_content']}\n</think>\n\n{message['content']}"
+        row["turns"][0]["output_ids"] = tok(text, add_special_tokens=False)["input_ids"]
     return rows
 
 
@@ -107,7 +118,8 @@ def main() -> None:
     parser.add_argument("--model", default="resources/demo-target")
     parser.add_argument("--rows", type=int, default=5000, help="rows of the short shape")
     parser.add_argument("--long-rows", type=int, default=500, help="rows of the long shape")
-    parser.add_argument("--shape", nargs="+", choices=["short", "long"], default=["short", "long"])
+    parser.add_argument("--shape", nargs="+", choices=["short", "long", "long-engine-ids"],
+                        default=["short", "long", "long-engine-ids"])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, os.cpu_count() or 1],
                         help="worker processes of the stage, one measurement each")
     parser.add_argument("--repeats", type=int, default=3)
@@ -118,7 +130,9 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.model)
     results = {}
     for shape in args.shape:
-        rows = synthetic_rows(args.rows if shape == "short" else args.long_rows, shape)
+        rows = synthetic_rows(args.rows if shape == "short" else args.long_rows, shape.split("-")[0])
+        if shape == "long-engine-ids":
+            rows = with_engine_ids(tok, rows)
         for workers in args.workers:
             results[f"{shape}_{workers}_workers"] = {"rows": len(rows), **measure(tok, rows, workers, args.repeats)}
             print(shape, workers, json.dumps(results[f"{shape}_{workers}_workers"]), file=sys.stderr)

@@ -31,6 +31,7 @@ from dflash_pipeline.data.tokenize import (
     conversation_pieces_many,
     encode_pieces,
     needs_rows_per_turn,
+    plain_backend,
     repetition_loop,
     response_key,
     round_trip_failures,
@@ -131,7 +132,8 @@ def _engine_sequences(tokenizer, requests: list[tuple[str, dict]]) -> list[Seque
     engine returned its ids; batched like the rest."""
     if not requests:
         return []
-    prompt_ids = tokenizer([prompt for prompt, _ in requests], add_special_tokens=False)["input_ids"]
+    prompts = plain_backend(tokenizer).encode_batch_fast([prompt for prompt, _ in requests], add_special_tokens=False)
+    prompt_ids = [p.ids for p in prompts]
     outs = []
     for _, turn in requests:
         out = list(turn["output_ids"])

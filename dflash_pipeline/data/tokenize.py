@@ -252,8 +252,10 @@ def encode_pieces(tokenizer, all_pieces: list[Pieces]) -> list[Encoded]:
 def round_trip_failures(tokenizer, seqs: list[Sequence]) -> list[bool]:
     """For each sequence: do the pieces tokenized apart differ from the whole text tokenized at
     once? (A BPE merge across a boundary would shift the mask by a token.)"""
-    whole = tokenizer([s.text for s in seqs], add_special_tokens=False)["input_ids"] if seqs else []
-    return [w != s.input_ids for w, s in zip(whole, seqs)]
+    if not seqs:
+        return []
+    whole = plain_backend(tokenizer).encode_batch_fast([s.text for s in seqs], add_special_tokens=False)
+    return [w.ids != s.input_ids for w, s in zip(whole, seqs)]
 
 
 def conversation_sequences(
