@@ -5,6 +5,10 @@ and "OK.", and nobody noticed until days of hidden-state extraction were wasted.
 degenerate fraction is above ``tokenize.max_degenerate_fraction`` fails here, at its first shard,
 with the fraction, the top reasons, example ids and the most common response.
 
+Rows go through in chunks (one batched chat-template call and one batched tokenizer call each),
+spread over forked worker processes; ``bench/tokenize_throughput.py`` measures the stage against
+the bare batched tokenizer. Live telemetry goes under ``_progress/tokenize/shard-NNNNN/``.
+
 Run by hand: ``python -m dflash_pipeline.tokenization --help``.
 """
 

@@ -9,6 +9,12 @@ Templates that drop earlier turns' reasoning (Qwen3, Qwen3.5/3.6) cannot supervi
 in one sequence: the rendering of turn 1 changes once turn 2 exists. Those conversations give one
 row per assistant turn (history as the template renders it, the turn itself with its reasoning);
 other templates give one row per conversation with every assistant turn supervised.
+
+For throughput (``encode_pieces``) each sequence's whole text is tokenized once, with offsets, and
+the piece boundaries are placed on its tokens; the unsupervised pieces are also tokenized apart and
+must match, so the prompt ids are exactly what the engine was given. A boundary that falls inside
+a token sends the sequence back to tokenizing every piece apart, where the round-trip check flags
+it as a template mismatch.
 """
 
 from __future__ import annotations
