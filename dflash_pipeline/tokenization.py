@@ -144,7 +144,12 @@ def _engine_sequences(tokenizer, requests: list[tuple[str, dict]]) -> list[Seque
         if turn["finish_reason"] == "stop" and out[-1] != tokenizer.eos_token_id:
             out.append(tokenizer.eos_token_id)
         outs.append(out)
-    texts = tokenizer.batch_decode(outs)
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        texts = [tokenizer.decode(out) for out in outs]
+    else:
+        # What ``tokenizer.decode`` returns without the clean-up, without its per-id type checks
+        # (those took longer than decoding).
+        texts = plain_backend(tokenizer).decode_batch(outs, skip_special_tokens=False)
     return [
         Sequence(ids + out, [0] * len(ids) + [1] * len(out), prompt + text)
         for (prompt, _), ids, out, text in zip(requests, prompt_ids, outs, texts)

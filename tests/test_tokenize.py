@@ -315,3 +315,27 @@ def test_worker_processes_give_the_same_table_and_stats_as_one_process(tok):
     # 37 rows to tokenize over 2 workers: chunks of 5 (four per worker at least); the error row
     # counts as done from the start.
     assert progress == [6, 11, 16, 21, 26, 31, 36, 38]
+
+
+def test_engine_ids_are_kept_after_the_prompt_and_a_non_canonical_split_is_a_mismatch(tok):
+    reasoning = "1+1=2, write 2\n2+2=4, write 4\n3+3=6, write 6"
+    text = f"<think>\n{reasoning}\n</think>\n\n1 + 1 = 2"
+    canonical = generated_row(1, "1 + 1 = 2", reasoning)
+    canonical["turns"][0]["output_ids"] = tok(text, add_special_tokens=False)["input_ids"]
+    # The same text with every merged token spelled out in its base byte-level tokens: it decodes
+    # the same but is not how the tokenizer splits it.
+    split = generated_row(2, "1 + 1 = 2", reasoning)
+    added = set(tok.get_added_vocab())
+    spelled = [
+        [token] if token in added else list(token) for token in tok.convert_ids_to_tokens(canonical["turns"][0]["output_ids"])
+    ]
+    split["turns"][0]["output_ids"] = tok.convert_tokens_to_ids([t for parts in spelled for t in parts])
+    assert len(split["turns"][0]["output_ids"]) > len(canonical["turns"][0]["output_ids"])
+    rows = [healthy(i) for i in range(20, 40)] + [canonical, split]
+    out, stats = ShardTokenizer(tok, thinking=True, settings={"max_degenerate_fraction": 0.5}).run(
+        pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), "g"
+    )
+    assert stats["examples"]["template_mismatch"] == ["s2"] and stats["round_trip_mismatches"] == 1
+    (row,) = [r for r in out.to_pylist() if r["id"] == "s1"]
+    prompt = tok.apply_chat_template(canonical["messages"][:1], tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert (row["input_ids"], row["loss_mask"]) == pieces(tok, (prompt, 0), (text + "<|im_end|>", 1))
