@@ -31,7 +31,7 @@ import pyarrow as pa
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_pipeline.data.tokenize import conversation_pieces  # noqa: E402
+from dflash_pipeline.data.tokenize import conversation_pieces, conversation_pieces_many  # noqa: E402
 from dflash_pipeline.demo.task import sample_problem  # noqa: E402
 from dflash_pipeline.generate import GENERATED_SCHEMA  # noqa: E402
 from dflash_pipeline.tokenization import ShardTokenizer, _messages  # noqa: E402
@@ -86,8 +86,13 @@ def measure(tok, rows: list[dict], workers: int, repeats: int) -> dict:
     # The texts the stage's sequences cover: each conversation up to its end-of-turn token.
     texts = ["".join(text for text, _ in conversation_pieces(tok, _messages(r), True, True)[0][1]) for r in rows]
     settings = {"identical_response_min_count": 10**9}
-    raw_s, stage_s, tokens, degenerate = [], [], 0, 0
+    raw_s, stage_s, render_s, tokens, degenerate = [], [], [], 0, 0
+    conversations = [_messages(r) for r in rows]
     for _ in range(repeats):
+        # The chat-template renderings alone (one process), which the raw baseline does not pay.
+        t0 = time.perf_counter()
+        conversation_pieces_many(tok, conversations, True, True)
+        render_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         raw_ids = tok(texts, add_special_tokens=False)["input_ids"]
         raw_s.append(time.perf_counter() - t0)
@@ -108,6 +113,10 @@ def measure(tok, rows: list[dict], workers: int, repeats: int) -> dict:
         "raw_tokens_per_s": round(raw_tps),
         "stage_tokens_per_s": round(stage_tps),
         "ratio": round(stage_tps / raw_tps, 3),
+        "render_tokens_per_s": round(tokens / min(render_s)),
+        # Best ratio a stage could reach in one process if all it did beyond the raw call were
+        # these renderings.
+        "ratio_ceiling_rendering": round(min(raw_s) / (min(raw_s) + min(render_s)), 3),
         "raw_s": [round(s, 3) for s in raw_s],
         "stage_s": [round(s, 3) for s in stage_s],
     }
