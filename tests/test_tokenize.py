@@ -262,13 +262,16 @@ def test_a_boundary_inside_a_token_falls_back_to_the_pieces_and_is_a_template_mi
     plain = copy.deepcopy(tok)
     plain.chat_template = CHATML
     # The prompt ends with "\n" and the answer starts with "\n": the whole text merges them
-    # into one token, so no token starts where the answer does.
-    messages = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "\n2 + 2 = 4"}]
-    ((_, parts),) = conversation_pieces(plain, messages, thinking=False, per_turn=False)
-    (encoded,) = encode_pieces(plain, [parts])
-    assert encoded.fell_back and not encoded.round_trip_ok
-    # The fallback keeps the pieces tokenized apart, as the round-trip check reports them.
-    assert (encoded.input_ids.tolist(), encoded.loss_mask.tolist()) == pieces(plain, *parts)
+    # into one token, so no token starts where the answer does. One turn (boundary found by the
+    # prompt's tokens) and two turns in one row (boundaries found by offsets).
+    first = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "\n2 + 2 = 4"}]
+    second = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "1 + 1 = 2"}] + first
+    for messages in (first, second):
+        ((_, parts),) = conversation_pieces(plain, messages, thinking=False, per_turn=False)
+        (encoded,) = encode_pieces(plain, [parts])
+        assert encoded.fell_back and not encoded.round_trip_ok
+        # The fallback keeps the pieces tokenized apart, as the round-trip check reports them.
+        assert (encoded.input_ids.tolist(), encoded.loss_mask.tolist()) == pieces(plain, *parts)
 
 
 def test_the_stage_writes_live_telemetry_and_the_table_matches_the_stats(tok, demo_model, tmp_path):

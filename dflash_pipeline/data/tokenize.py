@@ -208,29 +208,60 @@ def plain_backend(tokenizer):
 def encode_pieces(tokenizer, all_pieces: list[Pieces]) -> list[Encoded]:
     """Ids and loss masks for many piece lists, tokenizing each whole text once.
 
-    Every piece boundary must start a token of the whole text, and every unsupervised piece
-    (template, system, user, tool and history text) tokenized apart must give exactly the whole
-    text's tokens at its place, so the prompt ids are the ones the engine was given. The supervised
-    text takes the whole text's tokens between those boundaries. Where the offsets do not show a
-    boundary, or an unsupervised piece differs, the sequence falls back to tokenizing every piece
+    Every unsupervised piece (template, system, user, tool and history text) tokenized apart must
+    give exactly the whole text's tokens at its place, so the prompt ids are the ones the engine
+    was given, and every piece boundary must start a token of the whole text; the supervised text
+    takes the whole text's tokens between those boundaries. A prompt followed by one turn (the
+    common row) needs no offsets: the prompt's own tokens, matched at the start, fix the boundary.
+    Other rows place their boundaries by the whole text's offsets. Where a boundary falls inside
+    a token, or an unsupervised piece differs, the sequence falls back to tokenizing every piece
     apart (``tokenize_pieces``) and its round trip is checked against the whole text, as
     ``round_trip_failures`` does.
     """
-    if not all_pieces:
-        return []
+    out: list[Encoded | None] = [None] * len(all_pieces)
+    prompt_and_turn, other = [], []
+    for k, pieces in enumerate(all_pieces):
+        simple = len(pieces) == 2 and not pieces[0][1] and pieces[1][1]
+        (prompt_and_turn if simple else other).append(k)
+    _encode_prompt_and_turn(tokenizer, all_pieces, prompt_and_turn, out)
+    _encode_by_offsets(tokenizer, all_pieces, other, out)
+    fallback = [k for k, e in enumerate(out) if e is None]
+    if fallback:
+        pieced = tokenize_pieces(tokenizer, [all_pieces[k] for k in fallback])
+        for k, seq, failed in zip(fallback, pieced, round_trip_failures(tokenizer, pieced)):
+            ids = np.array(seq.input_ids, dtype=np.int32)
+            out[k] = Encoded(ids, np.array(seq.loss_mask, dtype=np.int8), not failed, fell_back=True)
+    return out
+
+
+def _encode_prompt_and_turn(tokenizer, all_pieces: list[Pieces], which: list[int], out: list) -> None:
+    if not which:
+        return
     backend = plain_backend(tokenizer)
-    texts = ["".join(text for text, _ in pieces) for pieces in all_pieces]
+    wholes = backend.encode_batch_fast([all_pieces[k][0][0] + all_pieces[k][1][0] for k in which], add_special_tokens=False)
+    prompts = backend.encode_batch_fast([all_pieces[k][0][0] for k in which], add_special_tokens=False)
+    for k, whole, prompt in zip(which, wholes, prompts):
+        ids, prompt_ids = whole.ids, prompt.ids
+        if ids[: len(prompt_ids)] == prompt_ids:
+            mask = np.ones(len(ids), dtype=np.int8)
+            mask[: len(prompt_ids)] = 0
+            out[k] = Encoded(np.array(ids, dtype=np.int32), mask, True)
+
+
+def _encode_by_offsets(tokenizer, all_pieces: list[Pieces], which: list[int], out: list) -> None:
+    if not which:
+        return
+    backend = plain_backend(tokenizer)
+    texts = ["".join(text for text, _ in all_pieces[k]) for k in which]
     wholes = backend.encode_batch(texts, add_special_tokens=False)
-    fixed_texts = [text for pieces in all_pieces for text, supervised in pieces if not supervised]
+    fixed_texts = [text for k in which for text, supervised in all_pieces[k] if not supervised]
     fixed = iter(backend.encode_batch_fast(fixed_texts, add_special_tokens=False) if fixed_texts else [])
-    out: list[Encoded | None] = []
-    fallback = []
-    for pieces, text, whole in zip(all_pieces, texts, wholes):
+    for k, text, whole in zip(which, texts, wholes):
         ids = whole.ids
         mask = np.zeros(len(ids), dtype=np.int8)
         ok = True
         char = start = 0
-        for piece, supervised in pieces:
+        for piece, supervised in all_pieces[k]:
             apart = None if supervised else next(fixed).ids  # consumed in order, checked or not
             if not ok:
                 continue
@@ -243,16 +274,7 @@ def encode_pieces(tokenizer, all_pieces: list[Pieces]) -> list[Encoded]:
                 mask[start:end] = 1
             start = end
         if ok:
-            out.append(Encoded(np.array(ids, dtype=np.int32), mask, True))
-        else:
-            fallback.append(len(out))
-            out.append(None)
-    if fallback:
-        pieced = tokenize_pieces(tokenizer, [all_pieces[k] for k in fallback])
-        for k, seq, failed in zip(fallback, pieced, round_trip_failures(tokenizer, pieced)):
-            ids = np.array(seq.input_ids, dtype=np.int32)
-            out[k] = Encoded(ids, np.array(seq.loss_mask, dtype=np.int8), not failed, fell_back=True)
-    return out
+            out[k] = Encoded(np.array(ids, dtype=np.int32), mask, True)
 
 
 def round_trip_failures(tokenizer, seqs: list[Sequence]) -> list[bool]:
