@@ -131,29 +131,40 @@ def _messages(row: dict) -> list[dict]:
     return out
 
 
-def _engine_sequences(tokenizer, requests: list[tuple[str, dict]]) -> list[Sequence]:
-    """Prompt ids + the engine's own generated ids, for (rendered prompt, turn) pairs whose
-    engine returned its ids; batched like the rest."""
+def _engine_sequences(tokenizer, requests: list[tuple[list[tuple[str, int]], dict]]) -> list[tuple[Sequence, bool]]:
+    """(prompt ids + the engine's own generated ids, round trip ok) for each (rendered pieces,
+    turn) whose engine returned its ids; batched like the rest.
+
+    The round trip asks whether the ids are the tokenizer's own split of their text. When they
+    are exactly the tokens of the rendered prompt + turn, they decode to that text and the answer
+    is yes without decoding; only the others are decoded and checked on their decoded text."""
     if not requests:
         return []
-    prompts = plain_backend(tokenizer).encode_batch_fast([prompt for prompt, _ in requests], add_special_tokens=False)
-    prompt_ids = [p.ids for p in prompts]
-    outs = []
-    for _, turn in requests:
+    backend = plain_backend(tokenizer)
+    rendered = ["".join(text for text, _ in pieces) for pieces, _ in requests]
+    prompts = backend.encode_batch_fast([pieces[0][0] for pieces, _ in requests], add_special_tokens=False)
+    wholes = backend.encode_batch_fast(rendered, add_special_tokens=False)
+    seqs, undecided = [], []
+    for (pieces, turn), text, prompt, whole in zip(requests, rendered, prompts, wholes):
         out = list(turn["output_ids"])
         if turn["finish_reason"] == "stop" and out[-1] != tokenizer.eos_token_id:
             out.append(tokenizer.eos_token_id)
-        outs.append(out)
+        ids = prompt.ids
+        seq = Sequence(ids + out, [0] * len(ids) + [1] * len(out), text)
+        if whole.ids != seq.input_ids:
+            undecided.append(len(seqs))
+        seqs.append(seq)
+    outs = [seqs[k].input_ids[seqs[k].loss_mask.index(1):] for k in undecided]
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         texts = [tokenizer.decode(out) for out in outs]
     else:
         # What ``tokenizer.decode`` returns without the clean-up, without its per-id type checks
         # (those took longer than decoding).
-        texts = plain_backend(tokenizer).decode_batch(outs, skip_special_tokens=False)
-    return [
-        Sequence(ids + out, [0] * len(ids) + [1] * len(out), prompt + text)
-        for (prompt, _), ids, out, text in zip(requests, prompt_ids, outs, texts)
-    ]
+        texts = backend.decode_batch(outs, skip_special_tokens=False)
+    for k, text in zip(undecided, texts):
+        seqs[k].text = requests[k][0][0][0] + text
+    failed = dict(zip(undecided, round_trip_failures(tokenizer, [seqs[k] for k in undecided])))
+    return [(seq, not failed.get(k, False)) for k, seq in enumerate(seqs)]
 
 
 @dataclass
@@ -205,22 +216,20 @@ class ShardTokenizer:
             if isinstance(item, str):
                 continue
             if len(item) == 1 and len(row["turns"]) == 1 and row["turns"][0].get("output_ids"):
-                engine_requests.append((item[0][1][0][0], row["turns"][0]))
+                engine_requests.append((item[0][1], row["turns"][0]))
             else:
                 text_pieces += [pieces for _, pieces in item]
         encoded = iter(encode_pieces(self.tokenizer, text_pieces))
-        engine = _engine_sequences(self.tokenizer, engine_requests)
-        engine_failures = iter(round_trip_failures(self.tokenizer, engine))
-        engine = iter(engine)
+        engine = iter(_engine_sequences(self.tokenizer, engine_requests))
         out: list[list[EncodedRow] | str] = []
         for row, item in zip(rows, found):
             if isinstance(item, str):
                 out.append(item)
                 continue
             if len(item) == 1 and len(row["turns"]) == 1 and row["turns"][0].get("output_ids"):
-                seq = next(engine)
+                seq, round_trip_ok = next(engine)
                 ids, mask = np.array(seq.input_ids, np.int32), np.array(seq.loss_mask, np.int8)
-                out.append([self._checked(item[0][0], ids, mask, not next(engine_failures), False)])
+                out.append([self._checked(item[0][0], ids, mask, round_trip_ok, False)])
             else:
                 out.append([
                     self._checked(turn, e.input_ids, e.loss_mask, e.round_trip_ok, e.fell_back)
