@@ -159,6 +159,7 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     results = {}
+    load_before = os.getloadavg()
     for shape in args.shape:
         rows = synthetic_rows(args.rows if shape == "short" else args.long_rows, shape.split("-")[0])
         if shape == "long-engine-ids":
@@ -172,6 +173,8 @@ def main() -> None:
         "tokenizer": "demo (byte-level BPE, 399 tokens)",
         "results": results,
         "device": f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}",
+        # Other work on the machine skews every number; this says how busy it was.
+        "load_average_1min": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)},
         "commit": commit,
         "date": time.strftime("%Y-%m-%d"),
     }
