@@ -105,7 +105,7 @@ def _unpack(packed: tuple) -> list:
             continue
         seqs = []
         for turn, n, truncated, supervised, round_trip_ok, fell_back, repetition in item:
-            seqs.append(EncodedRow(turn, ids[pos : pos + n], masks[pos : pos + n], truncated, supervised,
+            seqs.append(TokenizedSequence(turn, ids[pos : pos + n], masks[pos : pos + n], truncated, supervised,
                                    round_trip_ok, fell_back, repetition))
             pos += n
         out.append(seqs)
@@ -144,7 +144,7 @@ def _engine_sequences(tokenizer, requests: list[tuple[list[tuple[str, int]], dic
     rendered = ["".join(text for text, _ in pieces) for pieces, _ in requests]
     prompts = backend.encode_batch_fast([pieces[0][0] for pieces, _ in requests], add_special_tokens=False)
     wholes = backend.encode_batch_fast(rendered, add_special_tokens=False)
-    seqs, undecided = [], []
+    seqs, generated, undecided = [], [], []
     for (pieces, turn), text, prompt, whole in zip(requests, rendered, prompts, wholes):
         out = list(turn["output_ids"])
         if turn["finish_reason"] == "stop" and out[-1] != tokenizer.eos_token_id:
@@ -154,7 +154,8 @@ def _engine_sequences(tokenizer, requests: list[tuple[list[tuple[str, int]], dic
         if whole.ids != seq.input_ids:
             undecided.append(len(seqs))
         seqs.append(seq)
-    outs = [seqs[k].input_ids[seqs[k].loss_mask.index(1):] for k in undecided]
+        generated.append(out)
+    outs = [generated[k] for k in undecided]
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         texts = [tokenizer.decode(out) for out in outs]
     else:
@@ -168,7 +169,7 @@ def _engine_sequences(tokenizer, requests: list[tuple[list[tuple[str, int]], dic
 
 
 @dataclass
-class EncodedRow:
+class TokenizedSequence:
     """One tokenized sequence of a row, truncated, with what the gate needs to know about it."""
 
     turn: int
@@ -206,7 +207,7 @@ class ShardTokenizer:
                 reasons.append("think_not_closed")
         return sorted(set(reasons))
 
-    def encode_rows(self, rows: list[dict]) -> list[list[EncodedRow] | str]:
+    def encode_rows(self, rows: list[dict]) -> list[list[TokenizedSequence] | str]:
         """Every sequence of each row, or the row's TemplateMismatch text: renderings and
         tokenization batched over the rows. A row with one turn whose engine returned its ids
         takes those ids after the rendered prompt."""
@@ -221,7 +222,7 @@ class ShardTokenizer:
                 text_pieces += [pieces for _, pieces in item]
         encoded = iter(encode_pieces(self.tokenizer, text_pieces))
         engine = iter(_engine_sequences(self.tokenizer, engine_requests))
-        out: list[list[EncodedRow] | str] = []
+        out: list[list[TokenizedSequence] | str] = []
         for row, item in zip(rows, found):
             if isinstance(item, str):
                 out.append(item)
@@ -237,12 +238,12 @@ class ShardTokenizer:
                 ])
         return out
 
-    def _checked(self, turn: int, ids: np.ndarray, mask: np.ndarray, round_trip_ok: bool, fell_back: bool) -> EncodedRow:
+    def _checked(self, turn: int, ids: np.ndarray, mask: np.ndarray, round_trip_ok: bool, fell_back: bool) -> TokenizedSequence:
         cfg = self.cfg
         limit = cfg["max_length"]
         truncated = len(ids) > limit
         ids, mask = ids[:limit], mask[:limit]
-        return EncodedRow(
+        return TokenizedSequence(
             turn=turn,
             input_ids=ids,
             loss_mask=mask,
@@ -253,7 +254,7 @@ class ShardTokenizer:
             repetition=repetition_loop(ids[mask.astype(bool)], cfg["repetition_ngram"], cfg["repetition_min_repeats"]),
         )
 
-    def encode_all(self, rows: list[dict], on_chunk=None) -> list[list[EncodedRow] | str]:
+    def encode_all(self, rows: list[dict], on_chunk=None) -> list[list[TokenizedSequence] | str]:
         """``encode_rows`` over chunks of rows, in worker processes when there are several;
         ``on_chunk(rows_done, tokens_done)`` after each chunk."""
         step = self.chunk_rows
@@ -301,7 +302,7 @@ class ShardTokenizer:
         }
         key_counts = Counter(keys.values())
         identical_limit = max(cfg["identical_response_min_count"], cfg["identical_response_min_fraction"] * len(rows))
-        out: list[tuple[dict, EncodedRow]] = []
+        out: list[tuple[dict, TokenizedSequence]] = []
         supervised_counts = []
         stats = Counter()
         checks = {r["id"]: self.row_checks(r) for r in rows}
@@ -367,7 +368,7 @@ class ShardTokenizer:
         return tokenized_table(kept), summary
 
 
-def tokenized_table(kept: list[tuple[dict, EncodedRow]]) -> pa.Table:
+def tokenized_table(kept: list[tuple[dict, TokenizedSequence]]) -> pa.Table:
     """The output table, its list columns built from concatenated arrays rather than row by row."""
     lengths = np.fromiter((len(seq.input_ids) for _, seq in kept), dtype=np.int32, count=len(kept))
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int32)]).astype(np.int32))

@@ -10,11 +10,11 @@ in one sequence: the rendering of turn 1 changes once turn 2 exists. Those conve
 row per assistant turn (history as the template renders it, the turn itself with its reasoning);
 other templates give one row per conversation with every assistant turn supervised.
 
-For throughput (``encode_pieces``) each sequence's whole text is tokenized once, with offsets, and
-the piece boundaries are placed on its tokens; the unsupervised pieces are also tokenized apart and
-must match, so the prompt ids are exactly what the engine was given. A boundary that falls inside
-a token sends the sequence back to tokenizing every piece apart, where the round-trip check flags
-it as a template mismatch.
+For throughput (``encode_pieces``) each sequence's whole text is tokenized once and the piece
+boundaries are placed on its tokens (by the prompt's own tokens, or by offsets); the unsupervised
+pieces are also tokenized apart and must match, so the prompt ids are exactly what the engine was
+given. A boundary that falls inside a token sends the sequence back to tokenizing every piece
+apart, where the round-trip check flags it as a template mismatch.
 """
 
 from __future__ import annotations
