@@ -104,11 +104,17 @@ def train_inputs(wildcards):
 
 def get_final_output():
     # Every tracked output lives in one folder, so the S3 plugin's single listing covers the
-    # whole run (dflash_pipeline.layout).
-    outputs = expand(shard_output("tokenized"), shard=SHARDS)
-    outputs.append(run_path(layout.INGEST_SUMMARY))
-    outputs += [run_path(layout.DRAFTER_CONFIG), run_path(layout.DRAFTER_WEIGHTS)]
-    outputs.append(run_path(layout.EVAL_METRICS))
+    # whole run (dflash_pipeline.layout). `until` names the last stage built by default.
+    stages = ["prompts", "generate", "tokenize", "train", "evaluate"]
+    until = stages.index(config["until"])
+    outputs = [run_path(layout.INGEST_SUMMARY)]
+    for index, stage in enumerate(["prompts", "generated", "tokenized"]):
+        if until == index:
+            outputs += expand(shard_output(stage), shard=SHARDS)
+    if until >= stages.index("train"):
+        outputs += [run_path(layout.DRAFTER_CONFIG), run_path(layout.DRAFTER_WEIGHTS)]
+    if until >= stages.index("evaluate"):
+        outputs.append(run_path(layout.EVAL_METRICS))
     if config["target"]["build_demo"]:
         outputs.append(local(config["target"]["model"]))
     return outputs
