@@ -11,7 +11,6 @@ size and sha256, written last.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 import tempfile
@@ -22,7 +21,7 @@ import pyarrow.parquet as pq
 import torch
 
 from dflash_pipeline.data.sharding import TRAIN
-from dflash_pipeline.storage import Storage, open_storage, write_atomically
+from dflash_pipeline.storage import Storage, open_storage, sha256_file, write_atomically
 
 HIDDEN_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
 _SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64"}
@@ -66,14 +65,6 @@ class StreamingSafetensors:
         self.fh.close()
         if incomplete:
             raise ValueError(f"tensors {incomplete} were not fully written")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def extract_shard(
@@ -140,7 +131,7 @@ def extract_shard(
             "key": hidden_key(shard),
             "url": storage.join(hidden_key(shard)),
             "size": path.stat().st_size,
-            "sha256": _sha256(path),
+            "sha256": sha256_file(path),
             "rows": len(rows),
             "tokens": int(offsets[-1]),
             "hidden_dtype": hidden_dtype,
@@ -171,7 +162,7 @@ class HiddenShards:
                 )
             local = Path(self._tmp.name) / f"{shard}.safetensors"
             storage.download_file(manifest["key"], local)
-            if local.stat().st_size != manifest["size"] or _sha256(local) != manifest["sha256"]:
+            if local.stat().st_size != manifest["size"] or sha256_file(local) != manifest["sha256"]:
                 raise ValueError(f"{storage.join(manifest['key'])} does not match {manifest_path}")
             handle = safe_open(str(local), framework="pt")
             offsets = handle.get_tensor("offsets").tolist()

@@ -16,6 +16,7 @@ or another Snakemake shares the machine), it waits with a jittered back-off and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import logging
 import os
@@ -180,3 +181,14 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@contextlib.contextmanager
+def job_devices(count: int, pool_size: int, lock_dir: str | Path | None):
+    """The in-process form of the wrapper, for script rules: lease ``count`` devices of the pool
+    (the inherited ``CUDA_VISIBLE_DEVICES`` or ``0..pool_size-1``) for the job's lifetime and
+    make them the only ones the job sees."""
+    pool = device_pool(pool_size, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    with GpuLease(count, pool, lock_dir) as lease:
+        os.environ["CUDA_VISIBLE_DEVICES"] = lease.visible_devices
+        yield lease

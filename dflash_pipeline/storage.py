@@ -379,3 +379,14 @@ def open_object(url: str | os.PathLike) -> tuple[Storage, str]:
     path = Path(url)
     return LocalStorage(path.parent), path.name
 
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a local file, read in 16 MiB chunks (checkpoints and hidden shards are GBs)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -2,7 +2,6 @@
 dflash_pipeline.evaluation."""
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -11,7 +10,7 @@ import torch
 
 from dflash_pipeline.evaluate import EvalOptions, run_evaluation
 from dflash_pipeline.evaluation.simulated import simulated_tau
-from dflash_pipeline.gpu_slots import GpuLease, device_pool
+from dflash_pipeline.gpu_slots import job_devices
 from dflash_pipeline.joblog import job_logging
 
 
@@ -23,9 +22,7 @@ def run(smk) -> None:
         # Token-by-token decoding of a small model on a CPU is latency-bound: one thread was
         # faster than two on the 2-core test machine (oversubscribed threads wait on each other).
         torch.set_num_threads(1 if not smk.resources.gpu else smk.threads)
-        pool = device_pool(smk.params.gpu_pool, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        with GpuLease(smk.resources.gpu, pool, smk.params.gpu_lock_dir) as lease:
-            os.environ["CUDA_VISIBLE_DEVICES"] = lease.visible_devices
+        with job_devices(smk.resources.gpu, smk.params.gpu_pool, smk.params.gpu_lock_dir):
             simulated = simulated_tau(
                 drafter_dir,
                 smk.params.model,

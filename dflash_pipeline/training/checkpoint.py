@@ -11,7 +11,6 @@ moved, so there is always one complete checkpoint to resume from.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tempfile
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_pipeline.storage import Storage, StorageError
+from dflash_pipeline.storage import Storage, StorageError, sha256_file
 
 INDEX = "checkpoint.json"
 LATEST = "latest.json"
@@ -31,14 +30,6 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def save_checkpoint(
     storage: Storage, prefix: str, weights: dict[str, torch.Tensor], trainer_state: dict
 ) -> dict:
@@ -48,7 +39,7 @@ def save_checkpoint(
         torch.save(trainer_state, files[TRAINER_STATE])
         index = {"step": trainer_state.get("step"), "files": {}}
         for name, path in files.items():
-            index["files"][name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+            index["files"][name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
             storage.upload_file(prefix + name, path)
     storage.write_text(prefix + INDEX, json.dumps(index, indent=1))
     return index
@@ -73,7 +64,7 @@ def load_checkpoint(storage: Storage, prefix: str) -> tuple[dict, dict] | None:
                 storage.download_file(prefix + name, path)
             except StorageError as err:
                 raise CheckpointError(f"checkpoint {storage.join(prefix)}: {err}") from err
-            actual = {"size": path.stat().st_size, "sha256": _sha256(path)}
+            actual = {"size": path.stat().st_size, "sha256": sha256_file(path)}
             if actual != expected:
                 raise CheckpointError(
                     f"checkpoint {storage.join(prefix + name)} does not match its index "
