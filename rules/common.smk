@@ -86,11 +86,33 @@ def target_model_input(wildcards):
     )
 
 
+# The report's figures and tables of the data stages (rules/report.smk); the storage figure
+# comes last, once everything else exists.
+REPORT_DATA_ITEMS = [
+    "prompts.svg",
+    "prompts.html",
+    "generation-throughput.svg",
+    "generation-lengths.svg",
+    "generation-finish.svg",
+    "tokenization-supervised.svg",
+    "tokenization-degenerate.svg",
+    "tokenization.html",
+]
+REPORT_STORAGE_ITEM = "storage.svg"
+
+
+def report_storage_inputs():
+    outputs = expand(shard_output("tokenized"), shard=SHARDS)
+    outputs.append(run_path(layout.INGEST_SUMMARY))
+    outputs.extend(run_path(layout.report_key(name)) for name in REPORT_DATA_ITEMS)
+    return outputs
+
+
 def get_final_output():
     # Every tracked output lives in one folder, so the S3 plugin's single listing covers the
     # whole run (dflash_pipeline.layout).
-    outputs = expand(shard_output("tokenized"), shard=SHARDS)
-    outputs.append(run_path(layout.INGEST_SUMMARY))
+    outputs = report_storage_inputs()
+    outputs.append(run_path(layout.report_key(REPORT_STORAGE_ITEM)))
     if config["target"]["build_demo"]:
         outputs.append(local(config["target"]["model"]))
     return outputs
