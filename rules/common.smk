@@ -118,7 +118,43 @@ def get_final_output():
     return outputs
 
 
+def start_status_page():
+    """The live status page in the background (config key status.serve); it keeps serving
+    after the run ends, and does nothing if one already serves this port."""
+    import os
+    import subprocess
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (workflow.basedir, env.get("PYTHONPATH")) if p
+    )
+    status = config["status"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.status",
+            "start",
+            "--run-url",
+            RUN_URL,
+            "--num-shards",
+            str(config["num_shards"]),
+            "--host",
+            status["host"],
+            "--port",
+            str(status["port"]),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    message = (proc.stdout + proc.stderr).strip()
+    (logger.info if proc.returncode == 0 else logger.warning)(message)
+
+
 onstart:
     if DEFAULT_STORAGE == "s3":
         # The S3 plugin deletes a bucket once it is empty; keep one object in it for good.
         S3Storage(RUN_URL).ensure_bucket()
+    if config["status"]["serve"]:
+        start_status_page()

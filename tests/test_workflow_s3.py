@@ -57,6 +57,9 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
         "prepare_prompts": 1,
         "generate": 1,
         "tokenize": 1,
+        "report_generation": 1,
+        "report_tokenization": 1,
+        "report_storage": 1,
         "all": 1,
     }
     workflow.snakemake(*s3_args, env=env)
