@@ -163,7 +163,8 @@ def _pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"figure.dpi": 100, "font.size": 9, "svg.hashsalt": "dflash-report"})
+    # Text stays text in the SVG (smaller, searchable); a fixed hash salt keeps ids stable.
+    plt.rcParams.update({"figure.dpi": 100, "font.size": 9, "svg.fonttype": "none", "svg.hashsalt": "dflash-report"})
     return plt
 
 

@@ -28,7 +28,7 @@ from dflash_pipeline import layout
 from dflash_pipeline.config import validate_config
 from dflash_pipeline.status.events import DEFAULT_EVENTS_FILE
 from dflash_pipeline.status.readonly import ReadOnlyStorage
-from dflash_pipeline.status.server import StatusServer
+from dflash_pipeline.status.server import RedactingFilter, StatusServer
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
 from dflash_pipeline.storage import is_s3_url
 
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     source = resolve_source(args)
     server = StatusServer(SnapshotBuilder(source), args.host, args.port, args.token, args.refresh)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter(server.redact))
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     print(f"Status page of {source.storage.url}: {page_url(args.host, server.port, args.token)}", flush=True)
     try:

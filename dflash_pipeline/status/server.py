@@ -73,6 +73,19 @@ class Redactor:
         return text
 
 
+class RedactingFilter(logging.Filter):
+    """Blanks secrets in every record a handler writes (storage errors quote URLs and more)."""
+
+    def __init__(self, redact: Redactor):
+        super().__init__()
+        self.redact = redact
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = self.redact(record.getMessage())
+        record.args = None
+        return True
+
+
 class StatusState:
     """The shared, lazily refreshed snapshot (rebuilt at most once per ``refresh_s``)."""
 

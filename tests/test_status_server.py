@@ -1,0 +1,240 @@
+"""The status server: what the snapshot says about a run, its routes, its read-only nature, and
+that credentials never leave it. Runs are built with the pipeline's own writers."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dflash_pipeline import layout
+from dflash_pipeline.progress import ShardProgress
+from dflash_pipeline.status.__main__ import parser, resolve_source
+from dflash_pipeline.status.events import EventWriter
+from dflash_pipeline.status.readonly import ReadOnlyStorage
+from dflash_pipeline.status.server import RedactingFilter, Redactor, StatusServer
+from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
+from dflash_pipeline.storage import LocalStorage, Storage, open_storage
+from tests.support.seaweed import free_port
+
+RUNNING_LOG = ["loading the engine", "generated 4 of 10 samples"]
+
+
+def write_run(run: Storage, workdir: Path, secret_in_log: str = "") -> Path:
+    """A run in mid-flight: 2 shards; shard 1 generating, tokenize of shard 0 failed,
+    one training segment done and the next running, evaluation written."""
+    for shard in (0, 1):
+        run.write_bytes(layout.shard_key("prompts", shard), b"p" * 100)
+    run.write_bytes(layout.shard_key("generated", 0), b"g" * 300)
+    ShardProgress(run, "generate", 1).write_telemetry(
+        {"state": "running", "samples_total": 10, "samples_done": 4, "tokens_per_s": 12.5, "eta_s": 6.0,
+         "tokens_generated": 50}
+    )
+    metrics = [
+        {"segment": 0, "step": s, "loss": 3.0 - s * 0.1, "accuracy": 0.1 * s, "accuracy_per_position": [0.5, 0.3],
+         "accept_len": 1.0 + 0.1 * s, "tokens_per_s": 900.0, "lr": 1e-4, "gpu_mem_gib": None, "time": 1.0 + s}
+        for s in range(1, 6)
+    ]
+    prefix = layout.train_progress_prefix(0)
+    # The last line is cut, as by a crash mid-write: it must be skipped.
+    run.write_text(prefix + layout.TRAIN_METRICS, "".join(json.dumps(m) + "\n" for m in metrics) + '{"step": 6, "lo')
+    run.write_text(layout.segment_manifest_key(0), "{}")
+    run.write_text(layout.train_progress_prefix(1) + "telemetry.json", json.dumps(
+        {"state": "running", "step": 7, "steps_total": 10, "tokens_per_s": 880.0, "eta_s": 30, "updated_at": time.time()}))
+    run.write_text(layout.EVAL_METRICS, json.dumps({
+        "overall": {"tau": 2.5, "accept_hist": [1, 2, 3], "per_position": [0.8, 0.6], "generated_tokens": 10,
+                    "verify_steps": 4, "speedup_estimate": 2.1},
+        "prompt_sets": {"math": {"tau": 2.7}}, "per_prompt": []}))
+    # Job events as the logger plugin writes them, and the jobs' local logs.
+    logs = workdir / "results/demo/logs"
+    (logs / "generate").mkdir(parents=True, exist_ok=True)
+    (logs / "tokenize").mkdir(parents=True, exist_ok=True)
+    (logs / "generate/00001.log").write_text("\n".join(RUNNING_LOG) + "\n")
+    (logs / "tokenize/00000.log").write_text(f"tokenize failed: 87% degenerate {secret_in_log}\n")
+    events = EventWriter(workdir / "logs/events.jsonl")
+    now = time.time()
+    events.write({"event": "workflow_started", "time": now - 60})
+    events.write({"event": "job_started", "time": now - 30, "jobids": [5, 6]})
+    for jobid, rule, shard in ((5, "generate", "00001"), (6, "tokenize", "00000")):
+        events.write({"event": "job_info", "time": now - 30, "jobid": jobid, "rule": rule, "wildcards": {"shard": shard},
+                      "log": [f"results/demo/logs/{rule}/{shard}.log"], "output": []})
+    events.write({"event": "job_error", "time": now - 5, "jobid": 6, "rule": "tokenize",
+                  "log": ["results/demo/logs/tokenize/00000.log"], "message": ""})
+    events.write({"event": "progress", "time": now - 5, "done": 4, "total": 9})
+    return workdir / "logs/events.jsonl"
+
+
+@pytest.fixture
+def local_run(tmp_path):
+    root = tmp_path / "results/demo"
+    events = write_run(LocalStorage(root), tmp_path)
+    return RunSource(ReadOnlyStorage.open(str(root)), num_shards=2, events_file=events, workdir=tmp_path)
+
+
+def test_snapshot_counts_shards_and_shows_running_failed_training_and_storage(local_run):
+    snap = SnapshotBuilder(local_run).build()
+    stages = {s["stage"]: s for s in snap["stages"]}
+    assert [s["stage"] for s in snap["stages"]] == ["prompts", "generated", "tokenized"]
+    assert (stages["prompts"]["done"], stages["prompts"]["percent"]) == (2, 100.0)
+    assert {k: stages["generated"][k] for k in ("done", "running", "failed", "missing")} == {
+        "done": 1, "running": 1, "failed": 0, "missing": 1 - 1}
+    assert stages["generated"]["percent"] == 70.0  # one shard done, the other 4 of 10 samples
+    assert {k: stages["tokenized"][k] for k in ("done", "running", "failed", "missing")} == {
+        "done": 0, "running": 0, "failed": 1, "missing": 1}
+    assert snap["progress_percent"] == pytest.approx((100 + 70 + 0) / 3, abs=0.01)
+    [running] = snap["running"]
+    assert (running["stage"], running["shard"], running["percent"]) == ("generated", "00001", 40.0)
+    assert (running["tokens_per_s"], running["eta_s"]) == (12.5, 6.0)
+    assert running["log_tail"] == RUNNING_LOG
+    [failed] = snap["failed"]
+    assert (failed["rule"], failed["shard"]) == ("tokenize", "00000")
+    assert failed["log_tail"][0].startswith("tokenize failed: 87% degenerate")
+    assert [p["step"] for p in snap["training"]["curve"]] == [1, 2, 3, 4, 5]
+    assert snap["training"]["curve"][-1]["accept_len"] == pytest.approx(1.5)
+    assert [(s["segment"], s["state"]) for s in snap["training"]["segments"]] == [("0000", "done"), ("0001", "running")]
+    assert snap["evaluation"]["tau"] == 2.5 and snap["evaluation"]["prompt_sets"] == {"math": 2.7}
+    assert snap["storage"]["by_category"]["prompts"] == {"bytes": 200, "objects": 2}
+    assert snap["workflow"]["state"] == "running, with failures"
+    assert (snap["workflow"]["steps_done"], snap["workflow"]["steps_total"]) == (4, 9)
+
+
+def test_stale_telemetry_without_a_job_is_not_shown_as_running(tmp_path):
+    run = LocalStorage(tmp_path / "run")
+    ShardProgress(run, "generate", 0).write_telemetry({"state": "running", "samples_total": 4, "samples_done": 1})
+    source = RunSource(ReadOnlyStorage(run), num_shards=1, stale_after_s=0.0)
+    snap = SnapshotBuilder(source).build()
+    assert snap["running"] == [] and snap["stages"][1]["missing"] == 1
+
+
+def get(server: StatusServer, path: str, headers=None, method="GET") -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    # http.client sends the path as given: no client-side normalization of ".." segments.
+    conn.request(method, path, headers=headers or {})
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, body
+
+
+@pytest.fixture
+def server(local_run):
+    srv = StatusServer(SnapshotBuilder(local_run), port=0, refresh_s=0).start()
+    yield srv
+    srv.stop()
+
+
+def test_page_assets_and_json_are_served(server):
+    status, page = get(server, "/")
+    assert status == 200 and b'id="overall-progress"' in page and b"/assets/app.js" in page
+    for asset in ("app.js", "style.css"):
+        assert get(server, f"/assets/{asset}")[0] == 200
+    status, body = get(server, "/api/status")
+    assert status == 200 and json.loads(body)["stages"][0]["stage"] == "prompts"
+
+
+@pytest.mark.parametrize("path", [
+    "/../config.yaml", "/assets/../__init__.py", "/assets/..%2f__main__.py", "/assets/%2e%2e/server.py",
+    "/assets/", "/assets/index.html/../app.js", "//etc/passwd", "/api/status/../../etc/passwd",
+    "/results/demo/outputs/prompts-00000.parquet", "/logs/events.jsonl", "/nope", "/api",
+])
+def test_path_traversal_and_unknown_routes_get_404(server, path):
+    assert get(server, path)[0] == 404
+
+
+def test_writing_methods_are_refused_and_nothing_is_written(server, local_run, tmp_path):
+    before = {(o.key, o.size, o.mtime) for o in LocalStorage(tmp_path).list("")}
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        assert get(server, "/api/status", method=method)[0] == 405
+    for _ in range(3):
+        get(server, "/api/status")
+        get(server, "/")
+    assert {(o.key, o.size, o.mtime) for o in LocalStorage(tmp_path).list("")} == before
+    assert not any(hasattr(local_run.storage, name) for name in ("write_bytes", "write_text", "delete", "upload_file"))
+
+
+def test_beyond_loopback_a_token_is_required(local_run):
+    with pytest.raises(ValueError, match="access token"):
+        StatusServer(SnapshotBuilder(local_run), host="0.0.0.0", port=0)
+    srv = StatusServer(SnapshotBuilder(local_run), port=0, token="tok-3141592653").start()
+    try:
+        assert get(srv, "/api/status")[0] == 401
+        assert get(srv, "/?token=wrong")[0] == 401
+        assert get(srv, "/?token=tok-3141592653")[0] == 200
+        status, body = get(srv, "/api/status", headers={"Authorization": "Bearer tok-3141592653"})
+        assert status == 200 and b"tok-3141592653" not in body
+    finally:
+        srv.stop()
+
+
+def test_redactor_blanks_every_secret_of_the_environment():
+    redact = Redactor.from_env(env={"SNAKEMAKE_STORAGE_S3_SECRET_KEY": "s3cr3t-value", "AWS_ACCESS_KEY_ID": "AKIAXX"})
+    assert redact("key=AKIAXX secret=s3cr3t-value") == "key=[redacted] secret=[redacted]"
+    record = logging.makeLogRecord({"msg": "reading %s failed", "args": ("s3://b/k?s3cr3t-value",)})
+    assert RedactingFilter(redact).filter(record) and record.getMessage() == "reading s3://b/k?[redacted] failed"
+
+
+@pytest.mark.s3
+def test_s3_run_is_read_without_writes_and_credentials_never_appear(s3_env, s3_server, tmp_path, caplog):
+    url = f"s3://{s3_server.bucket}/status-{uuid.uuid4().hex[:8]}/results/demo"
+    secret, access = s3_env["SNAKEMAKE_STORAGE_S3_SECRET_KEY"], s3_env["SNAKEMAKE_STORAGE_S3_ACCESS_KEY"]
+    # A job log that printed the secret: the page must still not show it.
+    events = write_run(open_storage(url), tmp_path, secret_in_log=f"{access}:{secret}")
+    before = [(o.key, o.size, o.mtime) for o in open_storage(url).list("")]
+    source = RunSource(ReadOnlyStorage.open(url), num_shards=2, events_file=events, workdir=tmp_path)
+    srv = StatusServer(SnapshotBuilder(source), port=0, refresh_s=0).start()
+    caplog.set_level(logging.INFO)  # the level the server logs at (botocore's DEBUG shows signed headers)
+    try:
+        bodies = [get(srv, path)[1] for path in ("/", "/api/status", "/assets/app.js", f"/?x={secret}")]
+    finally:
+        srv.stop()
+    snap = json.loads(bodies[1])
+    assert snap["run"] == url and snap["stages"][1]["running"] == 1
+    assert "[redacted]" in json.dumps(snap["failed"])
+    for text in [*(b.decode() for b in bodies), caplog.text]:
+        assert secret not in text and access not in text
+    assert [(o.key, o.size, o.mtime) for o in open_storage(url).list("")] == before
+
+
+def test_cli_finds_the_run_from_the_config_and_the_s3_prefix(tmp_path):
+    (tmp_path / "config.yaml").write_text("run: r1\nresults_dir: out\nnum_shards: 3\n")
+    args = parser().parse_args(["--workdir", str(tmp_path)])
+    source = resolve_source(args)
+    assert source.storage.url == str(tmp_path / "out/r1") and source.num_shards == 3
+    assert source.events_file == tmp_path / "logs/snakemake-events.jsonl"
+    args = parser().parse_args(["--workdir", str(tmp_path), "--default-storage-prefix", "s3://b/p"])
+    assert resolve_source(args).storage.url == "s3://b/p/out/r1"
+
+
+def test_start_serves_in_the_background_until_stop(tmp_path):
+    (tmp_path / "config.yaml").write_text("run: r1\nnum_shards: 1\n")
+    port = free_port()
+    cli = [sys.executable, "-m", "dflash_pipeline.status"]
+    common = ["--workdir", str(tmp_path), "--port", str(port)]
+    started = subprocess.run([*cli, "start", *common], capture_output=True, text=True, timeout=60)
+    try:
+        assert started.returncode == 0, started.stderr
+        assert f"http://127.0.0.1:{port}/" in started.stdout
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/api/status")
+        assert json.loads(conn.getresponse().read())["num_shards"] == 1
+        again = subprocess.run([*cli, "start", *common], capture_output=True, text=True, timeout=60)
+        assert "already running" in again.stdout
+    finally:
+        stopped = subprocess.run([*cli, "stop", *common], capture_output=True, text=True, timeout=60)
+    assert "Stopped" in stopped.stdout
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            http.client.HTTPConnection("127.0.0.1", port, timeout=1).request("GET", "/")
+        except OSError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the status server still answers after stop")
