@@ -143,3 +143,12 @@ def test_snakemake_with_logger_dflash_records_started_finished_and_failed_jobs(t
     bad = next(j for j in run.jobs.values() if j.rule == "bad")
     assert bad.log == ["logs/bad.log"]
     assert run.ended_at is not None and run.state == "failed"
+
+
+def test_plugin_records_nothing_in_a_dry_run(tmp_path):
+    settings = _OutputSettings()
+    settings.dryrun = True
+    handler = LogHandler(settings, LogHandlerSettings(events_file=str(tmp_path / "events.jsonl")))
+    handler.emit(record(LogEvent.JOB_STARTED, jobs=[1]))
+    handler.close()
+    assert not (tmp_path / "events.jsonl").exists()
