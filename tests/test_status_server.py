@@ -20,7 +20,7 @@ from dflash_pipeline.status.__main__ import parser, resolve_source
 from dflash_pipeline.status.events import EventWriter
 from dflash_pipeline.status.readonly import ReadOnlyStorage
 from dflash_pipeline.status.server import RedactingFilter, Redactor, StatusServer
-from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
+from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder, local_log_path
 from dflash_pipeline.storage import LocalStorage, Storage, open_storage
 from tests.support.seaweed import free_port
 
@@ -111,6 +111,12 @@ def test_stale_telemetry_without_a_job_is_not_shown_as_running(tmp_path):
     source = RunSource(ReadOnlyStorage(run), num_shards=1, stale_after_s=0.0)
     snap = SnapshotBuilder(source).build()
     assert snap["running"] == [] and snap["stages"][1]["missing"] == 1
+
+
+def test_log_names_of_s3_jobs_map_to_snakemakes_local_copies():
+    assert local_log_path("s3://b/p/results/demo/logs/generate/00001.log (send to storage)") == (
+        ".snakemake/storage/s3/b/p/results/demo/logs/generate/00001.log")
+    assert local_log_path("results/demo/logs/x.log") == "results/demo/logs/x.log"
 
 
 def get(server: StatusServer, path: str, headers=None, method="GET") -> tuple[int, bytes]:

@@ -110,9 +110,7 @@ class SnapshotBuilder:
         the copy in the run root (S3 runs upload it when the job ends)."""
         workdir = self.source.workdir.resolve()
         for name in job_logs:
-            if "://" in name:
-                continue
-            path = (workdir / name).resolve()
+            path = (workdir / local_log_path(name)).resolve()
             # Only .log files inside the working directory, whatever an events file says.
             if workdir in path.parents and path.suffix == ".log" and path.is_file():
                 with open(path, "rb") as fh:
@@ -302,6 +300,21 @@ class SnapshotBuilder:
             for p in thin_points(points)
         ]
         return {"segments": rows, "curve": curve, "steps_logged": len(points)}
+
+
+# Where Snakemake keeps the local copy of a storage file while the job writes it
+# (its --local-storage-prefix default, then provider, bucket and key).
+LOCAL_STORAGE_PREFIX = ".snakemake/storage"
+FILE_ANNOTATION = re.compile(r" \([^()]*\)$")
+
+
+def local_log_path(name: str) -> str:
+    """The local file behind a log name in a job event: the path itself, or for an S3 log
+    (``s3://bucket/key (send to storage)``) Snakemake's local copy of it."""
+    name = FILE_ANNOTATION.sub("", name.strip())
+    if name.startswith("s3://"):
+        return f"{LOCAL_STORAGE_PREFIX}/s3/{name[len('s3://'):]}"
+    return name
 
 
 def _log_key(rule: str | None, shard: int | None) -> str | None:
