@@ -154,3 +154,40 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         body = browser.find_element("tag name", "body").text
     assert "report-generation-lengths.svg" in body and "report-generation-finish.svg" in body
     browser.save_screenshot(str(ARTIFACTS / "report.png"))
+
+
+def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp_path):
+    from dflash_pipeline.storage import LocalStorage
+    from tests.support.status_run import RUNNING_LOG, write_run
+
+    root = tmp_path / "results/demo"
+    events = write_run(LocalStorage(root), tmp_path)
+    source = RunSource(ReadOnlyStorage.open(str(root)), num_shards=2, events_file=events, workdir=tmp_path)
+    server = StatusServer(SnapshotBuilder(source), port=0).start()
+    try:
+        browser.get(server.url)
+        deadline = time.monotonic() + 20
+        page = {}
+        while time.monotonic() < deadline:
+            page = browser.execute_script("""
+                const line = document.querySelector("#chart-loss polyline");
+                return {
+                  shard: document.querySelector("tr.running-shard .bar")?.getAttribute("aria-valuenow"),
+                  logs: [...document.querySelectorAll("pre.log")].map((p) => p.textContent),
+                  points: line ? line.getAttribute("points").trim().split(/\\s+/).length : 0,
+                  acceptPoints: document.querySelectorAll("#chart-accept polyline").length,
+                  segments: document.querySelectorAll("#segments tbody tr").length,
+                  evaluation: document.getElementById("evaluation").textContent,
+                };""")
+            if page["points"]:
+                break
+            time.sleep(0.3)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "status-page-training.png"))
+    finally:
+        server.stop()
+    assert page["shard"] == "40"
+    assert "\n".join(RUNNING_LOG) in page["logs"][0]
+    assert any("87% degenerate" in log for log in page["logs"])
+    assert (page["points"], page["acceptPoints"], page["segments"]) == (5, 1, 2)
+    assert "τ = 2.5" in page["evaluation"] and "math: 2.7" in page["evaluation"]
