@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from dflash_pipeline.status.snapshot import read_train_metrics, storage_category
+
 # Fixed histogram bins: tokens (as the tokenize stats) and characters.
 TOKEN_EDGES = [0, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 CHAR_EDGES = [0, 1, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
@@ -139,11 +141,9 @@ def generation_throughput(summaries: list[dict], benchmark_seconds: dict[str, fl
 
 def storage_by_stage(objects: Iterable) -> dict[str, int]:
     """Bytes per stage (shard objects by stage, other outputs by kind, other folders by name)."""
-    from dflash_pipeline.status.snapshot import _category
-
     use: Counter = Counter()
     for obj in objects:
-        use[_category(obj.key)] += obj.size
+        use[storage_category(obj.key)] += obj.size
     return dict(sorted(use.items(), key=lambda kv: -kv[1]))
 
 
@@ -376,8 +376,6 @@ def plot_storage(use: dict[str, int], out: str | Path) -> None:
 
 def load_training_metrics(paths: Iterable[str | Path]) -> list[dict]:
     """Every optimizer step of every segment's ``metrics.jsonl``, in step order."""
-    from dflash_pipeline.status.snapshot import read_train_metrics
-
     points = [p for path in paths for p in read_train_metrics(Path(path).read_text())]
     return sorted(points, key=lambda p: p["step"])
 

@@ -54,7 +54,7 @@ class RunSource:
     stale_after_s: float = 300.0
 
 
-def _category(key: str) -> str:
+def storage_category(key: str) -> str:
     """The storage-use bucket of a key: a shard stage, another output kind, or a top folder."""
     match = SHARD_OBJECT.match(key)
     if match:
@@ -135,7 +135,7 @@ class SnapshotBuilder:
         segments: dict[int, dict] = {}
         eval_metrics = None
         for obj in objects:
-            use = storage_use.setdefault(_category(obj.key), {"bytes": 0, "objects": 0})
+            use = storage_use.setdefault(storage_category(obj.key), {"bytes": 0, "objects": 0})
             use["bytes"] += obj.size
             use["objects"] += 1
             if m := SHARD_OBJECT.match(obj.key):
