@@ -195,3 +195,17 @@ def test_start_serves_in_the_background_until_stop(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError("the status server still answers after stop")
+
+
+def test_snapshot_is_rebuilt_in_the_background_and_picks_up_new_shards(tmp_path):
+    from dflash_pipeline.status.server import StatusState
+
+    run = LocalStorage(tmp_path / "run")
+    state = StatusState(SnapshotBuilder(RunSource(ReadOnlyStorage(run), num_shards=2)), refresh_s=0)
+    redact = Redactor([])
+    assert json.loads(state.body(redact))["stages"][0]["done"] == 0
+    run.write_bytes("outputs/prompts-00001.parquet", b"x")
+    deadline = time.monotonic() + 10
+    while json.loads(state.body(redact))["stages"][0]["done"] != 1:
+        assert time.monotonic() < deadline, "the new shard never showed"
+        time.sleep(0.05)

@@ -87,26 +87,51 @@ class RedactingFilter(logging.Filter):
 
 
 class StatusState:
-    """The shared, lazily refreshed snapshot (rebuilt at most once per ``refresh_s``)."""
+    """The shared snapshot, rebuilt only while someone is looking.
+
+    The first request builds it; later requests get the last one at once and, when it is older
+    than the refresh interval, start one rebuild in the background. The interval stretches to
+    twice the last build's duration, so a slow listing (10,000 shards in S3 took ~3.5 s) never
+    keeps the server listing back to back.
+    """
 
     def __init__(self, builder: SnapshotBuilder, refresh_s: float = 2.0):
         self.builder = builder
         self.refresh_s = refresh_s
         self._lock = threading.Lock()
+        self._first_build = threading.Lock()
         self._built_at = 0.0
-        self._body = b"{}"
+        self._build_s = 0.0
+        self._body: bytes | None = None
+        self._rebuilding = False
+
+    def _build(self, redact: Redactor) -> None:
+        started = time.monotonic()
+        try:
+            snapshot = self.builder.build()
+        except Exception as err:  # storage down: say so on the page, keep serving
+            log.warning("could not read the run: %s", redact(str(err)))
+            snapshot = {"error": f"could not read the run: {err}", "generated_at": time.time()}
+        body = redact(json.dumps(snapshot)).encode("utf-8")
+        with self._lock:
+            self._body, self._built_at = body, time.monotonic()
+            self._build_s = self._built_at - started
+            self._rebuilding = False
 
     def body(self, redact: Redactor) -> bytes:
+        if self._body is None:
+            with self._first_build:  # concurrent first requests wait for one build
+                if self._body is None:
+                    self._build(redact)
         with self._lock:
-            if time.monotonic() - self._built_at >= self.refresh_s:
-                try:
-                    snapshot = self.builder.build()
-                except Exception as err:  # storage down: say so on the page, keep serving
-                    log.warning("could not read the run: %s", redact(str(err)))
-                    snapshot = {"error": f"could not read the run: {err}", "generated_at": time.time()}
-                self._body = redact(json.dumps(snapshot)).encode("utf-8")
-                self._built_at = time.monotonic()
-            return self._body
+            due = time.monotonic() - self._built_at >= max(self.refresh_s, 2 * self._build_s)
+            start = due and not self._rebuilding
+            if start:
+                self._rebuilding = True
+            body = self._body
+        if start:
+            threading.Thread(target=self._build, args=(redact,), name="snapshot", daemon=True).start()
+        return body
 
 
 def make_handler(state: StatusState, token: str | None, redact: Redactor):
