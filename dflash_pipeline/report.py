@@ -6,9 +6,10 @@ tables, benchmark TSVs) and gets back SVG figures and HTML tables that the rule 
 be tested without looking at pictures. Histograms use fixed bins, so a run of a million samples
 is summarized shard by shard in constant memory.
 
-Training and evaluation: ``plot_training_curves`` reads the ``metrics.jsonl`` of every training
-segment and ``plot_acceptance`` the evaluation's ``eval-metrics.json``; they are ready for the
-train and evaluate rules to call.
+Training and evaluation: ``write_training_report`` reads the ``metrics.jsonl`` of every training
+segment and ``write_evaluation_report`` the evaluation's ``eval-metrics.json``; they are ready for
+the train and evaluate stages' report rules to call (captions ``report/training.rst`` and
+``report/acceptance.rst``).
 """
 
 from __future__ import annotations
@@ -448,3 +449,23 @@ def _write_html(out: str | Path, title: str, body: str) -> None:
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>\n"
     )
+
+
+# ---------------------------------------------------------------- for the train and evaluate rules
+
+
+def write_training_report(metrics_files: Iterable[str | Path], out: str | Path) -> None:
+    """The training figure (caption report/training.rst) from every segment's metrics.jsonl:
+    call it from the train stage's report rule, flagged
+    ``report(..., caption="../report/training.rst", category="4. Training")``."""
+    metrics_files = list(metrics_files)
+    points = load_training_metrics(metrics_files)
+    if not points:
+        raise ValueError(f"no training step in {', '.join(map(str, metrics_files))}")
+    plot_training_curves(points, out)
+
+
+def write_evaluation_report(eval_metrics: str | Path, out: str | Path) -> None:
+    """The acceptance figure (caption report/acceptance.rst) from outputs/eval-metrics.json:
+    flag it ``report(..., caption="../report/acceptance.rst", category="5. Evaluation")``."""
+    plot_acceptance(read_json(eval_metrics), out)

@@ -137,9 +137,10 @@ def test_training_curves_from_segment_metrics(tmp_path):
             "segment": segment, "step": s, "loss": 2.0 / s, "accuracy": 0.1 * s, "accuracy_per_position": [0.9, 0.5, 0.2],
             "accept_len": 1 + 0.2 * s, "tokens_per_s": 1000.0, "lr": 1e-4, "gpu_mem_gib": None, "time": float(s)}) + "\n"
             for s in steps))
-    points = report.load_training_metrics(sorted(tmp_path.glob("metrics-*.jsonl"), reverse=True))
+    files = sorted(tmp_path.glob("metrics-*.jsonl"), reverse=True)
+    points = report.load_training_metrics(files)
     assert [p["step"] for p in points] == [1, 2, 3, 4, 5, 6]
-    report.plot_training_curves(points, tmp_path / "train.svg")
+    report.write_training_report(files, tmp_path / "train.svg")
     text = svg_text(tmp_path / "train.svg")
     assert "simulated acceptance length" in text and "accuracy per draft position (last step)" in text
 
@@ -150,8 +151,16 @@ def test_acceptance_figure_per_position_and_prompt_set(tmp_path):
                "prompt_sets": {"math": {"tau": 2.9, "per_position": [0.9, 0.7, 0.4]},
                                "chat": {"tau": 1.8, "per_position": [0.6, 0.3, 0.1]}},
                "per_prompt": []}
-    report.plot_acceptance(metrics, tmp_path / "acc.svg")
+    (tmp_path / "eval-metrics.json").write_text(json.dumps(metrics))
+    report.write_evaluation_report(tmp_path / "eval-metrics.json", tmp_path / "acc.svg")
     text = svg_text(tmp_path / "acc.svg")
     assert "acceptance length τ (overall 2.40)" in text and "math" in text and "chat" in text
     with pytest.raises(ValueError, match="no 'overall'"):
         report.plot_acceptance({"prompt_sets": {}}, tmp_path / "x.svg")
+
+
+def test_training_report_without_any_step_names_the_files(tmp_path):
+    empty = tmp_path / "metrics.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no training step in .*metrics.jsonl"):
+        report.write_training_report([empty], tmp_path / "t.svg")
