@@ -16,6 +16,7 @@ include: "rules/demo.smk"
 include: "rules/prepare.smk"
 include: "rules/generate.smk"
 include: "rules/tokenize.smk"
+include: "rules/train.smk"
 include: "rules/report.smk"
 
 

@@ -6,10 +6,9 @@ tables, benchmark TSVs) and gets back SVG figures and HTML tables that the rule 
 be tested without looking at pictures. Histograms use fixed bins, so a run of a million samples
 is summarized shard by shard in constant memory.
 
-Training and evaluation: ``write_training_report`` reads the ``metrics.jsonl`` of every training
-segment and ``write_evaluation_report`` the evaluation's ``eval-metrics.json``; they are ready for
-the train and evaluate stages' report rules to call (captions ``report/training.rst`` and
-``report/acceptance.rst``).
+Training: ``write_training_report`` reads the ``metrics.jsonl`` of every training segment.
+Evaluation: ``write_evaluation_report`` reads ``eval-metrics.json``; it is ready for the evaluate
+stage's report rule to call (caption ``report/acceptance.rst``).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from dflash_pipeline import layout
 from dflash_pipeline.status.snapshot import read_train_metrics, storage_category
 
 # Fixed histogram bins: tokens (as the tokenize stats) and characters.
@@ -375,12 +375,6 @@ def plot_storage(use: dict[str, int], out: str | Path) -> None:
     _save(fig, out)
 
 
-def load_training_metrics(paths: Iterable[str | Path]) -> list[dict]:
-    """Every optimizer step of every segment's ``metrics.jsonl``, in step order."""
-    points = [p for path in paths for p in read_train_metrics(Path(path).read_text())]
-    return sorted(points, key=lambda p: p["step"])
-
-
 def plot_training_curves(points: list[dict], out: str | Path) -> None:
     """Loss, accuracy, simulated acceptance length, learning rate, tokens/s against the step,
     and the last step's accuracy per draft position."""
@@ -454,15 +448,23 @@ def _write_html(out: str | Path, title: str, body: str) -> None:
 # ---------------------------------------------------------------- for the train and evaluate rules
 
 
-def write_training_report(metrics_files: Iterable[str | Path], out: str | Path) -> None:
-    """The training figure (caption report/training.rst) from every segment's metrics.jsonl:
-    call it from the train stage's report rule, flagged
-    ``report(..., caption="../report/training.rst", category="4. Training")``."""
-    metrics_files = list(metrics_files)
-    points = load_training_metrics(metrics_files)
+def write_training_report(run_url: str, segments: Iterable[int], out: str | Path) -> None:
+    """The training figure (caption report/training.rst) from the ``metrics.jsonl`` that each
+    training segment keeps in the run's ``_progress/`` (read-only)."""
+    from dflash_pipeline.status.readonly import ReadOnlyStorage
+    from dflash_pipeline.storage import StorageError
+
+    run = ReadOnlyStorage.open(run_url)
+    points, missing = [], []
+    for segment in segments:
+        key = layout.train_progress_prefix(segment) + layout.TRAIN_METRICS
+        try:
+            points.extend(read_train_metrics(run.read_text(key)))
+        except StorageError:
+            missing.append(run.url + "/" + key)
     if not points:
-        raise ValueError(f"no training step in {', '.join(map(str, metrics_files))}")
-    plot_training_curves(points, out)
+        raise ValueError(f"no training step recorded; missing: {', '.join(missing) or 'none'}")
+    plot_training_curves(sorted(points, key=lambda p: p["step"]), out)
 
 
 def write_evaluation_report(eval_metrics: str | Path, out: str | Path) -> None:

@@ -29,6 +29,7 @@ RUN_URL = layout.run_url(
 
 wildcard_constraints:
     shard=r"\d{5}",
+    segment=r"\d{4}",
 
 
 def run_path(key):
@@ -38,6 +39,10 @@ def run_path(key):
 
 def shard_output(stage, ext=None):
     return run_path(layout.shard_key(stage, "{shard}", ext))
+
+
+def segment_manifest(segment):
+    return run_path(layout.segment_manifest_key(segment))
 
 
 def log_path(rule_name, per_shard=True):
@@ -86,9 +91,20 @@ def target_model_input(wildcards):
     )
 
 
-# The report's figures and tables of the data stages (rules/report.smk); the storage figure
-# comes last, once everything else exists.
-REPORT_DATA_ITEMS = [
+def train_inputs(wildcards):
+    segment = int(wildcards.segment)
+    inputs = {"tokenized": expand(shard_output("tokenized"), shard=SHARDS)}
+    if segment > 0:
+        inputs["previous"] = segment_manifest(segment - 1)
+    if config["train"]["mode"] == "offline":
+        inputs["hidden"] = expand(shard_output("hidden"), shard=SHARDS)
+    inputs.update(target_model_input(wildcards))
+    return inputs
+
+
+# The report's figures and tables (rules/report.smk); the storage figure comes last, once
+# everything else exists.
+REPORT_ITEMS = [
     "prompts.svg",
     "prompts.html",
     "generation-throughput.svg",
@@ -97,6 +113,7 @@ REPORT_DATA_ITEMS = [
     "tokenization-supervised.svg",
     "tokenization-degenerate.svg",
     "tokenization.html",
+    "training.svg",
 ]
 REPORT_STORAGE_ITEM = "storage.svg"
 
@@ -104,7 +121,8 @@ REPORT_STORAGE_ITEM = "storage.svg"
 def report_storage_inputs():
     outputs = expand(shard_output("tokenized"), shard=SHARDS)
     outputs.append(run_path(layout.INGEST_SUMMARY))
-    outputs.extend(run_path(layout.report_key(name)) for name in REPORT_DATA_ITEMS)
+    outputs += [run_path(layout.DRAFTER_CONFIG), run_path(layout.DRAFTER_WEIGHTS)]
+    outputs.extend(run_path(layout.report_key(name)) for name in REPORT_ITEMS)
     return outputs
 
 
@@ -139,6 +157,8 @@ def start_status_page():
             RUN_URL,
             "--num-shards",
             str(config["num_shards"]),
+            "--num-segments",
+            str(config["train"]["segments"]),
             "--host",
             status["host"],
             "--port",

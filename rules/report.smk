@@ -1,6 +1,5 @@
 # Report: figures and tables of each stage, flagged with report() for `snakemake --report`
-# (dflash_pipeline.report). Training and evaluation figures: plot_training_curves and
-# plot_acceptance, called by their stages' rules.
+# (dflash_pipeline.report). Evaluation's figure: write_evaluation_report, for its rule to call.
 
 
 rule report_prompts:
@@ -96,6 +95,31 @@ rule report_tokenization:
         mem_mb=1000,
     script:
         "../scripts/report_tokenization.py"
+
+
+rule report_training:
+    input:
+        segments=[segment_manifest(k) for k in range(config["train"]["segments"])],
+    output:
+        figure=report(
+            run_path(layout.report_key("training.svg")),
+            caption="../report/training.rst",
+            category="4. Training",
+        ),
+    log:
+        log_path("report_training", per_shard=False),
+    benchmark:
+        benchmark_path("report_training", per_shard=False)
+    conda:
+        "../envs/cpu.yaml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+    params:
+        run_url=lambda wildcards: RUN_URL,
+        segments=config["train"]["segments"],
+    script:
+        "../scripts/report_training.py"
 
 
 rule report_storage:

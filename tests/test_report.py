@@ -130,19 +130,21 @@ def test_storage_by_stage_groups_shards_outputs_and_folders(tmp_path):
     assert "Storage per stage (171.00 B in all)" in svg_text(tmp_path / "storage.svg")
 
 
-def test_training_curves_from_segment_metrics(tmp_path):
+def test_training_curves_from_the_segments_metrics_in_the_run(tmp_path):
+    from dflash_pipeline import layout
+    from dflash_pipeline.storage import LocalStorage
+
+    run = LocalStorage(tmp_path / "run")
     for segment, steps in ((0, range(1, 4)), (1, range(4, 7))):
-        path = tmp_path / f"metrics-{segment}.jsonl"
-        path.write_text("".join(json.dumps({
+        run.write_text(layout.train_progress_prefix(segment) + layout.TRAIN_METRICS, "".join(json.dumps({
             "segment": segment, "step": s, "loss": 2.0 / s, "accuracy": 0.1 * s, "accuracy_per_position": [0.9, 0.5, 0.2],
             "accept_len": 1 + 0.2 * s, "tokens_per_s": 1000.0, "lr": 1e-4, "gpu_mem_gib": None, "time": float(s)}) + "\n"
             for s in steps))
-    files = sorted(tmp_path.glob("metrics-*.jsonl"), reverse=True)
-    points = report.load_training_metrics(files)
-    assert [p["step"] for p in points] == [1, 2, 3, 4, 5, 6]
-    report.write_training_report(files, tmp_path / "train.svg")
+    report.write_training_report(str(tmp_path / "run"), [1, 0], tmp_path / "train.svg")
     text = svg_text(tmp_path / "train.svg")
     assert "simulated acceptance length" in text and "accuracy per draft position (last step)" in text
+    with pytest.raises(ValueError, match="no training step recorded; missing: .*segment-0002/metrics.jsonl"):
+        report.write_training_report(str(tmp_path / "run"), [2], tmp_path / "t.svg")
 
 
 def test_acceptance_figure_per_position_and_prompt_set(tmp_path):
@@ -157,10 +159,3 @@ def test_acceptance_figure_per_position_and_prompt_set(tmp_path):
     assert "acceptance length τ (overall 2.40)" in text and "math" in text and "chat" in text
     with pytest.raises(ValueError, match="no 'overall'"):
         report.plot_acceptance({"prompt_sets": {}}, tmp_path / "x.svg")
-
-
-def test_training_report_without_any_step_names_the_files(tmp_path):
-    empty = tmp_path / "metrics.jsonl"
-    empty.write_text("")
-    with pytest.raises(ValueError, match="no training step in .*metrics.jsonl"):
-        report.write_training_report([empty], tmp_path / "t.svg")

@@ -32,15 +32,19 @@ def local_run(tmp_path):
 def test_snapshot_counts_shards_and_shows_running_failed_training_and_storage(local_run):
     snap = SnapshotBuilder(local_run).build()
     stages = {s["stage"]: s for s in snap["stages"]}
-    assert [s["stage"] for s in snap["stages"]] == ["prompts", "generated", "tokenized"]
+    assert [s["stage"] for s in snap["stages"]] == ["prompts", "generated", "tokenized", "train"]
     assert (stages["prompts"]["done"], stages["prompts"]["percent"]) == (2, 100.0)
     assert {k: stages["generated"][k] for k in ("done", "running", "failed", "missing")} == {
         "done": 1, "running": 1, "failed": 0, "missing": 1 - 1}
     assert stages["generated"]["percent"] == 70.0  # one shard done, the other 4 of 10 samples
     assert {k: stages["tokenized"][k] for k in ("done", "running", "failed", "missing")} == {
         "done": 0, "running": 0, "failed": 1, "missing": 1}
-    assert snap["progress_percent"] == pytest.approx((100 + 70 + 0) / 3, abs=0.01)
-    [running] = snap["running"]
+    # Training: segment 0 done, segment 1 at 3 of its 10 steps.
+    assert {k: stages["train"][k] for k in ("total", "done", "running", "percent")} == {
+        "total": 2, "done": 1, "running": 1, "percent": 65.0}
+    assert snap["progress_percent"] == pytest.approx((100 + 70 + 0 + 65) / 4, abs=0.01)
+    running, training = snap["running"]
+    assert (training["shard"], training["percent"], training["samples_done"]) == ("segment-0001", 30.0, 3)
     assert (running["stage"], running["shard"], running["percent"]) == ("generated", "00001", 40.0)
     assert (running["tokens_per_s"], running["eta_s"]) == (12.5, 6.0)
     assert running["log_tail"] == RUNNING_LOG

@@ -26,6 +26,9 @@ def test_dry_run_lists_the_jobs_of_every_stage(workflow):
         "report_prompts": 1,
         "report_generation": 1,
         "report_tokenization": 1,
+        "train": 2,
+        "export_drafter": 1,
+        "report_training": 1,
         "report_storage": 1,
         "all": 1,
     }
@@ -51,10 +54,13 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
         assert stats["degenerate_samples"] == 0 and stats["sequences_out"] >= stats["samples"]
     assert workflow.planned_jobs() == {}
     (shards / "tokenized-00001.parquet").unlink()
-    # The report figures made from that shard follow it.
+    # Training and the report figures made from that shard follow it.
     assert workflow.planned_jobs() == {
         "tokenize": 1,
         "report_tokenization": 1,
+        "train": 2,
+        "export_drafter": 1,
+        "report_training": 1,
         "report_storage": 1,
         "all": 1,
     }
@@ -68,6 +74,9 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
         "tokenize": 2,
         "report_generation": 1,
         "report_tokenization": 1,
+        "train": 2,
+        "export_drafter": 1,
+        "report_training": 1,
         "report_storage": 1,
         "all": 1,
     }

@@ -45,6 +45,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run-url", help="the run root (local folder or s3:// URL); overrides the config")
     p.add_argument("--default-storage-prefix", help="the S3 prefix of an S3 run (as given to Snakemake)")
     p.add_argument("--num-shards", type=int, help="shards per stage; overrides the config")
+    p.add_argument("--num-segments", type=int, help="training segments; overrides the config")
     p.add_argument("--workdir", default=".", help="Snakemake's working directory (default: %(default)s)")
     p.add_argument("--events-file", default=DEFAULT_EVENTS_FILE,
                    help="the dflash logger plugin's events, relative to --workdir (default: %(default)s)")
@@ -74,10 +75,14 @@ def resolve_source(args) -> RunSource:
     if not is_s3_url(run_url) and not Path(run_url).is_absolute():
         run_url = str(workdir / run_url)
     num_shards = args.num_shards if args.num_shards is not None else config["num_shards"]
+    num_segments = args.num_segments
+    if num_segments is None:
+        num_segments = config.get("train", {}).get("segments", 0)
     events = Path(args.events_file)
     return RunSource(
         storage=ReadOnlyStorage.open(run_url),
         num_shards=num_shards,
+        num_segments=num_segments,
         events_file=events if events.is_absolute() else workdir / events,
         workdir=workdir,
     )

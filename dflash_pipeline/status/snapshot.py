@@ -48,6 +48,7 @@ class RunSource:
 
     storage: ReadOnlyStorage  # the run root
     num_shards: int
+    num_segments: int = 0  # training segments (config train.segments); 0: as many as seen
     events_file: Path | None = None
     workdir: Path = Path(".")  # Snakemake's working directory: local log paths are relative to it
     # Telemetry not refreshed for this long belongs to a job that died without saying so.
@@ -208,13 +209,22 @@ class SnapshotBuilder:
                     "bytes": storage_use.get(stage, {}).get("bytes", 0),
                 }
             )
-        # Jobs of rules without shards (ingest, training, evaluation, report) that failed.
+        train_row = self._train_stage(segments, events, now, running, failed)
+        if train_row is not None:
+            stages.append(train_row)
+        # Jobs of rules without shards or segments (ingest, export, report) that failed.
         for job in events.jobs.values():
-            if job.state == "failed" and (rule_stage.get(job.rule) is None or "shard" not in job.wildcards):
+            if job.state == "failed" and job.rule != "train" and (
+                rule_stage.get(job.rule) is None or "shard" not in job.wildcards
+            ):
                 failed.append(self._failed_row(None, job.rule, None, job, None))
 
         shard_total = sum(s["total"] for s in stages)
         overall = sum(s["percent"] * s["total"] for s in stages) / shard_total if shard_total else 0.0
+        # Training's bytes: its manifests, checkpoints and progress area.
+        for row in stages:
+            if row["stage"] == "train":
+                row["bytes"] = sum(storage_use.get(c, {}).get("bytes", 0) for c in ("train", "checkpoints"))
         return {
             "run": self.source.storage.url,
             "generated_at": now,
@@ -243,6 +253,51 @@ class SnapshotBuilder:
                 "by_category": dict(sorted(storage_use.items())),
             },
         }
+
+    def _train_stage(self, segments, events, now, running, failed) -> dict | None:
+        """Training as a stage whose units are checkpoint segments (progress: steps)."""
+        total = self.source.num_segments or (max(segments) + 1 if segments else 0)
+        if not total:
+            return None
+        jobs = {
+            int(job.wildcards["segment"]): job
+            for job in sorted(events.jobs.values(), key=lambda j: j.jobid)
+            if job.rule == "train" and job.wildcards.get("segment", "").isdigit()
+        }
+        counts = {"done": 0, "running": 0, "failed": 0, "missing": 0}
+        fraction_sum = 0.0
+        for segment in range(total):
+            seg, job = segments.get(segment, {}), jobs.get(segment)
+            tele = seg.get("telemetry.json") or {}
+            fresh = now - float(tele.get("updated_at", 0)) < self.source.stale_after_s
+            log_key = f"{layout.LOGS_DIR}/train/segment-{layout.segment_name(segment)}.log"
+            if seg.get("done"):
+                counts["done"] += 1
+                fraction_sum += 1.0
+            elif (job is not None and job.state == "running") or (job is None and tele.get("state") == "running" and fresh):
+                counts["running"] += 1
+                steps_done, steps_total = tele.get("steps_done"), tele.get("steps_total")
+                percent = round(100.0 * steps_done / steps_total, 2) if steps_total and steps_done is not None else None
+                fraction_sum += (percent or 0.0) / 100.0
+                running.append({
+                    "stage": "train", "rule": "train", "shard": f"segment-{layout.segment_name(segment)}",
+                    "jobid": job.jobid if job is not None else None,
+                    "samples_done": steps_done, "samples_total": steps_total, "percent": percent,
+                    "tokens_per_s": tele.get("tokens_per_s"), "eta_s": tele.get("eta_s"), "errors": None,
+                    "elapsed_s": round(now - job.started_at, 1) if job is not None and job.started_at else None,
+                    "updated_at": tele.get("updated_at"),
+                    "log_tail": self._log_tail(job.log if job else [], log_key),
+                })
+            elif (job is not None and job.state == "failed") or (job is None and tele.get("state") == "failed"):
+                counts["failed"] += 1
+                row = self._failed_row(None, "train", None, job, tele)
+                row["shard"] = f"segment-{layout.segment_name(segment)}"
+                row["log_tail"] = self._log_tail(job.log if job else [], log_key)
+                failed.append(row)
+            else:
+                counts["missing"] += 1
+        return {"stage": "train", "rule": "train", "total": total, **counts,
+                "percent": round(100.0 * fraction_sum / total, 2), "bytes": 0}
 
     def _running_row(self, stage, rule, shard, job, tele, now) -> dict:
         tele = tele or {}
@@ -289,6 +344,7 @@ class SnapshotBuilder:
                     "done": bool(seg.get("done")),
                     "state": "done" if seg.get("done") else tele.get("state", "planned"),
                     "step": tele.get("step"),
+                    "steps_done": tele.get("steps_done"),
                     "steps_total": tele.get("steps_total"),
                     "tokens_per_s": tele.get("tokens_per_s"),
                     "eta_s": tele.get("eta_s"),

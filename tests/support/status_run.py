@@ -34,7 +34,7 @@ def write_run(run: Storage, workdir: Path, secret_in_log: str = "") -> Path:
     run.write_text(prefix + layout.TRAIN_METRICS, "".join(json.dumps(m) + "\n" for m in metrics) + '{"step": 6, "lo')
     run.write_text(layout.segment_manifest_key(0), "{}")
     run.write_text(layout.train_progress_prefix(1) + "telemetry.json", json.dumps(
-        {"state": "running", "step": 7, "steps_total": 10, "tokens_per_s": 880.0, "eta_s": 30, "updated_at": time.time()}))
+        {"state": "running", "step": 7, "steps_done": 3, "steps_total": 10, "tokens_per_s": 880.0, "eta_s": 30, "updated_at": time.time()}))
     run.write_text(layout.EVAL_METRICS, json.dumps({
         "overall": {"tau": 2.5, "accept_hist": [1, 2, 3], "per_position": [0.8, 0.6], "generated_tokens": 10,
                     "verify_steps": 4, "speedup_estimate": 2.1},

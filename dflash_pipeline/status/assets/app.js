@@ -148,7 +148,7 @@ function renderTraining(training, evaluation) {
   lineChart("chart-accept", curve.map((p) => ({ x: p.step, y: p.accept_len })));
   fillTable("segments", (training.segments || []).map((s) => el("tr", {}, [
     td(s.segment), td(s.state),
-    td(s.steps_total ? `${s.step ?? 0} / ${s.steps_total}` : String(s.step ?? "–"), "num"),
+    td(s.steps_total ? `${s.steps_done ?? 0} / ${s.steps_total} (step ${s.step ?? "–"})` : String(s.step ?? "–"), "num"),
     td(fmtNum(s.tokens_per_s), "num"), td(fmtSeconds(s.eta_s), "num"),
   ])));
   document.getElementById("training-empty").hidden = curve.length > 0 || (training.segments || []).length > 0;

@@ -1,0 +1,209 @@
+"""The drafter's configuration and its z-lab ``config.json`` form (what SGLang and vLLM read).
+
+The fields that silently break serving when wrong (dflash-spec.md §1.7, §6) are written
+explicitly: ``block_size`` both at top level and in ``dflash_config``, the 0-based tapped layer
+ids, the mask token id, the layer types and the draft's own rope fields.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+class DrafterConfigError(ValueError):
+    pass
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The default taps: one middle layer for a 1-layer drafter, else evenly spaced from layer 1
+    to layer N-3 (Python's round, half to even), as the DFlash reference and both engines do."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        self.validate()
+
+    def validate(self) -> None:
+        problems = []
+        if len(self.layer_types) != self.num_hidden_layers:
+            problems.append(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        if any(t not in (FULL, SLIDING) for t in self.layer_types):
+            problems.append(f"layer_types must be {FULL!r} or {SLIDING!r}: {self.layer_types}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            problems.append("sliding_attention layers need sliding_window")
+        if self.block_size < 2:
+            problems.append(f"block_size must be at least 2, got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(
+                f"mask_token_id {self.mask_token_id} must lie inside the target vocab ({self.vocab_size})"
+            )
+        bad_ids = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if not self.target_layer_ids or bad_ids:
+            problems.append(
+                f"target_layer_ids {self.target_layer_ids} must be non-empty 0-based ids of the "
+                f"target's {self.num_target_layers} layers"
+            )
+        if self.hidden_act != "silu":
+            problems.append(f"only hidden_act 'silu' is implemented, got {self.hidden_act!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if problems:
+            raise DrafterConfigError("invalid drafter config: " + "; ".join(problems))
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    # --- the z-lab format ----------------------------------------------------------------------
+    def to_zlab(self) -> dict:
+        fields = asdict(self)
+        dflash = {
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        for key in ("block_size", "mask_token_id", "target_layer_ids"):
+            fields.pop(key)
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            **fields,
+            # Written explicitly so no loader falls back to a guess (dflash-spec.md pitfall 10).
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "use_sliding_window": SLIDING in self.layer_types,
+            "max_window_layers": self.num_hidden_layers,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "block_size": self.block_size,
+            "dflash_config": dflash,
+        }
+
+    @classmethod
+    def from_zlab(cls, data: dict, source: str = "config") -> DrafterConfig:
+        dflash = data.get("dflash_config") or {}
+        if data.get("architectures") != ["DFlashDraftModel"]:
+            raise DrafterConfigError(
+                f"{source}: architectures must be ['DFlashDraftModel'], got {data.get('architectures')}"
+            )
+        rope = data.get("rope_parameters") or {}
+        scaling = data.get("rope_scaling") or (
+            rope if rope.get("rope_type", "default") != "default" else None
+        )
+        if scaling:
+            raise DrafterConfigError(f"{source}: rope scaling {scaling} is not implemented")
+        try:
+            return cls(
+                hidden_size=data["hidden_size"],
+                intermediate_size=data["intermediate_size"],
+                num_hidden_layers=data["num_hidden_layers"],
+                num_attention_heads=data["num_attention_heads"],
+                num_key_value_heads=data["num_key_value_heads"],
+                head_dim=data.get("head_dim")
+                or data["hidden_size"] // data["num_attention_heads"],
+                vocab_size=data["vocab_size"],
+                block_size=dflash.get("block_size", data.get("block_size", 16)),
+                mask_token_id=dflash["mask_token_id"],
+                num_target_layers=data["num_target_layers"],
+                target_layer_ids=dflash.get("target_layer_ids")
+                or default_target_layer_ids(data["num_target_layers"], data["num_hidden_layers"]),
+                layer_types=data.get("layer_types") or [],
+                sliding_window=data.get("sliding_window"),
+                rms_norm_eps=data.get("rms_norm_eps", 1e-6),
+                rope_theta=data.get("rope_theta") or rope.get("rope_theta", 1e6),
+                max_position_embeddings=data.get("max_position_embeddings", 40960),
+                attention_bias=data.get("attention_bias", False),
+                hidden_act=data.get("hidden_act", "silu"),
+                dtype=data.get("dtype") or data.get("torch_dtype") or "bfloat16",
+            )
+        except KeyError as err:
+            raise DrafterConfigError(f"{source}: missing key {err.args[0]!r}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_zlab(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> DrafterConfig:
+        return cls.from_zlab(json.loads(Path(path).read_text()), source=str(path))
+
+
+def target_text_config(config):
+    """The language-model part of a target config (Qwen3.5/3.6 wrap it in ``text_config``)."""
+    return getattr(config, "text_config", None) or config
+
+
+def drafter_config_for_target(
+    target_config,
+    *,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: list[int] | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    intermediate_size: int | None = None,
+    rope_theta: float | None = None,
+    dtype: str = "bfloat16",
+) -> DrafterConfig:
+    """A drafter shaped after its target: same hidden size, heads and vocab (the target's
+    embedding and LM head are reused), its own layer count and block size."""
+    text = target_text_config(target_config)
+    num_target_layers = text.num_hidden_layers
+    rope = getattr(text, "rope_parameters", None) or {}
+    theta = rope_theta or rope.get("rope_theta") or getattr(text, "rope_theta", None) or 1e6
+    return DrafterConfig(
+        hidden_size=text.hidden_size,
+        intermediate_size=intermediate_size or text.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        vocab_size=text.vocab_size,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        num_target_layers=num_target_layers,
+        target_layer_ids=list(target_layer_ids)
+        if target_layer_ids
+        else default_target_layer_ids(num_target_layers, num_layers),
+        layer_types=list(layer_types) if layer_types else [FULL] * num_layers,
+        sliding_window=sliding_window,
+        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        max_position_embeddings=getattr(text, "max_position_embeddings", 40960),
+        dtype=dtype,
+    )

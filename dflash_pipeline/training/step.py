@@ -1,0 +1,62 @@
+"""One optimizer step of the drafter, given the batch and the target's taps. The training job
+and the benchmark both run exactly this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_pipeline.training.blocks import Blocks, LossResult, block_loss, blocks_forward, build_blocks, sample_anchors
+
+
+@dataclass
+class StepResult:
+    loss: LossResult
+    blocks: Blocks
+    grad_norm: float
+    lr: float
+
+
+def optimizer_step(
+    drafter,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    taps: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    settings: dict,
+    generator: torch.Generator,
+    backend: str,
+    forward_module=None,
+) -> StepResult:
+    """``forward_module`` (a DDP wrapper of the block forward) replaces the plain forward when
+    gradients are averaged across processes."""
+    config = drafter.config
+    anchors, keep = sample_anchors(loss_mask, settings["num_anchors"], generator)
+    blocks = build_blocks(
+        input_ids,
+        loss_mask,
+        anchors,
+        keep,
+        block_size=config.block_size,
+        mask_token_id=config.mask_token_id,
+        gamma=settings["loss_decay_gamma"],
+    )
+    on_gpu = taps.is_cuda
+    with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=on_gpu):
+        if forward_module is not None:
+            hidden = forward_module(taps, embed_weight, blocks, backend)
+        else:
+            hidden = blocks_forward(drafter, taps, embed_weight, blocks, backend)
+        result = block_loss(hidden, lm_head_weight, blocks, settings["loss_chunk_rows"])
+    result.loss.backward()
+    clip = settings["grad_clip"] if settings["grad_clip"] > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss=result, blocks=blocks, grad_norm=float(grad_norm), lr=lr)

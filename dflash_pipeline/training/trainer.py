@@ -1,0 +1,427 @@
+"""One training segment: steps [K*N, (K+1)*N) of the drafter, resumable bit for bit.
+
+The segment starts from, in order: its own latest in-segment checkpoint (a crash or preemption
+inside the segment), the previous segment's final checkpoint, or a fresh seeded drafter. Every
+source of randomness is a function of (seed, step, rank) -- anchors come from a generator seeded
+per step, batches from ``BatchPlan`` -- so weights, optimizer and scheduler state plus the step
+number reproduce the run exactly; RNG states are saved as well for anything else that draws.
+SIGTERM checkpoints at the end of the current step and exits; a periodic checkpoint every M steps
+bounds what a SIGKILL loses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_pipeline import layout
+from dflash_pipeline.model.config import DrafterConfig, drafter_config_for_target
+from dflash_pipeline.model.drafter import DFlashDrafter
+from dflash_pipeline.storage import Storage, open_storage
+from dflash_pipeline.training.blocks import block_metrics, blocks_forward
+from dflash_pipeline.training.checkpoint import RollingCheckpoints, load_checkpoint, save_checkpoint
+from dflash_pipeline.training.data import BatchPlan, collate, read_training_sequences
+from dflash_pipeline.training.step import optimizer_step
+
+PREEMPTED_EXIT_CODE = 143
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` at the last step."""
+    warmup = int(total_steps * warmup_ratio)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def make_optimizer(drafter, settings: dict) -> torch.optim.Optimizer:
+    """AdamW over fp32 master weights; the fused kernel on GPUs (one launch for all tensors)."""
+    on_gpu = next(drafter.parameters()).is_cuda
+    return torch.optim.AdamW(
+        drafter.parameters(),
+        lr=settings["learning_rate"],
+        weight_decay=settings["weight_decay"],
+        fused=True if on_gpu else None,
+    )
+
+
+def resolve_mask_token_id(settings: dict, target_dir: str) -> int:
+    if settings.get("mask_token_id") is not None:
+        return int(settings["mask_token_id"])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    vocab = tokenizer.get_vocab()
+    for name in ("<|MASK|>", "<|mask|>"):
+        if name in vocab:
+            return vocab[name]
+    raise TrainingError(
+        f"{target_dir}: the tokenizer has no <|MASK|> or <|mask|> token; set train.mask_token_id "
+        "to an unused row of the target's embedding table"
+    )
+
+
+def build_drafter_config(settings: dict, target_dir: str) -> DrafterConfig:
+    from transformers import AutoConfig
+
+    target_config = AutoConfig.from_pretrained(target_dir)
+    return drafter_config_for_target(
+        target_config,
+        num_layers=settings["num_layers"],
+        block_size=settings["block_size"],
+        mask_token_id=resolve_mask_token_id(settings, target_dir),
+        target_layer_ids=settings.get("target_layer_ids"),
+        layer_types=settings.get("layer_types"),
+        sliding_window=settings.get("sliding_window"),
+        intermediate_size=settings.get("intermediate_size"),
+        dtype=settings.get("export_dtype", "bfloat16"),
+    )
+
+
+@dataclass
+class Distributed:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> Distributed:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and not torch.distributed.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            torch.distributed.init_process_group(backend)
+        return cls(
+            rank=int(os.environ.get("RANK", "0")),
+            world=world,
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def any(self, flag: bool, device) -> bool:
+        if self.world == 1:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=device)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        return bool(value.item())
+
+    def sum(self, value: float, device) -> float:
+        if self.world == 1:
+            return value
+        tensor = torch.tensor([value], device=device, dtype=torch.float64)
+        torch.distributed.all_reduce(tensor)
+        return float(tensor.item())
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+
+class MetricsLog:
+    """metrics.jsonl (one object per step) and telemetry.json in the segment's progress area,
+    rewritten as whole objects (S3 has no append) every few seconds."""
+
+    def __init__(self, storage: Storage, segment: int, steps: tuple[int, int], every_s: float):
+        self.storage = storage
+        self.prefix = layout.train_progress_prefix(segment)
+        self.segment = segment
+        self.steps = steps
+        self.every_s = every_s
+        self.records: list[dict] = []
+        self.last_flush = 0.0
+        self.started = time.time()
+
+    def resume_from(self, step: int) -> None:
+        key = self.prefix + layout.TRAIN_METRICS
+        if self.storage.exists(key):
+            lines = self.storage.read_text(key).splitlines()
+            self.records = [r for r in map(json.loads, filter(None, lines)) if r["step"] < step]
+
+    def add(self, record: dict) -> None:
+        self.records.append(record)
+        if time.time() - self.last_flush >= self.every_s:
+            self.flush("running")
+
+    def flush(self, state: str) -> None:
+        text = "".join(json.dumps(r) + "\n" for r in self.records)
+        self.storage.write_text(self.prefix + layout.TRAIN_METRICS, text)
+        last = self.records[-1] if self.records else {}
+        done = (last.get("step", self.steps[0] - 1) + 1) - self.steps[0]
+        total = self.steps[1] - self.steps[0]
+        rate = last.get("steps_per_s")
+        telemetry = {
+            "stage": "train",
+            "segment": self.segment,
+            "state": state,
+            "step": last.get("step"),
+            "steps_done": done,
+            "steps_total": total,
+            "tokens_per_s": last.get("tokens_per_s"),
+            "eta_s": round((total - done) / rate, 1) if rate else None,
+            "updated_at": time.time(),
+        }
+        self.storage.write_text(self.prefix + "telemetry.json", json.dumps(telemetry, indent=1))
+        self.last_flush = time.time()
+
+
+@dataclass
+class SegmentJob:
+    run_url: str
+    segment: int
+    settings: dict
+    target_dir: str
+    tokenized: dict[str, str]
+    manifest_path: str
+    hidden: dict[str, str] = field(default_factory=dict)  # offline mode: shard -> manifest
+    device: str | None = None
+
+    def run(self) -> dict:
+        return _SegmentRun(self).run()
+
+
+class _SegmentRun:
+    def __init__(self, job: SegmentJob):
+        self.job = job
+        s = self.settings = job.settings
+        self.dist = Distributed.from_env()
+        if job.device:
+            self.device = torch.device(job.device)
+        elif torch.cuda.is_available():
+            self.device = torch.device("cuda", self.dist.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.on_gpu = self.device.type == "cuda"
+        self.compute_dtype = torch.bfloat16 if self.on_gpu else torch.float32
+        self.backend = s["attention"] if s["attention"] != "auto" else ("flex" if self.on_gpu else "sdpa")
+        self.storage = open_storage(job.run_url)
+        self.start_step = job.segment * s["steps_per_segment"]
+        self.end_step = self.start_step + s["steps_per_segment"]
+        self.total_steps = s["segments"] * s["steps_per_segment"]
+        self.stop_requested = False
+
+    # --- set-up --------------------------------------------------------------------------------
+    def _load_target(self):
+        from dflash_pipeline.model.inference import target_embeddings
+        from dflash_pipeline.model.taps import TargetTaps, load_target
+
+        self.drafter_config = build_drafter_config(self.settings, self.job.target_dir)
+        if self.settings["mode"] == "online":
+            target = load_target(self.job.target_dir, self.device, self.compute_dtype)
+            self.taps = TargetTaps(target, self.drafter_config.target_layer_ids)
+            self.embed_weight, self.lm_head_weight = target_embeddings(target)
+        else:
+            from dflash_pipeline.extraction import HiddenShards, load_target_embeddings
+
+            self.taps = None
+            self.hidden = HiddenShards(self.storage, self.job.hidden, self.drafter_config)
+            self.embed_weight, self.lm_head_weight = load_target_embeddings(
+                self.job.target_dir, self.device, self.compute_dtype
+            )
+
+    def _build_model(self):
+        torch.manual_seed(self.settings["seed"])
+        self.drafter = DFlashDrafter(self.drafter_config).to(self.device)
+        self.model = self.drafter
+        if self.dist.world > 1:
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                _BlockForward(self.drafter),
+                device_ids=[self.device.index] if self.on_gpu else None,
+            )
+        s = self.settings
+        self.optimizer = make_optimizer(self.drafter, s)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_factor(step, self.total_steps, s["warmup_ratio"], s["min_lr_ratio"]),
+        )
+
+    def _restore(self) -> str:
+        """Load the state to start from; returns where it came from."""
+        self.rolling = RollingCheckpoints(
+            self.storage, layout.train_progress_prefix(self.job.segment) + "checkpoint/"
+        )
+        loaded = self.rolling.load_latest()
+        source = "in-segment checkpoint"
+        if loaded is None and self.job.segment > 0:
+            loaded = load_checkpoint(self.storage, layout.checkpoint_prefix(self.job.segment - 1))
+            source = f"segment {self.job.segment - 1}"
+            if loaded is None:
+                raise TrainingError(
+                    f"segment {self.job.segment - 1}'s checkpoint is missing from "
+                    f"{self.storage.join(layout.checkpoint_prefix(self.job.segment - 1))}"
+                )
+        if loaded is None:
+            self.step = self.start_step
+            return "fresh drafter"
+        weights, state = loaded
+        self.drafter.load_state_dict(weights, strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        self.step = int(state["step"])
+        if not self.start_step <= self.step <= self.end_step:
+            raise TrainingError(
+                f"checkpoint from {source} is at step {self.step}, outside segment "
+                f"{self.job.segment} [{self.start_step}, {self.end_step})"
+            )
+        return source
+
+    def _trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "samples_seen": self.step * self.plan.global_batch,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+
+    # --- the loop ------------------------------------------------------------------------------
+    def _batch(self, step: int):
+        indices = self.plan.rank_batch_at(step, self.dist.rank, self.dist.world)
+        sequences = [self.sequences[i] for i in indices]
+        input_ids, loss_mask = collate(sequences, self.device)
+        if self.taps is not None:
+            taps = self.taps(input_ids)
+        else:
+            taps = self.hidden.taps(sequences, input_ids.shape[1], self.device, self.compute_dtype)
+        return input_ids, loss_mask, taps, sum(len(x.input_ids) for x in sequences)
+
+    def _train_step(self, step: int) -> dict:
+        s = self.settings
+        started = time.perf_counter()
+        input_ids, loss_mask, taps, real_tokens = self._batch(step)
+        generator = torch.Generator().manual_seed(s["seed"] * 1_000_003 + step * 1009 + self.dist.rank)
+        out = optimizer_step(
+            self.drafter,
+            self.optimizer,
+            self.scheduler,
+            taps,
+            input_ids,
+            loss_mask,
+            self.embed_weight,
+            self.lm_head_weight,
+            s,
+            generator,
+            self.backend,
+            forward_module=self.model if self.dist.world > 1 else None,
+        )
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - started
+        tokens = self.dist.sum(float(real_tokens), self.device)
+        metrics = block_metrics(out.loss, out.blocks)
+        return {
+            "segment": self.job.segment,
+            "step": step,
+            "loss": round(out.loss.loss.item(), 6),
+            **metrics,
+            "grad_norm": round(out.grad_norm, 6),
+            "lr": out.lr,
+            "step_time_s": round(elapsed, 4),
+            "steps_per_s": round(1.0 / elapsed, 4),
+            "tokens_per_s": round(tokens / elapsed, 1),
+            "gpu_mem_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+            if self.on_gpu
+            else None,
+            "time": time.time(),
+        }
+
+    def _on_sigterm(self, signum, frame):
+        self.stop_requested = True
+
+    def run(self) -> dict:
+        s = self.settings
+        self._load_target()
+        self.sequences = read_training_sequences(self.job.tokenized)
+        self.plan = BatchPlan(
+            [len(x.input_ids) for x in self.sequences], s["batch_size"] * self.dist.world, s["seed"]
+        )
+        self._build_model()
+        source = self._restore()
+        metrics = MetricsLog(
+            self.storage, self.job.segment, (self.start_step, self.end_step), s["metrics_every_seconds"]
+        )
+        metrics.resume_from(self.step)
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        print(
+            f"segment {self.job.segment}: steps {self.step}..{self.end_step - 1} from {source}; "
+            f"{len(self.sequences)} training sequences, {self.dist.world} process(es), "
+            f"{self.device}, attention {self.backend}",
+            flush=True,
+        )
+        try:
+            while self.step < self.end_step:
+                record = self._train_step(self.step)
+                self.step += 1
+                if self.dist.is_main:
+                    metrics.add(record)
+                stop = self.dist.any(self.stop_requested, self.device)
+                periodic = (self.step - self.start_step) % s["checkpoint_every_steps"] == 0
+                if (stop or periodic) and self.step < self.end_step:
+                    self._save_rolling(metrics)
+                if stop:
+                    print(f"SIGTERM: checkpointed at step {self.step}; exiting", flush=True)
+                    raise SystemExit(PREEMPTED_EXIT_CODE)
+            return self._finish(metrics)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _save_rolling(self, metrics: MetricsLog) -> None:
+        if self.dist.is_main:
+            self.rolling.save(self.drafter.state_dict(), self._trainer_state())
+            metrics.flush("running")
+        self.dist.barrier()
+
+    def _finish(self, metrics: MetricsLog) -> dict:
+        manifest = None
+        if self.dist.is_main:
+            prefix = layout.checkpoint_prefix(self.job.segment)
+            index = save_checkpoint(
+                self.storage, prefix, self.drafter.state_dict(), self._trainer_state()
+            )
+            metrics.flush("done")
+            last = metrics.records[-1] if metrics.records else {}
+            manifest = {
+                "segment": self.job.segment,
+                "steps": [self.start_step, self.end_step],
+                "checkpoint": self.storage.join(prefix),
+                "checkpoint_prefix": prefix,
+                "files": index["files"],
+                "drafter_config": self.drafter_config.to_zlab(),
+                "last_metrics": {k: last.get(k) for k in ("loss", "accuracy", "accept_len", "lr")},
+                "processes": self.dist.world,
+            }
+            from dflash_pipeline.storage import write_atomically
+
+            with write_atomically(self.job.manifest_path) as tmp:
+                tmp.write_text(json.dumps(manifest, indent=1))
+            self.rolling.clear()
+        self.dist.barrier()
+        return manifest
+
+
+class _BlockForward(torch.nn.Module):
+    """The drafter's training forward as one module call, so DDP can overlap gradient
+    all-reduce with the backward pass."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, taps, embed_weight, blocks, backend):
+        return blocks_forward(self.drafter, taps, embed_weight, blocks, backend)

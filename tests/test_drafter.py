@@ -1,0 +1,233 @@
+"""The drafter's training semantics against references built from the rules themselves
+(dflash-spec.md §7): mask, train-vs-inference logits, loss."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_pipeline.model.config import FULL, SLIDING, DrafterConfig, default_target_layer_ids
+from dflash_pipeline.model.drafter import DFlashDrafter
+from dflash_pipeline.model.inference import DFlashProposer
+from dflash_pipeline.model.masks import block_visibility, flex_block_mask
+from dflash_pipeline.training.blocks import (
+    block_loss,
+    block_metrics,
+    blocks_forward,
+    build_blocks,
+    sample_anchors,
+)
+
+VOCAB, HIDDEN, TAPS, BLOCK = 50, 32, 3, 4
+
+
+def tiny_config(layer_types=(FULL, SLIDING), window=3, block=BLOCK) -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        block_size=block,
+        mask_token_id=VOCAB - 1,
+        num_target_layers=8,
+        target_layer_ids=[1, 3, 5][:TAPS],
+        layer_types=list(layer_types),
+        sliding_window=window if SLIDING in layer_types else None,
+        rope_theta=10000.0,
+        dtype="float32",
+    )
+
+
+def reference_visible(anchors, keep, S, B, W, b, q, kv):
+    """One element of the mask, straight from the visibility rules."""
+    n, k = divmod(q, B)
+    a = int(anchors[b, n])
+    if not keep[b, n]:
+        return False
+    if kv < S:
+        return kv < a and (W is None or kv >= a + k - (W - 1))
+    n2, k2 = divmod(kv - S, B)
+    return n2 == n and (W is None or k2 <= k)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 6])
+def test_mask_equals_element_by_element_reference(window):
+    anchors = torch.tensor([[0, 3, 7], [2, 5, 0]])
+    keep = torch.tensor([[True, True, True], [True, True, False]])
+    S, B = 10, 4
+    mask = block_visibility(anchors, keep, S, B, window)
+    assert mask.shape == (2, 3 * B, S + 3 * B)
+    for b in range(2):
+        for q in range(3 * B):
+            for kv in range(S + 3 * B):
+                expected = reference_visible(anchors, keep, S, B, window, b, q, kv)
+                assert bool(mask[b, q, kv]) == expected, (b, q, kv)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_flex_mask_equals_dense_mask(window):
+    anchors = torch.tensor([[1, 4, 9]])
+    keep = torch.tensor([[True, True, False]])
+    S, B = 12, 4
+    dense = block_visibility(anchors, keep, S, B, window)
+    block_mask = flex_block_mask(anchors, keep, S, B, window)
+    q = torch.arange(3 * B)[:, None]
+    kv = torch.arange(S + 3 * B)[None, :]
+    from_mod = block_mask.mask_mod(torch.tensor(0), torch.tensor(0), q, kv)
+    assert torch.equal(from_mod, dense[0])
+
+
+def test_default_target_layer_ids_match_published_configs():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert default_target_layer_ids(40, 5) == [1, 10, 19, 28, 37]
+    assert default_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]
+    assert default_target_layer_ids(36, 1) == [18]
+
+
+def make_batch(seed=0, batch=2, S=14):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB - 1, (batch, S), generator=g)
+    loss_mask = torch.zeros(batch, S, dtype=torch.long)
+    loss_mask[0, 4:] = 1
+    loss_mask[1, 2:9] = 1
+    loss_mask[1, 11:] = 1
+    taps = torch.randn(batch, S, TAPS * HIDDEN, generator=g)
+    return input_ids, loss_mask, taps
+
+
+def build(config, input_ids, loss_mask, num_anchors=6, seed=1, gamma=2.0):
+    anchors, keep = sample_anchors(loss_mask, num_anchors, torch.Generator().manual_seed(seed))
+    return build_blocks(
+        input_ids, loss_mask, anchors, keep,
+        block_size=config.block_size, mask_token_id=config.mask_token_id, gamma=gamma,
+    )
+
+
+def test_anchors_are_valid_distinct_sorted_and_padded():
+    input_ids, loss_mask, _ = make_batch()
+    anchors, keep = sample_anchors(loss_mask, 12, torch.Generator().manual_seed(0))
+    for row in range(2):
+        chosen = anchors[row][keep[row]].tolist()
+        assert chosen == sorted(set(chosen))
+        for a in chosen:
+            assert loss_mask[row, a] == 1 and loss_mask[row, a + 1] == 1
+    # Row 0 has 9 valid anchors (positions 4..12), row 1 has 6 + 2: fewer than 12 -> padding.
+    assert keep.sum(dim=1).tolist() == [9, 8]
+
+
+@pytest.mark.parametrize("layer_types", [(FULL, FULL), (FULL, SLIDING), (SLIDING, SLIDING)])
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_training_logits_equal_inference_block_forward(layer_types, backend):
+    torch.manual_seed(0)
+    config = tiny_config(layer_types)
+    drafter = DFlashDrafter(config).eval()
+    embed = torch.randn(VOCAB, HIDDEN)
+    head = torch.randn(VOCAB, HIDDEN)
+    input_ids, loss_mask, taps = make_batch()
+    blocks = build(config, input_ids, loss_mask)
+    with torch.no_grad():
+        hidden = blocks_forward(drafter, taps, embed, blocks, backend=backend)
+    logits = hidden @ head.t()
+    B = config.block_size
+    worst = 0.0
+    for row in range(2):
+        for n in range(blocks.num_blocks):
+            if not blocks.keep[row, n]:
+                continue
+            a = int(blocks.anchors[row, n])
+            proposer = DFlashProposer(drafter, embed, head)
+            proposer.extend_context(taps[row, :a])
+            expected = proposer.block_logits(int(input_ids[row, a]), a)
+            got = logits[row, n * B + 1 : (n + 1) * B]
+            worst = max(worst, (got - expected).abs().max().item())
+    assert worst < 1e-5, worst
+
+
+def test_loss_equals_hand_computed_weighted_mean():
+    torch.manual_seed(0)
+    config = tiny_config((FULL,))
+    drafter = DFlashDrafter(config)
+    embed, head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    input_ids, loss_mask, taps = make_batch()
+    gamma = 2.0
+    blocks = build(config, input_ids, loss_mask, gamma=gamma)
+    hidden = blocks_forward(drafter, taps, embed, blocks)
+    result = block_loss(hidden, head, blocks, chunk_rows=5)
+    B, S = config.block_size, input_ids.shape[1]
+    num, den = 0.0, 0.0
+    for row in range(2):
+        for n in range(blocks.num_blocks):
+            if not blocks.keep[row, n]:
+                continue
+            a = int(blocks.anchors[row, n])
+            for k in range(1, B):
+                if a + k >= S or not loss_mask[row, a + k]:
+                    continue
+                w = math.exp(-(k - 1) / gamma)
+                logit = (hidden[row, n * B + k] @ head.t()).double()
+                ce = -torch.log_softmax(logit, -1)[input_ids[row, a + k]].item()
+                num += w * ce
+                den += w
+    assert result.loss.item() == pytest.approx(num / den, rel=1e-5)
+    result.loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in drafter.parameters())
+
+
+def test_padding_blocks_produce_no_nan_and_metrics_count_real_blocks():
+    config = tiny_config((FULL, SLIDING))
+    drafter = DFlashDrafter(config)
+    embed, head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    input_ids, loss_mask, taps = make_batch()
+    blocks = build(config, input_ids, loss_mask, num_anchors=20)
+    assert not blocks.keep.all()
+    hidden = blocks_forward(drafter, taps, embed, blocks)
+    assert torch.isfinite(hidden).all()
+    result = block_loss(hidden, head, blocks)
+    metrics = block_metrics(result, blocks)
+    assert metrics["blocks"] == int(blocks.keep.sum())
+    assert 1.0 <= metrics["accept_len"] <= config.block_size
+    assert len(metrics["accuracy_per_position"]) == config.block_size - 1
+
+
+def test_simulated_acceptance_counts_leading_hits():
+    config = tiny_config((FULL,), block=4)
+    input_ids = torch.arange(10)[None] % (VOCAB - 1)
+    loss_mask = torch.ones(1, 10, dtype=torch.long)
+    anchors, keep = torch.tensor([[0, 4]]), torch.tensor([[True, True]])
+    blocks = build_blocks(input_ids, loss_mask, anchors, keep, block_size=4, mask_token_id=VOCAB - 1, gamma=7)
+    hits = torch.zeros(1, 8, dtype=torch.bool)
+    hits[0, [1, 2]] = True  # block 0: slots 1, 2 right, 3 wrong -> 2 accepted
+    hits[0, [6, 7]] = True  # block 1: slot 1 wrong -> 0 accepted
+    from dflash_pipeline.training.blocks import LossResult
+
+    metrics = block_metrics(LossResult(torch.tensor(0.0), hits, 6), blocks)
+    assert metrics["accept_len"] == pytest.approx((3 + 1) / 2)
+    assert metrics["accuracy"] == pytest.approx(4 / 6)
+
+
+def test_fused_loss_gradient_equals_autograd_through_full_logits():
+    config = tiny_config((FULL, SLIDING))
+    torch.manual_seed(3)
+    drafter = DFlashDrafter(config)
+    embed, head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    input_ids, loss_mask, taps = make_batch()
+    blocks = build(config, input_ids, loss_mask, gamma=3.0)
+    hidden = blocks_forward(drafter, taps, embed, blocks).detach().requires_grad_(True)
+    fused = block_loss(hidden, head, blocks, chunk_rows=7)
+    (grad_fused,) = torch.autograd.grad(fused.loss, hidden)
+    logits = (hidden @ head.t()).reshape(-1, VOCAB)
+    ce = F.cross_entropy(logits, blocks.labels.flatten(), reduction="none")
+    w = blocks.weights.flatten()
+    naive = (ce * w).sum() / w.sum()
+    (grad_naive,) = torch.autograd.grad(naive, hidden)
+    assert fused.loss.item() == pytest.approx(naive.item(), rel=1e-6)
+    torch.testing.assert_close(grad_fused, grad_naive, rtol=1e-5, atol=1e-7)
+    hits = (logits.argmax(-1) == blocks.labels.flatten()).reshape(blocks.labels.shape)
+    assert torch.equal(fused.hits & blocks.supervised, hits & blocks.supervised)

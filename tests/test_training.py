@@ -1,0 +1,251 @@
+"""Training segments: exact resume (SIGTERM, SIGKILL after a periodic checkpoint, segment chain),
+metrics, and the export that SGLang and vLLM load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_pipeline import layout
+from dflash_pipeline.config import validate_config
+from dflash_pipeline.storage import open_storage
+from dflash_pipeline.training.export import export_drafter, expected_tensor_shapes
+from dflash_pipeline.training.trainer import PREEMPTED_EXIT_CODE, SegmentJob, lr_factor
+from tests.support.train_data import write_tokenized_shard
+
+STEPS = 8
+
+
+def settings(**overrides) -> dict:
+    base = validate_config({"train": {}})["train"]
+    base.update(
+        mode="online",
+        segments=1,
+        steps_per_segment=STEPS,
+        checkpoint_every_steps=STEPS // 2,
+        batch_size=2,
+        gpus_per_job=0,
+        num_layers=2,
+        intermediate_size=128,
+        block_size=4,
+        num_anchors=16,
+        learning_rate=3e-3,
+        warmup_ratio=0.25,
+        metrics_every_seconds=0,
+        attention="sdpa",
+        export_dtype="float32",
+    )
+    base.update(overrides)
+    return base
+
+
+@pytest.fixture(scope="module")
+def tokenized(demo_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    return {
+        "00000": str(write_tokenized_shard(demo_model, root / "t0.parquet", 24, seed=0, heldout_every=6)),
+        "00001": str(write_tokenized_shard(demo_model, root / "t1.parquet", 24, seed=1)),
+    }
+
+
+def run_segment(run_dir: Path, segment: int, s: dict, demo_model, tokenized) -> dict:
+    return SegmentJob(
+        run_url=str(run_dir),
+        segment=segment,
+        settings=s,
+        target_dir=str(demo_model),
+        tokenized=tokenized,
+        manifest_path=str(run_dir / layout.segment_manifest_key(segment)),
+        device="cpu",
+    ).run()
+
+
+def final_state(run_dir: Path, segment: int = 0):
+    prefix = run_dir / layout.checkpoint_prefix(segment)
+    weights = load_file(prefix / "model.safetensors")
+    trainer = torch.load(prefix / "trainer.pt", weights_only=True)
+    return weights, trainer
+
+
+def assert_same_state(a, b):
+    (wa, ta), (wb, tb) = a, b
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    assert ta["step"] == tb["step"]
+    for (ka, sa), (kb, sb) in zip(ta["optimizer"]["state"].items(), tb["optimizer"]["state"].items()):
+        for key in sa:
+            assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), (ka, key)
+    assert ta["scheduler"] == tb["scheduler"]
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model, tokenized, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ref")
+    manifest = run_segment(run_dir, 0, settings(), demo_model, tokenized)
+    return run_dir, manifest
+
+
+def test_segment_writes_checkpoint_manifest_and_metrics(reference):
+    run_dir, manifest = reference
+    assert manifest["steps"] == [0, STEPS]
+    written = json.loads((run_dir / layout.segment_manifest_key(0)).read_text())
+    assert written == manifest
+    lines = (run_dir / layout.train_progress_prefix(0) / layout.TRAIN_METRICS).read_text().splitlines()
+    records = [json.loads(x) for x in lines]
+    assert [r["step"] for r in records] == list(range(STEPS))
+    for r in records:
+        assert r["loss"] > 0 and 1 <= r["accept_len"] <= 4 and len(r["accuracy_per_position"]) == 3
+        assert r["tokens_per_s"] > 0 and r["lr"] > 0
+    telemetry = json.loads((run_dir / layout.train_progress_prefix(0) / "telemetry.json").read_text())
+    assert telemetry["state"] == "done" and telemetry["steps_done"] == STEPS
+    # The in-segment checkpoints are gone once the segment's own checkpoint exists.
+    leftovers = (run_dir / layout.train_progress_prefix(0) / "checkpoint").rglob("*")
+    assert not [p for p in leftovers if p.is_file()]
+
+
+def test_two_segments_equal_one_segment_bit_for_bit(reference, demo_model, tokenized, tmp_path):
+    s = settings(segments=2, steps_per_segment=STEPS // 2)
+    run_segment(tmp_path, 0, s, demo_model, tokenized)
+    run_segment(tmp_path, 1, s, demo_model, tokenized)
+    assert_same_state(final_state(tmp_path, 1), final_state(reference[0]))
+
+
+def start_training(run_dir: Path, s: dict, demo_model, tokenized) -> subprocess.Popen:
+    settings_file = run_dir / "settings.json"
+    settings_file.write_text(json.dumps(s))
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "dflash_pipeline.train",
+            "--run-url", str(run_dir), "--segment", "0", "--settings", str(settings_file),
+            "--target", str(demo_model), "--device", "cpu",
+            "--manifest", str(run_dir / layout.segment_manifest_key(0)),
+            "--tokenized", *[f"{k}={v}" for k, v in tokenized.items()],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for(predicate, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training ended first ({proc.returncode}):\n{proc.stdout.read()}")
+        time.sleep(0.005)
+    raise AssertionError("timed out")
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_killed_and_resumed_equals_uninterrupted_bit_for_bit(how, reference, demo_model, tokenized, tmp_path):
+    # Many steps per checkpoint interval's worth of work after the kill: make the tail long.
+    s = settings()
+    metrics = tmp_path / layout.train_progress_prefix(0) / layout.TRAIN_METRICS
+    latest = tmp_path / layout.train_progress_prefix(0) / "checkpoint" / "latest.json"
+    proc = start_training(tmp_path, s, demo_model, tokenized)
+    if how == "sigterm":
+        # Any time after the first step: the job checkpoints where it is and exits.
+        wait_for(lambda: metrics.exists(), proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == PREEMPTED_EXIT_CODE, out
+        assert "SIGTERM: checkpointed at step" in out
+    else:
+        wait_for(lambda: latest.exists(), proc)
+        proc.kill()
+        proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+    assert not (tmp_path / layout.segment_manifest_key(0)).exists(), "the kill came too late"
+    resumed = start_training(tmp_path, s, demo_model, tokenized)
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    assert "from in-segment checkpoint" in out
+    assert_same_state(final_state(tmp_path), final_state(reference[0]))
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert steps == list(range(STEPS)), "metrics must hold each step once after a resume"
+
+
+def test_export_loads_with_every_tensor_and_config_field(reference, tmp_path):
+    run_dir, manifest = reference
+    manifest_path = run_dir / layout.segment_manifest_key(0)
+    config_out, weights_out = tmp_path / "drafter" / "config.json", tmp_path / "drafter" / "model.safetensors"
+    config_out.parent.mkdir()
+    export_drafter(str(run_dir), str(manifest_path), str(config_out), str(weights_out), "bfloat16")
+    config = json.loads(config_out.read_text())
+    tensors = load_file(weights_out)
+    from dflash_pipeline.model.config import DrafterConfig
+
+    drafter_config = DrafterConfig.from_zlab(config)
+    shapes = expected_tensor_shapes(drafter_config)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == shapes
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert not any(k.startswith("model.") or "embed_tokens" in k or "lm_head" in k for k in tensors)
+    H = config["hidden_size"]
+    assert tensors["fc.weight"].shape == (H, len(config["dflash_config"]["target_layer_ids"]) * H)
+    # The fields SGLang and vLLM read (dflash-spec.md §1.7).
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == config["dflash_config"]["block_size"] == 4
+    assert config["dflash_config"]["mask_token_id"] == 3  # the demo tokenizer's <|mask|>
+    assert config["dflash_config"]["target_layer_ids"] == [1, 5]  # default rule: 1 .. N-3 for 8 target layers
+    assert config["num_target_layers"] == 8
+    assert config["layer_types"] == ["full_attention"] * 2
+    assert config["rope_theta"] == 10000.0 and config["rope_scaling"] is None
+    assert config["dflash_config"]["mask_token_id"] < config["vocab_size"]
+
+
+def test_lr_schedule_warms_up_then_decays_to_floor():
+    values = [lr_factor(s, 100, 0.1, 0.1) for s in range(100)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert values[10] == pytest.approx(1.0) and values[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in zip(values[10:], values[11:]))
+
+
+@pytest.mark.parametrize("hidden_dtype", ["float32", "float8_e4m3fn"])
+def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_model, tokenized, tmp_path):
+    from dflash_pipeline.extraction import extract_shard
+
+    hidden = {}
+    for shard, path in tokenized.items():
+        manifest = tmp_path / layout.shard_key("hidden", shard)
+        extract_shard(path, str(demo_model), [1, 5], str(tmp_path), shard, str(manifest), hidden_dtype)
+        hidden[shard] = str(manifest)
+        written = json.loads(manifest.read_text())
+        assert (tmp_path / written["key"]).stat().st_size == written["size"]
+    job = SegmentJob(
+        run_url=str(tmp_path), segment=0, settings=settings(mode="offline", hidden_dtype=hidden_dtype),
+        target_dir=str(demo_model), tokenized=tokenized, hidden=hidden,
+        manifest_path=str(tmp_path / layout.segment_manifest_key(0)), device="cpu",
+    )
+    job.run()
+    # The stored taps are the target's taps (up to the rounding of a different batch shape, or
+    # of fp8), and training from them lands next to online training.
+    from dflash_pipeline.extraction import HiddenShards
+    from dflash_pipeline.model.taps import TargetTaps, load_target
+    from dflash_pipeline.training.data import collate, read_training_sequences
+    from dflash_pipeline.training.trainer import build_drafter_config
+
+    config = build_drafter_config(settings(), str(demo_model))
+    sequences = read_training_sequences(tokenized)[:3]
+    ids, _ = collate(sequences, "cpu")
+    stored = HiddenShards(open_storage(str(tmp_path)), hidden, config).taps(sequences, ids.shape[1], "cpu", torch.float32)
+    online = TargetTaps(load_target(str(demo_model)), [1, 5])(ids)
+    for i, seq in enumerate(sequences):
+        n = len(seq.input_ids)
+        tolerance = 1e-5 if hidden_dtype == "float32" else 0.07
+        torch.testing.assert_close(stored[i, :n], online[i, :n], rtol=tolerance, atol=tolerance * 10)
+    ref_weights, _ = final_state(reference[0])
+    weights, _ = final_state(tmp_path)
+    drift = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
+    assert drift < (1e-3 if hidden_dtype == "float32" else 0.05), drift
