@@ -69,11 +69,13 @@ def start_run(workflow) -> subprocess.Popen:
 
 # Read in one script call: the page re-renders its tables every poll, so element handles from
 # separate calls can go stale in between.
-READ_PAGE = """
+READ_PAGE = r"""
 const value = (node) => node.getAttribute("aria-valuenow");
 return {
   overall: value(document.getElementById("overall-progress")),
   shards: [...document.querySelectorAll("tr.running-shard .bar")].map(value),
+  curvePoints: (document.querySelector("#chart-loss polyline")?.getAttribute("points") || "")
+    .trim().split(/\s+/).filter(Boolean).length,
   stages: Object.fromEntries([...document.querySelectorAll("#stages tbody tr")].map(
     (row) => [row.dataset.stage, row.querySelectorAll("td")[2].textContent])),
   state: document.getElementById("workflow-state").textContent,
@@ -94,12 +96,15 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         num_shards=NUM_SHARDS,
         target={"model": str(demo_model), "build_demo": False},
         gpu_lock_dir=str(tmp_path / "locks"),
-        # Telemetry every second: a generating shard's own bar moves too.
+        # Telemetry every second: a generating shard's own bar moves too. A short training
+        # (two segments of a few steps) keeps the run to a couple of minutes on two cores.
         generation={"telemetry_every_seconds": 1},
+        train={"segments": 2, "steps_per_segment": 6, "checkpoint_every_steps": 3, "metrics_every_seconds": 1},
     )
     source = RunSource(
         ReadOnlyStorage.open(str(workflow.root / "results/demo")),
         num_shards=NUM_SHARDS,
+        num_segments=2,
         events_file=workflow.root / "logs/snakemake-events.jsonl",
         workdir=workflow.root,
     )
@@ -120,7 +125,10 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         output = run.stdout.read()
         assert run.returncode == 0, output[-4000:]
         deadline = time.monotonic() + 30  # the page polls every 2 s
-        while read_page(browser)["overall"] != 100.0 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            page = read_page(browser)
+            if page["overall"] == 100.0 and page["state"] == "finished":
+                break
             time.sleep(0.5)
         final = read_page(browser)
         browser.save_screenshot(str(ARTIFACTS / "status-page-finished.png"))
@@ -134,7 +142,11 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
     assert seen_overall == sorted(seen_overall), "overall progress went backwards"
     assert seen_shards, "no running shard with a progress bar was shown"
     assert final["overall"] == 100.0
-    assert final["stages"] == {s: f"{NUM_SHARDS} / {NUM_SHARDS}" for s in ("prompts", "generated", "tokenized")}
+    assert final["stages"] == {
+        **{s: f"{NUM_SHARDS} / {NUM_SHARDS}" for s in ("prompts", "generated", "tokenized")},
+        "train": "2 / 2",
+    }
+    assert final["curvePoints"] == 12  # every optimizer step of both segments
     assert final["state"] == "finished"
 
     workflow.snakemake("--report", "report.html")
@@ -144,7 +156,7 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
     while "6. Storage" not in body and time.monotonic() < deadline:
         time.sleep(0.5)
         body = browser.find_element("tag name", "body").text
-    for section in ("Workflow", "1. Prompts", "2. Generation", "3. Tokenization", "6. Storage"):
+    for section in ("Workflow", "1. Prompts", "2. Generation", "3. Tokenization", "4. Training", "6. Storage"):
         assert section in body, f"report section {section!r} missing"
     assert "data-quality gate" in body  # the workflow description page
     browser.find_element("xpath", "//*[normalize-space(text())='2. Generation']").click()
