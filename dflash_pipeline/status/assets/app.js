@@ -183,7 +183,7 @@ function render(status) {
   document.getElementById("workflow-steps").textContent = wf.steps_total ? `${wf.steps_done} / ${wf.steps_total}` : "–";
   document.getElementById("updated-at").textContent = new Date(status.generated_at * 1000).toLocaleTimeString();
   setBar(document.getElementById("overall-progress"), status.progress_percent,
-    [{ cls: "done", percent: status.progress_percent }], `${fmtNum(status.progress_percent, 1)}% of all shard stages`);
+    [{ cls: "done", percent: status.progress_percent }], `${fmtNum(status.progress_percent, 1)}% of all stages`);
   renderStages(status.stages);
   renderRunning(status.running);
   renderFailed(status.failed);
