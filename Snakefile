@@ -17,6 +17,7 @@ include: "rules/prepare.smk"
 include: "rules/generate.smk"
 include: "rules/tokenize.smk"
 include: "rules/train.smk"
+include: "rules/evaluate.smk"
 include: "rules/report.smk"
 
 

@@ -6,9 +6,8 @@ tables, benchmark TSVs) and gets back SVG figures and HTML tables that the rule 
 be tested without looking at pictures. Histograms use fixed bins, so a run of a million samples
 is summarized shard by shard in constant memory.
 
-Training: ``write_training_report`` reads the ``metrics.jsonl`` of every training segment.
-Evaluation: ``write_evaluation_report`` reads ``eval-metrics.json``; it is ready for the evaluate
-stage's report rule to call (caption ``report/acceptance.rst``).
+Training: ``write_training_report`` reads the ``metrics.jsonl`` of every training segment;
+evaluation: ``write_evaluation_report`` reads ``eval-metrics.json``.
 """
 
 from __future__ import annotations
@@ -421,7 +420,7 @@ def plot_acceptance(metrics: dict, out: str | Path) -> None:
     middle.set_xlabel("accepted length")
     names = ["overall", *sets]
     taus = [overall.get("tau") or 0] + [sets[k].get("tau") or 0 for k in sets]
-    _bars(right, names, taus, f"acceptance length τ (overall {overall.get('tau', 0):.2f})", "τ", "#2e9d5b", True)
+    _bars(right, names, taus, f"acceptance length τ (overall {overall.get('tau') or 0:.2f})", "τ", "#2e9d5b", True)
     _save(fig, out)
 
 

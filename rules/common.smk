@@ -114,6 +114,7 @@ REPORT_ITEMS = [
     "tokenization-degenerate.svg",
     "tokenization.html",
     "training.svg",
+    "acceptance.svg",
 ]
 REPORT_STORAGE_ITEM = "storage.svg"
 
@@ -122,6 +123,7 @@ def report_storage_inputs():
     outputs = expand(shard_output("tokenized"), shard=SHARDS)
     outputs.append(run_path(layout.INGEST_SUMMARY))
     outputs += [run_path(layout.DRAFTER_CONFIG), run_path(layout.DRAFTER_WEIGHTS)]
+    outputs.append(run_path(layout.EVAL_METRICS))
     outputs.extend(run_path(layout.report_key(name)) for name in REPORT_ITEMS)
     return outputs
 

@@ -1,5 +1,5 @@
 # Report: figures and tables of each stage, flagged with report() for `snakemake --report`
-# (dflash_pipeline.report). Evaluation's figure: write_evaluation_report, for its rule to call.
+# (dflash_pipeline.report).
 
 
 rule report_prompts:
@@ -120,6 +120,28 @@ rule report_training:
         segments=config["train"]["segments"],
     script:
         "../scripts/report_training.py"
+
+
+rule report_evaluation:
+    input:
+        metrics=run_path(layout.EVAL_METRICS),
+    output:
+        figure=report(
+            run_path(layout.report_key("acceptance.svg")),
+            caption="../report/acceptance.rst",
+            category="5. Evaluation",
+        ),
+    log:
+        log_path("report_evaluation", per_shard=False),
+    benchmark:
+        benchmark_path("report_evaluation", per_shard=False)
+    conda:
+        "../envs/cpu.yaml"
+    threads: 1
+    resources:
+        mem_mb=1000,
+    script:
+        "../scripts/report_evaluation.py"
 
 
 rule report_storage:

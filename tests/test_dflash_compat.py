@@ -77,3 +77,25 @@ def test_authors_package_loads_export_and_decodes_losslessly(trained_drafter, de
         accepted += result["acceptance_lengths"]
     # A trained drafter, run by someone else's loop, gets whole blocks accepted.
     assert sum(accepted) / len(accepted) >= 2.0, accepted
+
+
+def test_authors_loop_reports_the_same_acceptance_lengths_as_this_stage(trained_drafter, demo_model):
+    from transformers import AutoModelForCausalLM
+
+    from dflash_pipeline.evaluation.loop import DecodeSettings, speculative_decode
+    from dflash_pipeline.evaluation.target import TargetRunner
+    from dflash_pipeline.model.inference import load_proposer
+
+    prompts = demo_prompts(demo_model, count=3)
+    report = run_reference_loop(demo_model, trained_drafter, prompts, 96, ["<|im_end|>"])
+    target = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
+    proposer = load_proposer(trained_drafter, target)
+    runner = TargetRunner(target, proposer.target_layer_ids)
+    settings = DecodeSettings(max_new_tokens=96, stop_token_ids=frozenset({2}))
+    for prompt, theirs in zip(prompts, report["results"]):
+        trace = speculative_decode(runner, proposer, prompt, settings)
+        assert prompt + trace.tokens == theirs["output_ids"]
+        ours = [a + 1 for a in trace.accepted_lengths]  # tokens committed per verify step
+        # Their last step counts only up to the stop token; every other step must agree.
+        assert ours[:-1] == theirs["acceptance_lengths"][:-1]
+        assert len(ours) == len(theirs["acceptance_lengths"])

@@ -28,7 +28,9 @@ def test_dry_run_lists_the_jobs_of_every_stage(workflow):
         "report_tokenization": 1,
         "train": 2,
         "export_drafter": 1,
+        "evaluate": 1,
         "report_training": 1,
+        "report_evaluation": 1,
         "report_storage": 1,
         "all": 1,
     }
@@ -60,7 +62,9 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
         "report_tokenization": 1,
         "train": 2,
         "export_drafter": 1,
+        "evaluate": 1,
         "report_training": 1,
+        "report_evaluation": 1,
         "report_storage": 1,
         "all": 1,
     }
@@ -76,7 +80,9 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
         "report_tokenization": 1,
         "train": 2,
         "export_drafter": 1,
+        "evaluate": 1,
         "report_training": 1,
+        "report_evaluation": 1,
         "report_storage": 1,
         "all": 1,
     }

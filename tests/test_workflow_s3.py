@@ -61,7 +61,9 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
         "report_tokenization": 1,
         "train": 2,
         "export_drafter": 1,
+        "evaluate": 1,
         "report_training": 1,
+        "report_evaluation": 1,
         "report_storage": 1,
         "all": 1,
     }

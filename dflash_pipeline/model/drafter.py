@@ -38,10 +38,12 @@ def compiled_on_gpu(fn):
 
 @compiled_on_gpu
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32, return the input's dtype: with fp32 master weights under bf16 autocast
+    # the residual stream stays bf16, as in a bf16 model, instead of being promoted to fp32.
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return weight.to(dtype) * x.to(dtype)
 
 
 @compiled_on_gpu

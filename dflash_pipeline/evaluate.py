@@ -1,0 +1,370 @@
+"""Measure a DFlash drafter's acceptance length in a real speculative-decoding loop.
+
+    python -m dflash_pipeline.evaluate --target DIR --drafter DIR --prompts FILE --out metrics.json
+        [--max-new-tokens N --temperature T --block-size B --thinking on|off --engine transformers|sglang]
+
+Prompts are JSONL rows with OpenAI ``messages`` (and optionally ``id`` and ``prompt_set``), or the
+prepare stage's prompts parquet (``--split heldout`` selects the held-out rows), rendered with the
+target's chat template. With the default engine the target runs in transformers and the
+exported drafter proposes blocks through ``dflash_pipeline.model.inference``; every prompt is also
+decoded plainly, which gives the speedup estimate and, in greedy mode, the lossless check (the loop
+must reproduce plain greedy decoding token for token). ``--engine sglang`` launches SGLang with
+``--speculative-algorithm DFLASH`` instead and reads its per-request counters. The metrics JSON is
+written before any gate fails, so a failed run still shows what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalOptions:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    block_size: int | None = None  # default: the drafter's
+    thinking: bool = True
+    seed: int = 0
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    lossless_margin: float | None = None  # default by dtype (0 in fp32)
+    engine: str = "transformers"  # transformers | sglang
+    limit: int | None = None  # evaluate only the first N prompts
+    split: str | None = None  # only rows of this split ("heldout" in the prepare stage's parquet)
+    simulated_tau: float | None = None  # training's teacher-forced tau, for the parity gate
+    parity_tolerance: float = 0.15
+    warmup: bool = True
+    sglang_port: int = 30000
+    sglang_tp: int = 1
+    sglang_extra_args: tuple[str, ...] = ()
+    runtime_dir: str | None = None  # sglang's log and pid files (default: beside --out)
+
+
+def _resolve_device_dtype(options: EvalOptions):
+    import torch
+
+    device = options.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = options.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    try:
+        torch_dtype = getattr(torch, dtype)
+        assert isinstance(torch_dtype, torch.dtype)
+    except (AttributeError, AssertionError):
+        raise ValueError(
+            f"--dtype {dtype!r} is not a torch dtype (float32, bfloat16, float16)"
+        ) from None
+    return torch.device(device), torch_dtype
+
+
+def _render(tokenizer, prompts, thinking: bool) -> list[list[int]]:
+    from dflash_pipeline.data.chat import render_prompt
+
+    rendered = []
+    for prompt in prompts:
+        text = render_prompt(tokenizer, prompt.messages, thinking)
+        rendered.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return rendered
+
+
+def _drafter_block_size(drafter: str | Path) -> int:
+    config = json.loads((Path(drafter) / "config.json").read_text())
+    return (config.get("dflash_config") or {}).get("block_size") or config["block_size"]
+
+
+def _write_json(path: Path, document: dict) -> None:
+    """Atomically: a reader never sees half a metrics file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(document, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def _settings(target, drafter, prompts_path, options: EvalOptions, **resolved) -> dict:
+    import torch
+    import transformers
+
+    settings = asdict(options)
+    settings["sglang_extra_args"] = list(options.sglang_extra_args)
+    settings.update(
+        target=str(target),
+        drafter=str(drafter),
+        prompts=str(prompts_path),
+        transformers=transformers.__version__,
+        torch=torch.__version__,
+        **resolved,
+    )
+    return settings
+
+
+def run_evaluation(
+    target: str | Path,
+    drafter: str | Path,
+    prompts_path: str | Path,
+    out: str | Path,
+    options: EvalOptions | None = None,
+    load_proposer=None,
+) -> dict:
+    """Evaluate and write the metrics JSON; raises LosslessError / ParityError after writing it.
+
+    ``load_proposer(drafter_dir, target_model)`` defaults to the DFlash drafter's loader.
+    """
+    from dflash_pipeline.evaluation.prompts import read_eval_prompts
+
+    options = options or EvalOptions()
+    out = Path(out)
+    prompts = read_eval_prompts(prompts_path, options.limit, options.split)
+    if options.engine == "transformers":
+        results, sections, resolved = _run_transformers(
+            target, drafter, prompts, options, load_proposer
+        )
+    elif options.engine == "sglang":
+        results, sections, resolved = _run_sglang(target, drafter, prompts, options, out)
+    else:
+        raise ValueError(f"unknown engine {options.engine!r} (transformers, sglang)")
+
+    from dflash_pipeline.evaluation.lossless import LosslessError, failure_message
+    from dflash_pipeline.evaluation.metrics import metrics_document
+    from dflash_pipeline.evaluation.parity import check_parity, parity_report
+
+    document = metrics_document(
+        results, _settings(target, drafter, prompts_path, options, **resolved), **sections
+    )
+    loop_tau = document["overall"]["tau"]
+    if options.simulated_tau is not None and loop_tau is not None:
+        document["parity"] = parity_report(
+            options.simulated_tau, loop_tau, options.parity_tolerance
+        )
+    _write_json(out, document)
+    overall = document["overall"]
+    log.info(
+        "tau %s over %d verify steps, %d tokens; speedup estimate %s; metrics in %s",
+        overall["tau"],
+        overall["verify_steps"],
+        overall["generated_tokens"],
+        overall["speedup_estimate"],
+        out,
+    )
+    lossless = document.get("lossless") or {}
+    if lossless.get("checked") and not lossless["passed"]:
+        raise LosslessError(failure_message(lossless))
+    if "parity" in document:
+        check_parity(options.simulated_tau, loop_tau, options.parity_tolerance)
+    return document
+
+
+def _run_transformers(target, drafter, prompts, options: EvalOptions, load_proposer):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_pipeline.evaluation.lossless import (
+        DEFAULT_MARGIN_TOLERANCE,
+        compare_greedy,
+        lossless_summary,
+    )
+    from dflash_pipeline.evaluation.loop import DecodeSettings, plain_decode, speculative_decode
+    from dflash_pipeline.evaluation.metrics import PromptResult
+    from dflash_pipeline.evaluation.target import TargetRunner, target_stop_token_ids
+
+    if load_proposer is None:
+        # Imported here: the drafter package is only needed by this engine.
+        from dflash_pipeline.model.inference import load_proposer
+
+    device, dtype = _resolve_device_dtype(options)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+    proposer = load_proposer(drafter, model)
+    if options.block_size is not None:
+        if options.block_size < 2:
+            raise ValueError(f"--block-size must be at least 2, got {options.block_size}")
+        proposer.block_size = options.block_size
+    runner = TargetRunner(model, proposer.target_layer_ids)
+    stop = frozenset(target_stop_token_ids(tokenizer, model))
+    prompt_ids = _render(tokenizer, prompts, options.thinking)
+    margin = options.lossless_margin
+    if margin is None:
+        margin = DEFAULT_MARGIN_TOLERANCE.get(dtype, 0.0)
+
+    def settings_for(index: int, max_new_tokens: int) -> DecodeSettings:
+        # One seed per prompt: sampled runs are reproducible and prompts independent.
+        return DecodeSettings(max_new_tokens, options.temperature, stop, options.seed + index)
+
+    if options.warmup:
+        # Kernel selection and allocator growth would otherwise be billed to the first prompt.
+        warm = settings_for(0, min(8, options.max_new_tokens))
+        speculative_decode(runner, proposer, prompt_ids[0], warm)
+        plain_decode(runner, prompt_ids[0], warm)
+
+    results, verdicts = [], {}
+    for index, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+        settings = settings_for(index, options.max_new_tokens)
+        trace = speculative_decode(runner, proposer, ids, settings)
+        plain = plain_decode(runner, ids, settings)
+        result = PromptResult.from_traces(prompt.id, prompt.prompt_set, len(ids), trace, plain)
+        if settings.greedy:
+            verdict = compare_greedy(trace.tokens, plain.tokens, plain.margins, margin)
+            verdicts[prompt.id] = verdict
+            result.extra = {"lossless": verdict.as_dict()}
+        results.append(result)
+        log.info(
+            "prompt %d/%d %s: tau %s, %d tokens in %d verify steps%s",
+            index + 1,
+            len(prompts),
+            prompt.id,
+            None if result.tau is None else round(result.tau, 3),
+            result.generated_tokens,
+            result.verify_steps,
+            f", lossless {verdicts[prompt.id].verdict}" if prompt.id in verdicts else "",
+        )
+    if verdicts:
+        lossless = lossless_summary(verdicts, margin)
+    else:
+        lossless = {
+            "checked": False,
+            "reason": "sampled verification (temperature > 0): outputs match the target in "
+            "distribution, not token for token",
+        }
+    resolved = {
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "block_size": proposer.block_size,
+        "target_layer_ids": list(proposer.target_layer_ids),
+        "target_rollback": (
+            "snapshot+rerun (hybrid linear-attention target)" if runner.is_hybrid else "crop"
+        ),
+        "stop_token_ids": sorted(stop),
+    }
+    return results, {"lossless": lossless}, resolved
+
+
+def _run_sglang(target, drafter, prompts, options: EvalOptions, out: Path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash_pipeline.evaluation.sglang import (
+        measure_with_sglang,
+        sglang_server_spec,
+        target_is_hybrid,
+    )
+
+    block_size = options.block_size or _drafter_block_size(drafter)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    hybrid = target_is_hybrid(AutoConfig.from_pretrained(target))
+    spec = sglang_server_spec(
+        target,
+        drafter,
+        block_size,
+        options.sglang_port,
+        hybrid=hybrid,
+        tp=options.sglang_tp,
+        extra_args=options.sglang_extra_args,
+    )
+    prompt_ids = _render(tokenizer, prompts, options.thinking)
+    runtime = Path(options.runtime_dir or out.parent)
+    results = measure_with_sglang(
+        spec,
+        [(p.id, p.prompt_set, ids) for p, ids in zip(prompts, prompt_ids)],
+        block_size,
+        max_new_tokens=options.max_new_tokens,
+        temperature=options.temperature,
+        log_dir=runtime,
+    )
+    lossless = {"checked": False, "reason": "engine sglang: no plain decoding to compare with"}
+    resolved = {"block_size": block_size, "target_hybrid": hybrid}
+    return results, {"lossless": lossless}, resolved
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_pipeline.evaluate",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--target", required=True, help="target model folder (Hugging Face format)")
+    parser.add_argument("--drafter", required=True, help="exported drafter folder (z-lab format)")
+    parser.add_argument(
+        "--prompts",
+        required=True,
+        help="JSONL rows with OpenAI `messages`, or the prepare stage's prompts parquet",
+    )
+    parser.add_argument("--split", help="only rows whose `split` is this (e.g. heldout)")
+    parser.add_argument("--out", required=True, help="metrics JSON to write")
+    parser.add_argument("--max-new-tokens", type=int, default=EvalOptions.max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=EvalOptions.temperature)
+    parser.add_argument("--block-size", type=int, help="block size B (default: the drafter's)")
+    parser.add_argument("--thinking", choices=("on", "off"), default="on")
+    parser.add_argument("--seed", type=int, default=EvalOptions.seed, help="sampling seed")
+    parser.add_argument("--engine", choices=("transformers", "sglang"), default="transformers")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32 ..."
+    )
+    parser.add_argument(
+        "--lossless-margin",
+        type=float,
+        help="logit margin under which a greedy divergence counts as rounding "
+        "(default 0 in fp32, 0.25 in bf16)",
+    )
+    parser.add_argument("--limit", type=int, help="evaluate only the first N prompts")
+    parser.add_argument(
+        "--simulated-tau", type=float, help="training's simulated tau (parity gate)"
+    )
+    parser.add_argument("--parity-tolerance", type=float, default=EvalOptions.parity_tolerance)
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up decode")
+    parser.add_argument("--sglang-port", type=int, default=EvalOptions.sglang_port)
+    parser.add_argument("--sglang-tp", type=int, default=EvalOptions.sglang_tp)
+    parser.add_argument(
+        "--sglang-arg", action="append", default=[], help="extra SGLang argument (repeatable)"
+    )
+    parser.add_argument("--runtime-dir", help="SGLang log/pid folder (default: beside --out)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    options = EvalOptions(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        block_size=args.block_size,
+        thinking=args.thinking == "on",
+        seed=args.seed,
+        device=args.device,
+        dtype=args.dtype,
+        lossless_margin=args.lossless_margin,
+        engine=args.engine,
+        limit=args.limit,
+        split=args.split,
+        simulated_tau=args.simulated_tau,
+        parity_tolerance=args.parity_tolerance,
+        warmup=not args.no_warmup,
+        sglang_port=args.sglang_port,
+        sglang_tp=args.sglang_tp,
+        sglang_extra_args=tuple(args.sglang_arg),
+        runtime_dir=args.runtime_dir,
+    )
+    from dflash_pipeline.evaluation.lossless import LosslessError
+    from dflash_pipeline.evaluation.parity import ParityError
+    from dflash_pipeline.evaluation.prompts import PromptFileError
+
+    try:
+        run_evaluation(args.target, args.drafter, args.prompts, args.out, options)
+    except (LosslessError, ParityError, PromptFileError) as err:
+        log.error("%s", err)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

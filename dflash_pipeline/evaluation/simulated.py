@@ -1,0 +1,78 @@
+"""Teacher-forced ("simulated") acceptance length of a drafter on held-out tokenized rows.
+
+The same blocks as in training (anchors where the anchor and its next token are supervised), the
+exported drafter, the target's taps of the row itself: tau = 1 + the number of leading block
+slots the drafter gets right, averaged over blocks. Training reports the same quantity on its
+batches; the parity gate compares this one with the tau of the real decoding loop.
+"""
+
+from __future__ import annotations
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from dflash_pipeline.data.sharding import HELDOUT
+from dflash_pipeline.model.inference import load_drafter, target_embeddings
+from dflash_pipeline.model.taps import TargetTaps, load_target
+from dflash_pipeline.training.blocks import block_metrics, blocks_forward, build_blocks, sample_anchors, LossResult
+
+
+def _hits(hidden, head, blocks, chunk_rows: int) -> torch.Tensor:
+    rows = blocks.supervised.flatten().nonzero().flatten()
+    flat = hidden.reshape(-1, hidden.shape[-1])[rows]
+    labels = blocks.labels.flatten()[rows]
+    hits = torch.zeros(blocks.labels.numel(), dtype=torch.bool, device=hidden.device)
+    for start in range(0, len(rows), chunk_rows):
+        logits = flat[start : start + chunk_rows] @ head.t().to(flat.dtype)
+        hits[rows[start : start + chunk_rows]] = logits.argmax(-1) == labels[start : start + chunk_rows]
+    return hits.reshape(blocks.labels.shape)
+
+
+@torch.no_grad()
+def simulated_tau(
+    drafter_dir: str,
+    target_dir: str,
+    tokenized_paths: list[str],
+    *,
+    split: str = HELDOUT,
+    max_rows: int = 64,
+    num_anchors: int = 512,
+    chunk_rows: int = 2048,
+    device: str | None = None,
+    seed: int = 0,
+) -> dict:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    target = load_target(target_dir, device, dtype)
+    drafter = load_drafter(drafter_dir, device=device, dtype=dtype).eval()
+    config = drafter.config
+    taps = TargetTaps(target, config.target_layer_ids)
+    embed, head = target_embeddings(target)
+    generator = torch.Generator().manual_seed(seed)
+    runs, rows_used = [], 0
+    for path in tokenized_paths:
+        table = pq.read_table(path, columns=["split", "input_ids", "loss_mask"])
+        table = table.filter(pc.equal(table["split"], split))
+        for i in range(table.num_rows):
+            if rows_used >= max_rows:
+                break
+            ids = torch.tensor([table["input_ids"][i].as_py()], device=device)
+            mask = torch.tensor([table["loss_mask"][i].as_py()], device=device)
+            anchors, keep = sample_anchors(mask, num_anchors, generator)
+            if not keep.any():
+                continue
+            blocks = build_blocks(
+                ids, mask, anchors, keep, block_size=config.block_size,
+                mask_token_id=config.mask_token_id, gamma=7.0,
+            )  # fmt: skip
+            hidden = blocks_forward(drafter, taps(ids), embed, blocks)
+            result = LossResult(loss=torch.zeros(()), hits=_hits(hidden, head, blocks, chunk_rows), tokens=0)
+            metrics = block_metrics(result, blocks)
+            runs.append((metrics["accept_len"], metrics["blocks"]))
+            rows_used += 1
+    blocks_total = sum(n for _, n in runs)
+    if not blocks_total:
+        raise ValueError(f"no {split} rows with a supervised block in {tokenized_paths}")
+    tau = sum(t * n for t, n in runs) / blocks_total
+    return {"tau": round(tau, 4), "blocks": blocks_total, "rows": rows_used, "split": split}

@@ -1,0 +1,31 @@
+# Evaluate: acceptance length in a real speculative-decoding loop on held-out prompts, the
+# lossless check and the train/serve parity gate (dflash_pipeline.evaluate).
+
+
+rule evaluate:
+    input:
+        unpack(target_model_input),
+        drafter_config=run_path(layout.DRAFTER_CONFIG),
+        drafter_weights=run_path(layout.DRAFTER_WEIGHTS),
+        prompts=run_path(layout.INGESTED_PROMPTS),
+        tokenized=expand(shard_output("tokenized"), shard=SHARDS),
+    output:
+        metrics=run_path(layout.EVAL_METRICS),
+    log:
+        log_path("evaluate", per_shard=False),
+    benchmark:
+        benchmark_path("evaluate", per_shard=False)
+    conda:
+        "../envs/gpu-train.yaml"
+    threads: 2
+    resources:
+        gpu=min(1, config["train"]["gpus_per_job"]),
+        mem_mb=16000,
+    params:
+        model=config["target"]["model"],
+        thinking=config["generation"]["thinking"],
+        settings=config["evaluate"],
+        gpu_pool=GPU_POOL,
+        gpu_lock_dir=GPU_LOCK_DIR,
+    script:
+        "../scripts/evaluate.py"

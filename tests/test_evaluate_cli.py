@@ -1,0 +1,120 @@
+"""`python -m dflash_pipeline.evaluate` end to end on the demo target with an exported drafter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoTokenizer
+
+from dflash_pipeline.demo import task
+from dflash_pipeline.evaluate import main
+from dflash_pipeline.model.config import drafter_config_for_target
+from dflash_pipeline.model.drafter import DFlashDrafter
+
+BLOCK = 4
+
+
+def export_untrained_drafter(target_dir, out_dir, block_size=BLOCK):
+    """A drafter in the exported z-lab layout with its initial weights (config + safetensors)."""
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    config = drafter_config_for_target(
+        AutoConfig.from_pretrained(target_dir),
+        num_layers=1,
+        block_size=block_size,
+        mask_token_id=tokenizer.convert_tokens_to_ids(task.MASK),
+        intermediate_size=128,
+        dtype="float32",
+    )
+    out_dir.mkdir(parents=True)
+    config.save(out_dir / "config.json")
+    save_file(DFlashDrafter(config).state_dict(), out_dir / "model.safetensors")
+    return out_dir
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    rows = [
+        {
+            "id": "a1",
+            "prompt_set": "arith",
+            "messages": [{"role": "user", "content": "What is 12 + 30?"}],
+        },
+        {
+            "id": "a2",
+            "prompt_set": "arith",
+            "messages": [{"role": "user", "content": "Add 7 and 5."}],
+        },
+        {
+            "id": "c1",
+            "prompt_set": "chat",
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Compute 81 + 19."},
+            ],
+        },
+    ]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_evaluate_writes_the_metrics_json_and_gates_after_writing(
+    demo_model, tmp_path, prompts_file
+):
+    drafter = export_untrained_drafter(demo_model, tmp_path / "drafter")
+    out = tmp_path / "eval" / "metrics.json"
+    args = ["--target", str(demo_model), "--drafter", str(drafter), "--prompts", str(prompts_file)]
+    args += ["--out", str(out), "--max-new-tokens", "24", "--thinking", "off", "--device", "cpu"]
+    # An untrained drafter cannot reach the simulated tau of 3: the parity gate fails the run,
+    # after the metrics are written.
+    exit_code = main(args + ["--simulated-tau", "3.0"])
+    assert exit_code == 1
+    doc = json.loads(out.read_text())
+
+    overall = doc["overall"]
+    assert 1.0 <= overall["tau"] < 1.5  # untrained drafts are almost never accepted
+    assert len(overall["accept_hist"]) == BLOCK
+    assert sum(overall["accept_hist"]) == overall["verify_steps"] > 0
+    assert len(overall["per_position"]) == BLOCK - 1
+    assert overall["speedup_estimate"] > 0
+    assert set(doc["prompt_sets"]) == {"arith", "chat"}
+    assert doc["prompt_sets"]["arith"]["prompts"] == 2
+    per_prompt = {p["id"]: p for p in doc["per_prompt"]}
+    assert set(per_prompt) == {"a1", "a2", "c1"}
+    assert overall["generated_tokens"] == sum(p["generated_tokens"] for p in per_prompt.values())
+    for row in per_prompt.values():
+        assert 1 <= row["generated_tokens"] <= 24
+        assert row["tau"] == pytest.approx(row["committed_tokens"] / row["verify_steps"], abs=1e-3)
+        assert row["lossless"]["verdict"] == "exact"
+
+    # Greedy fp32: the loop reproduced plain decoding on every prompt.
+    assert doc["lossless"]["checked"] and doc["lossless"]["passed"]
+    assert doc["lossless"]["exact"] == 3
+    assert doc["parity"]["simulated_tau"] == 3.0 and not doc["parity"]["passed"]
+    settings = doc["settings"]
+    assert settings["block_size"] == BLOCK and settings["dtype"] == "float32"
+    assert settings["target_rollback"] == "crop" and settings["thinking"] is False
+    assert "definitions" in doc and "verify step" in doc["definitions"]["tau"]
+
+
+def test_evaluate_reports_a_bad_prompt_row_without_loading_models(tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": 5}\n')
+    args = ["--target", str(tmp_path / "none"), "--drafter", str(tmp_path / "none")]
+    assert main(args + ["--prompts", str(bad), "--out", str(tmp_path / "m.json")]) == 1
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_evaluate_sampled_with_a_smaller_block_than_trained(demo_model, tmp_path, prompts_file):
+    drafter = export_untrained_drafter(demo_model, tmp_path / "drafter")
+    out = tmp_path / "metrics.json"
+    args = ["--target", str(demo_model), "--drafter", str(drafter), "--prompts", str(prompts_file)]
+    args += ["--out", str(out), "--max-new-tokens", "12", "--limit", "1", "--device", "cpu"]
+    assert main(args + ["--block-size", "3", "--temperature", "0.7", "--no-warmup"]) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["overall"]["accept_hist"]) == 3 and doc["settings"]["block_size"] == 3
+    assert [p["id"] for p in doc["per_prompt"]] == ["a1"]
+    # Sampled outputs match the target in distribution only: no token-for-token check.
+    assert doc["lossless"]["checked"] is False and "lossless" not in doc["per_prompt"][0]
