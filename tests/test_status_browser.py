@@ -74,6 +74,7 @@ const value = (node) => node.getAttribute("aria-valuenow");
 return {
   overall: value(document.getElementById("overall-progress")),
   shards: [...document.querySelectorAll("tr.running-shard .bar")].map(value),
+  evaluation: document.getElementById("evaluation").textContent,
   curvePoints: (document.querySelector("#chart-loss polyline")?.getAttribute("points") || "")
     .trim().split(/\s+/).filter(Boolean).length,
   stages: Object.fromEntries([...document.querySelectorAll("#stages tbody tr")].map(
@@ -100,6 +101,8 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         # (two segments of a few steps) keeps the run to a couple of minutes on two cores.
         generation={"telemetry_every_seconds": 1},
         train={"segments": 2, "steps_per_segment": 6, "checkpoint_every_steps": 3, "metrics_every_seconds": 1},
+        # A few prompts; a drafter this short-trained is not held to the parity gate here.
+        evaluate={"max_prompts": 4, "max_new_tokens": 48, "simulated_rows": 8, "parity_tolerance": 10.0},
     )
     source = RunSource(
         ReadOnlyStorage.open(str(workflow.root / "results/demo")),
@@ -147,6 +150,7 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         "train": "2 / 2",
     }
     assert final["curvePoints"] == 12  # every optimizer step of both segments
+    assert final["evaluation"].startswith("Evaluation: acceptance length τ = ")
     assert final["state"] == "finished"
 
     workflow.snakemake("--report", "report.html")
@@ -156,7 +160,8 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
     while "6. Storage" not in body and time.monotonic() < deadline:
         time.sleep(0.5)
         body = browser.find_element("tag name", "body").text
-    for section in ("Workflow", "1. Prompts", "2. Generation", "3. Tokenization", "4. Training", "6. Storage"):
+    for section in ("Workflow", "1. Prompts", "2. Generation", "3. Tokenization", "4. Training", "5. Evaluation",
+                    "6. Storage"):
         assert section in body, f"report section {section!r} missing"
     assert "data-quality gate" in body  # the workflow description page
     browser.find_element("xpath", "//*[normalize-space(text())='2. Generation']").click()
