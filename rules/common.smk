@@ -102,35 +102,47 @@ def train_inputs(wildcards):
     return inputs
 
 
-# The report's figures and tables (rules/report.smk); the storage figure comes last, once
-# everything else exists.
-REPORT_ITEMS = [
-    "prompts.svg",
-    "prompts.html",
-    "generation-throughput.svg",
-    "generation-lengths.svg",
-    "generation-finish.svg",
-    "tokenization-supervised.svg",
-    "tokenization-degenerate.svg",
-    "tokenization.html",
-    "training.svg",
-    "acceptance.svg",
-]
+# The report's figures and tables per stage (rules/report.smk); the storage figure comes last,
+# once everything else exists.
+REPORT_ITEMS = {
+    "prompts": ["prompts.svg", "prompts.html"],
+    "generate": [
+        "generation-throughput.svg",
+        "generation-lengths.svg",
+        "generation-finish.svg",
+    ],
+    "tokenize": [
+        "tokenization-supervised.svg",
+        "tokenization-degenerate.svg",
+        "tokenization.html",
+    ],
+    "train": ["training.svg"],
+    "evaluate": ["acceptance.svg"],
+}
 REPORT_STORAGE_ITEM = "storage.svg"
 
 
 def report_storage_inputs():
-    outputs = expand(shard_output("tokenized"), shard=SHARDS)
-    outputs.append(run_path(layout.INGEST_SUMMARY))
-    outputs += [run_path(layout.DRAFTER_CONFIG), run_path(layout.DRAFTER_WEIGHTS)]
-    outputs.append(run_path(layout.EVAL_METRICS))
-    outputs.extend(run_path(layout.report_key(name)) for name in REPORT_ITEMS)
+    """Everything `until` asks for, with the report figures of the stages it builds: the
+    storage figure is made once all of it exists."""
+    stages = ["prompts", "generate", "tokenize", "train", "evaluate"]
+    until = stages.index(config["until"])
+    outputs = [run_path(layout.INGEST_SUMMARY)]
+    for index, stage in enumerate(["prompts", "generated", "tokenized"]):
+        if until == index:
+            outputs += expand(shard_output(stage), shard=SHARDS)
+    if until >= stages.index("train"):
+        outputs += [run_path(layout.DRAFTER_CONFIG), run_path(layout.DRAFTER_WEIGHTS)]
+    if until >= stages.index("evaluate"):
+        outputs.append(run_path(layout.EVAL_METRICS))
+    for stage in stages[: until + 1]:
+        outputs += [run_path(layout.report_key(name)) for name in REPORT_ITEMS[stage]]
     return outputs
 
 
 def get_final_output():
     # Every tracked output lives in one folder, so the S3 plugin's single listing covers the
-    # whole run (dflash_pipeline.layout).
+    # whole run (dflash_pipeline.layout). `until` names the last stage built by default.
     outputs = report_storage_inputs()
     outputs.append(run_path(layout.report_key(REPORT_STORAGE_ITEM)))
     if config["target"]["build_demo"]:

@@ -14,10 +14,12 @@ rule tokenize:
         benchmark_path("tokenize")
     conda:
         "../envs/cpu.yaml"
-    threads: 1
+    # Rendering and tokenizing run in this many worker processes (scaled down to --cores).
+    threads: 4
     resources:
         mem_mb=4000,
     params:
+        run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],
         thinking=config["generation"]["thinking"],
         settings=config["tokenize"],

@@ -7,6 +7,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
 from dflash_pipeline.evaluate import EvalOptions, run_evaluation
 from dflash_pipeline.evaluation.simulated import simulated_tau
 from dflash_pipeline.gpu_slots import GpuLease, device_pool
@@ -18,6 +20,9 @@ def run(smk) -> None:
     drafter_dir = str(Path(smk.input.drafter_config).parent)
     out = Path(smk.output.metrics)
     with job_logging(smk.log[0]):
+        # Token-by-token decoding of a small model on a CPU is latency-bound: one thread was
+        # faster than two on the 2-core test machine (oversubscribed threads wait on each other).
+        torch.set_num_threads(1 if not smk.resources.gpu else smk.threads)
         pool = device_pool(smk.params.gpu_pool, os.environ.get("CUDA_VISIBLE_DEVICES"))
         with GpuLease(smk.resources.gpu, pool, smk.params.gpu_lock_dir) as lease:
             os.environ["CUDA_VISIBLE_DEVICES"] = lease.visible_devices

@@ -2,6 +2,8 @@
 
 import os
 
+import torch
+
 from dflash_pipeline.extraction import extract_shard
 from dflash_pipeline.gpu_slots import GpuLease, device_pool
 from dflash_pipeline.joblog import job_logging
@@ -10,6 +12,7 @@ from dflash_pipeline.training.trainer import build_drafter_config
 
 def run(smk) -> None:
     with job_logging(smk.log[0]):
+        torch.set_num_threads(smk.threads)  # as many compute threads as Snakemake granted
         pool = device_pool(smk.params.gpu_pool, os.environ.get("CUDA_VISIBLE_DEVICES"))
         with GpuLease(smk.resources.gpu, pool, smk.params.gpu_lock_dir) as lease:
             os.environ["CUDA_VISIBLE_DEVICES"] = lease.visible_devices

@@ -13,6 +13,9 @@ def run(smk) -> None:
             smk.output.stats,
             smk.params.thinking,
             dict(smk.params.settings),
+            run_url=smk.params.run_url,
+            shard=int(smk.wildcards.shard),
+            workers=smk.threads,
         )
 
 

@@ -2,6 +2,8 @@
 
 import os
 
+import torch
+
 from dflash_pipeline.gpu_slots import GpuLease, device_pool
 from dflash_pipeline.joblog import job_logging
 from dflash_pipeline.training.launch import run_train_job
@@ -15,6 +17,7 @@ def shard_paths(paths):
 
 def run(smk) -> None:
     with job_logging(smk.log[0]):
+        torch.set_num_threads(smk.threads)  # as many compute threads as Snakemake granted
         pool = device_pool(smk.params.gpu_pool, os.environ.get("CUDA_VISIBLE_DEVICES"))
         with GpuLease(smk.resources.gpu, pool, smk.params.gpu_lock_dir) as lease:
             os.environ["CUDA_VISIBLE_DEVICES"] = lease.visible_devices

@@ -26,6 +26,7 @@ PROMPTS = "results/demo/outputs/prompts-00000.parquet"
 def configure(workflow, demo_model, tmp_path, **generation):
     workflow.write_config(
         num_shards=1,
+        until="tokenize",
         target={"model": str(demo_model), "build_demo": False},
         gpu_lock_dir=str(tmp_path / "locks"),
         generation={

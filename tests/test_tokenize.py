@@ -220,3 +220,132 @@ def test_each_degenerate_reason_is_counted(tok):
 def test_repetition_loop_detector():
     assert repetition_loop(list(range(8)) * 20)
     assert not repetition_loop(list(range(200)))
+
+
+def test_one_tokenization_of_the_whole_text_gives_the_piecewise_ids_and_masks(tok):
+    """The stage tokenizes each whole text once and places the boundaries by offsets: on
+    conversations with system prompts, non-ASCII text, several turns and tool results, the ids
+    and masks are those of the pieces tokenized one by one, without falling back."""
+    from dflash_pipeline.data.tokenize import conversation_pieces_many, encode_pieces, tokenize_pieces
+
+    conversations = [
+        [
+            {"role": "system", "content": "Réponds vite — 😀 "},
+            {"role": "user", "content": "What is 12 + 30?"},
+            {"role": "assistant", "content": "12 + 30 = 42 ✓", "reasoning_content": "2+0=2, write 2\n1+3=4, write 4"},
+        ],
+        [
+            {"role": "user", "content": "What is 40 + 2?"},
+            {"role": "assistant", "content": "Let me check.", "reasoning_content": "use the tool"},
+            {"role": "tool", "content": "42"},
+            {"role": "assistant", "content": "40 + 2 = 42\n", "reasoning_content": "the tool said 42"},
+            {"role": "user", "content": "  And 2 + 2?"},
+            {"role": "assistant", "content": " 2 + 2 = 4", "reasoning_content": "2+2=4, write 4"},
+        ],
+    ]
+    without_reasoning = [[{"role": m["role"], "content": m["content"]} for m in c] for c in conversations]
+    for thinking, given in ((True, conversations), (False, without_reasoning)):
+        found = conversation_pieces_many(tok, given, thinking, per_turn=True)
+        all_pieces = [parts for rows in found for _, parts in rows]
+        assert len(all_pieces) == 4
+        encoded = encode_pieces(tok, all_pieces)
+        for e, expected in zip(encoded, tokenize_pieces(tok, all_pieces)):
+            assert not e.fell_back and e.round_trip_ok
+            assert (e.input_ids.tolist(), e.loss_mask.tolist()) == (expected.input_ids, expected.loss_mask)
+
+
+def test_a_boundary_inside_a_token_falls_back_to_the_pieces_and_is_a_template_mismatch(tok):
+    import copy
+
+    from dflash_pipeline.data.tokenize import conversation_pieces, encode_pieces
+
+    plain = copy.deepcopy(tok)
+    plain.chat_template = CHATML
+    # The prompt ends with "\n" and the answer starts with "\n": the whole text merges them
+    # into one token, so no token starts where the answer does. One turn (boundary found by the
+    # prompt's tokens) and two turns in one row (boundaries found by offsets).
+    first = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "\n2 + 2 = 4"}]
+    second = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "1 + 1 = 2"}] + first
+    for messages in (first, second):
+        ((_, parts),) = conversation_pieces(plain, messages, thinking=False, per_turn=False)
+        (encoded,) = encode_pieces(plain, [parts])
+        assert encoded.fell_back and not encoded.round_trip_ok
+        # The fallback keeps the pieces tokenized apart, as the round-trip check reports them.
+        assert (encoded.input_ids.tolist(), encoded.loss_mask.tolist()) == pieces(plain, *parts)
+
+
+def test_the_stage_writes_live_telemetry_and_the_table_matches_the_stats(tok, demo_model, tmp_path):
+    import json
+
+    import pyarrow.parquet as pq
+
+    from dflash_pipeline.progress import ShardProgress
+    from dflash_pipeline.storage import open_storage
+    from dflash_pipeline.tokenization import tokenize_file
+
+    rows = [healthy(i) for i in range(30)] + [generated_row(90, "", "", error="gave up")]
+    pq.write_table(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), tmp_path / "generated-00003.parquet")
+    run = tmp_path / "run"
+    run.mkdir()
+    summary = tokenize_file(
+        str(tmp_path / "generated-00003.parquet"), str(demo_model), str(tmp_path / "tok.parquet"),
+        str(tmp_path / "tok.stats.json"), True, {}, run_url=str(run), shard=3, workers=1,
+    )
+    telemetry = ShardProgress(open_storage(str(run)), "tokenize", 3).read_telemetry()
+    assert telemetry["state"] == "done" and telemetry["stage"] == "tokenize"
+    assert telemetry["samples_done"] == telemetry["samples_total"] == 31
+    assert telemetry["tokens_per_s"] > 0 and telemetry["eta_s"] == 0
+    out = pq.read_table(tmp_path / "tok.parquet")
+    assert out.num_rows == summary["sequences_out"] == 30
+    assert sum(map(len, out.column("input_ids").to_pylist())) == summary["tokens_total"]
+    assert summary["offset_fallbacks"] == 0 and summary["round_trip_mismatches"] == 0
+    assert json.loads((tmp_path / "tok.stats.json").read_text()) == summary
+
+
+def test_worker_processes_give_the_same_table_and_stats_as_one_process(tok):
+    loop = "1+1=2, write 2 " * 40
+    rows = [healthy(i) for i in range(36)]
+    rows += [generated_row(200, "", "", error="gave up"), generated_row(203, "ok", loop)]
+    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
+    settings = {"max_degenerate_fraction": 0.5, "max_length": 200}  # cuts the loop row only
+    one = ShardTokenizer(tok, thinking=True, settings=settings).run(table, "g")
+    progress = []
+    spread = ShardTokenizer(tok, thinking=True, settings=settings, workers=2, chunk_rows=8).run(
+        table, "g", on_progress=lambda done, tokens: progress.append(done)
+    )
+    assert spread[0].equals(one[0]) and spread[1] == one[1]
+    assert one[1]["truncated_sequences"] == 1 and one[1]["reasons"]["repetition_loop"] == 1
+    # 37 rows to tokenize over 2 workers: chunks of 5 (four per worker at least); the error row
+    # counts as done from the start.
+    assert progress == [6, 11, 16, 21, 26, 31, 36, 38]
+
+
+def test_engine_ids_are_kept_after_the_prompt_and_a_non_canonical_split_is_a_mismatch(tok):
+    reasoning = "1+1=2, write 2\n2+2=4, write 4\n3+3=6, write 6"
+    text = f"<think>\n{reasoning}\n</think>\n\n1 + 1 = 2"
+    canonical = generated_row(1, "1 + 1 = 2", reasoning)
+    canonical["turns"][0]["output_ids"] = tok(text, add_special_tokens=False)["input_ids"]
+    # The same text with every merged token spelled out in its base byte-level tokens: it decodes
+    # the same but is not how the tokenizer splits it.
+    split = generated_row(2, "1 + 1 = 2", reasoning)
+    added = set(tok.get_added_vocab())
+    spelled = [
+        [token] if token in added else list(token) for token in tok.convert_ids_to_tokens(canonical["turns"][0]["output_ids"])
+    ]
+    split["turns"][0]["output_ids"] = tok.convert_tokens_to_ids([t for parts in spelled for t in parts])
+    assert len(split["turns"][0]["output_ids"]) > len(canonical["turns"][0]["output_ids"])
+    # The engine wrote a blank line the template strips from stored reasoning: its ids are not
+    # the rendering's tokens, but they are the tokenizer's own split of their text, so they stay.
+    blank = generated_row(3, "1 + 1 = 2", reasoning)
+    blank["turns"][0]["output_ids"] = tok(text.replace("<think>\n", "<think>\n\n"), add_special_tokens=False)["input_ids"]
+    rows = [healthy(i) for i in range(20, 40)] + [canonical, split, blank]
+    out, stats = ShardTokenizer(tok, thinking=True, settings={"max_degenerate_fraction": 0.5}).run(
+        pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), "g"
+    )
+    assert stats["examples"]["template_mismatch"] == ["s2"] and stats["round_trip_mismatches"] == 1
+    kept = {r["id"]: r for r in out.to_pylist()}
+    prompt = tok.apply_chat_template(canonical["messages"][:1], tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert (kept["s1"]["input_ids"], kept["s1"]["loss_mask"]) == pieces(tok, (prompt, 0), (text + "<|im_end|>", 1))
+    engine_text = text.replace("<think>\n", "<think>\n\n") + "<|im_end|>"
+    prompt = tok.apply_chat_template(blank["messages"][:1], tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert (kept["s3"]["input_ids"], kept["s3"]["loss_mask"]) == pieces(tok, (prompt, 0), (engine_text, 1))

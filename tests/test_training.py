@@ -249,3 +249,35 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
     weights, _ = final_state(tmp_path)
     drift = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
     assert drift < (1e-3 if hidden_dtype == "float32" else 0.05), drift
+
+
+def test_ddp_over_two_processes_trains_and_resumes_after_sigterm(demo_model, tokenized, tmp_path):
+    """torchrun with two CPU ranks (gloo): both ranks stop at the same step on SIGTERM, rank 0
+    checkpoints once, and a rerun resumes from there to the end of the segment."""
+    from dflash_pipeline.training.launch import segment_args, torchrun_command
+
+    s = settings(steps_per_segment=12, checkpoint_every_steps=100, batch_size=1)
+    settings_file = tmp_path / "settings.json"
+    settings_file.write_text(json.dumps(s))
+    job = SegmentJob(
+        run_url=str(tmp_path), segment=0, settings=s, target_dir=str(demo_model), tokenized=tokenized,
+        manifest_path=str(tmp_path / layout.segment_manifest_key(0)), device="cpu",
+    )
+    command = torchrun_command(2, [*segment_args(job, str(settings_file)), "--device", "cpu"])
+    metrics = tmp_path / layout.train_progress_prefix(0) / layout.TRAIN_METRICS
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    wait_for(lambda: metrics.exists(), proc, timeout=300)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert out.count("SIGTERM: checkpointed at step") == 2, out  # both ranks, same step
+    steps = {line.rsplit(" ", 3)[-2].rstrip(";") for line in out.splitlines() if "checkpointed at step" in line}
+    assert len(steps) == 1, out
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "from in-segment checkpoint" in resumed.stdout
+    manifest = json.loads((tmp_path / layout.segment_manifest_key(0)).read_text())
+    assert manifest["processes"] == 2 and manifest["steps"] == [0, 12]
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(12))

@@ -29,7 +29,12 @@ def s3_client(server):
 
 def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_server, demo_model):
     workflow.write_config(
-        num_shards=NUM_SHARDS, target={"model": str(demo_model), "build_demo": False}
+        num_shards=NUM_SHARDS,
+        target={"model": str(demo_model), "build_demo": False},
+        # Training and evaluation go through S3 too; their quality is the demo test's business,
+        # so few steps and prompts here (and no parity gate on an untrained drafter).
+        train={"steps_per_segment": 3, "checkpoint_every_steps": 2},
+        evaluate={"max_prompts": 2, "max_new_tokens": 24, "simulated_rows": 2, "parity_tolerance": 10.0},
     )
     prefix = f"run-{uuid.uuid4().hex[:8]}"
     s3_args = ("--profile", "profiles/s3", "--default-storage-prefix", f"s3://{s3_server.bucket}/{prefix}")
@@ -43,6 +48,8 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
     assert set(shard_keys) <= keys
     assert {"results/demo/outputs/ingest-summary.json", "results/demo/outputs/ingest-prompts.parquet"} <= keys
     assert "results/demo/logs/ingest_prompts.log" in keys
+    assert {"results/demo/checkpoints/segment-0001/checkpoint.json", "results/demo/drafter/model.safetensors",
+            "results/demo/outputs/eval-metrics.json", "results/demo/_progress/train/segment-0001/metrics.jsonl"} <= keys
     assert not (workflow.root / "results").exists(), "an S3 run must leave no local results"
     sentinel = client.head_object(Bucket=s3_server.bucket, Key=BUCKET_SENTINEL_KEY)
     assert sentinel["ContentLength"] > 0

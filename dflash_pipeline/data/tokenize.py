@@ -9,12 +9,20 @@ Templates that drop earlier turns' reasoning (Qwen3, Qwen3.5/3.6) cannot supervi
 in one sequence: the rendering of turn 1 changes once turn 2 exists. Those conversations give one
 row per assistant turn (history as the template renders it, the turn itself with its reasoning);
 other templates give one row per conversation with every assistant turn supervised.
+
+For throughput (``encode_pieces``) each sequence's whole text is tokenized once and the piece
+boundaries are placed on its tokens (by the prompt's own tokens, or by offsets); the unsupervised
+pieces are also tokenized apart and must match, so the prompt ids are exactly what the engine was
+given. A boundary that falls inside a token sends the sequence back to tokenizing every piece
+apart, where the round-trip check flags it as a template mismatch.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import functools
 from dataclasses import dataclass, field
+
+import numpy as np
 
 # Reasons a row is degenerate (bad training data). Keys are stable: they are counted in stats
 # and named in config (`tokenize.degenerate_reasons`).
@@ -34,8 +42,16 @@ class TemplateMismatch(ValueError):
 
 
 def render(tokenizer, messages: list[dict], generation_prompt: bool, thinking: bool) -> str:
+    return render_many(tokenizer, [messages], generation_prompt, thinking)[0]
+
+
+def render_many(tokenizer, conversations: list[list[dict]], generation_prompt: bool, thinking: bool) -> list[str]:
+    """One batched ``apply_chat_template`` call: the same rendering as one call per conversation
+    without paying the call's set-up (template lookup, special-token map) each time."""
+    if not conversations:
+        return []
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt, enable_thinking=thinking
+        conversations, tokenize=False, add_generation_prompt=generation_prompt, enable_thinking=thinking
     )
 
 
@@ -62,13 +78,11 @@ class Sequence:
         return not round_trip_failures(tokenizer, [self])[0]
 
 
-def _supervised_span(tokenizer, messages: list[dict], index: int, thinking: bool) -> tuple[str, str]:
-    """(prompt text, prompt + turn text up to and including the end-of-turn token)."""
-    prompt = render(tokenizer, messages[:index], True, thinking)
-    full = render(tokenizer, messages[: index + 1], False, thinking)
+def _supervised_span(prompt: str, full: str, index: int, eos: str) -> tuple[str, str]:
+    """(prompt text, prompt + turn text up to and including the end-of-turn token) from the
+    renderings of the history with the generation prompt and of the history plus the turn."""
     if not full.startswith(prompt):
         raise TemplateMismatch(f"rendering up to turn {index} does not extend its prompt")
-    eos = tokenizer.eos_token
     end = full.find(eos, len(prompt))
     if end < 0:
         raise TemplateMismatch(f"turn {index} has no end-of-turn token {eos!r}")
@@ -82,17 +96,53 @@ def conversation_pieces(
     tokenizer, messages: list[dict], thinking: bool, per_turn: bool
 ) -> list[tuple[int, Pieces]]:
     """(assistant message index or -1, text pieces with their mask value) for one conversation.
-    Rendering only: tokenizing is batched over many rows by ``tokenize_pieces``."""
-    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if per_turn and len(assistant) > 1:
-        return [(i, _single_turn(tokenizer, messages, i, thinking)) for i in assistant]
-    if len(assistant) == 1:
-        return [(-1, _single_turn(tokenizer, messages, assistant[0], thinking))]
-    full = render(tokenizer, messages, False, thinking)
+    Raises TemplateMismatch."""
+    found = conversation_pieces_many(tokenizer, [messages], thinking, per_turn)[0]
+    if isinstance(found, str):
+        raise TemplateMismatch(found)
+    return found
+
+
+def conversation_pieces_many(
+    tokenizer, conversations: list[list[dict]], thinking: bool, per_turn: bool
+) -> list[list[tuple[int, Pieces]] | str]:
+    """``conversation_pieces`` for many conversations, with all renderings in two batched calls;
+    a conversation whose renderings do not extend each other gives the TemplateMismatch text."""
+    prompts, fulls = [], []  # what to render, with and without the generation prompt
+    plans = []
+    for messages in conversations:
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        whole = len(assistant) != 1 and not (per_turn and len(assistant) > 1)
+        spans = []
+        for i in assistant:
+            spans.append((i, len(prompts), len(fulls)))
+            prompts.append(messages[:i])
+            fulls.append(messages[: i + 1])
+        plans.append((spans, len(fulls) if whole else None))
+        if whole:
+            fulls.append(messages)
+    prompt_texts = render_many(tokenizer, prompts, True, thinking)
+    full_texts = render_many(tokenizer, fulls, False, thinking)
+    eos = tokenizer.eos_token
+    out: list[list[tuple[int, Pieces]] | str] = []
+    for spans, whole_at in plans:
+        try:
+            turns = [(i, _supervised_span(prompt_texts[p], full_texts[f], i, eos)) for i, p, f in spans]
+            out.append(_pieces(turns, None if whole_at is None else full_texts[whole_at]))
+        except TemplateMismatch as err:
+            out.append(str(err))
+    return out
+
+
+def _pieces(turns: list[tuple[int, tuple[str, str]]], full: str | None) -> list[tuple[int, Pieces]]:
+    """Rows of one conversation: one per turn (``full`` None; a single turn's row is the whole
+    conversation, index -1), or one for the whole ``full`` rendering with every turn supervised."""
+    if full is None:
+        single = len(turns) == 1
+        return [(-1 if single else i, [(prompt, 0), (turn[len(prompt) :], 1)]) for i, (prompt, turn) in turns]
     pieces: Pieces = []
     pos = 0
-    for i in assistant:
-        prompt, turn = _supervised_span(tokenizer, messages, i, thinking)
+    for i, (prompt, turn) in turns:
         if not full.startswith(turn):
             raise TemplateMismatch(f"turn {i} renders differently inside the whole conversation")
         pieces += [(prompt[pos:], 0), (turn[len(prompt) :], 1)]
@@ -101,13 +151,8 @@ def conversation_pieces(
     return [(-1, [p for p in pieces if p[0]])]
 
 
-def _single_turn(tokenizer, messages: list[dict], index: int, thinking: bool) -> Pieces:
-    prompt, turn = _supervised_span(tokenizer, messages, index, thinking)
-    return [(prompt, 0), (turn[len(prompt) :], 1)]
-
-
 def tokenize_pieces(tokenizer, all_pieces: list[Pieces]) -> list[Sequence]:
-    """Sequences for many piece lists with one batched tokenizer call."""
+    """Sequences for many piece lists, each piece tokenized apart, with one batched call."""
     flat = [text for pieces in all_pieces for text, _ in pieces]
     encoded = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
     out, k = [], 0
@@ -122,11 +167,123 @@ def tokenize_pieces(tokenizer, all_pieces: list[Pieces]) -> list[Sequence]:
     return out
 
 
+@dataclass
+class Encoded:
+    """One sequence's ids and loss mask as arrays, and how they were checked."""
+
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # int8
+    round_trip_ok: bool  # the pieces tokenized apart give the whole text's tokens
+    fell_back: bool = False  # the boundaries were not found on the whole text's tokens
+
+
+def _token_starting_at(encoding, char: int, length: int, tokens: int) -> int | None:
+    """Index of the token that starts exactly at character ``char`` of a text of ``length``
+    characters and ``tokens`` tokens, or None when a token spans that character boundary."""
+    if char == 0:
+        return 0
+    if char == length:
+        return tokens
+    token = encoding.char_to_token(char)
+    if token is None or encoding.token_to_chars(token)[0] != char:
+        return None
+    if token > 0 and encoding.token_to_chars(token - 1)[1] > char:
+        return None
+    return token
+
+
+@functools.lru_cache(maxsize=4)
+def plain_backend(tokenizer):
+    """A copy of the fast tokenizer's backend with padding and truncation off: what
+    ``tokenizer(texts, add_special_tokens=False)`` runs, without touching the settings that a
+    saved tokenizer may carry (padding to the longest, to the left) on the shared object."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_padding()
+    backend.no_truncation()
+    return backend
+
+
+def encode_pieces(tokenizer, all_pieces: list[Pieces]) -> list[Encoded]:
+    """Ids and loss masks for many piece lists, tokenizing each whole text once.
+
+    Every unsupervised piece (template, system, user, tool and history text) tokenized apart must
+    give exactly the whole text's tokens at its place, so the prompt ids are the ones the engine
+    was given, and every piece boundary must start a token of the whole text; the supervised text
+    takes the whole text's tokens between those boundaries. A prompt followed by one turn (the
+    common row) needs no offsets: the prompt's own tokens, matched at the start, fix the boundary.
+    Other rows place their boundaries by the whole text's offsets. Where a boundary falls inside
+    a token, or an unsupervised piece differs, the sequence falls back to tokenizing every piece
+    apart (``tokenize_pieces``) and its round trip is checked against the whole text, as
+    ``round_trip_failures`` does.
+    """
+    out: list[Encoded | None] = [None] * len(all_pieces)
+    prompt_and_turn, other = [], []
+    for k, pieces in enumerate(all_pieces):
+        simple = len(pieces) == 2 and not pieces[0][1] and pieces[1][1]
+        (prompt_and_turn if simple else other).append(k)
+    _encode_prompt_and_turn(tokenizer, all_pieces, prompt_and_turn, out)
+    _encode_by_offsets(tokenizer, all_pieces, other, out)
+    fallback = [k for k, e in enumerate(out) if e is None]
+    if fallback:
+        pieced = tokenize_pieces(tokenizer, [all_pieces[k] for k in fallback])
+        for k, seq, failed in zip(fallback, pieced, round_trip_failures(tokenizer, pieced)):
+            ids = np.array(seq.input_ids, dtype=np.int32)
+            out[k] = Encoded(ids, np.array(seq.loss_mask, dtype=np.int8), not failed, fell_back=True)
+    return out
+
+
+def _encode_prompt_and_turn(tokenizer, all_pieces: list[Pieces], which: list[int], out: list) -> None:
+    if not which:
+        return
+    backend = plain_backend(tokenizer)
+    wholes = backend.encode_batch_fast([all_pieces[k][0][0] + all_pieces[k][1][0] for k in which], add_special_tokens=False)
+    prompts = backend.encode_batch_fast([all_pieces[k][0][0] for k in which], add_special_tokens=False)
+    for k, whole, prompt in zip(which, wholes, prompts):
+        ids, prompt_ids = whole.ids, prompt.ids
+        if ids[: len(prompt_ids)] == prompt_ids:
+            mask = np.ones(len(ids), dtype=np.int8)
+            mask[: len(prompt_ids)] = 0
+            out[k] = Encoded(np.array(ids, dtype=np.int32), mask, True)
+
+
+def _encode_by_offsets(tokenizer, all_pieces: list[Pieces], which: list[int], out: list) -> None:
+    if not which:
+        return
+    backend = plain_backend(tokenizer)
+    texts = ["".join(text for text, _ in all_pieces[k]) for k in which]
+    wholes = backend.encode_batch(texts, add_special_tokens=False)
+    fixed_texts = [text for k in which for text, supervised in all_pieces[k] if not supervised]
+    fixed = iter(backend.encode_batch_fast(fixed_texts, add_special_tokens=False) if fixed_texts else [])
+    for k, text, whole in zip(which, texts, wholes):
+        ids = whole.ids
+        mask = np.zeros(len(ids), dtype=np.int8)
+        ok = True
+        char = start = 0
+        for piece, supervised in all_pieces[k]:
+            apart = None if supervised else next(fixed).ids  # consumed in order, checked or not
+            if not ok:
+                continue
+            char += len(piece)
+            end = _token_starting_at(whole, char, len(text), len(ids))
+            if end is None or (apart is not None and apart != ids[start:end]):
+                ok = False
+                continue
+            if supervised:
+                mask[start:end] = 1
+            start = end
+        if ok:
+            out[k] = Encoded(np.array(ids, dtype=np.int32), mask, True)
+
+
 def round_trip_failures(tokenizer, seqs: list[Sequence]) -> list[bool]:
     """For each sequence: do the pieces tokenized apart differ from the whole text tokenized at
     once? (A BPE merge across a boundary would shift the mask by a token.)"""
-    whole = tokenizer([s.text for s in seqs], add_special_tokens=False)["input_ids"] if seqs else []
-    return [w != s.input_ids for w, s in zip(whole, seqs)]
+    if not seqs:
+        return []
+    whole = plain_backend(tokenizer).encode_batch_fast([s.text for s in seqs], add_special_tokens=False)
+    return [w.ids != s.input_ids for w, s in zip(whole, seqs)]
 
 
 def conversation_sequences(
@@ -134,17 +291,34 @@ def conversation_sequences(
 ) -> list[tuple[int, Sequence]]:
     """(assistant message index or -1, sequence) pairs for one conversation."""
     found = conversation_pieces(tokenizer, messages, thinking, per_turn)
-    seqs = tokenize_pieces(tokenizer, [pieces for _, pieces in found])
-    return [(index, seq) for (index, _), seq in zip(found, seqs)]
+    encoded = encode_pieces(tokenizer, [pieces for _, pieces in found])
+    return [
+        (index, Sequence(e.input_ids.tolist(), e.loss_mask.tolist(), "".join(t for t, _ in pieces)))
+        for (index, pieces), e in zip(found, encoded)
+    ]
 
 
-def repetition_loop(ids: list[int], n: int = 8, min_repeats: int = 12, min_cover: float = 0.5) -> bool:
+def repetition_loop(ids, n: int = 8, min_repeats: int = 12, min_cover: float = 0.5) -> bool:
     """The most frequent n-gram repeats often and covers most of the tokens."""
     if len(ids) < n * min_repeats:
         return False
-    counts = Counter(tuple(ids[i : i + n]) for i in range(len(ids) - n + 1))
-    _, top = counts.most_common(1)[0]
-    return top >= min_repeats and top * n >= min_cover * len(ids)
+    ids = np.asarray(ids, dtype=np.uint64)
+    # Count 64-bit hashes of the n-grams first: a collision can only raise a count, so a
+    # sequence that fails on hashes fails exactly; one that passes is counted again exactly.
+    hashes = np.zeros(len(ids) - n + 1, dtype=np.uint64)
+    for k in range(n):
+        hashes = hashes * np.uint64(0x9E3779B97F4A7C15) + ids[k : len(ids) - n + 1 + k]
+    if not _loop_counts(hashes, n, min_repeats, min_cover, len(ids)):
+        return False
+    windows = np.lib.stride_tricks.sliding_window_view(ids, n)
+    grams = np.ascontiguousarray(windows).view(np.dtype((np.void, 8 * n))).ravel()
+    return _loop_counts(grams, n, min_repeats, min_cover, len(ids))
+
+
+def _loop_counts(grams: np.ndarray, n: int, min_repeats: int, min_cover: float, length: int) -> bool:
+    _, counts = np.unique(grams, return_counts=True)
+    top = int(counts.max())
+    return top >= min_repeats and top * n >= min_cover * length
 
 
 def response_key(message: dict) -> str:
