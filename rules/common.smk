@@ -173,6 +173,8 @@ def start_status_page():
             str(config["num_shards"]),
             "--num-segments",
             str(config["train"]["segments"]),
+            "--until",
+            config["until"],
             "--host",
             status["host"],
             "--port",

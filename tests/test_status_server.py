@@ -60,6 +60,21 @@ def test_snapshot_counts_shards_and_shows_running_failed_training_and_storage(lo
     assert (snap["workflow"]["steps_done"], snap["workflow"]["steps_total"]) == (4, 9)
 
 
+def test_a_run_that_stops_at_tokenize_is_complete_without_training(tmp_path):
+    run = LocalStorage(tmp_path / "run")
+    for stage in ("prompts", "generated", "tokenized"):
+        run.write_bytes(f"outputs/{stage}-00000.parquet", b"x")
+    source = RunSource(ReadOnlyStorage(run), num_shards=1, num_segments=2, until="tokenize")
+    snap = SnapshotBuilder(source).build()
+    assert [s["stage"] for s in snap["stages"]] == ["prompts", "generated", "tokenized"]
+    assert snap["progress_percent"] == 100.0
+    source.until = "prompts"
+    assert [s["stage"] for s in SnapshotBuilder(source).build()["stages"]] == ["prompts", "generated", "tokenized"]
+    (tmp_path / "run2").mkdir()
+    source = RunSource(ReadOnlyStorage(LocalStorage(tmp_path / "run2")), num_shards=1, until="prompts")
+    assert [s["stage"] for s in SnapshotBuilder(source).build()["stages"]] == ["prompts"]
+
+
 def test_stale_telemetry_without_a_job_is_not_shown_as_running(tmp_path):
     run = LocalStorage(tmp_path / "run")
     ShardProgress(run, "generate", 0).write_telemetry({"state": "running", "samples_total": 4, "samples_done": 1})

@@ -46,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--default-storage-prefix", help="the S3 prefix of an S3 run (as given to Snakemake)")
     p.add_argument("--num-shards", type=int, help="shards per stage; overrides the config")
     p.add_argument("--num-segments", type=int, help="training segments; overrides the config")
+    p.add_argument("--until", choices=["prompts", "generate", "tokenize", "train", "evaluate"],
+                   help="the last stage the run builds; overrides the config")
     p.add_argument("--workdir", default=".", help="Snakemake's working directory (default: %(default)s)")
     p.add_argument("--events-file", default=DEFAULT_EVENTS_FILE,
                    help="the dflash logger plugin's events, relative to --workdir (default: %(default)s)")
@@ -78,11 +80,13 @@ def resolve_source(args) -> RunSource:
     num_segments = args.num_segments
     if num_segments is None:
         num_segments = config.get("train", {}).get("segments", 0)
+    until = args.until or config.get("until", "evaluate")
     events = Path(args.events_file)
     return RunSource(
         storage=ReadOnlyStorage.open(run_url),
         num_shards=num_shards,
         num_segments=num_segments,
+        until=until,
         events_file=events if events.is_absolute() else workdir / events,
         workdir=workdir,
     )

@@ -28,8 +28,12 @@ from dflash_pipeline.storage import StorageError
 STAGE_RULES = {"prompts": "prepare_prompts", "generated": "generate", "tokenized": "tokenize", "hidden": "extract"}
 # Telemetry folders under _progress/ are named after the job's stage word.
 TELEMETRY_STAGES = {"generate": "generated", "tokenize": "tokenized", "extract": "hidden"}
-# Shown even before their first object exists; the others appear once they have one.
+# Shown even before their first object exists (up to the run's `until`); the others appear
+# once they have one.
 ALWAYS_SHOWN = ("prompts", "generated", "tokenized")
+# Config `until` values in pipeline order, and the shard stage each one ends with.
+UNTIL_STAGES = ["prompts", "generate", "tokenize", "train", "evaluate"]
+UNTIL_SHARD_STAGE = {"prompts": "prompts", "generate": "generated", "tokenize": "tokenized"}
 
 SHARD_OBJECT = re.compile(r"^outputs/(?P<stage>[a-z_]+)-(?P<shard>\d{5})\.(?P<ext>.+)$")
 TELEMETRY_KEY = re.compile(r"^_progress/(?P<stage>[a-z_]+)/shard-(?P<shard>\d{5})/telemetry\.json$")
@@ -49,6 +53,8 @@ class RunSource:
     storage: ReadOnlyStorage  # the run root
     num_shards: int
     num_segments: int = 0  # training segments (config train.segments); 0: as many as seen
+    # The last stage the run builds (config `until`): later stages are not counted as missing.
+    until: str = "evaluate"
     events_file: Path | None = None
     workdir: Path = Path(".")  # Snakemake's working directory: local log paths are relative to it
     # Telemetry not refreshed for this long belongs to a job that died without saying so.
@@ -166,7 +172,8 @@ class SnapshotBuilder:
 
         stages, running, failed = [], [], []
         for stage, rule in STAGE_RULES.items():
-            present = stage in ALWAYS_SHOWN or done[stage] or any(s == stage for s, _ in jobs_by_stage_shard)
+            planned = stage in self._planned_shard_stages()
+            present = planned or done[stage] or any(s == stage for s, _ in jobs_by_stage_shard)
             if not present:
                 continue
             counts = {"done": 0, "running": 0, "failed": 0, "missing": 0}
@@ -254,9 +261,16 @@ class SnapshotBuilder:
             },
         }
 
+    def _planned_shard_stages(self) -> tuple[str, ...]:
+        until = self.source.until
+        if until in UNTIL_SHARD_STAGE:
+            return ALWAYS_SHOWN[: ALWAYS_SHOWN.index(UNTIL_SHARD_STAGE[until]) + 1]
+        return ALWAYS_SHOWN
+
     def _train_stage(self, segments, events, now, running, failed) -> dict | None:
         """Training as a stage whose units are checkpoint segments (progress: steps)."""
-        total = self.source.num_segments or (max(segments) + 1 if segments else 0)
+        trains = UNTIL_STAGES.index(self.source.until) >= UNTIL_STAGES.index("train")
+        total = (self.source.num_segments if trains else 0) or (max(segments) + 1 if segments else 0)
         if not total:
             return None
         jobs = {
