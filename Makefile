@@ -10,8 +10,11 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 SNAKEMAKE := $(PY) -m snakemake
 CORES ?= all
+# The live status page (python -m dflash_pipeline.status); tests pick free ports instead.
+STATUS_PORT ?= 8080
+STATUS := $(PY) -m dflash_pipeline.status
 
-.PHONY: setup demo test lint dryrun report clean
+.PHONY: setup demo test lint dryrun report clean status stop browser-deps
 
 setup: $(STAMP)
 
@@ -24,8 +27,11 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: setup
-	$(SNAKEMAKE) --cores $(CORES)
+	-$(STATUS) start --port $(STATUS_PORT)
+	$(SNAKEMAKE) --cores $(CORES) --logger dflash
 	@echo ""
+	@echo "Status page (still serving; make stop stops it): http://127.0.0.1:$(STATUS_PORT)/"
+	@echo "HTML report: make report"
 	@echo "Demo finished. Results: results/demo/ (shard outputs in results/demo/outputs/, live telemetry in results/demo/_progress/)"
 	@echo "Demo target model: resources/demo-target/"
 	@echo "Plan of what remains: $(SNAKEMAKE) -n"
@@ -39,6 +45,28 @@ lint: setup
 
 dryrun: setup
 	$(SNAKEMAKE) -n --quiet rules
+
+# The HTML report of config.yaml's run (figures of every stage; run the workflow first).
+report: setup
+	$(SNAKEMAKE) --report report.html
+	@echo "Report: report.html"
+
+# Serve the live status page of config.yaml's run in the background (see README).
+status: setup
+	$(STATUS) start --port $(STATUS_PORT)
+
+stop:
+	$(STATUS) stop
+
+# Headless Chromium and its driver for the status-page browser test (Debian packages).
+browser-deps:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+		echo "chromium and chromedriver are installed"; \
+	else \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; \
+	fi
 
 clean:
 	rm -rf results .snakemake report.html

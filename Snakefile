@@ -18,6 +18,7 @@ include: "rules/generate.smk"
 include: "rules/tokenize.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"
+include: "rules/report.smk"
 
 
 rule all:

@@ -118,3 +118,10 @@ DRAFTER_DIR = "drafter"
 DRAFTER_CONFIG = f"{DRAFTER_DIR}/config.json"
 DRAFTER_WEIGHTS = f"{DRAFTER_DIR}/model.safetensors"
 EVAL_METRICS = f"{OUTPUTS_DIR}/eval-metrics.json"
+
+
+# Figures and tables of the HTML report, flagged with report() by rules/report.smk. They sit in
+# the outputs folder too: Snakemake checks them in every dry-run, like any other output.
+def report_key(name: str) -> str:
+    """Key of a report item, e.g. ``outputs/report-generation-lengths.svg``."""
+    return f"{OUTPUTS_DIR}/report-{name}"

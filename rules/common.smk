@@ -102,9 +102,29 @@ def train_inputs(wildcards):
     return inputs
 
 
-def get_final_output():
-    # Every tracked output lives in one folder, so the S3 plugin's single listing covers the
-    # whole run (dflash_pipeline.layout). `until` names the last stage built by default.
+# The report's figures and tables per stage (rules/report.smk); the storage figure comes last,
+# once everything else exists.
+REPORT_ITEMS = {
+    "prompts": ["prompts.svg", "prompts.html"],
+    "generate": [
+        "generation-throughput.svg",
+        "generation-lengths.svg",
+        "generation-finish.svg",
+    ],
+    "tokenize": [
+        "tokenization-supervised.svg",
+        "tokenization-degenerate.svg",
+        "tokenization.html",
+    ],
+    "train": ["training.svg"],
+    "evaluate": ["acceptance.svg"],
+}
+REPORT_STORAGE_ITEM = "storage.svg"
+
+
+def report_storage_inputs():
+    """Everything `until` asks for, with the report figures of the stages it builds: the
+    storage figure is made once all of it exists."""
     stages = ["prompts", "generate", "tokenize", "train", "evaluate"]
     until = stages.index(config["until"])
     outputs = [run_path(layout.INGEST_SUMMARY)]
@@ -115,12 +135,62 @@ def get_final_output():
         outputs += [run_path(layout.DRAFTER_CONFIG), run_path(layout.DRAFTER_WEIGHTS)]
     if until >= stages.index("evaluate"):
         outputs.append(run_path(layout.EVAL_METRICS))
+    for stage in stages[: until + 1]:
+        outputs += [run_path(layout.report_key(name)) for name in REPORT_ITEMS[stage]]
+    return outputs
+
+
+def get_final_output():
+    # Every tracked output lives in one folder, so the S3 plugin's single listing covers the
+    # whole run (dflash_pipeline.layout). `until` names the last stage built by default.
+    outputs = report_storage_inputs()
+    outputs.append(run_path(layout.report_key(REPORT_STORAGE_ITEM)))
     if config["target"]["build_demo"]:
         outputs.append(local(config["target"]["model"]))
     return outputs
+
+
+def start_status_page():
+    """The live status page in the background (config key status.serve); it keeps serving
+    after the run ends, and does nothing if one already serves this port."""
+    import os
+    import subprocess
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (workflow.basedir, env.get("PYTHONPATH")) if p
+    )
+    status = config["status"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.status",
+            "start",
+            "--run-url",
+            RUN_URL,
+            "--num-shards",
+            str(config["num_shards"]),
+            "--num-segments",
+            str(config["train"]["segments"]),
+            "--until",
+            config["until"],
+            "--host",
+            status["host"],
+            "--port",
+            str(status["port"]),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    message = (proc.stdout + proc.stderr).strip()
+    (logger.info if proc.returncode == 0 else logger.warning)(message)
 
 
 onstart:
     if DEFAULT_STORAGE == "s3":
         # The S3 plugin deletes a bucket once it is empty; keep one object in it for good.
         S3Storage(RUN_URL).ensure_bucket()
+    if config["status"]["serve"]:
+        start_status_page()

@@ -23,9 +23,15 @@ def test_dry_run_lists_the_jobs_of_every_stage(workflow):
         "prepare_prompts": 3,
         "generate": 3,
         "tokenize": 3,
+        "report_prompts": 1,
+        "report_generation": 1,
+        "report_tokenization": 1,
         "train": 2,
         "export_drafter": 1,
         "evaluate": 1,
+        "report_training": 1,
+        "report_evaluation": 1,
+        "report_storage": 1,
         "all": 1,
     }
     workflow.write_config(train={"mode": "offline", "segments": 3})
@@ -53,7 +59,15 @@ def test_demo_trains_a_drafter_that_the_real_loop_accepts(workflow, demo_model):
     for key in ("outputs/train-segment-0001.json", "drafter/config.json", "drafter/model.safetensors",
                 "outputs/eval-metrics.json"):
         (root / key).unlink()
-    assert workflow.planned_jobs() == {"train": 1, "export_drafter": 1, "evaluate": 1, "all": 1}
+    assert workflow.planned_jobs() == {
+        "train": 1,
+        "export_drafter": 1,
+        "evaluate": 1,
+        "report_training": 1,
+        "report_evaluation": 1,
+        "report_storage": 1,
+        "all": 1,
+    }
 
 
 def test_demo_config_plans_the_demo_model(workflow):
@@ -76,12 +90,26 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
         assert stats["degenerate_samples"] == 0 and stats["sequences_out"] >= stats["samples"]
     assert workflow.planned_jobs() == {}
     (shards / "tokenized-00001.parquet").unlink()
-    assert workflow.planned_jobs() == {"tokenize": 1, "all": 1}
+    # The report figures made from that shard follow it (this run stops at tokenize).
+    assert workflow.planned_jobs() == {
+        "tokenize": 1,
+        "report_tokenization": 1,
+        "report_storage": 1,
+        "all": 1,
+    }
     # A missing intermediate alone is not rebuilt (its product exists); all gone: the chain.
     for stage in ("prompts", "generated", "tokenized"):
         (shards / f"{stage}-00002.parquet").unlink()
     proc = workflow.snakemake("-n")
-    assert workflow.planned_jobs() == {"prepare_prompts": 1, "generate": 1, "tokenize": 2, "all": 1}
+    assert workflow.planned_jobs() == {
+        "prepare_prompts": 1,
+        "generate": 1,
+        "tokenize": 2,
+        "report_generation": 1,
+        "report_tokenization": 1,
+        "report_storage": 1,
+        "all": 1,
+    }
     assert "wildcards: shard=00002" in proc.stdout and "wildcards: shard=00000" not in proc.stdout
 
 

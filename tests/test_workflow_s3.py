@@ -64,9 +64,14 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
         "prepare_prompts": 1,
         "generate": 1,
         "tokenize": 1,
+        "report_generation": 1,
+        "report_tokenization": 1,
         "train": 2,
         "export_drafter": 1,
         "evaluate": 1,
+        "report_training": 1,
+        "report_evaluation": 1,
+        "report_storage": 1,
         "all": 1,
     }
     workflow.snakemake(*s3_args, env=env)

@@ -1,0 +1,211 @@
+"""Snakemake job events as JSON lines: written by the ``dflash`` logger plugin, read by the page.
+
+The plugin (``snakemake_logger_plugin_dflash``) runs in Snakemake's main process and appends one
+JSON object per job event to a local file. ``JobBoard`` folds that file into the state of every
+job of the latest run (planned, running, done, failed), reading only the bytes appended since
+its last call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from logging import LogRecord
+from pathlib import Path
+
+# Relative to Snakemake's working directory, beside the local logs of the demo-model rule.
+DEFAULT_EVENTS_FILE = "logs/snakemake-events.jsonl"
+
+# Snakemake's LogEvent values (snakemake_interface_logger_plugins.common) that we keep.
+KEPT_EVENTS = {
+    "workflow_started",
+    "run_info",
+    "job_info",
+    "job_started",
+    "job_finished",
+    "job_error",
+    "progress",
+    "error",
+}
+
+
+def _files(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return [str(v) for v in value]
+
+
+def event_from_record(record: LogRecord, now: float | None = None) -> dict | None:
+    """The JSON event for a Snakemake log record, or None for records the page does not need."""
+    kind = getattr(record, "event", None)
+    if kind is None or str(kind) not in KEPT_EVENTS:
+        return None
+    kind = str(kind)
+    event: dict = {"event": kind, "time": now if now is not None else record.created}
+    if kind == "workflow_started":
+        event["workflow_id"] = str(getattr(record, "workflow_id", "") or "")
+    elif kind == "run_info":
+        stats = getattr(record, "stats", None) or {}
+        event["job_counts"] = {str(k): int(v) for k, v in dict(stats).items() if str(k) != "total"}
+    elif kind == "job_info":
+        event.update(
+            jobid=int(record.jobid),
+            rule=str(getattr(record, "rule_name", "")),
+            wildcards={str(k): str(v) for k, v in dict(getattr(record, "wildcards", None) or {}).items()},
+            log=_files(getattr(record, "log", None)),
+            output=_files(getattr(record, "output", None)),
+        )
+    elif kind == "job_started":
+        event["jobids"] = [int(j) for j in (getattr(record, "jobs", None) or [])]
+    elif kind == "job_finished":
+        event["jobid"] = int(record.job_id)
+    elif kind == "job_error":
+        event.update(
+            jobid=int(record.jobid),
+            rule=str(getattr(record, "rule_name", "")),
+            log=_files(getattr(record, "log", None)),
+            message=str(getattr(record, "rule_msg", "") or ""),
+        )
+    elif kind == "progress":
+        event.update(done=int(record.done), total=int(record.total))
+    elif kind == "error":
+        event["message"] = str(record.getMessage())[:2000]
+    return event
+
+
+class EventWriter:
+    """Appends events to the file, one line each, flushed at once so a reader never waits."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def write(self, event: dict) -> None:
+        line = json.dumps(event, separators=(",", ":")) + "\n"
+        with self._lock:
+            self._fh.write(line)
+            self._fh.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._fh.closed:
+                self.write_closed_marker()
+                self._fh.close()
+
+    def write_closed_marker(self) -> None:
+        # Snakemake closes its handlers when it exits: after this, nothing of the run still runs.
+        self._fh.write(json.dumps({"event": "run_ended", "time": time.time()}) + "\n")
+        self._fh.flush()
+
+
+@dataclass
+class Job:
+    jobid: int
+    rule: str
+    wildcards: dict[str, str]
+    log: list[str]
+    output: list[str]
+    state: str = "planned"  # planned | running | done | failed | interrupted
+    started_at: float | None = None
+    ended_at: float | None = None
+    message: str = ""
+
+
+@dataclass
+class RunEvents:
+    """What the latest Snakemake run (since its last ``workflow_started``) said about its jobs."""
+
+    started_at: float | None = None
+    ended_at: float | None = None
+    steps_done: int = 0
+    steps_total: int = 0
+    job_counts: dict[str, int] = field(default_factory=dict)
+    jobs: dict[int, Job] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def state(self) -> str:
+        if self.started_at is None:
+            return "unknown"
+        if any(j.state == "failed" for j in self.jobs.values()) or self.errors:
+            return "failed" if self.ended_at is not None else "running, with failures"
+        if self.ended_at is not None:
+            return "finished" if self.steps_total and self.steps_done >= self.steps_total else "stopped"
+        return "running"
+
+    def apply(self, event: dict) -> None:
+        kind = event.get("event")
+        t = event.get("time")
+        if kind == "workflow_started":
+            # A new Snakemake run: job ids start again, so forget the previous run's jobs.
+            self.__init__(started_at=t)
+        elif kind == "run_info":
+            self.job_counts = dict(event.get("job_counts", {}))
+        elif kind == "job_info":
+            # Snakemake announces a job as started just before it logs the job's details.
+            job = self.jobs.setdefault(event["jobid"], Job(event["jobid"], "", {}, [], []))
+            job.rule, job.wildcards = event["rule"], event["wildcards"]
+            job.log, job.output = event["log"], event["output"]
+        elif kind == "job_started":
+            for jobid in event.get("jobids", []):
+                job = self.jobs.setdefault(jobid, Job(jobid, "", {}, [], []))
+                job.state, job.started_at = "running", t
+        elif kind == "job_finished":
+            job = self.jobs.get(event["jobid"])
+            if job is not None:
+                job.state, job.ended_at = "done", t
+        elif kind == "job_error":
+            job = self.jobs.get(event["jobid"])
+            if job is None:
+                job = self.jobs[event["jobid"]] = Job(event["jobid"], event["rule"], {}, event["log"], [])
+            job.state, job.ended_at, job.message = "failed", t, event.get("message", "")
+            job.log = job.log or event["log"]
+        elif kind == "progress":
+            self.steps_done, self.steps_total = event["done"], event["total"]
+        elif kind == "error":
+            self.errors.append(event.get("message", ""))
+        elif kind == "run_ended":
+            self.ended_at = t
+            for job in self.jobs.values():
+                if job.state == "running":
+                    job.state = "interrupted"
+
+
+class JobBoard:
+    """Incremental reader of an events file (it may not exist yet, or be replaced)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.run = RunEvents()
+        self._offset = 0
+        self._inode = None
+        self._partial = b""
+
+    def refresh(self) -> RunEvents:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return self.run
+        if st.st_ino != self._inode or st.st_size < self._offset:
+            self.run, self._offset, self._inode, self._partial = RunEvents(), 0, st.st_ino, b""
+        with open(self.path, "rb") as fh:
+            fh.seek(self._offset)
+            chunk = fh.read()
+        self._offset += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()  # an unfinished last line waits for the next refresh
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a crash; the next ones are still good
+            if isinstance(event, dict):
+                self.run.apply(event)
+        return self.run

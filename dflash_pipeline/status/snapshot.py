@@ -1,0 +1,416 @@
+"""One picture of a run, built from the run root (local or S3) and the Snakemake job events.
+
+Sources, cheapest first:
+
+* ONE paginated listing of the run root: which shard outputs exist (done), and bytes per stage;
+* the ``_progress/`` telemetry of jobs in flight (read again only when its size or mtime changed);
+* training metrics (``_progress/train/segment-KKKK/metrics.jsonl``) and evaluation metrics;
+* the events file of the ``dflash`` logger plugin: which jobs run, finished or failed.
+
+No Snakemake dry-run is ever started (against S3 it costs requests per object); everything here
+only lists and reads. The result is plain JSON for the page and the ``/api/status`` route.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_pipeline import layout
+from dflash_pipeline.status.events import JobBoard, RunEvents
+from dflash_pipeline.status.readonly import ReadOnlyStorage
+from dflash_pipeline.storage import StorageError
+
+# Shard stages in pipeline order, with the rule whose job produces each stage's object.
+STAGE_RULES = {"prompts": "prepare_prompts", "generated": "generate", "tokenized": "tokenize", "hidden": "extract"}
+# Telemetry folders under _progress/ are named after the job's stage word.
+TELEMETRY_STAGES = {"generate": "generated", "tokenize": "tokenized", "extract": "hidden"}
+# Shown even before their first object exists (up to the run's `until`); the others appear
+# once they have one.
+ALWAYS_SHOWN = ("prompts", "generated", "tokenized")
+# Config `until` values in pipeline order, and the shard stage each one ends with.
+UNTIL_STAGES = ["prompts", "generate", "tokenize", "train", "evaluate"]
+UNTIL_SHARD_STAGE = {"prompts": "prompts", "generate": "generated", "tokenize": "tokenized"}
+
+SHARD_OBJECT = re.compile(r"^outputs/(?P<stage>[a-z_]+)-(?P<shard>\d{5})\.(?P<ext>.+)$")
+TELEMETRY_KEY = re.compile(r"^_progress/(?P<stage>[a-z_]+)/shard-(?P<shard>\d{5})/telemetry\.json$")
+SEGMENT_KEY = re.compile(r"^_progress/train/segment-(?P<segment>\d{4})/(?P<name>metrics\.jsonl|telemetry\.json)$")
+SEGMENT_MANIFEST = re.compile(r"^outputs/train-segment-(?P<segment>\d{4})\.json$")
+
+LOG_TAIL_LINES = 20
+LOG_TAIL_BYTES = 16384
+# The page draws at most this many points per training curve (evenly thinned, last kept).
+MAX_CURVE_POINTS = 600
+
+
+@dataclass
+class RunSource:
+    """Where a run lives, as the status server sees it."""
+
+    storage: ReadOnlyStorage  # the run root
+    num_shards: int
+    num_segments: int = 0  # training segments (config train.segments); 0: as many as seen
+    # The last stage the run builds (config `until`): later stages are not counted as missing.
+    until: str = "evaluate"
+    events_file: Path | None = None
+    workdir: Path = Path(".")  # Snakemake's working directory: local log paths are relative to it
+    # Telemetry not refreshed for this long belongs to a job that died without saying so.
+    stale_after_s: float = 300.0
+
+
+def storage_category(key: str) -> str:
+    """The storage-use bucket of a key: a shard stage, another output kind, or a top folder."""
+    match = SHARD_OBJECT.match(key)
+    if match:
+        return match["stage"]
+    if key.startswith(f"{layout.OUTPUTS_DIR}/"):
+        name = key.split("/", 1)[1]
+        return re.split(r"[-.]", name, maxsplit=1)[0]  # ingest, benchmark, train, eval, report
+    return key.split("/", 1)[0] if "/" in key else "other"
+
+
+def thin_points(points: list[dict], limit: int = MAX_CURVE_POINTS) -> list[dict]:
+    """At most ``limit`` points, evenly spaced, always keeping the first and last."""
+    if len(points) <= limit:
+        return points
+    step = (len(points) - 1) / (limit - 1)
+    return [points[round(i * step)] for i in range(limit)]
+
+
+def read_train_metrics(text: str) -> list[dict]:
+    """Parse a training ``metrics.jsonl``; a line cut by a crash or an upload is skipped."""
+    points = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            points.append(record)
+    return points
+
+
+class SnapshotBuilder:
+    """Builds snapshots of one run, caching what did not change since the last one."""
+
+    def __init__(self, source: RunSource):
+        self.source = source
+        self.board = JobBoard(source.events_file) if source.events_file else None
+        self._cache: dict[str, tuple[tuple[int, float], object]] = {}
+
+    def _read_cached(self, key: str, size: int, mtime: float, parse):
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == (size, mtime):
+            return hit[1]
+        try:
+            value = parse(self.source.storage.read_text(key))
+        except (StorageError, ValueError):
+            return hit[1] if hit else None  # mid-replacement: keep the last good copy
+        self._cache[key] = ((size, mtime), value)
+        return value
+
+    def _log_tail(self, job_logs: list[str], fallback_key: str | None) -> list[str]:
+        """Last lines of a job's log: the local file Snakemake writes while the job runs, or
+        the copy in the run root (S3 runs upload it when the job ends)."""
+        workdir = self.source.workdir.resolve()
+        for name in job_logs:
+            path = (workdir / local_log_path(name)).resolve()
+            # Only .log files inside the working directory, whatever an events file says.
+            if workdir in path.parents and path.suffix == ".log" and path.is_file():
+                with open(path, "rb") as fh:
+                    fh.seek(max(0, path.stat().st_size - LOG_TAIL_BYTES))
+                    return _last_lines(fh.read())
+        if fallback_key:
+            try:
+                return _last_lines(self.source.storage.read_bytes(fallback_key)[-LOG_TAIL_BYTES:])
+            except StorageError:
+                pass
+        return []
+
+    def build(self) -> dict:
+        now = time.time()
+        objects = self.source.storage.list("")
+        events = self.board.refresh() if self.board else RunEvents()
+        n = self.source.num_shards
+
+        done: dict[str, set[int]] = {stage: set() for stage in STAGE_RULES}
+        storage_use: dict[str, dict] = {}
+        telemetry: dict[tuple[str, int], dict] = {}
+        segments: dict[int, dict] = {}
+        eval_metrics = None
+        for obj in objects:
+            use = storage_use.setdefault(storage_category(obj.key), {"bytes": 0, "objects": 0})
+            use["bytes"] += obj.size
+            use["objects"] += 1
+            if m := SHARD_OBJECT.match(obj.key):
+                stage = m["stage"]
+                if stage in STAGE_RULES and m["ext"] == layout.SHARD_STAGES.get(stage):
+                    done[stage].add(int(m["shard"]))
+            elif m := TELEMETRY_KEY.match(obj.key):
+                stage = TELEMETRY_STAGES.get(m["stage"])
+                record = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
+                if stage and isinstance(record, dict):
+                    telemetry[(stage, int(m["shard"]))] = record
+            elif m := SEGMENT_KEY.match(obj.key):
+                seg = segments.setdefault(int(m["segment"]), {})
+                parse = read_train_metrics if m["name"] == layout.TRAIN_METRICS else json.loads
+                seg[m["name"]] = self._read_cached(obj.key, obj.size, obj.mtime, parse)
+            elif m := SEGMENT_MANIFEST.match(obj.key):
+                segments.setdefault(int(m["segment"]), {})["done"] = True
+            elif obj.key == layout.EVAL_METRICS:
+                eval_metrics = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
+
+        jobs_by_stage_shard: dict[tuple[str, int], object] = {}
+        rule_stage = {rule: stage for stage, rule in STAGE_RULES.items()}
+        for job in sorted(events.jobs.values(), key=lambda j: j.jobid):
+            stage = rule_stage.get(job.rule)
+            if stage and "shard" in job.wildcards and job.wildcards["shard"].isdigit():
+                jobs_by_stage_shard[(stage, int(job.wildcards["shard"]))] = job
+
+        stages, running, failed = [], [], []
+        for stage, rule in STAGE_RULES.items():
+            planned = stage in self._planned_shard_stages()
+            present = planned or done[stage] or any(s == stage for s, _ in jobs_by_stage_shard)
+            if not present:
+                continue
+            counts = {"done": 0, "running": 0, "failed": 0, "missing": 0}
+            fraction_sum = 0.0
+            for shard in range(n):
+                job = jobs_by_stage_shard.get((stage, shard))
+                tele = telemetry.get((stage, shard))
+                if tele is not None and job is not None and job.started_at is not None:
+                    # A rerun's first seconds still see the telemetry of the job before it.
+                    if float(tele.get("updated_at", 0)) < job.started_at:
+                        tele = None
+                tele_live = (
+                    tele is not None
+                    and tele.get("state") == "running"
+                    and now - float(tele.get("updated_at", 0)) < self.source.stale_after_s
+                )
+                if shard in done[stage]:
+                    counts["done"] += 1
+                    fraction_sum += 1.0
+                    continue
+                if (job is not None and job.state == "running") or (job is None and tele_live):
+                    counts["running"] += 1
+                    row = self._running_row(stage, rule, shard, job, tele, now)
+                    fraction_sum += (row["percent"] or 0.0) / 100.0
+                    running.append(row)
+                elif (job is not None and job.state == "failed") or (
+                    job is None and tele is not None and tele.get("state") == "failed"
+                ):
+                    counts["failed"] += 1
+                    failed.append(self._failed_row(stage, rule, shard, job, tele))
+                else:
+                    counts["missing"] += 1
+            stages.append(
+                {
+                    "stage": stage,
+                    "rule": rule,
+                    "total": n,
+                    **counts,
+                    "percent": round(100.0 * fraction_sum / n, 2) if n else 100.0,
+                    "bytes": storage_use.get(stage, {}).get("bytes", 0),
+                }
+            )
+        train_row = self._train_stage(segments, events, now, running, failed)
+        if train_row is not None:
+            stages.append(train_row)
+        # Jobs of rules without shards or segments (ingest, export, report) that failed.
+        for job in events.jobs.values():
+            if job.state == "failed" and job.rule != "train" and (
+                rule_stage.get(job.rule) is None or "shard" not in job.wildcards
+            ):
+                failed.append(self._failed_row(None, job.rule, None, job, None))
+
+        shard_total = sum(s["total"] for s in stages)
+        overall = sum(s["percent"] * s["total"] for s in stages) / shard_total if shard_total else 0.0
+        # Training's bytes: its manifests, checkpoints and progress area.
+        for row in stages:
+            if row["stage"] == "train":
+                row["bytes"] = sum(storage_use.get(c, {}).get("bytes", 0) for c in ("train", "checkpoints"))
+        return {
+            "run": self.source.storage.url,
+            "generated_at": now,
+            "num_shards": n,
+            "progress_percent": round(overall, 2),
+            "workflow": {
+                "state": events.state,
+                "started_at": events.started_at,
+                "ended_at": events.ended_at,
+                "steps_done": events.steps_done,
+                "steps_total": events.steps_total,
+                "errors": events.errors[-5:],
+                "events_file": str(self.source.events_file) if self.source.events_file else None,
+            },
+            "stages": stages,
+            "running": running,
+            "failed": failed,
+            "throughput": {
+                "tokens_per_s": round(sum(r["tokens_per_s"] or 0 for r in running), 2),
+                "tokens_generated": sum(int(t.get("tokens_generated", 0)) for t in telemetry.values()),
+            },
+            "training": self._training(segments),
+            "evaluation": _evaluation_summary(eval_metrics),
+            "storage": {
+                "total_bytes": sum(u["bytes"] for u in storage_use.values()),
+                "by_category": dict(sorted(storage_use.items())),
+            },
+        }
+
+    def _planned_shard_stages(self) -> tuple[str, ...]:
+        until = self.source.until
+        if until in UNTIL_SHARD_STAGE:
+            return ALWAYS_SHOWN[: ALWAYS_SHOWN.index(UNTIL_SHARD_STAGE[until]) + 1]
+        return ALWAYS_SHOWN
+
+    def _train_stage(self, segments, events, now, running, failed) -> dict | None:
+        """Training as a stage whose units are checkpoint segments (progress: steps)."""
+        trains = UNTIL_STAGES.index(self.source.until) >= UNTIL_STAGES.index("train")
+        total = (self.source.num_segments if trains else 0) or (max(segments) + 1 if segments else 0)
+        if not total:
+            return None
+        jobs = {
+            int(job.wildcards["segment"]): job
+            for job in sorted(events.jobs.values(), key=lambda j: j.jobid)
+            if job.rule == "train" and job.wildcards.get("segment", "").isdigit()
+        }
+        counts = {"done": 0, "running": 0, "failed": 0, "missing": 0}
+        fraction_sum = 0.0
+        for segment in range(total):
+            seg, job = segments.get(segment, {}), jobs.get(segment)
+            tele = seg.get("telemetry.json") or {}
+            fresh = now - float(tele.get("updated_at", 0)) < self.source.stale_after_s
+            log_key = f"{layout.LOGS_DIR}/train/segment-{layout.segment_name(segment)}.log"
+            if seg.get("done"):
+                counts["done"] += 1
+                fraction_sum += 1.0
+            elif (job is not None and job.state == "running") or (job is None and tele.get("state") == "running" and fresh):
+                counts["running"] += 1
+                steps_done, steps_total = tele.get("steps_done"), tele.get("steps_total")
+                percent = round(100.0 * steps_done / steps_total, 2) if steps_total and steps_done is not None else None
+                fraction_sum += (percent or 0.0) / 100.0
+                running.append({
+                    "stage": "train", "rule": "train", "shard": f"segment-{layout.segment_name(segment)}",
+                    "jobid": job.jobid if job is not None else None,
+                    "samples_done": steps_done, "samples_total": steps_total, "percent": percent,
+                    "tokens_per_s": tele.get("tokens_per_s"), "eta_s": tele.get("eta_s"), "errors": None,
+                    "elapsed_s": round(now - job.started_at, 1) if job is not None and job.started_at else None,
+                    "updated_at": tele.get("updated_at"),
+                    "log_tail": self._log_tail(job.log if job else [], log_key),
+                })
+            elif (job is not None and job.state == "failed") or (job is None and tele.get("state") == "failed"):
+                counts["failed"] += 1
+                row = self._failed_row(None, "train", None, job, tele)
+                row["shard"] = f"segment-{layout.segment_name(segment)}"
+                row["log_tail"] = self._log_tail(job.log if job else [], log_key)
+                failed.append(row)
+            else:
+                counts["missing"] += 1
+        return {"stage": "train", "rule": "train", "total": total, **counts,
+                "percent": round(100.0 * fraction_sum / total, 2), "bytes": 0}
+
+    def _running_row(self, stage, rule, shard, job, tele, now) -> dict:
+        tele = tele or {}
+        total = tele.get("samples_total")
+        done = tele.get("samples_done")
+        percent = round(100.0 * done / total, 2) if total and done is not None else None
+        started = job.started_at if job is not None else None
+        return {
+            "stage": stage,
+            "rule": rule,
+            "shard": layout.shard_name(shard),
+            "jobid": job.jobid if job is not None else None,
+            "samples_done": done,
+            "samples_total": total,
+            "percent": percent,
+            "tokens_per_s": tele.get("tokens_per_s"),
+            "eta_s": tele.get("eta_s"),
+            "errors": tele.get("errors"),
+            "elapsed_s": round(now - started, 1) if started else tele.get("elapsed_s"),
+            "updated_at": tele.get("updated_at"),
+            "log_tail": self._log_tail(job.log if job else [], _log_key(rule, shard)),
+        }
+
+    def _failed_row(self, stage, rule, shard, job, tele) -> dict:
+        return {
+            "stage": stage,
+            "rule": rule,
+            "shard": layout.shard_name(shard) if shard is not None else None,
+            "jobid": job.jobid if job is not None else None,
+            "message": (job.message if job is not None else "") or "",
+            "at": job.ended_at if job is not None else (tele or {}).get("updated_at"),
+            "log_tail": self._log_tail(job.log if job else [], _log_key(rule, shard)),
+        }
+
+    def _training(self, segments: dict[int, dict]) -> dict:
+        points, rows = [], []
+        for segment in sorted(segments):
+            seg = segments[segment]
+            points.extend(seg.get(layout.TRAIN_METRICS) or [])
+            tele = seg.get("telemetry.json") or {}
+            rows.append(
+                {
+                    "segment": layout.segment_name(segment),
+                    "done": bool(seg.get("done")),
+                    "state": "done" if seg.get("done") else tele.get("state", "planned"),
+                    "step": tele.get("step"),
+                    "steps_done": tele.get("steps_done"),
+                    "steps_total": tele.get("steps_total"),
+                    "tokens_per_s": tele.get("tokens_per_s"),
+                    "eta_s": tele.get("eta_s"),
+                }
+            )
+        points.sort(key=lambda p: p.get("step", 0))
+        curve = [
+            {k: p.get(k) for k in ("step", "loss", "accuracy", "accept_len", "tokens_per_s", "lr")}
+            for p in thin_points(points)
+        ]
+        return {"segments": rows, "curve": curve, "steps_logged": len(points)}
+
+
+# Where Snakemake keeps the local copy of a storage file while the job writes it
+# (its --local-storage-prefix default, then provider, bucket and key).
+LOCAL_STORAGE_PREFIX = ".snakemake/storage"
+FILE_ANNOTATION = re.compile(r" \([^()]*\)$")
+
+
+def local_log_path(name: str) -> str:
+    """The local file behind a log name in a job event: the path itself, or for an S3 log
+    (``s3://bucket/key (send to storage)``) Snakemake's local copy of it."""
+    name = FILE_ANNOTATION.sub("", name.strip())
+    if name.startswith("s3://"):
+        return f"{LOCAL_STORAGE_PREFIX}/s3/{name[len('s3://'):]}"
+    return name
+
+
+def _log_key(rule: str | None, shard: int | None) -> str | None:
+    """The run-root key of a job's log (rules/common.smk log_path)."""
+    if not rule:
+        return None
+    name = f"{rule}/{layout.shard_name(shard)}.log" if shard is not None else f"{rule}.log"
+    return f"{layout.LOGS_DIR}/{name}"
+
+
+def _last_lines(data: bytes, lines: int = LOG_TAIL_LINES) -> list[str]:
+    text = data.decode("utf-8", errors="replace")
+    return text.splitlines()[-lines:]
+
+
+def _evaluation_summary(metrics) -> dict | None:
+    if not isinstance(metrics, dict) or not isinstance(metrics.get("overall"), dict):
+        return None
+    overall = metrics["overall"]
+    return {
+        "tau": overall.get("tau"),
+        "per_position": overall.get("per_position", []),
+        "speedup_estimate": overall.get("speedup_estimate"),
+        "prompt_sets": {
+            name: values.get("tau")
+            for name, values in (metrics.get("prompt_sets") or {}).items()
+            if isinstance(values, dict)
+        },
+    }

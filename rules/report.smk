@@ -1,0 +1,169 @@
+# Report: figures and tables of each stage, flagged with report() for `snakemake --report`
+# (dflash_pipeline.report).
+
+
+rule report_prompts:
+    input:
+        summary=run_path(layout.INGEST_SUMMARY),
+        quarantine=run_path(layout.QUARANTINE),
+    output:
+        figure=report(
+            run_path(layout.report_key("prompts.svg")),
+            caption="../report/prompts.rst",
+            category="1. Prompts",
+        ),
+        table=report(
+            run_path(layout.report_key("prompts.html")),
+            caption="../report/quarantine.rst",
+            category="1. Prompts",
+        ),
+    log:
+        log_path("report_prompts", per_shard=False),
+    benchmark:
+        benchmark_path("report_prompts", per_shard=False)
+    conda:
+        "../envs/cpu.yaml"
+    threads: 1
+    resources:
+        mem_mb=1000,
+    script:
+        "../scripts/report_prompts.py"
+
+
+rule report_generation:
+    input:
+        generated=expand(shard_output("generated"), shard=SHARDS),
+        benchmarks=expand(benchmark_path("generate"), shard=SHARDS),
+    output:
+        throughput=report(
+            run_path(layout.report_key("generation-throughput.svg")),
+            caption="../report/generation-throughput.rst",
+            category="2. Generation",
+        ),
+        lengths=report(
+            run_path(layout.report_key("generation-lengths.svg")),
+            caption="../report/generation-lengths.rst",
+            category="2. Generation",
+        ),
+        finish=report(
+            run_path(layout.report_key("generation-finish.svg")),
+            caption="../report/generation-finish.rst",
+            category="2. Generation",
+        ),
+    log:
+        log_path("report_generation", per_shard=False),
+    benchmark:
+        benchmark_path("report_generation", per_shard=False)
+    conda:
+        "../envs/cpu.yaml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+    params:
+        run_url=lambda wildcards: RUN_URL,
+    script:
+        "../scripts/report_generation.py"
+
+
+rule report_tokenization:
+    input:
+        stats=expand(shard_output("tokenized", "stats.json"), shard=SHARDS),
+    output:
+        supervised=report(
+            run_path(layout.report_key("tokenization-supervised.svg")),
+            caption="../report/tokenization-supervised.rst",
+            category="3. Tokenization",
+        ),
+        degenerate=report(
+            run_path(layout.report_key("tokenization-degenerate.svg")),
+            caption="../report/tokenization-degenerate.rst",
+            category="3. Tokenization",
+        ),
+        table=report(
+            run_path(layout.report_key("tokenization.html")),
+            caption="../report/tokenization-table.rst",
+            category="3. Tokenization",
+        ),
+    log:
+        log_path("report_tokenization", per_shard=False),
+    benchmark:
+        benchmark_path("report_tokenization", per_shard=False)
+    conda:
+        "../envs/cpu.yaml"
+    threads: 1
+    resources:
+        mem_mb=1000,
+    script:
+        "../scripts/report_tokenization.py"
+
+
+rule report_training:
+    input:
+        segments=[segment_manifest(k) for k in range(config["train"]["segments"])],
+    output:
+        figure=report(
+            run_path(layout.report_key("training.svg")),
+            caption="../report/training.rst",
+            category="4. Training",
+        ),
+    log:
+        log_path("report_training", per_shard=False),
+    benchmark:
+        benchmark_path("report_training", per_shard=False)
+    conda:
+        "../envs/cpu.yaml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+    params:
+        run_url=lambda wildcards: RUN_URL,
+        segments=config["train"]["segments"],
+    script:
+        "../scripts/report_training.py"
+
+
+rule report_evaluation:
+    input:
+        metrics=run_path(layout.EVAL_METRICS),
+    output:
+        figure=report(
+            run_path(layout.report_key("acceptance.svg")),
+            caption="../report/acceptance.rst",
+            category="5. Evaluation",
+        ),
+    log:
+        log_path("report_evaluation", per_shard=False),
+    benchmark:
+        benchmark_path("report_evaluation", per_shard=False)
+    conda:
+        "../envs/cpu.yaml"
+    threads: 1
+    resources:
+        mem_mb=1000,
+    script:
+        "../scripts/report_evaluation.py"
+
+
+rule report_storage:
+    input:
+        # Everything else the run produces, so the listing is taken once it is all there.
+        stage_outputs=lambda wildcards: report_storage_inputs(),
+    output:
+        figure=report(
+            run_path(layout.report_key("storage.svg")),
+            caption="../report/storage.rst",
+            category="6. Storage",
+        ),
+    log:
+        log_path("report_storage", per_shard=False),
+    benchmark:
+        benchmark_path("report_storage", per_shard=False)
+    conda:
+        "../envs/cpu.yaml"
+    threads: 1
+    resources:
+        mem_mb=1000,
+    params:
+        run_url=lambda wildcards: RUN_URL,
+    script:
+        "../scripts/report_storage.py"

@@ -1,0 +1,210 @@
+"""The status page in a real browser during a real demo run, then the HTML report.
+
+Headless Chromium (Debian packages chromium and chromium-driver: `make browser-deps`) driven by
+Selenium. The page must show progress moving while the run goes and 100% at the end; a
+screenshot of each page is kept in tests/artifacts/.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_pipeline.status.readonly import ReadOnlyStorage
+from dflash_pipeline.status.server import StatusServer
+from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
+
+pytestmark = [pytest.mark.workflow, pytest.mark.browser]
+
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "tests" / "artifacts"
+NUM_SHARDS = 2
+
+
+def chromium_paths() -> tuple[str, str]:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if browser and driver:
+        return browser, driver
+    message = "headless Chromium is missing: run `make browser-deps` (Debian chromium + chromium-driver)"
+    if os.environ.get("CI"):
+        pytest.fail(message)  # CI installs it: a missing browser there is a broken set-up
+    pytest.skip(message)
+
+
+@pytest.fixture
+def browser():
+    binary, driver_path = chromium_paths()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1400"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service(driver_path))
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def start_run(workflow) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # The logger plugin is found by module name, as from an installed package.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "2", "--logger", "dflash"],
+        cwd=workflow.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+# Read in one script call: the page re-renders its tables every poll, so element handles from
+# separate calls can go stale in between.
+READ_PAGE = r"""
+const value = (node) => node.getAttribute("aria-valuenow");
+return {
+  overall: value(document.getElementById("overall-progress")),
+  shards: [...document.querySelectorAll("tr.running-shard .bar")].map(value),
+  evaluation: document.getElementById("evaluation").textContent,
+  curvePoints: (document.querySelector("#chart-loss polyline")?.getAttribute("points") || "")
+    .trim().split(/\s+/).filter(Boolean).length,
+  stages: Object.fromEntries([...document.querySelectorAll("#stages tbody tr")].map(
+    (row) => [row.dataset.stage, row.querySelectorAll("td")[2].textContent])),
+  state: document.getElementById("workflow-state").textContent,
+};
+"""
+
+
+def read_page(driver) -> dict:
+    page = driver.execute_script(READ_PAGE)
+    page["overall"] = float(page["overall"]) if page["overall"] else None
+    return page
+
+
+def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_section(
+    workflow, demo_model, tmp_path, browser
+):
+    workflow.write_config(
+        num_shards=NUM_SHARDS,
+        target={"model": str(demo_model), "build_demo": False},
+        gpu_lock_dir=str(tmp_path / "locks"),
+        # Telemetry every second: a generating shard's own bar moves too. A short training
+        # (two segments of a few steps) keeps the run to a couple of minutes on two cores.
+        generation={"telemetry_every_seconds": 1},
+        train={"segments": 2, "steps_per_segment": 6, "checkpoint_every_steps": 3, "metrics_every_seconds": 1},
+        # A few prompts; a drafter this short-trained is not held to the parity gate here.
+        evaluate={"max_prompts": 2, "max_new_tokens": 32, "simulated_rows": 8, "parity_tolerance": 10.0},
+    )
+    source = RunSource(
+        ReadOnlyStorage.open(str(workflow.root / "results/demo")),
+        num_shards=NUM_SHARDS,
+        num_segments=2,
+        events_file=workflow.root / "logs/snakemake-events.jsonl",
+        workdir=workflow.root,
+    )
+    server = StatusServer(SnapshotBuilder(source), port=0, refresh_s=0.5).start()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    run = start_run(workflow)
+    try:
+        browser.get(server.url)
+        seen_overall, seen_shards = [], []
+        while run.poll() is None:
+            page = read_page(browser)
+            if page["overall"] is not None:
+                seen_overall.append(page["overall"])
+            seen_shards.extend(v for v in page["shards"] if v)
+            if any(page["shards"]) and not (ARTIFACTS / "status-page-running.png").exists():
+                browser.save_screenshot(str(ARTIFACTS / "status-page-running.png"))
+            time.sleep(0.5)
+        output = run.stdout.read()
+        assert run.returncode == 0, output[-4000:]
+        deadline = time.monotonic() + 30  # the page polls every 2 s
+        while time.monotonic() < deadline:
+            page = read_page(browser)
+            if page["overall"] == 100.0 and page["state"] == "finished":
+                break
+            time.sleep(0.5)
+        final = read_page(browser)
+        browser.save_screenshot(str(ARTIFACTS / "status-page-finished.png"))
+    finally:
+        if run.poll() is None:
+            run.kill()
+        server.stop()
+
+    moving = sorted({v for v in seen_overall if 0 < v < 100})
+    assert len(moving) >= 2, f"progress did not move during the run: {seen_overall}"
+    assert seen_overall == sorted(seen_overall), "overall progress went backwards"
+    assert seen_shards, "no running shard with a progress bar was shown"
+    assert final["overall"] == 100.0
+    assert final["stages"] == {
+        **{s: f"{NUM_SHARDS} / {NUM_SHARDS}" for s in ("prompts", "generated", "tokenized")},
+        "train": "2 / 2",
+    }
+    assert final["curvePoints"] == 12  # every optimizer step of both segments
+    assert final["evaluation"].startswith("Evaluation: acceptance length τ = ")
+    assert final["state"] == "finished"
+
+    workflow.snakemake("--report", "report.html")
+    browser.get((workflow.root / "report.html").as_uri())
+    deadline = time.monotonic() + 30
+    body = ""
+    while "6. Storage" not in body and time.monotonic() < deadline:
+        time.sleep(0.5)
+        body = browser.find_element("tag name", "body").text
+    for section in ("Workflow", "1. Prompts", "2. Generation", "3. Tokenization", "4. Training", "5. Evaluation",
+                    "6. Storage"):
+        assert section in body, f"report section {section!r} missing"
+    assert "data-quality gate" in body  # the workflow description page
+    browser.find_element("xpath", "//*[normalize-space(text())='2. Generation']").click()
+    deadline = time.monotonic() + 15
+    while "report-generation-lengths.svg" not in body and time.monotonic() < deadline:
+        time.sleep(0.5)
+        body = browser.find_element("tag name", "body").text
+    assert "report-generation-lengths.svg" in body and "report-generation-finish.svg" in body
+    browser.save_screenshot(str(ARTIFACTS / "report.png"))
+
+
+def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp_path):
+    from dflash_pipeline.storage import LocalStorage
+    from tests.support.status_run import RUNNING_LOG, write_run
+
+    root = tmp_path / "results/demo"
+    events = write_run(LocalStorage(root), tmp_path)
+    source = RunSource(ReadOnlyStorage.open(str(root)), num_shards=2, events_file=events, workdir=tmp_path)
+    server = StatusServer(SnapshotBuilder(source), port=0).start()
+    try:
+        browser.get(server.url)
+        deadline = time.monotonic() + 20
+        page = {}
+        while time.monotonic() < deadline:
+            page = browser.execute_script("""
+                const line = document.querySelector("#chart-loss polyline");
+                return {
+                  shard: document.querySelector("tr.running-shard .bar")?.getAttribute("aria-valuenow"),
+                  logs: [...document.querySelectorAll("pre.log")].map((p) => p.textContent),
+                  points: line ? line.getAttribute("points").trim().split(/\\s+/).length : 0,
+                  acceptPoints: document.querySelectorAll("#chart-accept polyline").length,
+                  segments: document.querySelectorAll("#segments tbody tr").length,
+                  evaluation: document.getElementById("evaluation").textContent,
+                };""")
+            if page["points"]:
+                break
+            time.sleep(0.3)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "status-page-training.png"))
+    finally:
+        server.stop()
+    assert page["shard"] == "40"
+    assert "\n".join(RUNNING_LOG) in page["logs"][0]
+    assert any("87% degenerate" in log for log in page["logs"])
+    assert (page["points"], page["acceptPoints"], page["segments"]) == (5, 1, 2)
+    assert "τ = 2.5" in page["evaluation"] and "math: 2.7" in page["evaluation"]
