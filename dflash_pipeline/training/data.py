@@ -26,11 +26,23 @@ class TrainingDataError(ValueError):
 
 @dataclass
 class Sequence:
+    """One training row. Its tokens stay in the shard's Arrow column (int32 / int8) until a batch
+    needs them: a 1M-row, 4k-token dataset held as int64 numpy arrays would take ~60 GB per rank."""
+
     sample_id: str
     shard: str
     row: int  # row index in its tokenized shard (offline taps are indexed the same way)
-    input_ids: np.ndarray
-    loss_mask: np.ndarray
+    length: int
+    _ids: object  # pyarrow ListArray of the shard
+    _mask: object
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        return self._ids[self.row].values.to_numpy().astype(np.int64)
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        return self._mask[self.row].values.to_numpy().astype(np.int64)
 
 
 def read_training_sequences(paths: dict[str, str], min_supervised: int = 2) -> list[Sequence]:
@@ -38,24 +50,19 @@ def read_training_sequences(paths: dict[str, str], min_supervised: int = 2) -> l
     for a block (held-out rows stay out of training)."""
     sequences = []
     for shard, path in sorted(paths.items()):
-        table = pq.read_table(path, columns=["id", "split", "input_ids", "loss_mask", "num_supervised"])
+        table = pq.read_table(
+            path, columns=["id", "split", "input_ids", "loss_mask", "num_tokens", "num_supervised"]
+        )
         keep = pc.and_(
             pc.equal(table["split"], TRAIN), pc.greater_equal(table["num_supervised"], min_supervised)
         )
-        rows = np.flatnonzero(np.asarray(keep))
         ids = table["id"].to_pylist()
-        input_ids = table["input_ids"]
-        loss_mask = table["loss_mask"]
-        for row in rows:
-            sequences.append(
-                Sequence(
-                    sample_id=ids[row],
-                    shard=shard,
-                    row=int(row),
-                    input_ids=np.asarray(input_ids[int(row)].values, dtype=np.int64),
-                    loss_mask=np.asarray(loss_mask[int(row)].values, dtype=np.int64),
-                )
-            )
+        lengths = table["num_tokens"].to_pylist()
+        input_ids = table["input_ids"].combine_chunks()
+        loss_mask = table["loss_mask"].combine_chunks()
+        for row in np.flatnonzero(np.asarray(keep)):
+            row = int(row)
+            sequences.append(Sequence(ids[row], shard, row, lengths[row], input_ids, loss_mask))
     if not sequences:
         raise TrainingDataError(
             f"no training rows in {sorted(paths.values())} (all held out or too short)"
@@ -103,10 +110,10 @@ class BatchPlan:
 
 def collate(sequences: list[Sequence], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ``input_ids`` and ``loss_mask`` [b, S_max] (padding: id 0, mask 0)."""
-    longest = max(len(s.input_ids) for s in sequences)
+    longest = max(s.length for s in sequences)
     ids = np.zeros((len(sequences), longest), dtype=np.int64)
     mask = np.zeros((len(sequences), longest), dtype=np.int64)
     for i, s in enumerate(sequences):
-        ids[i, : len(s.input_ids)] = s.input_ids
-        mask[i, : len(s.loss_mask)] = s.loss_mask
+        ids[i, : s.length] = s.input_ids
+        mask[i, : s.length] = s.loss_mask
     return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)

@@ -299,7 +299,7 @@ class _SegmentRun:
             taps = self.taps(input_ids)
         else:
             taps = self.hidden.taps(sequences, input_ids.shape[1], self.device, self.compute_dtype)
-        return input_ids, loss_mask, taps, sum(len(x.input_ids) for x in sequences)
+        return input_ids, loss_mask, taps, sum(x.length for x in sequences)
 
     def _train_step(self, step: int) -> dict:
         s = self.settings
@@ -324,7 +324,7 @@ class _SegmentRun:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - started
         tokens = self.dist.sum(float(real_tokens), self.device)
-        metrics = block_metrics(out.loss, out.blocks)
+        metrics = block_metrics(out.loss.hits, out.blocks)
         return {
             "segment": self.job.segment,
             "step": step,
@@ -349,7 +349,7 @@ class _SegmentRun:
         self._load_target()
         self.sequences = read_training_sequences(self.job.tokenized)
         self.plan = BatchPlan(
-            [len(x.input_ids) for x in self.sequences], s["batch_size"] * self.dist.world, s["seed"]
+            [x.length for x in self.sequences], s["batch_size"] * self.dist.world, s["seed"]
         )
         self._build_model()
         source = self._restore()
