@@ -190,7 +190,7 @@ def test_padding_blocks_produce_no_nan_and_metrics_count_real_blocks():
     hidden = blocks_forward(drafter, taps, embed, blocks)
     assert torch.isfinite(hidden).all()
     result = block_loss(hidden, head, blocks)
-    metrics = block_metrics(result, blocks)
+    metrics = block_metrics(result.hits, blocks)
     assert metrics["blocks"] == int(blocks.keep.sum())
     assert 1.0 <= metrics["accept_len"] <= config.block_size
     assert len(metrics["accuracy_per_position"]) == config.block_size - 1
@@ -205,9 +205,7 @@ def test_simulated_acceptance_counts_leading_hits():
     hits = torch.zeros(1, 8, dtype=torch.bool)
     hits[0, [1, 2]] = True  # block 0: slots 1, 2 right, 3 wrong -> 2 accepted
     hits[0, [6, 7]] = True  # block 1: slot 1 wrong -> 0 accepted
-    from dflash_pipeline.training.blocks import LossResult
-
-    metrics = block_metrics(LossResult(torch.tensor(0.0), hits, 6), blocks)
+    metrics = block_metrics(hits, blocks)
     assert metrics["accept_len"] == pytest.approx((3 + 1) / 2)
     assert metrics["accuracy"] == pytest.approx(4 / 6)
 

@@ -212,12 +212,12 @@ class _FusedWeightedCE(torch.autograd.Function):
         return (grad_hidden * grad_total).to(ctx.hidden_dtype), None, None, None, None
 
 
-def block_metrics(result: LossResult, blocks: Blocks) -> dict:
+def block_metrics(hits: torch.Tensor, blocks: Blocks) -> dict:
     """Accuracy over the binary mask, per block position, and the simulated acceptance length:
     1 + the number of leading slots (1..B-1) the drafter got right, averaged over real blocks."""
     B = blocks.block_size
     supervised = blocks.supervised.reshape(*blocks.anchors.shape, B)[..., 1:]
-    hits = (result.hits.reshape(*blocks.anchors.shape, B)[..., 1:]) & supervised
+    hits = (hits.reshape(*blocks.anchors.shape, B)[..., 1:]) & supervised
     per_position_total = supervised.sum(dim=(0, 1)).clamp_min(1)
     per_position = (hits.sum(dim=(0, 1)).float() / per_position_total).tolist()
     run = hits.long().cumprod(dim=-1).sum(dim=-1)  # accepted drafts per block
