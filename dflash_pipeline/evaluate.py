@@ -49,7 +49,7 @@ class EvalOptions:
     runtime_dir: str | None = None  # sglang's log and pid files (default: beside --out)
 
 
-def _resolve_device_dtype(options: EvalOptions):
+def resolve_device_dtype(options: EvalOptions):
     import torch
 
     device = options.device
@@ -117,10 +117,13 @@ def run_evaluation(
     out: str | Path,
     options: EvalOptions | None = None,
     load_proposer=None,
+    target_model=None,
 ) -> dict:
     """Evaluate and write the metrics JSON; raises LosslessError / ParityError after writing it.
 
-    ``load_proposer(drafter_dir, target_model)`` defaults to the DFlash drafter's loader.
+    ``load_proposer(drafter_dir, target_model)`` defaults to the DFlash drafter's loader;
+    ``target_model`` is the target already loaded (on the device and dtype of ``options``), so a
+    caller that also needs it (the evaluate job) loads a big target once.
     """
     from dflash_pipeline.evaluation.prompts import read_eval_prompts
 
@@ -129,7 +132,7 @@ def run_evaluation(
     prompts = read_eval_prompts(prompts_path, options.limit, options.split)
     if options.engine == "transformers":
         results, sections, resolved = _run_transformers(
-            target, drafter, prompts, options, load_proposer
+            target, drafter, prompts, options, load_proposer, target_model
         )
     elif options.engine == "sglang":
         results, sections, resolved = _run_sglang(target, drafter, prompts, options, out)
@@ -166,7 +169,7 @@ def run_evaluation(
     return document
 
 
-def _run_transformers(target, drafter, prompts, options: EvalOptions, load_proposer):
+def _run_transformers(target, drafter, prompts, options: EvalOptions, load_proposer, model=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_pipeline.evaluation.lossless import (
@@ -182,9 +185,10 @@ def _run_transformers(target, drafter, prompts, options: EvalOptions, load_propo
         # Imported here: the drafter package is only needed by this engine.
         from dflash_pipeline.model.inference import load_proposer
 
-    device, dtype = _resolve_device_dtype(options)
+    device, dtype = resolve_device_dtype(options)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
     proposer = load_proposer(drafter, model)
     if options.block_size is not None:
         if options.block_size < 2:

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.evaluate import EvalOptions, run_evaluation
+from dflash_pipeline.evaluate import EvalOptions, resolve_device_dtype, run_evaluation
 from dflash_pipeline.evaluation.simulated import simulated_tau
 from dflash_pipeline.gpu_slots import job_devices
 from dflash_pipeline.joblog import job_logging
+from dflash_pipeline.model.taps import load_target
 
 
 def run(smk) -> None:
@@ -23,13 +24,6 @@ def run(smk) -> None:
         # faster than two on the 2-core test machine (oversubscribed threads wait on each other).
         torch.set_num_threads(1 if not smk.resources.gpu else smk.threads)
         with job_devices(smk.resources.gpu, smk.params.gpu_pool, smk.params.gpu_lock_dir):
-            simulated = simulated_tau(
-                drafter_dir,
-                smk.params.model,
-                list(smk.input.tokenized),
-                max_rows=settings["simulated_rows"],
-            )
-            print(f"simulated (teacher-forced, held-out) acceptance length: {simulated}")
             options = EvalOptions(
                 max_new_tokens=settings["max_new_tokens"],
                 temperature=settings["temperature"],
@@ -38,16 +32,29 @@ def run(smk) -> None:
                 engine=settings["engine"],
                 limit=settings["max_prompts"],
                 split="heldout",
-                simulated_tau=simulated["tau"],
                 parity_tolerance=settings["parity_tolerance"],
             )
+            # One copy of the target serves the simulated tau and the loop.
+            target = load_target(smk.params.model, *resolve_device_dtype(options))
+            simulated = simulated_tau(
+                drafter_dir,
+                smk.params.model,
+                list(smk.input.tokenized),
+                max_rows=settings["simulated_rows"],
+                target=target,
+            )
+            print(f"simulated (teacher-forced, held-out) acceptance length: {simulated}")
+            options.simulated_tau = simulated["tau"]
             try:
-                document = run_evaluation(smk.params.model, drafter_dir, smk.input.prompts, out, options)
+                document = run_evaluation(
+                    smk.params.model, drafter_dir, smk.input.prompts, out, options, target_model=target
+                )
                 with tempfile.TemporaryDirectory() as tmp:
                     for path in settings["benchmark_prompts"]:
                         extra = run_evaluation(
                             smk.params.model, drafter_dir, path, Path(tmp) / "extra.json",
                             EvalOptions(**{**options.__dict__, "split": None, "simulated_tau": None}),
+                            target_model=target,
                         )  # fmt: skip
                         document["prompt_sets"].update(extra["prompt_sets"])
                         document["per_prompt"] += extra["per_prompt"]

@@ -15,7 +15,7 @@ import torch
 from dflash_pipeline.data.sharding import HELDOUT
 from dflash_pipeline.model.inference import load_drafter, target_embeddings
 from dflash_pipeline.model.taps import TargetTaps, load_target
-from dflash_pipeline.training.blocks import block_metrics, blocks_forward, build_blocks, sample_anchors, LossResult
+from dflash_pipeline.training.blocks import block_metrics, blocks_forward, build_blocks, sample_anchors
 
 
 def _hits(hidden, head, blocks, chunk_rows: int) -> torch.Tensor:
@@ -41,14 +41,18 @@ def simulated_tau(
     chunk_rows: int = 2048,
     device: str | None = None,
     seed: int = 0,
+    target=None,
 ) -> dict:
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    target = load_target(target_dir, device, dtype)
+    """``target``: the target model, already loaded (the evaluate job shares it with the loop);
+    otherwise it is loaded from ``target_dir``."""
+    if target is None:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        target = load_target(target_dir, device, torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    embed, head = target_embeddings(target)
+    device, dtype = embed.device, embed.dtype
     drafter = load_drafter(drafter_dir, device=device, dtype=dtype).eval()
     config = drafter.config
     taps = TargetTaps(target, config.target_layer_ids)
-    embed, head = target_embeddings(target)
     generator = torch.Generator().manual_seed(seed)
     runs, rows_used = [], 0
     for path in tokenized_paths:
@@ -67,8 +71,7 @@ def simulated_tau(
                 mask_token_id=config.mask_token_id, gamma=7.0,
             )  # fmt: skip
             hidden = blocks_forward(drafter, taps(ids), embed, blocks)
-            result = LossResult(loss=torch.zeros(()), hits=_hits(hidden, head, blocks, chunk_rows), tokens=0)
-            metrics = block_metrics(result, blocks)
+            metrics = block_metrics(_hits(hidden, head, blocks, chunk_rows), blocks)
             runs.append((metrics["accept_len"], metrics["blocks"]))
             rows_used += 1
     blocks_total = sum(n for _, n in runs)
