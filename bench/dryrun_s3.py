@@ -11,7 +11,6 @@ with the s3 profile, which must report nothing to do.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -21,6 +20,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from benchlib import emit, provenance
 
 import yaml
 
@@ -81,7 +82,6 @@ def main() -> None:
             local_s = time.time() - t0
         finally:
             server.stop()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     result = {
         "benchmark": "dryrun_s3",
         "shards": args.shards,
@@ -91,15 +91,11 @@ def main() -> None:
         "nothing_to_do": nothing,
         "dry_run_local_missing_outputs_seconds": round(local_s, 2),
         "fill_seconds": round(fill_s, 1),
-        "device": f"{platform.node() and 'cpu'} {os.cpu_count()} cores, {platform.machine()}",
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%d"),
+        **provenance(f"cpu {os.cpu_count()} cores, {platform.machine()}"),
     }
-    print(json.dumps(result, indent=2))
+    emit(result, args.out)
     if not nothing:
         print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

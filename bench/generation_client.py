@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import emit, provenance
+
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
@@ -152,7 +154,6 @@ def main() -> None:
             log_tail = server.log_tail(5)
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip() if os.path.exists("/usr/bin/nvidia-smi") else ""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     import transformers
 
     result = {
@@ -164,14 +165,10 @@ def main() -> None:
         "prompts": args.prompts, "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
         "runs": runs,
         "ratio_mean": round(sum(r["ratio"] for r in runs) / len(runs), 3),
-        "device": gpu or platform.processor() or "cpu",
-        "commit": commit, "date": time.strftime("%Y-%m-%d"),
+        **provenance(gpu or platform.processor() or "cpu"),
         "server_log_tail": log_tail,
     }
-    print(json.dumps(result, indent=2))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,15 @@ telemetry is not read again), and counts the S3 requests of each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from benchlib import emit, provenance
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -75,7 +75,6 @@ def main() -> None:
             assert snap["stages"][2]["done"] == args.shards - args.running
         finally:
             server.stop()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     record = {
         "bench": "status_snapshot",
         "shards": args.shards,
@@ -83,14 +82,9 @@ def main() -> None:
         "running_with_telemetry": args.running,
         "fill_s": round(fill_s, 1),
         "snapshot": results,
-        "device": f"{platform.machine()} CPU, {os.cpu_count()} cores",
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%d"),
+        **provenance(f"{platform.machine()} CPU, {os.cpu_count()} cores"),
     }
-    print(json.dumps(record, indent=1))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    emit(record, args.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,11 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchlib import emit, provenance
 
 import pyarrow as pa
 from tokenizers import Tokenizer
@@ -167,21 +168,15 @@ def main() -> None:
         for workers in args.workers:
             results[f"{shape}_{workers}_workers"] = {"rows": len(rows), **measure(tok, rows, workers, args.repeats)}
             print(shape, workers, json.dumps(results[f"{shape}_{workers}_workers"]), file=sys.stderr)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     record = {
         "benchmark": "tokenize_throughput",
         "tokenizer": "demo (byte-level BPE, 399 tokens)",
         "results": results,
-        "device": f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}",
+        **provenance(f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}"),
         # Other work on the machine skews every number; this says how busy it was.
         "load_average_1min": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)},
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%d"),
     }
-    print(json.dumps(record, indent=2))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    emit(record, args.out)
 
 
 if __name__ == "__main__":

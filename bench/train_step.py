@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchlib import commit as bench_commit  # noqa: E402
 
 from dflash_pipeline.model.config import FULL, SLIDING, DrafterConfig  # noqa: E402
 from dflash_pipeline.model.drafter import DFlashDrafter  # noqa: E402
@@ -222,9 +222,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print the top kernels of two more steps")
     parser.add_argument("--out")
     args = parser.parse_args()
-    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
+    commit = bench_commit()
     records = []
     for case in args.case:
         for mode in args.mode:

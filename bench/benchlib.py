@@ -1,0 +1,31 @@
+"""What every benchmark record carries (commit, date) and how it is emitted (printed, and written
+to ``--out``). Imported by the scripts of this folder (``python bench/<name>.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def commit() -> str:
+    """The checkout's commit; ``BENCH_COMMIT`` where the tree was copied without its .git."""
+    return os.environ.get("BENCH_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def provenance(device: str) -> dict:
+    return {"device": device, "commit": commit(), "date": time.strftime("%Y-%m-%d")}
+
+
+def emit(record: dict, out: str | None, indent: int = 2) -> None:
+    text = json.dumps(record, indent=indent)
+    print(text, flush=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
