@@ -35,9 +35,9 @@ from dflash_pipeline.demo.build_model import build_demo_model  # noqa: E402
 from dflash_pipeline.demo.task import prompt_messages, sample_problem  # noqa: E402
 from dflash_pipeline.engines.client import EngineClient, Sampling, make_adapter  # noqa: E402
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec  # noqa: E402
-from dflash_pipeline.generate import GenerationSettings, ShardGenerator, generate_shard  # noqa: E402
-from dflash_pipeline.progress import ShardProgress  # noqa: E402
-from dflash_pipeline.storage import open_storage  # noqa: E402
+from dflash_pipeline.stages.generate import GenerationSettings, ShardGenerator, generate_shard  # noqa: E402
+from dflash_pipeline.core.jobstate import ShardProgress  # noqa: E402
+from dflash_pipeline.core.storage import open_storage  # noqa: E402
 
 
 def make_model(out: Path, demo: Path | None, hidden: int, layers: int, heads: int, kv_heads: int, inter: int) -> Path:

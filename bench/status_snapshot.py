@@ -23,11 +23,11 @@ from benchlib import emit, provenance
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_pipeline import layout  # noqa: E402
-from dflash_pipeline.progress import ShardProgress  # noqa: E402
-from dflash_pipeline.status.readonly import ReadOnlyStorage  # noqa: E402
+from dflash_pipeline.core import layout  # noqa: E402
+from dflash_pipeline.core.jobstate import ShardProgress  # noqa: E402
+from dflash_pipeline.core.storage import ReadOnlyStorage  # noqa: E402
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder  # noqa: E402
-from dflash_pipeline.storage import S3Storage  # noqa: E402
+from dflash_pipeline.core.storage import S3Storage  # noqa: E402
 from tests.support.seaweed import start_seaweed  # noqa: E402
 
 

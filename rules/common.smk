@@ -4,10 +4,10 @@ import sys
 # Import the package from this checkout even where it is not pip-installed (e.g. conda envs).
 sys.path.insert(0, workflow.basedir)
 
-from dflash_pipeline import layout
-from dflash_pipeline.config import ConfigError, validate_config
-from dflash_pipeline.gpu_slots import count_gpus, default_lock_dir
-from dflash_pipeline.storage import S3Storage, is_s3_url
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.config import ConfigError, validate_config
+from dflash_pipeline.core.gpu_slots import count_gpus, default_lock_dir
+from dflash_pipeline.core.storage import S3Storage, is_s3_url
 
 try:
     config.update(validate_config(config))
@@ -52,7 +52,7 @@ def log_path(rule_name, per_shard=True):
 
 def benchmark_path(rule_name, per_shard=True):
     # In the outputs folder: Snakemake checks benchmark files during a dry-run, and only that
-    # folder is covered by the S3 plugin's one listing (dflash_pipeline.layout).
+    # folder is covered by the S3 plugin's one listing (dflash_pipeline.core.layout).
     return run_path(layout.benchmark_key(rule_name, "{shard}" if per_shard else None))
 
 
@@ -62,7 +62,7 @@ def local_dataset_files():
     return [local(path) for path in config["dataset"]["paths"] if not is_s3_url(path)]
 
 
-# GPU slots: Snakemake counts `gpu`; the wrapper picks the devices (see dflash_pipeline.gpu_slots).
+# GPU slots: Snakemake counts `gpu`; the wrapper picks the devices (see dflash_pipeline.core.gpu_slots).
 GPU_POOL = config["gpus"] if config["gpus"] is not None else count_gpus()
 GPU_LOCK_DIR = config["gpu_lock_dir"] or str(default_lock_dir())
 # `--resources gpu=N` (absent: Snakemake ignores the gpu resource altogether).
@@ -77,7 +77,7 @@ if _gpu_limit is not None and int(_gpu_limit) > GPU_POOL:
 def gpu_wrapper(n):
     """Shell prefix that runs a command on n free devices of this machine."""
     return (
-        f"python -m dflash_pipeline.gpu_slots --gpus {n} --pool {GPU_POOL} "
+        f"python -m dflash_pipeline.core.gpu_slots --gpus {n} --pool {GPU_POOL} "
         f"--lock-dir {GPU_LOCK_DIR} --"
     )
 
@@ -142,7 +142,7 @@ def report_storage_inputs():
 
 def get_final_output():
     # Every tracked output lives in one folder, so the S3 plugin's single listing covers the
-    # whole run (dflash_pipeline.layout). `until` names the last stage built by default.
+    # whole run (dflash_pipeline.core.layout). `until` names the last stage built by default.
     outputs = report_storage_inputs()
     outputs.append(run_path(layout.report_key(REPORT_STORAGE_ITEM)))
     if config["target"]["build_demo"]:

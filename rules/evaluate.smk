@@ -1,5 +1,5 @@
 # Evaluate: acceptance length in a real speculative-decoding loop on held-out prompts, the
-# lossless check and the train/serve parity gate (dflash_pipeline.evaluate).
+# lossless check and the train/serve parity gate (dflash_pipeline.stages.evaluate).
 
 
 rule evaluate:

@@ -1,4 +1,4 @@
-# Generate: regenerate every assistant turn with the target (dflash_pipeline.generate).
+# Generate: regenerate every assistant turn with the target (dflash_pipeline.stages.generate).
 
 
 rule generate:

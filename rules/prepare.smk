@@ -1,4 +1,4 @@
-# Prepare: validate, dedupe, id and shard the prompt dataset (dflash_pipeline.prepare).
+# Prepare: validate, dedupe, id and shard the prompt dataset (dflash_pipeline.stages.prepare).
 
 
 rule ingest_prompts:

@@ -1,5 +1,5 @@
 # Report: figures and tables of each stage, flagged with report() for `snakemake --report`
-# (dflash_pipeline.report).
+# (dflash_pipeline.report.figures).
 
 
 rule report_prompts:

@@ -1,4 +1,4 @@
-# Tokenize: exact ids and loss masks, and the data-quality gate (dflash_pipeline.tokenization).
+# Tokenize: exact ids and loss masks, and the data-quality gate (dflash_pipeline.stages.tokenize).
 
 
 rule tokenize:

@@ -1,4 +1,4 @@
-"""Snakemake glue for rule `evaluate`; the logic is dflash_pipeline.evaluate and
+"""Snakemake glue for rule `evaluate`; the logic is dflash_pipeline.stages.evaluate and
 dflash_pipeline.evaluation."""
 
 import json
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.evaluate import EvalOptions, resolve_device_dtype, run_evaluation
+from dflash_pipeline.stages.evaluate import EvalOptions, resolve_device_dtype, run_evaluation
 from dflash_pipeline.evaluation.simulated import simulated_tau
-from dflash_pipeline.gpu_slots import job_devices
-from dflash_pipeline.joblog import job_logging
-from dflash_pipeline.model.taps import load_target
+from dflash_pipeline.core.gpu_slots import job_devices
+from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.model.target import load_target
 
 
 def run(smk) -> None:

@@ -1,7 +1,7 @@
 """Snakemake glue for rule `export_drafter`; the logic is dflash_pipeline.training.export."""
 
-from dflash_pipeline.joblog import job_logging
-from dflash_pipeline.training.export import export_drafter
+from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.stages.export import export_drafter
 
 
 def run(smk) -> None:

@@ -2,9 +2,9 @@
 
 import torch
 
-from dflash_pipeline.extraction import extract_shard
-from dflash_pipeline.gpu_slots import job_devices
-from dflash_pipeline.joblog import job_logging
+from dflash_pipeline.stages.extract import extract_shard
+from dflash_pipeline.core.gpu_slots import job_devices
+from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.training.trainer import build_drafter_config
 
 

@@ -1,8 +1,8 @@
-"""Snakemake glue for rule `generate`; the logic is dflash_pipeline.generate.run_job."""
+"""Snakemake glue for rule `generate`; the logic is dflash_pipeline.stages.generate.run_job."""
 
-from dflash_pipeline.generate import run_job
-from dflash_pipeline.gpu_slots import job_devices
-from dflash_pipeline.joblog import job_logging
+from dflash_pipeline.stages.generate import run_job
+from dflash_pipeline.core.gpu_slots import job_devices
+from dflash_pipeline.core.joblog import job_logging
 
 
 def run(smk) -> None:

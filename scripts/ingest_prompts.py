@@ -1,7 +1,7 @@
-"""Snakemake glue for rule `ingest_prompts`; the logic is dflash_pipeline.prepare.ingest."""
+"""Snakemake glue for rule `ingest_prompts`; the logic is dflash_pipeline.stages.prepare.ingest."""
 
-from dflash_pipeline.joblog import job_logging
-from dflash_pipeline.prepare import ingest
+from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.stages.prepare import ingest
 
 
 def run(smk) -> None:

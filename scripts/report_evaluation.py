@@ -1,7 +1,7 @@
 """Snakemake glue for rule `report_evaluation`; the logic is dflash_pipeline.report."""
 
-from dflash_pipeline.joblog import job_logging
-from dflash_pipeline.report import write_evaluation_report
+from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.report.figures import write_evaluation_report
 
 
 def run(smk) -> None:

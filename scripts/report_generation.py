@@ -1,7 +1,7 @@
 """Snakemake glue for rule `report_generation`; the logic is dflash_pipeline.report."""
 
-from dflash_pipeline.joblog import job_logging
-from dflash_pipeline.report import (
+from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.report.figures import (
     generation_throughput,
     plot_finish_reasons,
     plot_generation_lengths,
@@ -10,7 +10,7 @@ from dflash_pipeline.report import (
     shard_label,
     summarize_generated,
 )
-from dflash_pipeline.status.telemetry import read_stage_telemetry
+from dflash_pipeline.core.jobstate import read_stage_telemetry
 
 
 def run(smk) -> None:

@@ -1,7 +1,7 @@
 """Snakemake glue for rule `report_prompts`; the logic is dflash_pipeline.report."""
 
-from dflash_pipeline.joblog import job_logging
-from dflash_pipeline.report import plot_prompts, read_json, read_jsonl, write_quarantine_table
+from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.report.figures import plot_prompts, read_json, read_jsonl, write_quarantine_table
 
 
 def run(smk) -> None:

@@ -1,8 +1,8 @@
 """Snakemake glue for rule `report_storage`; the logic is dflash_pipeline.report."""
 
-from dflash_pipeline.joblog import job_logging
-from dflash_pipeline.report import plot_storage, storage_by_stage
-from dflash_pipeline.status.readonly import ReadOnlyStorage
+from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.report.figures import plot_storage, storage_by_stage
+from dflash_pipeline.core.storage import ReadOnlyStorage
 
 
 def run(smk) -> None:

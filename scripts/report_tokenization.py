@@ -1,7 +1,7 @@
 """Snakemake glue for rule `report_tokenization`; the logic is dflash_pipeline.report."""
 
-from dflash_pipeline.joblog import job_logging
-from dflash_pipeline.report import (
+from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.report.figures import (
     plot_degenerate_reasons,
     plot_supervised_histogram,
     read_json,

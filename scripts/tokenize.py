@@ -1,7 +1,7 @@
 """Snakemake glue for rule `tokenize`; the logic is dflash_pipeline.tokenization."""
 
-from dflash_pipeline.joblog import job_logging
-from dflash_pipeline.tokenization import tokenize_file
+from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.stages.tokenize import tokenize_file
 
 
 def run(smk) -> None:

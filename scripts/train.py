@@ -4,8 +4,8 @@ import os
 
 import torch
 
-from dflash_pipeline.gpu_slots import job_devices
-from dflash_pipeline.joblog import job_logging
+from dflash_pipeline.core.gpu_slots import job_devices
+from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.training.launch import run_train_job
 from dflash_pipeline.training.trainer import SegmentJob
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_pipeline.config import ConfigError, load_schema, validate_config
+from dflash_pipeline.core.config import ConfigError, load_schema, validate_config
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from dflash_pipeline import layout
+from dflash_pipeline.core import layout
 from dflash_pipeline.demo import task
-from dflash_pipeline.training.export import export_drafter
+from dflash_pipeline.stages.export import export_drafter
 from tests.support.dflash_reference import run_reference_loop
 from tests.test_training import run_segment, settings
 

@@ -1,4 +1,4 @@
-"""`python -m dflash_pipeline.evaluate` end to end on the demo target with an exported drafter."""
+"""`python -m dflash_pipeline.stages.evaluate` end to end on the demo target with an exported drafter."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
 from dflash_pipeline.demo import task
-from dflash_pipeline.evaluate import main
+from dflash_pipeline.stages.evaluate import main
 from dflash_pipeline.model.config import drafter_config_for_target
 from dflash_pipeline.model.drafter import DFlashDrafter
 

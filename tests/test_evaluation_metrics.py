@@ -164,7 +164,7 @@ def test_prepared_parquet_prompts_are_selected_by_split_and_grouped_by_source(tm
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflash_pipeline.prepare import PROMPT_SCHEMA
+    from dflash_pipeline.stages.prepare import PROMPT_SCHEMA
 
     def row(pid, split, source):
         messages = [{"role": "user", "content": f"question {pid}"}]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_pipeline.progress import ShardProgress
-from dflash_pipeline.storage import open_storage
+from dflash_pipeline.core.jobstate import ShardProgress
+from dflash_pipeline.core.storage import open_storage
 
 pytestmark = pytest.mark.workflow
 
@@ -99,7 +99,7 @@ def test_sigkilled_generation_resumes_with_exactly_the_prompt_set(
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
-    saved = len(progress.load_parts(__import__("dflash_pipeline.generate").generate.GENERATED_SCHEMA))
+    saved = len(progress.load_parts(__import__("dflash_pipeline.stages.generate").generate.GENERATED_SCHEMA))
     assert saved >= 8
 
     workflow.snakemake("--unlock", *args, env=env)  # what a user does after a hard kill

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.gpu_slots import GpuLease, device_pool
+from dflash_pipeline.core.gpu_slots import GpuLease, device_pool
 
 HERE = Path(__file__).resolve().parent
 
@@ -77,11 +77,11 @@ def test_lock_is_freed_when_the_holder_dies(tmp_path):
 def test_wrapper_sets_visible_devices_and_keeps_the_lock_while_the_command_runs(tmp_path):
     env = dict(os.environ)
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = [sys.executable, "-m", "dflash_pipeline.gpu_slots", "--gpus", "2", "--pool", "2"]
+    cmd = [sys.executable, "-m", "dflash_pipeline.core.gpu_slots", "--gpus", "2", "--pool", "2"]
     cmd += ["--lock-dir", str(tmp_path), "--", sys.executable, "-c"]
     script = (
         "import os, sys; sys.path.insert(0, %r);"
-        "from dflash_pipeline.gpu_slots import GpuLease;"
+        "from dflash_pipeline.core.gpu_slots import GpuLease;"
         "other = GpuLease(1, ['0', '1'], %r);"
         "taken = other._try_take();"
         "print(os.environ['CUDA_VISIBLE_DEVICES'], taken)"

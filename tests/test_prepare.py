@@ -11,8 +11,8 @@ import pytest
 
 from dflash_pipeline.data.prompts import BadRow, Prompt, parse_json_line, prompt_hash
 from dflash_pipeline.data.sharding import HELDOUT, shard_of, split_of
-from dflash_pipeline.prepare import PrepareError, ingest, read_shard, select_shard
-from dflash_pipeline.storage import open_storage
+from dflash_pipeline.stages.prepare import PrepareError, ingest, read_shard, select_shard
+from dflash_pipeline.core.storage import open_storage
 
 
 def user(text):

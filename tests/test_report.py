@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_pipeline import report
-from dflash_pipeline.generate import GENERATED_SCHEMA
-from dflash_pipeline.storage import ObjectInfo
+from dflash_pipeline.report import figures as report
+from dflash_pipeline.stages.generate import GENERATED_SCHEMA
+from dflash_pipeline.core.storage import ObjectInfo
 
 
 def svg_text(path: Path) -> str:
@@ -131,8 +131,8 @@ def test_storage_by_stage_groups_shards_outputs_and_folders(tmp_path):
 
 
 def test_training_curves_from_the_segments_metrics_in_the_run(tmp_path):
-    from dflash_pipeline import layout
-    from dflash_pipeline.storage import LocalStorage
+    from dflash_pipeline.core import layout
+    from dflash_pipeline.core.storage import LocalStorage
 
     run = LocalStorage(tmp_path / "run")
     for segment, steps in ((0, range(1, 4)), (1, range(4, 7))):

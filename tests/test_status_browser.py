@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.status.readonly import ReadOnlyStorage
+from dflash_pipeline.core.storage import ReadOnlyStorage
 from dflash_pipeline.status.server import StatusServer
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
 
@@ -174,7 +174,7 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
 
 
 def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp_path):
-    from dflash_pipeline.storage import LocalStorage
+    from dflash_pipeline.core.storage import LocalStorage
     from tests.support.status_run import RUNNING_LOG, write_run
 
     root = tmp_path / "results/demo"

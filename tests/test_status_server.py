@@ -13,12 +13,12 @@ import uuid
 
 import pytest
 
-from dflash_pipeline.progress import ShardProgress
+from dflash_pipeline.core.jobstate import ShardProgress
 from dflash_pipeline.status.__main__ import parser, resolve_source
-from dflash_pipeline.status.readonly import ReadOnlyStorage
+from dflash_pipeline.core.storage import ReadOnlyStorage
 from dflash_pipeline.status.server import RedactingFilter, Redactor, StatusServer
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder, local_log_path
-from dflash_pipeline.storage import LocalStorage, open_storage
+from dflash_pipeline.core.storage import LocalStorage, open_storage
 from tests.support.seaweed import free_port
 from tests.support.status_run import RUNNING_LOG, write_run
 

@@ -7,7 +7,7 @@ import uuid
 import boto3
 import pytest
 
-from dflash_pipeline.storage import (
+from dflash_pipeline.core.storage import (
     BUCKET_SENTINEL_KEY,
     LocalStorage,
     S3Storage,

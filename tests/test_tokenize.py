@@ -6,8 +6,8 @@ import pyarrow as pa
 import pytest
 
 from dflash_pipeline.data.tokenize import conversation_sequences, repetition_loop
-from dflash_pipeline.generate import GENERATED_SCHEMA
-from dflash_pipeline.tokenization import DegenerateShard, ShardTokenizer
+from dflash_pipeline.stages.generate import GENERATED_SCHEMA
+from dflash_pipeline.stages.tokenize import DegenerateShard, ShardTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -279,9 +279,9 @@ def test_the_stage_writes_live_telemetry_and_the_table_matches_the_stats(tok, de
 
     import pyarrow.parquet as pq
 
-    from dflash_pipeline.progress import ShardProgress
-    from dflash_pipeline.storage import open_storage
-    from dflash_pipeline.tokenization import tokenize_file
+    from dflash_pipeline.core.jobstate import ShardProgress
+    from dflash_pipeline.core.storage import open_storage
+    from dflash_pipeline.stages.tokenize import tokenize_file
 
     rows = [healthy(i) for i in range(30)] + [generated_row(90, "", "", error="gave up")]
     pq.write_table(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), tmp_path / "generated-00003.parquet")

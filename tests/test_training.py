@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_pipeline import layout
-from dflash_pipeline.config import validate_config
-from dflash_pipeline.storage import open_storage
-from dflash_pipeline.training.export import export_drafter, expected_tensor_shapes
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.config import validate_config
+from dflash_pipeline.core.storage import open_storage
+from dflash_pipeline.stages.export import export_drafter, expected_tensor_shapes
 from dflash_pipeline.training.trainer import PREEMPTED_EXIT_CODE, SegmentJob, lr_factor
 from tests.support.train_data import write_tokenized_shard
 
@@ -125,7 +125,7 @@ def start_training(run_dir: Path, s: dict, demo_model, tokenized) -> subprocess.
     settings_file.write_text(json.dumps(s))
     return subprocess.Popen(
         [
-            sys.executable, "-m", "dflash_pipeline.train",
+            sys.executable, "-m", "dflash_pipeline.stages.train",
             "--run-url", str(run_dir), "--segment", "0", "--settings", str(settings_file),
             "--target", str(demo_model), "--device", "cpu",
             "--manifest", str(run_dir / layout.segment_manifest_key(0)),
@@ -214,7 +214,7 @@ def test_lr_schedule_warms_up_then_decays_to_floor():
 
 @pytest.mark.parametrize("hidden_dtype", ["float32", "float8_e4m3fn"])
 def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_model, tokenized, tmp_path):
-    from dflash_pipeline.extraction import extract_shard
+    from dflash_pipeline.stages.extract import extract_shard
 
     hidden = {}
     for shard, path in tokenized.items():
@@ -231,8 +231,8 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
     job.run()
     # The stored taps are the target's taps (up to the rounding of a different batch shape, or
     # of fp8), and training from them lands next to online training.
-    from dflash_pipeline.extraction import HiddenShards
-    from dflash_pipeline.model.taps import TargetTaps, load_target
+    from dflash_pipeline.data.hidden import HiddenShards
+    from dflash_pipeline.model.taps import TargetTaps
     from dflash_pipeline.training.data import collate, read_training_sequences
     from dflash_pipeline.training.trainer import build_drafter_config
 

@@ -2,7 +2,7 @@
 
 A row becomes a ``Prompt`` (OpenAI-style ``messages`` of ``role``/``content``) or a ``BadRow``
 that names the file, the 1-based row number and the reason. Nothing here decides shards or
-writes files; ``dflash_pipeline.prepare`` does that.
+writes files; ``dflash_pipeline.stages.prepare`` does that.
 """
 
 from __future__ import annotations

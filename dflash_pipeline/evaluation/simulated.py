@@ -13,8 +13,9 @@ import pyarrow.parquet as pq
 import torch
 
 from dflash_pipeline.data.sharding import HELDOUT
-from dflash_pipeline.model.inference import load_drafter, target_embeddings
-from dflash_pipeline.model.taps import TargetTaps, load_target
+from dflash_pipeline.model.inference import load_drafter
+from dflash_pipeline.model.target import load_target, target_embeddings
+from dflash_pipeline.model.taps import TargetTaps
 from dflash_pipeline.training.blocks import block_metrics, blocks_forward, build_blocks, sample_anchors
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from dflash_pipeline.model.config import SLIDING, DrafterConfig
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.model.masks import block_visibility
+from dflash_pipeline.model.target import target_embeddings
 
 
 class DFlashProposer:
@@ -90,12 +91,6 @@ class DFlashProposer:
     def propose(self, new_context: torch.Tensor, anchor_token: int, anchor_position: int) -> list[int]:
         self.extend_context(new_context)
         return self.block_logits(anchor_token, anchor_position).argmax(dim=-1).tolist()
-
-
-def target_embeddings(target) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding and LM head weights (frozen, shared with the drafter)."""
-    head = target.get_output_embeddings()
-    return target.get_input_embeddings().weight, head.weight
 
 
 def load_drafter(drafter_dir: str | Path, device=None, dtype=None) -> DFlashDrafter:

@@ -73,14 +73,3 @@ class TargetTaps:
         taps = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         self._captured = {}
         return taps
-
-
-def load_target(model_dir: str, device: str | torch.device = "cpu", dtype=None):
-    """The target in eval mode with frozen weights (it is never trained here)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
-    model.to(device).eval()
-    for param in model.parameters():
-        param.requires_grad_(False)
-    return model

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import yaml
 
-from dflash_pipeline import layout
-from dflash_pipeline.config import validate_config
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.status.events import DEFAULT_EVENTS_FILE
-from dflash_pipeline.status.readonly import ReadOnlyStorage
+from dflash_pipeline.core.storage import ReadOnlyStorage
 from dflash_pipeline.status.server import RedactingFilter, StatusServer
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
-from dflash_pipeline.storage import is_s3_url
+from dflash_pipeline.core.storage import is_s3_url
 
 DEFAULT_PIDFILE = "logs/status-server.pid"
 DEFAULT_LOGFILE = "logs/status-server.log"

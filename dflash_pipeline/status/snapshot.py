@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_pipeline import layout
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.jobstate import read_train_metrics
+from dflash_pipeline.core.storage import ReadOnlyStorage, StorageError
 from dflash_pipeline.status.events import JobBoard, RunEvents
-from dflash_pipeline.status.readonly import ReadOnlyStorage
-from dflash_pipeline.storage import StorageError
 
 # Shard stages in pipeline order, with the rule whose job produces each stage's object.
 STAGE_RULES = {"prompts": "prepare_prompts", "generated": "generate", "tokenized": "tokenize", "hidden": "extract"}
@@ -35,7 +35,6 @@ ALWAYS_SHOWN = ("prompts", "generated", "tokenized")
 UNTIL_STAGES = ["prompts", "generate", "tokenize", "train", "evaluate"]
 UNTIL_SHARD_STAGE = {"prompts": "prompts", "generate": "generated", "tokenize": "tokenized"}
 
-SHARD_OBJECT = re.compile(r"^outputs/(?P<stage>[a-z_]+)-(?P<shard>\d{5})\.(?P<ext>.+)$")
 TELEMETRY_KEY = re.compile(r"^_progress/(?P<stage>[a-z_]+)/shard-(?P<shard>\d{5})/telemetry\.json$")
 SEGMENT_KEY = re.compile(r"^_progress/train/segment-(?P<segment>\d{4})/(?P<name>metrics\.jsonl|telemetry\.json)$")
 SEGMENT_MANIFEST = re.compile(r"^outputs/train-segment-(?P<segment>\d{4})\.json$")
@@ -61,36 +60,12 @@ class RunSource:
     stale_after_s: float = 300.0
 
 
-def storage_category(key: str) -> str:
-    """The storage-use bucket of a key: a shard stage, another output kind, or a top folder."""
-    match = SHARD_OBJECT.match(key)
-    if match:
-        return match["stage"]
-    if key.startswith(f"{layout.OUTPUTS_DIR}/"):
-        name = key.split("/", 1)[1]
-        return re.split(r"[-.]", name, maxsplit=1)[0]  # ingest, benchmark, train, eval, report
-    return key.split("/", 1)[0] if "/" in key else "other"
-
-
 def thin_points(points: list[dict], limit: int = MAX_CURVE_POINTS) -> list[dict]:
     """At most ``limit`` points, evenly spaced, always keeping the first and last."""
     if len(points) <= limit:
         return points
     step = (len(points) - 1) / (limit - 1)
     return [points[round(i * step)] for i in range(limit)]
-
-
-def read_train_metrics(text: str) -> list[dict]:
-    """Parse a training ``metrics.jsonl``; a line cut by a crash or an upload is skipped."""
-    points = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "step" in record:
-            points.append(record)
-    return points
 
 
 class SnapshotBuilder:
@@ -142,10 +117,10 @@ class SnapshotBuilder:
         segments: dict[int, dict] = {}
         eval_metrics = None
         for obj in objects:
-            use = storage_use.setdefault(storage_category(obj.key), {"bytes": 0, "objects": 0})
+            use = storage_use.setdefault(layout.storage_category(obj.key), {"bytes": 0, "objects": 0})
             use["bytes"] += obj.size
             use["objects"] += 1
-            if m := SHARD_OBJECT.match(obj.key):
+            if m := layout.SHARD_OBJECT.match(obj.key):
                 stage = m["stage"]
                 if stage in STAGE_RULES and m["ext"] == layout.SHARD_STAGES.get(stage):
                     done[stage].add(int(m["shard"]))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_pipeline.storage import Storage, StorageError, sha256_file
+from dflash_pipeline.core.storage import Storage, StorageError, sha256_file
 
 INDEX = "checkpoint.json"
 LATEST = "latest.json"

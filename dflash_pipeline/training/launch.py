@@ -16,7 +16,7 @@ from dflash_pipeline.training.trainer import SegmentJob
 def torchrun_command(nproc: int, args: list[str]) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", "-m", "dflash_pipeline.train", *args,
+        f"--nproc_per_node={nproc}", "-m", "dflash_pipeline.stages.train", *args,
     ]  # fmt: skip
 
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_pipeline import layout
+from dflash_pipeline.core import layout
 from dflash_pipeline.model.config import DrafterConfig, drafter_config_for_target
 from dflash_pipeline.model.drafter import DFlashDrafter
-from dflash_pipeline.storage import Storage, open_storage
+from dflash_pipeline.core.storage import Storage, open_storage
 from dflash_pipeline.training.blocks import block_metrics, blocks_forward
 from dflash_pipeline.training.checkpoint import RollingCheckpoints, load_checkpoint, save_checkpoint
 from dflash_pipeline.training.data import BatchPlan, collate, read_training_sequences
@@ -216,8 +216,8 @@ class _SegmentRun:
 
     # --- set-up --------------------------------------------------------------------------------
     def _load_target(self):
-        from dflash_pipeline.model.inference import target_embeddings
-        from dflash_pipeline.model.taps import TargetTaps, load_target
+        from dflash_pipeline.model.target import load_target, target_embeddings
+        from dflash_pipeline.model.taps import TargetTaps
 
         self.drafter_config = build_drafter_config(self.settings, self.job.target_dir)
         if self.settings["mode"] == "online":
@@ -225,7 +225,8 @@ class _SegmentRun:
             self.taps = TargetTaps(target, self.drafter_config.target_layer_ids)
             self.embed_weight, self.lm_head_weight = target_embeddings(target)
         else:
-            from dflash_pipeline.extraction import HiddenShards, load_target_embeddings
+            from dflash_pipeline.data.hidden import HiddenShards
+            from dflash_pipeline.model.target import load_target_embeddings
 
             self.taps = None
             self.hidden = HiddenShards(self.storage, self.job.hidden, self.drafter_config)
@@ -406,7 +407,7 @@ class _SegmentRun:
                 "last_metrics": {k: last.get(k) for k in ("loss", "accuracy", "accept_len", "lr")},
                 "processes": self.dist.world,
             }
-            from dflash_pipeline.storage import write_atomically
+            from dflash_pipeline.core.storage import write_atomically
 
             with write_atomically(self.job.manifest_path) as tmp:
                 tmp.write_text(json.dumps(manifest, indent=1))

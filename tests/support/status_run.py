@@ -6,10 +6,10 @@ import json
 import time
 from pathlib import Path
 
-from dflash_pipeline import layout
-from dflash_pipeline.progress import ShardProgress
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.jobstate import ShardProgress
 from dflash_pipeline.status.events import EventWriter
-from dflash_pipeline.storage import Storage
+from dflash_pipeline.core.storage import Storage
 
 RUNNING_LOG = ["loading the engine", "generated 4 of 10 samples"]
 

@@ -16,6 +16,8 @@ and checkpoints live beside it and are never checked by Snakemake.
 
 from __future__ import annotations
 
+import re
+
 OUTPUTS_DIR = "outputs"
 PROGRESS_DIR = "_progress"
 LOGS_DIR = "logs"
@@ -125,3 +127,17 @@ EVAL_METRICS = f"{OUTPUTS_DIR}/eval-metrics.json"
 def report_key(name: str) -> str:
     """Key of a report item, e.g. ``outputs/report-generation-lengths.svg``."""
     return f"{OUTPUTS_DIR}/report-{name}"
+
+
+SHARD_OBJECT = re.compile(r"^outputs/(?P<stage>[a-z_]+)-(?P<shard>\d{5})\.(?P<ext>.+)$")
+
+
+def storage_category(key: str) -> str:
+    """The storage-use bucket of a key: a shard stage, another output kind, or a top folder."""
+    match = SHARD_OBJECT.match(key)
+    if match:
+        return match["stage"]
+    if key.startswith(f"{OUTPUTS_DIR}/"):
+        name = key.split("/", 1)[1]
+        return re.split(r"[-.]", name, maxsplit=1)[0]  # ingest, benchmark, train, eval, report
+    return key.split("/", 1)[0] if "/" in key else "other"

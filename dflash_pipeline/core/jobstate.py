@@ -15,8 +15,8 @@ import uuid
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_pipeline import layout
-from dflash_pipeline.storage import Storage, StorageError
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.storage import Storage, StorageError, open_storage
 
 TELEMETRY = "telemetry.json"
 
@@ -82,3 +82,28 @@ class ShardProgress:
             return json.loads(self.run.read_text(self.prefix + TELEMETRY))
         except StorageError:
             return None
+
+
+def read_stage_telemetry(run_url: str, stage: str, shards: list[str]) -> dict[str, dict]:
+    """The last telemetry of each shard of ``stage`` that left one, keyed by shard name."""
+    run = open_storage(run_url)
+    found = {}
+    for shard in shards:
+        try:
+            found[shard] = json.loads(run.read_text(layout.progress_prefix(stage, shard) + TELEMETRY))
+        except (StorageError, ValueError):
+            continue  # no telemetry kept (or unreadable): the figure shows the job rate only
+    return found
+
+
+def read_train_metrics(text: str) -> list[dict]:
+    """Parse a training ``metrics.jsonl``; a line cut by a crash or an upload is skipped."""
+    points = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            points.append(record)
+    return points

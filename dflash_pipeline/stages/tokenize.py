@@ -9,7 +9,7 @@ Rows go through in chunks (one batched chat-template call and one batched tokeni
 spread over forked worker processes; ``bench/tokenize_throughput.py`` measures the stage against
 the bare batched tokenizer. Live telemetry goes under ``_progress/tokenize/shard-NNNNN/``.
 
-Run by hand: ``python -m dflash_pipeline.tokenization --help``.
+Run by hand: ``python -m dflash_pipeline.stages.tokenize --help``.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from dflash_pipeline.data.tokenize import (
     response_key,
     round_trip_failures,
 )
-from dflash_pipeline.progress import ShardProgress
-from dflash_pipeline.storage import open_storage, write_atomically
+from dflash_pipeline.core.jobstate import ShardProgress
+from dflash_pipeline.core.storage import open_storage, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -495,7 +495,7 @@ def tokenize_file(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.tokenization", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.tokenize", description=__doc__)
     parser.add_argument("generated")
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)

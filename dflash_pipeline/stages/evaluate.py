@@ -1,6 +1,6 @@
 """Measure a DFlash drafter's acceptance length in a real speculative-decoding loop.
 
-    python -m dflash_pipeline.evaluate --target DIR --drafter DIR --prompts FILE --out metrics.json
+    python -m dflash_pipeline.stages.evaluate --target DIR --drafter DIR --prompts FILE --out metrics.json
         [--max-new-tokens N --temperature T --block-size B --thinking on|off --engine transformers|sglang]
 
 Prompts are JSONL rows with OpenAI ``messages`` (and optionally ``id`` and ``prompt_set``), or the
@@ -23,6 +23,8 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from dflash_pipeline.core.storage import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +86,8 @@ def _drafter_block_size(drafter: str | Path) -> int:
 
 
 def _write_json(path: Path, document: dict) -> None:
-    """Atomically: a reader never sees half a metrics file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(document, fh, indent=2)
-        fh.write("\n")
-    os.replace(tmp, path)
+    with write_atomically(path) as tmp:
+        tmp.write_text(json.dumps(document, indent=2) + "\n")
 
 
 def _settings(target, drafter, prompts_path, options: EvalOptions, **resolved) -> dict:
@@ -170,7 +167,7 @@ def run_evaluation(
 
 
 def _run_transformers(target, drafter, prompts, options: EvalOptions, load_proposer, model=None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from dflash_pipeline.evaluation.lossless import (
         DEFAULT_MARGIN_TOLERANCE,
@@ -180,6 +177,7 @@ def _run_transformers(target, drafter, prompts, options: EvalOptions, load_propo
     from dflash_pipeline.evaluation.loop import DecodeSettings, plain_decode, speculative_decode
     from dflash_pipeline.evaluation.metrics import PromptResult
     from dflash_pipeline.evaluation.target import TargetRunner, target_stop_token_ids
+    from dflash_pipeline.model.target import load_target
 
     if load_proposer is None:
         # Imported here: the drafter package is only needed by this engine.
@@ -188,7 +186,7 @@ def _run_transformers(target, drafter, prompts, options: EvalOptions, load_propo
     device, dtype = resolve_device_dtype(options)
     tokenizer = AutoTokenizer.from_pretrained(target)
     if model is None:
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+        model = load_target(target, device, dtype)
     proposer = load_proposer(drafter, model)
     if options.block_size is not None:
         if options.block_size < 2:
@@ -291,7 +289,7 @@ def _run_sglang(target, drafter, prompts, options: EvalOptions, out: Path):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m dflash_pipeline.evaluate",
+        prog="python -m dflash_pipeline.stages.evaluate",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

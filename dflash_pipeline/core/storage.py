@@ -125,30 +125,28 @@ class LocalStorage(Storage):
         except FileNotFoundError as err:
             raise StorageError(f"{self.join(key)} does not exist") from err
 
-    def _atomic_target(self, key: str) -> tuple[Path, Path]:
+    @contextlib.contextmanager
+    def atomic_path(self, key: str) -> Iterator[Path]:
+        """A temp file beside ``key``'s file, renamed over it when the block succeeds: the one
+        atomic write of local storage (a reader sees the old file or the whole new one)."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}{PARTIAL_MARKER}{uuid.uuid4().hex[:8]}")
-        return path, tmp
+        try:
+            yield tmp
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def write_bytes(self, key: str, data: bytes) -> None:
-        path, tmp = self._atomic_target(key)
-        try:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with self.atomic_path(key) as tmp, open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
 
     def upload_file(self, key: str, local_path: str | os.PathLike) -> None:
-        path, tmp = self._atomic_target(key)
-        try:
+        with self.atomic_path(key) as tmp:
             shutil.copyfile(local_path, tmp)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def download_file(self, key: str, local_path: str | os.PathLike) -> None:
         src = self._path(key)
@@ -347,12 +345,8 @@ def write_atomically(url: str | os.PathLike) -> Iterator[Path]:
     """
     storage, key = open_object(url)
     if isinstance(storage, LocalStorage):
-        path, tmp = storage._atomic_target(key)
-        try:
+        with storage.atomic_path(key) as tmp:
             yield tmp
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         return
     with tempfile.TemporaryDirectory(prefix="dflash-up-") as tmpdir:
         tmp = Path(tmpdir) / key
@@ -390,3 +384,27 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: fh.read(1 << 24), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+# The status server's only handle on a run: listing and reading, nothing that could write.
+# The page is read-only by construction: the server never holds a ``Storage`` object, only this
+# wrapper, which exposes the three reading calls and nothing else.
+class ReadOnlyStorage:
+    def __init__(self, storage: Storage):
+        self._storage = storage
+        # What the page may show of where the run lives: ``s3://bucket/prefix`` or a local path;
+        # never the endpoint or anything from the credentials.
+        self.url = storage.url
+
+    @classmethod
+    def open(cls, url: str) -> ReadOnlyStorage:
+        return cls(open_storage(url))
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self._storage.list(prefix)
+
+    def read_bytes(self, key: str) -> bytes:
+        return self._storage.read_bytes(key)
+
+    def read_text(self, key: str) -> str:
+        return self.read_bytes(key).decode("utf-8")

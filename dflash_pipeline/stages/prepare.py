@@ -6,7 +6,7 @@ split (held-out or train), and writes one parquet sorted by shard, one row group
 ``select_shard`` then reads one shard's row group cheaply: every per-shard job of the workflow
 starts from a single small object.
 
-Run by hand: ``python -m dflash_pipeline.prepare ingest --help``.
+Run by hand: ``python -m dflash_pipeline.stages.prepare ingest --help``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from dflash_pipeline.data.prompts import BadRow, Prompt, prompt_hash, read_prompt_file
 from dflash_pipeline.data.sharding import HELDOUT, shard_of, split_of
-from dflash_pipeline.storage import open_object, write_atomically
+from dflash_pipeline.core.storage import open_object, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def select_shard(ingested: str, shard: int, out: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.prepare", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.prepare", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     ing = sub.add_parser("ingest", help="validate, dedupe, id and shard a prompt dataset")
     ing.add_argument("paths", nargs="+", help=".jsonl/.parquet files, local or s3://")

@@ -6,7 +6,7 @@ ends with a user or tool turn gets one more assistant turn. Finished conversatio
 parts under ``_progress/generate/shard-NNNNN/`` every K samples or T seconds, so a killed job
 resumes where it stopped; telemetry for the status page is written at least every 10 s.
 
-Run by hand: ``python -m dflash_pipeline.generate --help``.
+Run by hand: ``python -m dflash_pipeline.stages.generate --help``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from dflash_pipeline.engines.client import (
     make_adapter,
 )
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec
-from dflash_pipeline.progress import ShardProgress
-from dflash_pipeline.storage import open_storage, write_atomically
+from dflash_pipeline.core.jobstate import ShardProgress
+from dflash_pipeline.core.storage import open_storage, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +417,7 @@ def run_job(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.generate", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.generate", description=__doc__)
     parser.add_argument("--prompts", required=True, help="prompt shard parquet")
     parser.add_argument("--out", required=True, help="generated shard parquet")
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://)")

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from dflash_pipeline.model.config import DrafterConfig
 from dflash_pipeline.model.drafter import DFlashDrafter
-from dflash_pipeline.storage import open_storage, write_atomically
+from dflash_pipeline.core.storage import open_storage, write_atomically
 from dflash_pipeline.training.checkpoint import load_checkpoint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

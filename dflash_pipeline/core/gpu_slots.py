@@ -10,7 +10,7 @@ Because Snakemake never starts more GPU jobs than ``--resources gpu`` allows, an
 least that many devices, a job never waits long; if it does (the pool is smaller than the limit,
 or another Snakemake shares the machine), it waits with a jittered back-off and says so.
 
-    python -m dflash_pipeline.gpu_slots --gpus 2 --pool 4 -- torchrun ... train.py
+    python -m dflash_pipeline.core.gpu_slots --gpus 2 --pool 4 -- torchrun ... train.py
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class GpuLease:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dflash_pipeline.gpu_slots",
+        prog="python -m dflash_pipeline.core.gpu_slots",
         description="Run a command on N free GPUs of this machine (CUDA_VISIBLE_DEVICES).",
     )
     parser.add_argument("--gpus", type=int, required=True, help="devices the command needs")

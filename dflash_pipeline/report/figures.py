@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from dflash_pipeline import layout
-from dflash_pipeline.status.snapshot import read_train_metrics, storage_category
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.jobstate import read_train_metrics
 
 # Fixed histogram bins: tokens (as the tokenize stats) and characters.
 TOKEN_EDGES = [0, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -143,7 +143,7 @@ def storage_by_stage(objects: Iterable) -> dict[str, int]:
     """Bytes per stage (shard objects by stage, other outputs by kind, other folders by name)."""
     use: Counter = Counter()
     for obj in objects:
-        use[storage_category(obj.key)] += obj.size
+        use[layout.storage_category(obj.key)] += obj.size
     return dict(sorted(use.items(), key=lambda kv: -kv[1]))
 
 
@@ -450,8 +450,8 @@ def _write_html(out: str | Path, title: str, body: str) -> None:
 def write_training_report(run_url: str, segments: Iterable[int], out: str | Path) -> None:
     """The training figure (caption report/training.rst) from the ``metrics.jsonl`` that each
     training segment keeps in the run's ``_progress/`` (read-only)."""
-    from dflash_pipeline.status.readonly import ReadOnlyStorage
-    from dflash_pipeline.storage import StorageError
+    from dflash_pipeline.core.storage import ReadOnlyStorage
+    from dflash_pipeline.core.storage import StorageError
 
     run = ReadOnlyStorage.open(run_url)
     points, missing = [], []

@@ -1,6 +1,6 @@
-"""Train one segment of the drafter: ``python -m dflash_pipeline.train --help``.
+"""Train one segment of the drafter: ``python -m dflash_pipeline.stages.train --help``.
 
-Run directly for one process, or under ``torchrun --nproc_per_node N -m dflash_pipeline.train``
+Run directly for one process, or under ``torchrun --nproc_per_node N -m dflash_pipeline.stages.train``
 for DDP over N GPUs (the workflow's `train` rule does this).
 """
 

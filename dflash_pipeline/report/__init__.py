@@ -1,0 +1,1 @@
+"""Figures and tables of the HTML report (``snakemake --report``)."""

@@ -1,0 +1,103 @@
+"""Offline mode: the target's taps of every training row of a shard, stored once.
+
+One safetensors object per shard (``hidden/shard-NNNNN.safetensors``), written by the job itself
+through the storage layer: ``taps`` [total_tokens, K*H] (bf16, or fp8 e4m3 with a per-row
+``scales`` vector, or fp32), ``offsets`` [rows + 1] (row r spans offsets[r]:offsets[r+1]) and
+``rows`` (the row indices in the tokenized shard). The file is streamed to local disk row by row
+(the header is known up front from the token counts), so a shard never has to fit in memory, and
+uploaded as one object. The declared Snakemake output is a small manifest with the object's key,
+size and sha256, written last.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from dflash_pipeline.data.sharding import TRAIN
+from dflash_pipeline.core.storage import open_storage, sha256_file, write_atomically
+from dflash_pipeline.data.hidden import FP8_MAX, HIDDEN_DTYPES, StreamingSafetensors, hidden_key
+
+
+def extract_shard(
+    tokenized_path: str,
+    target_dir: str,
+    layer_ids: list[int],
+    run_url: str,
+    shard: str,
+    manifest_out: str,
+    hidden_dtype: str = "bfloat16",
+    max_batch_tokens: int = 16384,
+    device: str | None = None,
+) -> dict:
+    from dflash_pipeline.model.taps import TargetTaps
+    from dflash_pipeline.model.target import load_target
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    compute = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = pq.read_table(tokenized_path, columns=["split", "input_ids"])
+    rows = [i for i, s in enumerate(table["split"].to_pylist()) if s == TRAIN]
+    sequences = [np.asarray(table["input_ids"][i].values, dtype=np.int64) for i in rows]
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in sequences])]).astype(np.int64)
+    target = load_target(target_dir, device, compute)
+    taps = TargetTaps(target, layer_ids)
+    text = getattr(target.config, "text_config", None) or target.config
+    width = len(layer_ids) * text.hidden_size
+    dtype = HIDDEN_DTYPES[hidden_dtype]
+    tensors = {"taps": (dtype, (int(offsets[-1]), width))}
+    if dtype == torch.float8_e4m3fn:
+        tensors["scales"] = (torch.float32, (len(rows),))
+    tensors["offsets"] = (torch.int64, (len(offsets),))
+    tensors["rows"] = (torch.int64, (len(rows),))
+    metadata = {"layer_ids": json.dumps(layer_ids), "hidden_dtype": hidden_dtype, "shard": shard}
+    storage = open_storage(run_url)
+    with tempfile.TemporaryDirectory(prefix="dflash-hidden-") as tmp:
+        path = Path(tmp) / "hidden.safetensors"
+        writer = StreamingSafetensors(path, tensors, metadata)
+        scales = []
+        # Rows in order, several per forward (right-padded) up to max_batch_tokens.
+        start = 0
+        while start < len(sequences):
+            end, longest = start, 0
+            while end < len(sequences) and (end == start or max(longest, len(sequences[end])) * (end - start + 1) <= max_batch_tokens):
+                longest = max(longest, len(sequences[end]))
+                end += 1
+            batch = torch.zeros(end - start, longest, dtype=torch.long)
+            for i, seq in enumerate(sequences[start:end]):
+                batch[i, : len(seq)] = torch.from_numpy(seq)
+            out = taps(batch.to(device)).float()
+            for i, seq in enumerate(sequences[start:end]):
+                row = out[i, : len(seq)]
+                if dtype == torch.float8_e4m3fn:
+                    scale = row.abs().amax().clamp_min(1e-12) / FP8_MAX
+                    scales.append(float(scale))
+                    row = row / scale
+                writer.append("taps", row.to(dtype))
+            start = end
+        if dtype == torch.float8_e4m3fn:
+            writer.append("scales", torch.tensor(scales, dtype=torch.float32))
+        writer.append("offsets", torch.from_numpy(offsets))
+        writer.append("rows", torch.tensor(rows, dtype=torch.int64))
+        writer.close()
+        manifest = {
+            "shard": shard,
+            "key": hidden_key(shard),
+            "url": storage.join(hidden_key(shard)),
+            "size": path.stat().st_size,
+            "sha256": sha256_file(path),
+            "rows": len(rows),
+            "tokens": int(offsets[-1]),
+            "hidden_dtype": hidden_dtype,
+            "layer_ids": list(layer_ids),
+            "width": width,
+        }
+        storage.upload_file(hidden_key(shard), path)
+    with write_atomically(manifest_out) as tmp_out:
+        tmp_out.write_text(json.dumps(manifest, indent=1))
+    return manifest
