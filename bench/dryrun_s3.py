@@ -39,9 +39,9 @@ def planned_keys(num_shards: int) -> list[list[str]]:
     the pipeline writes them."""
     root = layout.run_root("results", "demo")
     ingest = [layout.INGESTED_PROMPTS, layout.INGEST_SUMMARY, layout.QUARANTINE]
-    ingest.append(layout.benchmark_key("ingest_prompts"))
-    shards = [layout.shard_key("prompts", s) for s in range(num_shards)]
-    shards += [layout.benchmark_key("prepare_prompts", s) for s in range(num_shards)]
+    ingest.append(layout.benchmark_key("ingest"))
+    shards = [layout.shard_key("prepare", s) for s in range(num_shards)]
+    shards += [layout.benchmark_key("prepare", s) for s in range(num_shards)]
     return [[f"{root}/{k}" for k in group] for group in (ingest, shards)]
 
 
@@ -85,7 +85,7 @@ def main() -> None:
     result = {
         "benchmark": "dryrun_s3",
         "shards": args.shards,
-        "shard_stages": ["prompts"],
+        "shard_stages": ["prepare"],
         "objects": sum(len(g) for g in planned_keys(args.shards)),
         "dry_run_s3_seconds": round(dry_s, 2),
         "nothing_to_do": nothing,

@@ -35,7 +35,7 @@ from dflash_pipeline.demo.build_model import build_demo_model  # noqa: E402
 from dflash_pipeline.demo.task import prompt_messages, sample_problem  # noqa: E402
 from dflash_pipeline.engines.client import EngineClient, Sampling, make_adapter  # noqa: E402
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec  # noqa: E402
-from dflash_pipeline.stages.generate import GenerationSettings, ShardGenerator, generate_shard  # noqa: E402
+from dflash_pipeline.engines.regenerate import GenerationSettings, ShardGenerator, generate_shard  # noqa: E402
 from dflash_pipeline.core.jobstate import ShardProgress  # noqa: E402
 from dflash_pipeline.core.storage import open_storage  # noqa: E402
 

@@ -54,8 +54,8 @@ def main() -> None:
         try:
             url = f"s3://{server.bucket}/bench/results/demo"
             store = S3Storage(url)
-            keys = [layout.shard_key(stage, s) for stage in ("prompts", "generated") for s in range(args.shards)]
-            keys += [layout.shard_key("tokenized", s) for s in range(args.shards - args.running)]
+            keys = [layout.shard_key(stage, s) for stage in ("prepare", "generate") for s in range(args.shards)]
+            keys += [layout.shard_key("tokenize", s) for s in range(args.shards - args.running)]
             t0 = time.time()
             with ThreadPoolExecutor(16) as pool:
                 list(pool.map(lambda k: store.write_bytes(k, b"x"), keys))

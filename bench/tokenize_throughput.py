@@ -36,10 +36,10 @@ from tokenizers import Tokenizer
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_pipeline.data.tokenize import conversation_pieces, conversation_pieces_many  # noqa: E402
+from dflash_pipeline.data.masks import conversation_pieces, conversation_pieces_many  # noqa: E402
 from dflash_pipeline.demo.task import sample_problem  # noqa: E402
-from dflash_pipeline.stages.generate import GENERATED_SCHEMA  # noqa: E402
-from dflash_pipeline.stages.tokenize import ShardTokenizer, _messages  # noqa: E402
+from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA  # noqa: E402
+from dflash_pipeline.data.tokenized import ShardTokenizer, _messages  # noqa: E402
 
 # Demo reasoning traces per long response: ~2-4k tokens of the demo tokenizer.
 LONG_TRACES = (45, 90)

@@ -93,11 +93,11 @@ def target_model_input(wildcards):
 
 def train_inputs(wildcards):
     segment = int(wildcards.segment)
-    inputs = {"tokenized": expand(shard_output("tokenized"), shard=SHARDS)}
+    inputs = {"tokenized": expand(shard_output("tokenize"), shard=SHARDS)}
     if segment > 0:
         inputs["previous"] = segment_manifest(segment - 1)
     if config["train"]["mode"] == "offline":
-        inputs["hidden"] = expand(shard_output("hidden"), shard=SHARDS)
+        inputs["hidden"] = expand(shard_output("extract"), shard=SHARDS)
     inputs.update(target_model_input(wildcards))
     return inputs
 
@@ -105,7 +105,7 @@ def train_inputs(wildcards):
 # The report's figures and tables per stage (rules/report.smk); the storage figure comes last,
 # once everything else exists.
 REPORT_ITEMS = {
-    "prompts": ["prompts.svg", "prompts.html"],
+    "prepare": ["prompts.svg", "prompts.html"],
     "generate": [
         "generation-throughput.svg",
         "generation-lengths.svg",
@@ -125,10 +125,10 @@ REPORT_STORAGE_ITEM = "storage.svg"
 def report_storage_inputs():
     """Everything `until` asks for, with the report figures of the stages it builds: the
     storage figure is made once all of it exists."""
-    stages = ["prompts", "generate", "tokenize", "train", "evaluate"]
+    stages = ["prepare", "generate", "tokenize", "train", "evaluate"]
     until = stages.index(config["until"])
     outputs = [run_path(layout.INGEST_SUMMARY)]
-    for index, stage in enumerate(["prompts", "generated", "tokenized"]):
+    for index, stage in enumerate(["prepare", "generate", "tokenize"]):
         if until == index:
             outputs += expand(shard_output(stage), shard=SHARDS)
     if until >= stages.index("train"):

@@ -8,7 +8,7 @@ rule evaluate:
         drafter_config=run_path(layout.DRAFTER_CONFIG),
         drafter_weights=run_path(layout.DRAFTER_WEIGHTS),
         prompts=run_path(layout.INGESTED_PROMPTS),
-        tokenized=expand(shard_output("tokenized"), shard=SHARDS),
+        tokenized=expand(shard_output("tokenize"), shard=SHARDS),
     output:
         metrics=run_path(layout.EVAL_METRICS),
     log:

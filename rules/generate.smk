@@ -4,9 +4,9 @@
 rule generate:
     input:
         unpack(target_model_input),
-        prompts=shard_output("prompts"),
+        prompts=shard_output("prepare"),
     output:
-        generated=shard_output("generated"),
+        generated=shard_output("generate"),
     log:
         log_path("generate"),
     benchmark:

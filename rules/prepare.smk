@@ -1,7 +1,7 @@
 # Prepare: validate, dedupe, id and shard the prompt dataset (dflash_pipeline.stages.prepare).
 
 
-rule ingest_prompts:
+rule ingest:
     input:
         dataset=local_dataset_files(),
     output:
@@ -9,9 +9,9 @@ rule ingest_prompts:
         summary=run_path(layout.INGEST_SUMMARY),
         quarantine=run_path(layout.QUARANTINE),
     log:
-        log_path("ingest_prompts", per_shard=False),
+        log_path("ingest", per_shard=False),
     benchmark:
-        benchmark_path("ingest_prompts", per_shard=False)
+        benchmark_path("ingest", per_shard=False)
     conda:
         "../envs/cpu.yaml"
     threads: 1
@@ -21,22 +21,22 @@ rule ingest_prompts:
         num_shards=config["num_shards"],
         dataset=config["dataset"],
     script:
-        "../scripts/ingest_prompts.py"
+        "../scripts/ingest.py"
 
 
-rule prepare_prompts:
+rule prepare:
     input:
         prompts=run_path(layout.INGESTED_PROMPTS),
     output:
-        prompts=shard_output("prompts"),
+        prompts=shard_output("prepare"),
     log:
-        log_path("prepare_prompts"),
+        log_path("prepare"),
     benchmark:
-        benchmark_path("prepare_prompts")
+        benchmark_path("prepare")
     conda:
         "../envs/cpu.yaml"
     threads: 1
     resources:
         mem_mb=2000,
     script:
-        "../scripts/prepare_prompts.py"
+        "../scripts/prepare.py"

@@ -32,7 +32,7 @@ rule report_prompts:
 
 rule report_generation:
     input:
-        generated=expand(shard_output("generated"), shard=SHARDS),
+        generated=expand(shard_output("generate"), shard=SHARDS),
         benchmarks=expand(benchmark_path("generate"), shard=SHARDS),
     output:
         throughput=report(
@@ -67,7 +67,7 @@ rule report_generation:
 
 rule report_tokenization:
     input:
-        stats=expand(shard_output("tokenized", "stats.json"), shard=SHARDS),
+        stats=expand(shard_output("tokenize", "stats.json"), shard=SHARDS),
     output:
         supervised=report(
             run_path(layout.report_key("tokenization-supervised.svg")),

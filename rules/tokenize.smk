@@ -4,10 +4,10 @@
 rule tokenize:
     input:
         unpack(target_model_input),
-        generated=shard_output("generated"),
+        generated=shard_output("generate"),
     output:
-        tokenized=shard_output("tokenized"),
-        stats=shard_output("tokenized", "stats.json"),
+        tokenized=shard_output("tokenize"),
+        stats=shard_output("tokenize", "stats.json"),
     log:
         log_path("tokenize"),
     benchmark:

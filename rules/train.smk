@@ -5,9 +5,9 @@
 rule extract:
     input:
         unpack(target_model_input),
-        tokenized=shard_output("tokenized"),
+        tokenized=shard_output("tokenize"),
     output:
-        manifest=shard_output("hidden"),
+        manifest=shard_output("extract"),
     log:
         log_path("extract"),
     benchmark:
@@ -53,16 +53,16 @@ rule train:
         "../scripts/train.py"
 
 
-rule export_drafter:
+rule export:
     input:
         manifest=segment_manifest(config["train"]["segments"] - 1),
     output:
         config=run_path(layout.DRAFTER_CONFIG),
         weights=run_path(layout.DRAFTER_WEIGHTS),
     log:
-        log_path("export_drafter", per_shard=False),
+        log_path("export", per_shard=False),
     benchmark:
-        benchmark_path("export_drafter", per_shard=False)
+        benchmark_path("export", per_shard=False)
     conda:
         "../envs/gpu-train.yaml"
     threads: 1
@@ -72,4 +72,4 @@ rule export_drafter:
         run_url=lambda wildcards: RUN_URL,
         dtype=config["train"]["export_dtype"],
     script:
-        "../scripts/export_drafter.py"
+        "../scripts/export.py"

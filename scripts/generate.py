@@ -1,4 +1,4 @@
-"""Snakemake glue for rule `generate`; the logic is dflash_pipeline.stages.generate.run_job."""
+"""Snakemake glue for rule `generate`: dflash_pipeline.stages.generate.run_job."""
 
 from dflash_pipeline.stages.generate import run_job
 from dflash_pipeline.core.gpu_slots import job_devices

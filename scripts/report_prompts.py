@@ -1,15 +1,12 @@
-"""Snakemake glue for rule `report_prompts`; the logic is dflash_pipeline.report."""
+"""Snakemake glue for rule `report_prompts`: dflash_pipeline.stages.report.report_prompts."""
 
 from dflash_pipeline.core.joblog import job_logging
-from dflash_pipeline.report.figures import plot_prompts, read_json, read_jsonl, write_quarantine_table
+from dflash_pipeline.stages.report import report_prompts
 
 
 def run(smk) -> None:
     with job_logging(smk.log[0]):
-        summary = read_json(smk.input.summary)
-        quarantine = read_jsonl(smk.input.quarantine)
-        plot_prompts(summary, quarantine, smk.output.figure)
-        write_quarantine_table(summary, quarantine, smk.output.table)
+        report_prompts(smk.input.summary, smk.input.quarantine, smk.output.figure, smk.output.table)
 
 
 run(snakemake)  # noqa: F821 (injected by Snakemake)

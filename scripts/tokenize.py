@@ -1,4 +1,4 @@
-"""Snakemake glue for rule `tokenize`; the logic is dflash_pipeline.tokenization."""
+"""Snakemake glue for rule `tokenize`: dflash_pipeline.stages.tokenize.tokenize_file."""
 
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.stages.tokenize import tokenize_file

@@ -17,7 +17,7 @@ from dflash_pipeline.engines.client import (
     make_adapter,
 )
 from dflash_pipeline.engines.launch import ServerSpec, server_command
-from dflash_pipeline.stages.generate import sampling_from_config
+from dflash_pipeline.engines.regenerate import sampling_from_config
 from tests.support.seaweed import free_port
 
 

@@ -19,8 +19,8 @@ from dflash_pipeline.core.storage import open_storage
 
 pytestmark = pytest.mark.workflow
 
-GENERATED = "results/demo/outputs/generated-00000.parquet"
-PROMPTS = "results/demo/outputs/prompts-00000.parquet"
+GENERATED = "results/demo/outputs/generate-00000.parquet"
+PROMPTS = "results/demo/outputs/prepare-00000.parquet"
 
 
 def configure(workflow, demo_model, tmp_path, **generation):
@@ -111,8 +111,8 @@ def test_sigkilled_generation_resumes_with_exactly_the_prompt_set(
         prompts = pq.read_table(workflow.root / PROMPTS)
     else:
         store = open_storage(run_url)
-        with store.local_copy("outputs/generated-00000.parquet") as g, store.local_copy(
-            "outputs/prompts-00000.parquet"
+        with store.local_copy("outputs/generate-00000.parquet") as g, store.local_copy(
+            "outputs/prepare-00000.parquet"
         ) as p:
             generated, prompts = pq.read_table(g), pq.read_table(p)
     ids = generated.column("id").to_pylist()

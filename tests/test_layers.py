@@ -37,9 +37,9 @@ def package_of(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else ""
 
 
-def imports_of(path: Path) -> list[tuple[int, str]]:
+def imports_of(path: Path, package_dir: Path = PACKAGE) -> list[tuple[int, str]]:
     """(line, absolute module) of every import in a file, relative imports resolved."""
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    module = ".".join(path.relative_to(package_dir.parent).with_suffix("").parts)
     tree = ast.parse(path.read_text(), filename=str(path))
     found = []
     for node in ast.walk(tree):
@@ -68,7 +68,7 @@ def violations(package_dir: Path = PACKAGE) -> list[str]:
             if own not in ("__init__", ""):
                 problems.append(f"{path}: package {own!r} has no layer (add it to LAYERS)")
             continue
-        for line, imported in imports_of(path):
+        for line, imported in imports_of(path, package_dir):
             other = package_of(imported)
             if other is None or other == own:
                 continue

@@ -184,7 +184,7 @@ def test_select_shard_writes_exactly_that_shards_rows(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [openai_row(f"q{i}") for i in range(60)])
     out, summary = run_ingest(tmp_path, [data], num_shards=4)
     for shard in range(4):
-        dest = tmp_path / f"prompts-{shard:05d}.parquet"
+        dest = tmp_path / f"prepare-{shard:05d}.parquet"
         n = select_shard(str(out / "prompts.parquet"), shard, str(dest))
         table = pq.read_table(dest)
         assert n == table.num_rows == summary["samples_per_shard"][shard]

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_pipeline.report import figures as report
-from dflash_pipeline.stages.generate import GENERATED_SCHEMA
+from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
 from dflash_pipeline.core.storage import ObjectInfo
 
 
@@ -100,7 +100,7 @@ def test_prompt_figure_and_quarantine_table(tmp_path):
 
 
 def tokenize_stats(shard: str, reasons: dict, counts: list[int]) -> dict:
-    return {"shard": f"generated-{shard}.parquet", "samples": 10, "sequences_out": 9, "degenerate_samples": sum(reasons.values()),
+    return {"shard": f"generate-{shard}.parquet", "samples": 10, "sequences_out": 9, "degenerate_samples": sum(reasons.values()),
             "degenerate_fraction": 0.1, "reasons": reasons, "truncated_sequences": 0, "supervised_tokens_total": 500,
             "tokens_total": 900, "supervised_histogram": {"edges": report.TOKEN_EDGES, "counts": counts}}
 
@@ -116,16 +116,16 @@ def test_tokenization_figures_sum_histograms_and_stack_reasons(tmp_path):
     report.write_tokenization_table(stats, tmp_path / "tok.html")
     assert "<td>00000</td>" in (tmp_path / "tok.html").read_text()
     stats[1]["supervised_histogram"]["edges"] = [0, 1]
-    with pytest.raises(ValueError, match="generated-00001.parquet: supervised histogram bins differ"):
+    with pytest.raises(ValueError, match="generate-00001.parquet: supervised histogram bins differ"):
         report.plot_supervised_histogram(stats, tmp_path / "sup.svg")
 
 
 def test_storage_by_stage_groups_shards_outputs_and_folders(tmp_path):
-    objects = [ObjectInfo("outputs/generated-00000.parquet", 100, 0), ObjectInfo("outputs/generated-00001.parquet", 50, 0),
-               ObjectInfo("outputs/tokenized-00000.stats.json", 7, 0), ObjectInfo("outputs/benchmark.generate-00000.tsv", 3, 0),
+    objects = [ObjectInfo("outputs/generate-00000.parquet", 100, 0), ObjectInfo("outputs/generate-00001.parquet", 50, 0),
+               ObjectInfo("outputs/tokenize-00000.stats.json", 7, 0), ObjectInfo("outputs/benchmark.generate-00000.tsv", 3, 0),
                ObjectInfo("_progress/generate/shard-00000/telemetry.json", 9, 0), ObjectInfo("logs/x.log", 2, 0)]
     use = report.storage_by_stage(objects)
-    assert use == {"generated": 150, "_progress": 9, "tokenized": 7, "benchmark": 3, "logs": 2}
+    assert use == {"generate": 150, "_progress": 9, "tokenize": 7, "benchmark": 3, "logs": 2}
     report.plot_storage(use, tmp_path / "storage.svg")
     assert "Storage per stage (171.00 B in all)" in svg_text(tmp_path / "storage.svg")
 
@@ -153,8 +153,8 @@ def test_acceptance_figure_per_position_and_prompt_set(tmp_path):
                "prompt_sets": {"math": {"tau": 2.9, "per_position": [0.9, 0.7, 0.4]},
                                "chat": {"tau": 1.8, "per_position": [0.6, 0.3, 0.1]}},
                "per_prompt": []}
-    (tmp_path / "eval-metrics.json").write_text(json.dumps(metrics))
-    report.write_evaluation_report(tmp_path / "eval-metrics.json", tmp_path / "acc.svg")
+    (tmp_path / "evaluate-metrics.json").write_text(json.dumps(metrics))
+    report.write_evaluation_report(tmp_path / "evaluate-metrics.json", tmp_path / "acc.svg")
     text = svg_text(tmp_path / "acc.svg")
     assert "acceptance length τ (overall 2.40)" in text and "math" in text and "chat" in text
     with pytest.raises(ValueError, match="no 'overall'"):

@@ -146,7 +146,7 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
     assert seen_shards, "no running shard with a progress bar was shown"
     assert final["overall"] == 100.0
     assert final["stages"] == {
-        **{s: f"{NUM_SHARDS} / {NUM_SHARDS}" for s in ("prompts", "generated", "tokenized")},
+        **{s: f"{NUM_SHARDS} / {NUM_SHARDS}" for s in ("prepare", "generate", "tokenize")},
         "train": "2 / 2",
     }
     assert final["curvePoints"] == 12  # every optimizer step of both segments

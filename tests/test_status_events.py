@@ -28,7 +28,7 @@ def test_records_become_events_and_other_records_are_dropped():
             rule_name="generate",
             wildcards={"shard": "00003"},
             log=["results/demo/logs/generate/00003.log"],
-            output="results/demo/outputs/generated-00003.parquet",
+            output="results/demo/outputs/generate-00003.parquet",
         ),
         now=10.0,
     )
@@ -39,7 +39,7 @@ def test_records_become_events_and_other_records_are_dropped():
         "rule": "generate",
         "wildcards": {"shard": "00003"},
         "log": ["results/demo/logs/generate/00003.log"],
-        "output": ["results/demo/outputs/generated-00003.parquet"],
+        "output": ["results/demo/outputs/generate-00003.parquet"],
     }
     assert event_from_record(record(LogEvent.JOB_STARTED, jobs=[7, 8]))["jobids"] == [7, 8]
     assert event_from_record(record(LogEvent.PROGRESS, done=3, total=9))["done"] == 3

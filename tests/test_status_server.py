@@ -32,12 +32,12 @@ def local_run(tmp_path):
 def test_snapshot_counts_shards_and_shows_running_failed_training_and_storage(local_run):
     snap = SnapshotBuilder(local_run).build()
     stages = {s["stage"]: s for s in snap["stages"]}
-    assert [s["stage"] for s in snap["stages"]] == ["prompts", "generated", "tokenized", "train"]
-    assert (stages["prompts"]["done"], stages["prompts"]["percent"]) == (2, 100.0)
-    assert {k: stages["generated"][k] for k in ("done", "running", "failed", "missing")} == {
+    assert [s["stage"] for s in snap["stages"]] == ["prepare", "generate", "tokenize", "train"]
+    assert (stages["prepare"]["done"], stages["prepare"]["percent"]) == (2, 100.0)
+    assert {k: stages["generate"][k] for k in ("done", "running", "failed", "missing")} == {
         "done": 1, "running": 1, "failed": 0, "missing": 1 - 1}
-    assert stages["generated"]["percent"] == 70.0  # one shard done, the other 4 of 10 samples
-    assert {k: stages["tokenized"][k] for k in ("done", "running", "failed", "missing")} == {
+    assert stages["generate"]["percent"] == 70.0  # one shard done, the other 4 of 10 samples
+    assert {k: stages["tokenize"][k] for k in ("done", "running", "failed", "missing")} == {
         "done": 0, "running": 0, "failed": 1, "missing": 1}
     # Training: segment 0 done, segment 1 at 3 of its 10 steps.
     assert {k: stages["train"][k] for k in ("total", "done", "running", "percent")} == {
@@ -45,7 +45,7 @@ def test_snapshot_counts_shards_and_shows_running_failed_training_and_storage(lo
     assert snap["progress_percent"] == pytest.approx((100 + 70 + 0 + 65) / 4, abs=0.01)
     running, training = snap["running"]
     assert (training["shard"], training["percent"], training["samples_done"]) == ("segment-0001", 30.0, 3)
-    assert (running["stage"], running["shard"], running["percent"]) == ("generated", "00001", 40.0)
+    assert (running["stage"], running["shard"], running["percent"]) == ("generate", "00001", 40.0)
     assert (running["tokens_per_s"], running["eta_s"]) == (12.5, 6.0)
     assert running["log_tail"] == RUNNING_LOG
     [failed] = snap["failed"]
@@ -55,24 +55,24 @@ def test_snapshot_counts_shards_and_shows_running_failed_training_and_storage(lo
     assert snap["training"]["curve"][-1]["accept_len"] == pytest.approx(1.5)
     assert [(s["segment"], s["state"]) for s in snap["training"]["segments"]] == [("0000", "done"), ("0001", "running")]
     assert snap["evaluation"]["tau"] == 2.5 and snap["evaluation"]["prompt_sets"] == {"math": 2.7}
-    assert snap["storage"]["by_category"]["prompts"] == {"bytes": 200, "objects": 2}
+    assert snap["storage"]["by_category"]["prepare"] == {"bytes": 200, "objects": 2}
     assert snap["workflow"]["state"] == "running, with failures"
     assert (snap["workflow"]["steps_done"], snap["workflow"]["steps_total"]) == (4, 9)
 
 
 def test_a_run_that_stops_at_tokenize_is_complete_without_training(tmp_path):
     run = LocalStorage(tmp_path / "run")
-    for stage in ("prompts", "generated", "tokenized"):
+    for stage in ("prepare", "generate", "tokenize"):
         run.write_bytes(f"outputs/{stage}-00000.parquet", b"x")
     source = RunSource(ReadOnlyStorage(run), num_shards=1, num_segments=2, until="tokenize")
     snap = SnapshotBuilder(source).build()
-    assert [s["stage"] for s in snap["stages"]] == ["prompts", "generated", "tokenized"]
+    assert [s["stage"] for s in snap["stages"]] == ["prepare", "generate", "tokenize"]
     assert snap["progress_percent"] == 100.0
-    source.until = "prompts"
-    assert [s["stage"] for s in SnapshotBuilder(source).build()["stages"]] == ["prompts", "generated", "tokenized"]
+    source.until = "prepare"
+    assert [s["stage"] for s in SnapshotBuilder(source).build()["stages"]] == ["prepare", "generate", "tokenize"]
     (tmp_path / "run2").mkdir()
-    source = RunSource(ReadOnlyStorage(LocalStorage(tmp_path / "run2")), num_shards=1, until="prompts")
-    assert [s["stage"] for s in SnapshotBuilder(source).build()["stages"]] == ["prompts"]
+    source = RunSource(ReadOnlyStorage(LocalStorage(tmp_path / "run2")), num_shards=1, until="prepare")
+    assert [s["stage"] for s in SnapshotBuilder(source).build()["stages"]] == ["prepare"]
 
 
 def test_stale_telemetry_without_a_job_is_not_shown_as_running(tmp_path):
@@ -112,13 +112,13 @@ def test_page_assets_and_json_are_served(server):
     for asset in ("app.js", "style.css"):
         assert get(server, f"/assets/{asset}")[0] == 200
     status, body = get(server, "/api/status")
-    assert status == 200 and json.loads(body)["stages"][0]["stage"] == "prompts"
+    assert status == 200 and json.loads(body)["stages"][0]["stage"] == "prepare"
 
 
 @pytest.mark.parametrize("path", [
     "/../config.yaml", "/assets/../__init__.py", "/assets/..%2f__main__.py", "/assets/%2e%2e/server.py",
     "/assets/", "/assets/index.html/../app.js", "//etc/passwd", "/api/status/../../etc/passwd",
-    "/results/demo/outputs/prompts-00000.parquet", "/logs/events.jsonl", "/nope", "/api",
+    "/results/demo/outputs/prepare-00000.parquet", "/logs/events.jsonl", "/nope", "/api",
 ])
 def test_path_traversal_and_unknown_routes_get_404(server, path):
     assert get(server, path)[0] == 404
@@ -223,7 +223,7 @@ def test_snapshot_is_rebuilt_in_the_background_and_picks_up_new_shards(tmp_path)
     state = StatusState(SnapshotBuilder(RunSource(ReadOnlyStorage(run), num_shards=2)), refresh_s=0)
     redact = Redactor([])
     assert json.loads(state.body(redact))["stages"][0]["done"] == 0
-    run.write_bytes("outputs/prompts-00001.parquet", b"x")
+    run.write_bytes("outputs/prepare-00001.parquet", b"x")
     deadline = time.monotonic() + 10
     while json.loads(state.body(redact))["stages"][0]["done"] != 1:
         assert time.monotonic() < deadline, "the new shard never showed"

@@ -27,7 +27,7 @@ def test_status_serve_starts_the_page_which_keeps_serving_after_the_run(workflow
         assert status["run"].endswith("results/demo") and status["num_shards"] == 2
         assert status["storage"]["by_category"]["ingest"]["objects"] == 3
         # A second run finds it serving and leaves it alone.
-        again = workflow.snakemake("results/demo/outputs/ingest-summary.json", "--forcerun", "ingest_prompts")
+        again = workflow.snakemake("results/demo/outputs/ingest-summary.json", "--forcerun", "ingest")
         assert "already running" in again.stdout + again.stderr
     finally:
         stopped = subprocess.run(stop, capture_output=True, text=True, timeout=60)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from dflash_pipeline.data.tokenize import conversation_sequences, repetition_loop
-from dflash_pipeline.stages.generate import GENERATED_SCHEMA
-from dflash_pipeline.stages.tokenize import DegenerateShard, ShardTokenizer
+from dflash_pipeline.data.masks import conversation_sequences
+from dflash_pipeline.data.quality import repetition_loop
+from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
+from dflash_pipeline.data.quality import DegenerateShard
+from dflash_pipeline.data.tokenized import ShardTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +112,7 @@ CHATML = (
 def test_one_row_per_conversation_supervises_every_turn_with_a_stable_template(tok):
     import copy
 
-    from dflash_pipeline.data.tokenize import needs_rows_per_turn
+    from dflash_pipeline.data.masks import needs_rows_per_turn
 
     plain = copy.deepcopy(tok)
     plain.chat_template = CHATML
@@ -133,7 +135,7 @@ def test_one_row_per_conversation_supervises_every_turn_with_a_stable_template(t
 
 
 def test_a_template_whose_turns_change_later_is_refused_as_one_row(tok):
-    from dflash_pipeline.data.tokenize import TemplateMismatch
+    from dflash_pipeline.data.masks import TemplateMismatch
 
     messages = [
         {"role": "user", "content": "What is 1 + 2?"},
@@ -226,7 +228,7 @@ def test_one_tokenization_of_the_whole_text_gives_the_piecewise_ids_and_masks(to
     """The stage tokenizes each whole text once and places the boundaries by offsets: on
     conversations with system prompts, non-ASCII text, several turns and tool results, the ids
     and masks are those of the pieces tokenized one by one, without falling back."""
-    from dflash_pipeline.data.tokenize import conversation_pieces_many, encode_pieces, tokenize_pieces
+    from dflash_pipeline.data.masks import conversation_pieces_many, encode_pieces, tokenize_pieces
 
     conversations = [
         [
@@ -257,7 +259,7 @@ def test_one_tokenization_of_the_whole_text_gives_the_piecewise_ids_and_masks(to
 def test_a_boundary_inside_a_token_falls_back_to_the_pieces_and_is_a_template_mismatch(tok):
     import copy
 
-    from dflash_pipeline.data.tokenize import conversation_pieces, encode_pieces
+    from dflash_pipeline.data.masks import conversation_pieces, encode_pieces
 
     plain = copy.deepcopy(tok)
     plain.chat_template = CHATML

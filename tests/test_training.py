@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.storage import open_storage
-from dflash_pipeline.stages.export import export_drafter, expected_tensor_shapes
+from dflash_pipeline.stages.export import expected_tensor_shapes, export_drafter
 from dflash_pipeline.training.trainer import PREEMPTED_EXIT_CODE, SegmentJob, lr_factor
 from tests.support.train_data import write_tokenized_shard
 
@@ -218,7 +218,7 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
 
     hidden = {}
     for shard, path in tokenized.items():
-        manifest = tmp_path / layout.shard_key("hidden", shard)
+        manifest = tmp_path / layout.shard_key("extract", shard)
         extract_shard(path, str(demo_model), [1, 5], str(tmp_path), shard, str(manifest), hidden_dtype)
         hidden[shard] = str(manifest)
         written = json.loads(manifest.read_text())
@@ -233,6 +233,7 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
     # of fp8), and training from them lands next to online training.
     from dflash_pipeline.data.hidden import HiddenShards
     from dflash_pipeline.model.taps import TargetTaps
+    from dflash_pipeline.model.target import load_target
     from dflash_pipeline.training.data import collate, read_training_sequences
     from dflash_pipeline.training.trainer import build_drafter_config
 
@@ -254,7 +255,7 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
 def test_ddp_over_two_processes_trains_and_resumes_after_sigterm(demo_model, tokenized, tmp_path):
     """torchrun with two CPU ranks (gloo): both ranks stop at the same step on SIGTERM, rank 0
     checkpoints once, and a rerun resumes from there to the end of the segment."""
-    from dflash_pipeline.training.launch import segment_args, torchrun_command
+    from dflash_pipeline.stages.train import segment_args, torchrun_command
 
     s = settings(steps_per_segment=12, checkpoint_every_steps=100, batch_size=1)
     settings_file = tmp_path / "settings.json"

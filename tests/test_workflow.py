@@ -19,15 +19,15 @@ def use_built_demo_model(demo_model):
 def test_dry_run_lists_the_jobs_of_every_stage(workflow):
     workflow.write_config(num_shards=3, target={"build_demo": False})
     assert workflow.planned_jobs() == {
-        "ingest_prompts": 1,
-        "prepare_prompts": 3,
+        "ingest": 1,
+        "prepare": 3,
         "generate": 3,
         "tokenize": 3,
         "report_prompts": 1,
         "report_generation": 1,
         "report_tokenization": 1,
         "train": 2,
-        "export_drafter": 1,
+        "export": 1,
         "evaluate": 1,
         "report_training": 1,
         "report_evaluation": 1,
@@ -47,7 +47,7 @@ def test_demo_trains_a_drafter_that_the_real_loop_accepts(workflow, demo_model):
     metrics = [json.loads(x) for x in (root / "_progress/train/segment-0001/metrics.jsonl").read_text().splitlines()]
     late = [r["accept_len"] for r in metrics[-20:]]
     assert sum(late) / len(late) >= 2.0, late
-    evaluation = json.loads((root / "outputs/eval-metrics.json").read_text())
+    evaluation = json.loads((root / "outputs/evaluate-metrics.json").read_text())
     assert evaluation["overall"]["tau"] >= 2.0
     assert evaluation["lossless"]["passed"] and evaluation["lossless"]["exact"] == evaluation["lossless"]["prompts"]
     assert evaluation["parity"]["passed"]
@@ -57,11 +57,11 @@ def test_demo_trains_a_drafter_that_the_real_loop_accepts(workflow, demo_model):
     # A crash in the last segment: it is retrained from the one before it, and what depends on
     # it follows (a lost manifest alone is not rebuilt while its products exist).
     for key in ("outputs/train-segment-0001.json", "drafter/config.json", "drafter/model.safetensors",
-                "outputs/eval-metrics.json"):
+                "outputs/evaluate-metrics.json"):
         (root / key).unlink()
     assert workflow.planned_jobs() == {
         "train": 1,
-        "export_drafter": 1,
+        "export": 1,
         "evaluate": 1,
         "report_training": 1,
         "report_evaluation": 1,
@@ -79,14 +79,14 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
     workflow.snakemake()
     shards = workflow.root / "results/demo/outputs"
     names = sorted(p.name for p in shards.glob("prompts-*"))
-    assert names == [f"prompts-0000{i}.parquet" for i in range(3)]
+    assert names == [f"prepare-0000{i}.parquet" for i in range(3)]
     summary = json.loads((workflow.root / "results/demo/outputs/ingest-summary.json").read_text())
     total = sum(pq.read_table(shards / n).num_rows for n in names)
     assert total == summary["samples"] > 0
-    generated = sum(pq.read_table(shards / f"generated-0000{i}.parquet").num_rows for i in range(3))
+    generated = sum(pq.read_table(shards / f"generate-0000{i}.parquet").num_rows for i in range(3))
     assert generated == total
     for i in range(3):
-        stats = json.loads((shards / f"tokenized-0000{i}.stats.json").read_text())
+        stats = json.loads((shards / f"tokenize-0000{i}.stats.json").read_text())
         assert stats["degenerate_samples"] == 0 and stats["sequences_out"] >= stats["samples"]
     assert workflow.planned_jobs() == {}
     (shards / "tokenized-00001.parquet").unlink()
@@ -98,11 +98,11 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
         "all": 1,
     }
     # A missing intermediate alone is not rebuilt (its product exists); all gone: the chain.
-    for stage in ("prompts", "generated", "tokenized"):
+    for stage in ("prepare", "generate", "tokenize"):
         (shards / f"{stage}-00002.parquet").unlink()
     proc = workflow.snakemake("-n")
     assert workflow.planned_jobs() == {
-        "prepare_prompts": 1,
+        "prepare": 1,
         "generate": 1,
         "tokenize": 2,
         "report_generation": 1,
@@ -126,7 +126,7 @@ def test_mostly_bad_dataset_fails_ingest_naming_file_row_and_reason(workflow):
     workflow.write_config(dataset={"paths": ["data/bad.jsonl"]}, **NO_DEMO_MODEL)
     proc = workflow.snakemake(check=False)
     assert proc.returncode != 0
-    log = (workflow.root / "results/demo/logs/ingest_prompts.log").read_text()
+    log = (workflow.root / "results/demo/logs/ingest.log").read_text()
     for text in (log, proc.stderr):
         assert "2 of 3 rows (66.7%) are bad" in text
         assert "data/bad.jsonl row 2: malformed JSON" in text

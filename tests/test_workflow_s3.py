@@ -44,12 +44,12 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
     client = s3_client(s3_server)
     listed = client.list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/")
     keys = {o["Key"][len(prefix) + 1 :] for o in listed.get("Contents", [])}
-    shard_keys = [f"results/demo/outputs/prompts-{i:05d}.parquet" for i in range(NUM_SHARDS)]
+    shard_keys = [f"results/demo/outputs/prepare-{i:05d}.parquet" for i in range(NUM_SHARDS)]
     assert set(shard_keys) <= keys
     assert {"results/demo/outputs/ingest-summary.json", "results/demo/outputs/ingest-prompts.parquet"} <= keys
-    assert "results/demo/logs/ingest_prompts.log" in keys
+    assert "results/demo/logs/ingest.log" in keys
     assert {"results/demo/checkpoints/segment-0001/checkpoint.json", "results/demo/drafter/model.safetensors",
-            "results/demo/outputs/eval-metrics.json", "results/demo/_progress/train/segment-0001/metrics.jsonl"} <= keys
+            "results/demo/outputs/evaluate-metrics.json", "results/demo/_progress/train/segment-0001/metrics.jsonl"} <= keys
     assert not (workflow.root / "results").exists(), "an S3 run must leave no local results"
     sentinel = client.head_object(Bucket=s3_server.bucket, Key=BUCKET_SENTINEL_KEY)
     assert sentinel["ContentLength"] > 0
@@ -57,19 +57,19 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
     assert workflow.planned_jobs(*s3_args, env=env) == {}
 
     client.delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/{shard_keys[1]}")
-    for stage in ("generated", "tokenized"):
+    for stage in ("generate", "tokenize"):
         key = f"results/demo/outputs/{stage}-00001.parquet"
         client.delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/{key}")
     # Snakemake does not rebuild a missing intermediate whose products (the drafter, the
     # evaluation) exist; the data stages alone show the one shard's chain being re-planned.
     data_only = ("--config", "until=tokenize")
     planned = workflow.planned_jobs(*s3_args, *data_only, env=env)
-    assert {k: planned.get(k) for k in ("prepare_prompts", "generate", "tokenize")} == {
-        "prepare_prompts": 1,
+    assert {k: planned.get(k) for k in ("prepare", "generate", "tokenize")} == {
+        "prepare": 1,
         "generate": 1,
         "tokenize": 1,
     }, planned
-    assert "train" not in planned and "ingest_prompts" not in planned
+    assert "train" not in planned and "ingest" not in planned
     workflow.snakemake(*s3_args, *data_only, env=env)
     assert workflow.planned_jobs(*s3_args, *data_only, env=env) == {}
 
@@ -78,7 +78,7 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
         remote = client.get_object(Bucket=s3_server.bucket, Key=f"{prefix}/{key}")["Body"].read()
         assert remote == (workflow.root / key).read_bytes(), key
     for i in range(NUM_SHARDS):
-        key = f"results/demo/outputs/generated-{i:05d}.parquet"
+        key = f"results/demo/outputs/generate-{i:05d}.parquet"
         body = client.get_object(Bucket=s3_server.bucket, Key=f"{prefix}/{key}")["Body"].read()
         remote = pq.read_table(pa.BufferReader(body))
         local = pq.read_table(workflow.root / key)

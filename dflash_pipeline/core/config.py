@@ -14,7 +14,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
 
 class ConfigError(ValueError):

@@ -1,4 +1,4 @@
-"""In-flight state of a running shard job: parts of finished rows and live telemetry.
+"""In-flight state of a running job: parts of finished rows and live telemetry.
 
 Everything lives under ``_progress/<stage>/shard-NNNNN/`` of the run (local or S3) and is written
 by the job through the storage layer, each object atomically. A restarted job reads the parts
@@ -19,6 +19,60 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.storage import Storage, StorageError, open_storage
 
 TELEMETRY = "telemetry.json"
+TELEMETRY_EVERY_S = 10.0
+
+
+def write_telemetry(storage: Storage, prefix: str, identity: dict, record: dict) -> None:
+    """The one writer of ``telemetry.json``: the job's identity, the time, its record."""
+    document = {**identity, "updated_at": time.time(), **record}
+    storage.write_text(prefix + TELEMETRY, json.dumps(document, indent=1))
+
+
+class Telemetry:
+    """A job's live state for the status page, the same shape for every stage: units (samples or
+    steps) done of a total, tokens, rate and ETA; written at most every ``every_s`` seconds while
+    running (``update``) and at every state change (``write``). Without storage it only counts."""
+
+    def __init__(self, storage: Storage | None, prefix: str, identity: dict, total: int, *,
+                 resumed: int = 0, unit: str = "samples", token_field: str | None = None,
+                 every_s: float = TELEMETRY_EVERY_S):
+        self.storage, self.prefix, self.identity = storage, prefix, identity
+        self.total, self.resumed, self.done = total, resumed, resumed
+        self.unit, self.token_field, self.every_s = unit, token_field, every_s
+        self.tokens = 0
+        self.errors = 0
+        self.state = "running"
+        self.started = time.time()
+        self.last_write = 0.0
+
+    def record(self, **fields) -> dict:
+        elapsed = max(time.time() - self.started, 1e-6)
+        rate = (self.done - self.resumed) / elapsed
+        record = {
+            "state": self.state,
+            f"{self.unit}_total": self.total,
+            f"{self.unit}_done": self.done,
+            f"{self.unit}_resumed": self.resumed,
+            "errors": self.errors,
+            "tokens_per_s": round(self.tokens / elapsed, 2),
+            "elapsed_s": round(elapsed, 1),
+            "eta_s": round((self.total - self.done) / rate, 1) if rate > 0 else None,
+        }
+        if self.token_field:
+            record[self.token_field] = self.tokens
+        return {**record, **fields}
+
+    def update(self, done: int, tokens: int, **fields) -> None:
+        self.done, self.tokens = done, tokens
+        if time.time() - self.last_write >= self.every_s:
+            self.write(**fields)
+
+    def write(self, state: str | None = None, **fields) -> None:
+        if state is not None:
+            self.state = state
+        if self.storage is not None:
+            self.last_write = time.time()
+            write_telemetry(self.storage, self.prefix, self.identity, self.record(**fields))
 
 
 class ShardProgress:
@@ -73,9 +127,12 @@ class ShardProgress:
             self.run.delete(key)
         return len(keys)
 
+    def telemetry(self, total: int, **options) -> Telemetry:
+        """The shard job's live telemetry (``Telemetry`` options: resumed, token_field, every_s)."""
+        return Telemetry(self.run, self.prefix, {"stage": self.stage, "shard": self.shard}, total, **options)
+
     def write_telemetry(self, record: dict) -> None:
-        record = {"stage": self.stage, "shard": self.shard, "updated_at": time.time(), **record}
-        self.run.write_text(self.prefix + TELEMETRY, json.dumps(record, indent=1))
+        write_telemetry(self.run, self.prefix, {"stage": self.stage, "shard": self.shard}, record)
 
     def read_telemetry(self) -> dict | None:
         try:

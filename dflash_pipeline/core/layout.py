@@ -23,11 +23,13 @@ PROGRESS_DIR = "_progress"
 LOGS_DIR = "logs"
 
 # The stages that produce one object per shard, in pipeline order, and their file extensions.
+# A stage's name is the name of the rule that builds its objects, of its script, of its module in
+# ``dflash_pipeline.stages``, of its folder under ``_progress/`` and of its config `until` value.
 SHARD_STAGES = {
-    "prompts": "parquet",
-    "generated": "parquet",
-    "tokenized": "parquet",
-    "hidden": "manifest.json",
+    "prepare": "parquet",
+    "generate": "parquet",
+    "tokenize": "parquet",
+    "extract": "manifest.json",
 }
 
 
@@ -36,7 +38,7 @@ def shard_name(shard: int) -> str:
 
 
 def shard_key(stage: str, shard: int | str, ext: str | None = None) -> str:
-    """Key of one shard's object, e.g. ``outputs/prompts-00003.parquet``."""
+    """Key of one shard's object, e.g. ``outputs/prepare-00003.parquet``."""
     if isinstance(shard, int):
         shard = shard_name(shard)
     return f"{OUTPUTS_DIR}/{stage}-{shard}.{ext or SHARD_STAGES[stage]}"
@@ -44,7 +46,7 @@ def shard_key(stage: str, shard: int | str, ext: str | None = None) -> str:
 
 def benchmark_key(rule_name: str, shard: int | str | None = None) -> str:
     """Key of a job's Snakemake benchmark (runtime and memory), e.g.
-    ``outputs/benchmark.prepare_prompts-00003.tsv``."""
+    ``outputs/benchmark.prepare-00003.tsv``."""
     if isinstance(shard, int):
         shard = shard_name(shard)
     suffix = f"-{shard}" if shard is not None else ""
@@ -119,7 +121,7 @@ TRAIN_METRICS = "metrics.jsonl"
 DRAFTER_DIR = "drafter"
 DRAFTER_CONFIG = f"{DRAFTER_DIR}/config.json"
 DRAFTER_WEIGHTS = f"{DRAFTER_DIR}/model.safetensors"
-EVAL_METRICS = f"{OUTPUTS_DIR}/eval-metrics.json"
+EVAL_METRICS = f"{OUTPUTS_DIR}/evaluate-metrics.json"
 
 
 # Figures and tables of the HTML report, flagged with report() by rules/report.smk. They sit in

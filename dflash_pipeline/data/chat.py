@@ -12,11 +12,23 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 
 
+def render(tokenizer, messages: list[dict], generation_prompt: bool, thinking: bool) -> str:
+    return render_many(tokenizer, [messages], generation_prompt, thinking)[0]
+
+
+def render_many(tokenizer, conversations: list[list[dict]], generation_prompt: bool, thinking: bool) -> list[str]:
+    """One batched ``apply_chat_template`` call: the same rendering as one call per conversation
+    without paying the call's set-up (template lookup, special-token map) each time."""
+    if not conversations:
+        return []
+    return tokenizer.apply_chat_template(
+        conversations, tokenize=False, add_generation_prompt=generation_prompt, enable_thinking=thinking
+    )
+
+
 def render_prompt(tokenizer, messages: list[dict], thinking: bool) -> str:
     """The prompt text for the next assistant turn after ``messages``."""
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
-    )
+    return render(tokenizer, messages, True, thinking)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ FP8_MAX = 448.0
 
 
 def hidden_key(shard: str) -> str:
-    return f"hidden/shard-{shard}.safetensors"
+    return f"extract/shard-{shard}.safetensors"
 
 
 class StreamingSafetensors:

@@ -7,7 +7,7 @@ be tested without looking at pictures. Histograms use fixed bins, so a run of a 
 is summarized shard by shard in constant memory.
 
 Training: ``write_training_report`` reads the ``metrics.jsonl`` of every training segment;
-evaluation: ``write_evaluation_report`` reads ``eval-metrics.json``.
+evaluation: ``write_evaluation_report`` reads ``evaluate-metrics.json``.
 """
 
 from __future__ import annotations
@@ -467,6 +467,6 @@ def write_training_report(run_url: str, segments: Iterable[int], out: str | Path
 
 
 def write_evaluation_report(eval_metrics: str | Path, out: str | Path) -> None:
-    """The acceptance figure (caption report/acceptance.rst) from outputs/eval-metrics.json:
+    """The acceptance figure (caption report/acceptance.rst) from outputs/evaluate-metrics.json:
     flag it ``report(..., caption="../report/acceptance.rst", category="5. Evaluation")``."""
     plot_acceptance(read_json(eval_metrics), out)

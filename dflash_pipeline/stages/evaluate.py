@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -285,6 +284,51 @@ def _run_sglang(target, drafter, prompts, options: EvalOptions, out: Path):
     lossless = {"checked": False, "reason": "engine sglang: no plain decoding to compare with"}
     resolved = {"block_size": block_size, "target_hybrid": hybrid}
     return results, {"lossless": lossless}, resolved
+
+
+def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[str], out: str | Path,
+                 settings: dict, thinking: bool, failed_copy: str | Path) -> dict:
+    """What the `evaluate` rule runs: the simulated tau on held-out tokenized rows, the loop on
+    the held-out prompts (gated on losslessness and parity), then the extra prompt sets; one
+    target load for all of it. A failed job's metrics are kept at ``failed_copy`` (Snakemake
+    removes the output of a failed job)."""
+    import shutil
+
+    from dflash_pipeline.evaluation.simulated import simulated_tau
+    from dflash_pipeline.model.target import load_target
+
+    out = Path(out)
+    options = EvalOptions(
+        max_new_tokens=settings["max_new_tokens"],
+        temperature=settings["temperature"],
+        thinking=thinking,
+        lossless_margin=settings["lossless_margin"],
+        engine=settings["engine"],
+        limit=settings["max_prompts"],
+        split="heldout",
+        parity_tolerance=settings["parity_tolerance"],
+    )
+    # One copy of the target serves the simulated tau and the loop.
+    model = load_target(target, *resolve_device_dtype(options))
+    simulated = simulated_tau(drafter_dir, target, tokenized, max_rows=settings["simulated_rows"], target=model)
+    print(f"simulated (teacher-forced, held-out) acceptance length: {simulated}")
+    options.simulated_tau = simulated["tau"]
+    try:
+        document = run_evaluation(target, drafter_dir, prompts, out, options, target_model=model)
+        with tempfile.TemporaryDirectory() as tmp:
+            for path in settings["benchmark_prompts"]:
+                extra_options = EvalOptions(**{**options.__dict__, "split": None, "simulated_tau": None})
+                extra = run_evaluation(target, drafter_dir, path, Path(tmp) / "extra.json", extra_options,
+                                       target_model=model)
+                document["prompt_sets"].update(extra["prompt_sets"])
+                document["per_prompt"] += extra["per_prompt"]
+        document["simulated"] = simulated
+        _write_json(out, document)
+    except Exception:
+        if out.exists():
+            shutil.copyfile(out, failed_copy)
+        raise
+    return document
 
 
 def build_parser() -> argparse.ArgumentParser:

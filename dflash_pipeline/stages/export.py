@@ -1,10 +1,14 @@
 """Export the last segment's drafter in the z-lab format that SGLang and vLLM load:
 ``config.json`` + ``model.safetensors`` with unprefixed tensor names and no embedding or LM head
-(both engines take those from the target; dflash-spec.md §4.1)."""
+(both engines take those from the target; dflash-spec.md §4.1).
+
+Run by hand: ``python -m dflash_pipeline.stages.export --help``."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -44,4 +48,22 @@ def export_drafter(run_url: str, manifest_path: str, config_out: str, weights_ou
         save_file(tensors, tmp, metadata={"format": "pt"})
     with write_atomically(config_out) as tmp:
         tmp.write_text(json.dumps(config.to_zlab(), indent=2) + "\n")
-    return {"tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values())}
+    summary = {"tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values())}
+    print(f"exported {summary['tensors']} tensors, {summary['parameters']:,} parameters")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.export", description=__doc__)
+    parser.add_argument("--run-url", required=True, help="run root (local folder or s3://)")
+    parser.add_argument("--manifest", required=True, help="the last segment's manifest (outputs/train-segment-KKKK.json)")
+    parser.add_argument("--out", required=True, help="drafter folder to write (config.json, model.safetensors)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    export_drafter(args.run_url, args.manifest, str(out / "config.json"), str(out / "model.safetensors"), args.dtype)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

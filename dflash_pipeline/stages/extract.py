@@ -1,9 +1,7 @@
 """Offline mode: the target's taps of every training row of a shard, stored once.
 
-One safetensors object per shard (``hidden/shard-NNNNN.safetensors``), written by the job itself
-through the storage layer: ``taps`` [total_tokens, K*H] (bf16, or fp8 e4m3 with a per-row
-``scales`` vector, or fp32), ``offsets`` [rows + 1] (row r spans offsets[r]:offsets[r+1]) and
-``rows`` (the row indices in the tokenized shard). The file is streamed to local disk row by row
+One safetensors object per shard (``extract/shard-NNNNN.safetensors``, the format of
+``dflash_pipeline.data.hidden``), written by the job itself through the storage layer. The file is streamed to local disk row by row
 (the header is known up front from the token counts), so a shard never has to fit in memory, and
 uploaded as one object. The declared Snakemake output is a small manifest with the object's key,
 size and sha256, written last.
@@ -11,8 +9,10 @@ size and sha256, written last.
 
 from __future__ import annotations
 
+import argparse
 import json
-import struct
+import logging
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,6 +23,8 @@ import torch
 from dflash_pipeline.data.sharding import TRAIN
 from dflash_pipeline.core.storage import open_storage, sha256_file, write_atomically
 from dflash_pipeline.data.hidden import FP8_MAX, HIDDEN_DTYPES, StreamingSafetensors, hidden_key
+
+log = logging.getLogger(__name__)
 
 
 def extract_shard(
@@ -101,3 +103,36 @@ def extract_shard(
     with write_atomically(manifest_out) as tmp_out:
         tmp_out.write_text(json.dumps(manifest, indent=1))
     return manifest
+
+
+def extract_job(tokenized: str, target_dir: str, settings: dict, run_url: str, shard: str,
+                manifest_out: str, device: str | None = None) -> dict:
+    """What the `extract` rule runs: the taps the drafter of ``settings`` (the `train` config)
+    reads, for one tokenized shard."""
+    from dflash_pipeline.training.trainer import build_drafter_config
+
+    layer_ids = build_drafter_config(settings, target_dir).target_layer_ids
+    manifest = extract_shard(tokenized, target_dir, layer_ids, run_url, shard, manifest_out,
+                             settings["hidden_dtype"], device=device)
+    log.info("stored %d tokens x %d taps: %s bytes", manifest["tokens"], manifest["width"], f"{manifest['size']:,}")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.extract", description=__doc__)
+    parser.add_argument("tokenized", help="tokenized shard parquet")
+    parser.add_argument("--target", required=True, help="target model folder")
+    parser.add_argument("--settings-json", required=True, help="the `train` config as JSON")
+    parser.add_argument("--run-url", required=True, help="run root (local folder or s3://)")
+    parser.add_argument("--shard", required=True, help="shard name, e.g. 00003")
+    parser.add_argument("--manifest", required=True, help="where to write the manifest")
+    parser.add_argument("--device", default=None, help="cuda, cpu (default: cuda when available)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    extract_job(args.tokenized, args.target, json.loads(args.settings_json), args.run_url, args.shard,
+                args.manifest, args.device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

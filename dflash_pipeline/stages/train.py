@@ -1,16 +1,80 @@
-"""Train one segment of the drafter: ``python -m dflash_pipeline.stages.train --help``.
+"""Train stage: one checkpoint segment of the drafter (``python -m dflash_pipeline.stages.train --help``).
 
-Run directly for one process, or under ``torchrun --nproc_per_node N -m dflash_pipeline.stages.train``
-for DDP over N GPUs (the workflow's `train` rule does this).
+On CPU or one GPU the segment runs in this process; over several GPUs this module starts itself
+under torchrun (DDP), each rank running ``main``. SIGTERM reaches the workers either way, so a
+preempted job checkpoints (``dflash_pipeline.training.trainer``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from dflash_pipeline.training.trainer import SegmentJob
+
+
+def shard_paths(paths: list[str]) -> dict[str, str]:
+    """``outputs/<stage>-NNNNN.<ext>`` paths keyed by their shard ``NNNNN``."""
+    return {os.path.basename(p).split("-")[1].split(".")[0]: p for p in paths}
+
+
+def torchrun_command(nproc: int, args: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", "-m", "dflash_pipeline.stages.train", *args,
+    ]  # fmt: skip
+
+
+def segment_args(job: SegmentJob, settings_file: str) -> list[str]:
+    args = [
+        "--run-url", job.run_url, "--segment", str(job.segment), "--settings", settings_file,
+        "--target", job.target_dir, "--manifest", job.manifest_path,
+        "--tokenized", *[f"{k}={v}" for k, v in sorted(job.tokenized.items())],
+    ]  # fmt: skip
+    if job.hidden:
+        args += ["--hidden", *[f"{k}={v}" for k, v in sorted(job.hidden.items())]]
+    return args
+
+
+def run_train_job(job: SegmentJob, gpus: int) -> int:
+    """Run the segment here (gpus <= 1) or under torchrun over ``gpus`` devices."""
+    if gpus <= 1:
+        job.run()
+        return 0
+    with tempfile.TemporaryDirectory(prefix="dflash-train-") as tmp:
+        settings_file = Path(tmp) / "settings.json"
+        settings_file.write_text(json.dumps(job.settings))
+        proc = subprocess.Popen(torchrun_command(gpus, segment_args(job, str(settings_file))))
+        previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+        try:
+            code = proc.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    if code != 0:
+        raise SystemExit(f"torchrun over {gpus} GPUs failed with exit code {code}")
+    return 0
+
+
+def train_job(run_url: str, segment: int, settings: dict, target_dir: str, tokenized: list[str],
+              hidden: list[str], manifest: str, gpus: int) -> int:
+    """What the `train` rule runs: the segment over the job's shards on ``gpus`` devices."""
+    job = SegmentJob(
+        run_url=run_url,
+        segment=segment,
+        settings=settings,
+        target_dir=target_dir,
+        tokenized=shard_paths(tokenized),
+        hidden=shard_paths(hidden),
+        manifest_path=manifest,
+        device=None if gpus else "cpu",
+    )
+    return run_train_job(job, gpus)
 
 
 def parse_shard_paths(values: list[str]) -> dict[str, str]:
@@ -25,7 +89,7 @@ def parse_shard_paths(values: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.train", description=__doc__)
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://bucket/prefix)")
     parser.add_argument("--segment", type=int, required=True)
     parser.add_argument("--settings", required=True, help="JSON file with the config's `train` section")

@@ -24,16 +24,13 @@ from dflash_pipeline.core.jobstate import read_train_metrics
 from dflash_pipeline.core.storage import ReadOnlyStorage, StorageError
 from dflash_pipeline.status.events import JobBoard, RunEvents
 
-# Shard stages in pipeline order, with the rule whose job produces each stage's object.
-STAGE_RULES = {"prompts": "prepare_prompts", "generated": "generate", "tokenized": "tokenize", "hidden": "extract"}
-# Telemetry folders under _progress/ are named after the job's stage word.
-TELEMETRY_STAGES = {"generate": "generated", "tokenize": "tokenized", "extract": "hidden"}
+# Shard stages in pipeline order; each is named like the rule that builds its objects.
+SHARD_STAGES = tuple(layout.SHARD_STAGES)
 # Shown even before their first object exists (up to the run's `until`); the others appear
 # once they have one.
-ALWAYS_SHOWN = ("prompts", "generated", "tokenized")
-# Config `until` values in pipeline order, and the shard stage each one ends with.
-UNTIL_STAGES = ["prompts", "generate", "tokenize", "train", "evaluate"]
-UNTIL_SHARD_STAGE = {"prompts": "prompts", "generate": "generated", "tokenize": "tokenized"}
+ALWAYS_SHOWN = ("prepare", "generate", "tokenize")
+# Config `until` values in pipeline order.
+UNTIL_STAGES = ["prepare", "generate", "tokenize", "train", "evaluate"]
 
 TELEMETRY_KEY = re.compile(r"^_progress/(?P<stage>[a-z_]+)/shard-(?P<shard>\d{5})/telemetry\.json$")
 SEGMENT_KEY = re.compile(r"^_progress/train/segment-(?P<segment>\d{4})/(?P<name>metrics\.jsonl|telemetry\.json)$")
@@ -111,7 +108,7 @@ class SnapshotBuilder:
         events = self.board.refresh() if self.board else RunEvents()
         n = self.source.num_shards
 
-        done: dict[str, set[int]] = {stage: set() for stage in STAGE_RULES}
+        done: dict[str, set[int]] = {stage: set() for stage in SHARD_STAGES}
         storage_use: dict[str, dict] = {}
         telemetry: dict[tuple[str, int], dict] = {}
         segments: dict[int, dict] = {}
@@ -122,10 +119,10 @@ class SnapshotBuilder:
             use["objects"] += 1
             if m := layout.SHARD_OBJECT.match(obj.key):
                 stage = m["stage"]
-                if stage in STAGE_RULES and m["ext"] == layout.SHARD_STAGES.get(stage):
+                if stage in SHARD_STAGES and m["ext"] == layout.SHARD_STAGES.get(stage):
                     done[stage].add(int(m["shard"]))
             elif m := TELEMETRY_KEY.match(obj.key):
-                stage = TELEMETRY_STAGES.get(m["stage"])
+                stage = m["stage"] if m["stage"] in SHARD_STAGES else None
                 record = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
                 if stage and isinstance(record, dict):
                     telemetry[(stage, int(m["shard"]))] = record
@@ -139,14 +136,14 @@ class SnapshotBuilder:
                 eval_metrics = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
 
         jobs_by_stage_shard: dict[tuple[str, int], object] = {}
-        rule_stage = {rule: stage for stage, rule in STAGE_RULES.items()}
         for job in sorted(events.jobs.values(), key=lambda j: j.jobid):
-            stage = rule_stage.get(job.rule)
+            stage = job.rule if job.rule in SHARD_STAGES else None
             if stage and "shard" in job.wildcards and job.wildcards["shard"].isdigit():
                 jobs_by_stage_shard[(stage, int(job.wildcards["shard"]))] = job
 
         stages, running, failed = [], [], []
-        for stage, rule in STAGE_RULES.items():
+        for stage in SHARD_STAGES:
+            rule = stage
             planned = stage in self._planned_shard_stages()
             present = planned or done[stage] or any(s == stage for s, _ in jobs_by_stage_shard)
             if not present:
@@ -197,7 +194,7 @@ class SnapshotBuilder:
         # Jobs of rules without shards or segments (ingest, export, report) that failed.
         for job in events.jobs.values():
             if job.state == "failed" and job.rule != "train" and (
-                rule_stage.get(job.rule) is None or "shard" not in job.wildcards
+                job.rule not in SHARD_STAGES or "shard" not in job.wildcards
             ):
                 failed.append(self._failed_row(None, job.rule, None, job, None))
 
@@ -238,8 +235,8 @@ class SnapshotBuilder:
 
     def _planned_shard_stages(self) -> tuple[str, ...]:
         until = self.source.until
-        if until in UNTIL_SHARD_STAGE:
-            return ALWAYS_SHOWN[: ALWAYS_SHOWN.index(UNTIL_SHARD_STAGE[until]) + 1]
+        if until in ALWAYS_SHOWN:
+            return ALWAYS_SHOWN[: ALWAYS_SHOWN.index(until) + 1]
         return ALWAYS_SHOWN
 
     def _train_stage(self, segments, events, now, running, failed) -> dict | None:

@@ -25,7 +25,7 @@ class TrainingDataError(ValueError):
 
 
 @dataclass
-class Sequence:
+class TrainingRow:
     """One training row. Its tokens stay in the shard's Arrow column (int32 / int8) until a batch
     needs them: a 1M-row, 4k-token dataset held as int64 numpy arrays would take ~60 GB per rank."""
 
@@ -45,7 +45,7 @@ class Sequence:
         return self._mask[self.row].values.to_numpy().astype(np.int64)
 
 
-def read_training_sequences(paths: dict[str, str], min_supervised: int = 2) -> list[Sequence]:
+def read_training_sequences(paths: dict[str, str], min_supervised: int = 2) -> list[TrainingRow]:
     """Train-split rows of the tokenized shards ``{shard: path}`` with enough supervised tokens
     for a block (held-out rows stay out of training)."""
     sequences = []
@@ -62,7 +62,7 @@ def read_training_sequences(paths: dict[str, str], min_supervised: int = 2) -> l
         loss_mask = table["loss_mask"].combine_chunks()
         for row in np.flatnonzero(np.asarray(keep)):
             row = int(row)
-            sequences.append(Sequence(ids[row], shard, row, lengths[row], input_ids, loss_mask))
+            sequences.append(TrainingRow(ids[row], shard, row, lengths[row], input_ids, loss_mask))
     if not sequences:
         raise TrainingDataError(
             f"no training rows in {sorted(paths.values())} (all held out or too short)"
@@ -108,7 +108,7 @@ class BatchPlan:
         return batch[rank * per_rank : (rank + 1) * per_rank]
 
 
-def collate(sequences: list[Sequence], device) -> tuple[torch.Tensor, torch.Tensor]:
+def collate(sequences: list[TrainingRow], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ``input_ids`` and ``loss_mask`` [b, S_max] (padding: id 0, mask 0)."""
     longest = max(s.length for s in sequences)
     ids = np.zeros((len(sequences), longest), dtype=np.int64)

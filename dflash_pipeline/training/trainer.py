@@ -24,6 +24,7 @@ import torch
 from dflash_pipeline.core import layout
 from dflash_pipeline.model.config import DrafterConfig, drafter_config_for_target
 from dflash_pipeline.model.drafter import DFlashDrafter
+from dflash_pipeline.core.jobstate import write_telemetry
 from dflash_pipeline.core.storage import Storage, open_storage
 from dflash_pipeline.training.blocks import block_metrics, blocks_forward
 from dflash_pipeline.training.checkpoint import RollingCheckpoints, load_checkpoint, save_checkpoint
@@ -163,18 +164,14 @@ class MetricsLog:
         done = (last.get("step", self.steps[0] - 1) + 1) - self.steps[0]
         total = self.steps[1] - self.steps[0]
         rate = last.get("steps_per_s")
-        telemetry = {
-            "stage": "train",
-            "segment": self.segment,
+        write_telemetry(self.storage, self.prefix, {"stage": "train", "segment": self.segment}, {
             "state": state,
             "step": last.get("step"),
             "steps_done": done,
             "steps_total": total,
             "tokens_per_s": last.get("tokens_per_s"),
             "eta_s": round((total - done) / rate, 1) if rate else None,
-            "updated_at": time.time(),
-        }
-        self.storage.write_text(self.prefix + "telemetry.json", json.dumps(telemetry, indent=1))
+        })
         self.last_flush = time.time()
 
 

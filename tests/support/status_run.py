@@ -18,8 +18,8 @@ def write_run(run: Storage, workdir: Path, secret_in_log: str = "") -> Path:
     """A run in mid-flight: 2 shards; shard 1 generating, tokenize of shard 0 failed,
     one training segment done and the next running, evaluation written."""
     for shard in (0, 1):
-        run.write_bytes(layout.shard_key("prompts", shard), b"p" * 100)
-    run.write_bytes(layout.shard_key("generated", 0), b"g" * 300)
+        run.write_bytes(layout.shard_key("prepare", shard), b"p" * 100)
+    run.write_bytes(layout.shard_key("generate", 0), b"g" * 300)
     ShardProgress(run, "generate", 1).write_telemetry(
         {"state": "running", "samples_total": 10, "samples_done": 4, "tokens_per_s": 12.5, "eta_s": 6.0,
          "tokens_generated": 50}

@@ -1,4 +1,4 @@
-"""Snakemake glue for rule `prepare_prompts`; the logic is dflash_pipeline.stages.prepare.select_shard."""
+"""Snakemake glue for rule `prepare`; the logic is dflash_pipeline.stages.prepare.select_shard."""
 
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.stages.prepare import select_shard

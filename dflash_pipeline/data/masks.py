@@ -1,4 +1,4 @@
-"""Token ids and exact loss masks for generated conversations, and the data-quality checks.
+"""Token ids and exact loss masks for generated conversations.
 
 The mask comes from token boundaries between rendered prefixes, never from regexes over text:
 for an assistant turn, render the history with the generation prompt (what the engine saw), render
@@ -24,35 +24,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# Reasons a row is degenerate (bad training data). Keys are stable: they are counted in stats
-# and named in config (`tokenize.degenerate_reasons`).
-DEGENERATE_REASONS = {
-    "generation_error": "the engine gave no response (error row)",
-    "empty_response": "empty or whitespace-only response",
-    "think_not_closed": "the think block never closed although generation stopped",
-    "repetition_loop": "the response repeats the same n-gram over and over",
-    "too_few_supervised": "fewer supervised tokens than tokenize.min_supervised_tokens",
-    "identical_response": "the same response was given to many different prompts",
-    "template_mismatch": "the chat template's renderings do not extend each other",
-}
-
+from dflash_pipeline.data.chat import render, render_many
 
 class TemplateMismatch(ValueError):
     pass
-
-
-def render(tokenizer, messages: list[dict], generation_prompt: bool, thinking: bool) -> str:
-    return render_many(tokenizer, [messages], generation_prompt, thinking)[0]
-
-
-def render_many(tokenizer, conversations: list[list[dict]], generation_prompt: bool, thinking: bool) -> list[str]:
-    """One batched ``apply_chat_template`` call: the same rendering as one call per conversation
-    without paying the call's set-up (template lookup, special-token map) each time."""
-    if not conversations:
-        return []
-    return tokenizer.apply_chat_template(
-        conversations, tokenize=False, add_generation_prompt=generation_prompt, enable_thinking=thinking
-    )
 
 
 def needs_rows_per_turn(tokenizer, thinking: bool = True) -> bool:
@@ -69,7 +44,9 @@ def needs_rows_per_turn(tokenizer, thinking: bool = True) -> bool:
 
 
 @dataclass
-class Sequence:
+class MaskedSequence:
+    """A sequence's token ids, its loss mask and the text it was tokenized from."""
+
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     text: str = ""  # what was tokenized, piece by piece
@@ -151,13 +128,13 @@ def _pieces(turns: list[tuple[int, tuple[str, str]]], full: str | None) -> list[
     return [(-1, [p for p in pieces if p[0]])]
 
 
-def tokenize_pieces(tokenizer, all_pieces: list[Pieces]) -> list[Sequence]:
+def tokenize_pieces(tokenizer, all_pieces: list[Pieces]) -> list[MaskedSequence]:
     """Sequences for many piece lists, each piece tokenized apart, with one batched call."""
     flat = [text for pieces in all_pieces for text, _ in pieces]
     encoded = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
     out, k = [], 0
     for pieces in all_pieces:
-        seq = Sequence()
+        seq = MaskedSequence()
         for text, mask in pieces:
             seq.input_ids.extend(encoded[k])
             seq.loss_mask.extend([mask] * len(encoded[k]))
@@ -277,7 +254,7 @@ def _encode_by_offsets(tokenizer, all_pieces: list[Pieces], which: list[int], ou
             out[k] = Encoded(np.array(ids, dtype=np.int32), mask, True)
 
 
-def round_trip_failures(tokenizer, seqs: list[Sequence]) -> list[bool]:
+def round_trip_failures(tokenizer, seqs: list[MaskedSequence]) -> list[bool]:
     """For each sequence: do the pieces tokenized apart differ from the whole text tokenized at
     once? (A BPE merge across a boundary would shift the mask by a token.)"""
     if not seqs:
@@ -288,38 +265,11 @@ def round_trip_failures(tokenizer, seqs: list[Sequence]) -> list[bool]:
 
 def conversation_sequences(
     tokenizer, messages: list[dict], thinking: bool, per_turn: bool
-) -> list[tuple[int, Sequence]]:
+) -> list[tuple[int, MaskedSequence]]:
     """(assistant message index or -1, sequence) pairs for one conversation."""
     found = conversation_pieces(tokenizer, messages, thinking, per_turn)
     encoded = encode_pieces(tokenizer, [pieces for _, pieces in found])
     return [
-        (index, Sequence(e.input_ids.tolist(), e.loss_mask.tolist(), "".join(t for t, _ in pieces)))
+        (index, MaskedSequence(e.input_ids.tolist(), e.loss_mask.tolist(), "".join(t for t, _ in pieces)))
         for (index, pieces), e in zip(found, encoded)
     ]
-
-
-def repetition_loop(ids, n: int = 8, min_repeats: int = 12, min_cover: float = 0.5) -> bool:
-    """The most frequent n-gram repeats often and covers most of the tokens."""
-    if len(ids) < n * min_repeats:
-        return False
-    ids = np.asarray(ids, dtype=np.uint64)
-    # Count 64-bit hashes of the n-grams first: a collision can only raise a count, so a
-    # sequence that fails on hashes fails exactly; one that passes is counted again exactly.
-    hashes = np.zeros(len(ids) - n + 1, dtype=np.uint64)
-    for k in range(n):
-        hashes = hashes * np.uint64(0x9E3779B97F4A7C15) + ids[k : len(ids) - n + 1 + k]
-    if not _loop_counts(hashes, n, min_repeats, min_cover, len(ids)):
-        return False
-    windows = np.lib.stride_tricks.sliding_window_view(ids, n)
-    grams = np.ascontiguousarray(windows).view(np.dtype((np.void, 8 * n))).ravel()
-    return _loop_counts(grams, n, min_repeats, min_cover, len(ids))
-
-
-def _loop_counts(grams: np.ndarray, n: int, min_repeats: int, min_cover: float, length: int) -> bool:
-    _, counts = np.unique(grams, return_counts=True)
-    top = int(counts.max())
-    return top >= min_repeats and top * n >= min_cover * length
-
-
-def response_key(message: dict) -> str:
-    return f"{(message.get('reasoning_content') or '').strip()}\x00{message.get('content', '').strip()}"

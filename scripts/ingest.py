@@ -1,4 +1,4 @@
-"""Snakemake glue for rule `ingest_prompts`; the logic is dflash_pipeline.stages.prepare.ingest."""
+"""Snakemake glue for rule `ingest`; the logic is dflash_pipeline.stages.prepare.ingest."""
 
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.stages.prepare import ingest

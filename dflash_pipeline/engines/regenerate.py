@@ -1,0 +1,283 @@
+"""On-policy regeneration of a shard's conversations through an engine client.
+
+Each conversation is replayed turn by turn on its regenerated history: every assistant turn of
+the source is replaced by the target's own response, and a conversation that ends with a user or
+tool turn gets one more assistant turn. Finished conversations go into progress parts as they
+come, so an interrupted shard resumes from them (rows are reused by id and fingerprint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from dflash_pipeline.core.jobstate import ShardProgress
+from dflash_pipeline.data.chat import assistant_message, render_prompt, split_reasoning
+from dflash_pipeline.engines.client import Completion, EngineClient, EngineError, RequestFailed, Sampling
+
+log = logging.getLogger(__name__)
+
+MESSAGE = pa.struct(
+    [("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())]
+)
+TURN = pa.struct(
+    [
+        ("message_index", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("think_closed", pa.bool_()),
+        ("prompt_tokens", pa.int32()),
+        ("completion_tokens", pa.int32()),
+        ("output_ids", pa.list_(pa.int32())),
+    ]
+)
+GENERATED_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("shard", pa.int32()),
+        ("split", pa.string()),
+        ("messages", pa.list_(MESSAGE)),
+        ("turns", pa.list_(TURN)),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("error", pa.string()),
+        ("fingerprint", pa.string()),
+    ]
+)
+
+
+@dataclass
+class GenerationSettings:
+    thinking: bool
+    sampling: Sampling
+    concurrency: int = 16
+    part_every_samples: int = 64
+    part_every_seconds: float = 60
+    telemetry_every_seconds: float = 5
+    max_consecutive_failures: int = 8
+    max_error_fraction: float = 0.02
+
+    @classmethod
+    def from_config(cls, gen: dict, model_dir: str) -> GenerationSettings:
+        """From the `generation` config section; sampling falls back to the model's defaults."""
+        return cls(
+            thinking=gen["thinking"],
+            sampling=sampling_from_config(model_dir, gen["sampling"], gen["max_new_tokens"], gen["seed"]),
+            **{k: gen[k] for k in (
+                "concurrency", "part_every_samples", "part_every_seconds",
+                "telemetry_every_seconds", "max_consecutive_failures", "max_error_fraction",
+            )},
+        )
+
+
+def sampling_from_config(model_dir: str, overrides: dict, max_new_tokens: int, seed: int | None) -> Sampling:
+    """The model's own generation config, with the config's non-null values on top."""
+    defaults: dict = {}
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        gen = json.loads(path.read_text())
+        if gen.get("do_sample") is False:
+            defaults["temperature"] = 0.0
+        for key in ("temperature", "top_p", "top_k", "min_p"):
+            if gen.get(key) is not None and key not in defaults:
+                defaults[key] = gen[key]
+    merged = {**defaults, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    return Sampling(
+        max_new_tokens=max_new_tokens,
+        temperature=float(merged.get("temperature", 1.0)),
+        top_p=float(merged.get("top_p", 1.0)),
+        top_k=merged.get("top_k"),
+        min_p=merged.get("min_p"),
+        seed=seed,
+    )
+
+
+def fingerprint(model_dir: str, chat_template: str, settings: GenerationSettings, engine: str, engine_version: str) -> str:
+    """Identifies what produced a row: reused rows must match it exactly."""
+    config_path = Path(model_dir) / "config.json"
+    model_config = config_path.read_bytes() if config_path.is_file() else model_dir.encode()
+    payload = {
+        "model": hashlib.sha256(model_config).hexdigest()[:16],
+        "model_name": Path(model_dir).name,
+        "chat_template": hashlib.sha256((chat_template or "").encode()).hexdigest()[:16],
+        "sampling": settings.sampling.as_dict(),
+        "thinking": settings.thinking,
+        "engine": engine,
+        "engine_version": engine_version,
+    }
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{digest}:{json.dumps(payload, sort_keys=True)}"
+
+
+class ShardGenerator:
+    """Regenerates one shard's conversations through an engine client."""
+
+    def __init__(self, tokenizer, client: EngineClient, settings: GenerationSettings, fingerprint: str):
+        self.tokenizer = tokenizer
+        self.client = client
+        self.settings = settings
+        self.fingerprint = fingerprint
+        self.end_of_turn = tokenizer.eos_token
+
+    async def _turn(self, history: list[dict]) -> tuple[dict, dict]:
+        prompt = render_prompt(self.tokenizer, history, self.settings.thinking)
+        prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        done: Completion = await self.client.complete(prompt, prompt_ids, self.settings.sampling)
+        split = split_reasoning(prompt, done.text, self.end_of_turn)
+        completion_tokens = done.completion_tokens
+        if completion_tokens is None:
+            completion_tokens = len(self.tokenizer(done.text, add_special_tokens=False)["input_ids"])
+        turn = {
+            "message_index": len(history),
+            "finish_reason": done.finish_reason,
+            "think_closed": split.think_closed,
+            "prompt_tokens": done.prompt_tokens if done.prompt_tokens is not None else len(prompt_ids),
+            "completion_tokens": completion_tokens,
+            "output_ids": done.output_ids,
+        }
+        return assistant_message(split), turn
+
+    async def conversation(self, row: dict) -> dict:
+        history: list[dict] = []
+        turns: list[dict] = []
+        error = None
+        try:
+            for message in row["messages"]:
+                if message["role"] == "assistant":
+                    reply, turn = await self._turn(history)
+                    history.append(reply)
+                    turns.append(turn)
+                else:
+                    history.append({"role": message["role"], "content": message["content"]})
+            if history[-1]["role"] != "assistant":
+                reply, turn = await self._turn(history)
+                history.append(reply)
+                turns.append(turn)
+        except RequestFailed as err:
+            error = str(err)
+        return {
+            "id": row["id"],
+            "shard": row["shard"],
+            "split": row["split"],
+            "messages": [
+                {
+                    "role": m["role"],
+                    "content": m["content"],
+                    "reasoning_content": m.get("reasoning_content"),
+                }
+                for m in (history if error is None else row["messages"])
+            ],
+            "turns": turns,
+            "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
+            "completion_tokens": sum(t["completion_tokens"] for t in turns),
+            "error": error,
+            "fingerprint": self.fingerprint,
+        }
+
+
+def reusable_rows(saved: pa.Table, fingerprint_value: str) -> dict[str, dict]:
+    """Rows from earlier attempts that need no new request: same fingerprint, no error."""
+    return {
+        r["id"]: r
+        for r in saved.to_pylist()
+        if r["error"] is None and r["fingerprint"] == fingerprint_value
+    }
+
+
+async def generate_shard(
+    prompts: pa.Table,
+    generator: ShardGenerator,
+    progress: ShardProgress,
+    engine_info,
+    health_check=lambda: True,
+) -> pa.Table:
+    """Generate every prompt not already in a saved part; returns the shard in prompt order."""
+    settings = generator.settings
+    rows = prompts.to_pylist()
+    # Rows of an earlier finished build of this shard (the shard was re-planned, e.g. after data
+    # was added), then rows saved in parts by an interrupted attempt.
+    done = reusable_rows(progress.load_reusable(GENERATED_SCHEMA), generator.fingerprint)
+    done.update(reusable_rows(progress.load_parts(GENERATED_SCHEMA), generator.fingerprint))
+    wanted = {r["id"] for r in rows}
+    done = {k: v for k, v in done.items() if k in wanted}
+    todo = [r for r in rows if r["id"] not in done]
+    telemetry = progress.telemetry(len(rows), resumed=len(rows) - len(todo), token_field="tokens_generated")
+    log.info("shard %05d: %d prompts, %d resumed from earlier work, %d to generate",
+             progress.shard, len(rows), telemetry.resumed, len(todo))
+    pending: list[dict] = []
+    last_flush = time.monotonic()
+    consecutive_failures = 0
+
+    async def flush() -> None:
+        nonlocal pending, last_flush
+        if pending:
+            batch, pending = pending, []
+            await asyncio.to_thread(
+                progress.write_part, pa.Table.from_pylist(batch, schema=GENERATED_SCHEMA)
+            )
+            log.info("saved a part of %d samples", len(batch))
+        last_flush = time.monotonic()
+
+    async def report_forever() -> None:
+        while True:
+            await asyncio.to_thread(lambda: telemetry.write(engine=engine_info()))
+            await asyncio.sleep(settings.telemetry_every_seconds)
+
+    semaphore = asyncio.Semaphore(settings.concurrency)
+
+    async def one(row: dict) -> dict:
+        async with semaphore:
+            return await generator.conversation(row)
+
+    reporter = asyncio.create_task(report_forever())
+    tasks = [asyncio.create_task(one(r)) for r in todo]
+    try:
+        for next_done in asyncio.as_completed(tasks):
+            result = await next_done
+            telemetry.done += 1
+            telemetry.tokens += result["completion_tokens"]
+            if result["error"] is None:
+                consecutive_failures = 0
+            else:
+                telemetry.errors += 1
+                consecutive_failures += 1
+                log.warning("sample %s failed: %s", result["id"], result["error"])
+            done[result["id"]] = result
+            pending.append(result)
+            if consecutive_failures >= settings.max_consecutive_failures or not health_check():
+                raise EngineError(
+                    f"engine unhealthy: {consecutive_failures} requests in a row failed "
+                    f"(last: {result['error']})"
+                )
+            if (
+                len(pending) >= settings.part_every_samples
+                or time.monotonic() - last_flush >= settings.part_every_seconds
+            ):
+                await flush()
+        await flush()
+    except BaseException:
+        telemetry.state = "failed"
+        for task in tasks:
+            task.cancel()
+        await flush()  # finished samples are never lost, whatever stopped the job
+        raise
+    finally:
+        reporter.cancel()
+        if telemetry.state == "failed":
+            await asyncio.to_thread(lambda: telemetry.write(engine=engine_info()))
+    errors = [r for r in done.values() if r["error"] is not None]
+    failed = bool(rows) and len(errors) / len(rows) > settings.max_error_fraction
+    telemetry.state = "failed" if failed else "done"
+    await asyncio.to_thread(lambda: telemetry.write(engine=engine_info()))
+    if failed:
+        raise EngineError(
+            f"{len(errors)} of {len(rows)} samples failed (above generation.max_error_fraction="
+            f"{settings.max_error_fraction}); first: {errors[0]['id']}: {errors[0]['error']}"
+        )
+    return pa.Table.from_pylist([done[r["id"]] for r in rows], schema=GENERATED_SCHEMA)

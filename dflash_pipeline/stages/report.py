@@ -1,0 +1,101 @@
+"""Report stage: the figures and tables of ``snakemake --report``, one function per `report_*` rule.
+
+Each reads what its stage left (stats, metrics, benchmarks, telemetry) and draws with
+``dflash_pipeline.report.figures``. Run by hand: ``python -m dflash_pipeline.stages.report --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dflash_pipeline.core.jobstate import read_stage_telemetry
+from dflash_pipeline.core.storage import ReadOnlyStorage
+from dflash_pipeline.report import figures
+
+
+def report_prompts(summary: str, quarantine: str, figure: str, table: str) -> None:
+    summary_doc, rows = figures.read_json(summary), figures.read_jsonl(quarantine)
+    figures.plot_prompts(summary_doc, rows, figure)
+    figures.write_quarantine_table(summary_doc, rows, table)
+
+
+def report_generation(generated: list[str], benchmarks: list[str], run_url: str,
+                      throughput: str, lengths: str, finish: str) -> None:
+    summaries = [figures.summarize_generated(path) for path in generated]
+    seconds = {figures.shard_label(p): figures.read_benchmark_seconds(p) for p in benchmarks}
+    telemetry = read_stage_telemetry(run_url, "generate", [s["shard"] for s in summaries])
+    figures.plot_generation_throughput(figures.generation_throughput(summaries, seconds, telemetry), throughput)
+    figures.plot_generation_lengths(summaries, lengths)
+    figures.plot_finish_reasons(summaries, finish)
+
+
+def report_tokenization(stats: list[str], supervised: str, degenerate: str, table: str) -> None:
+    docs = [figures.read_json(path) for path in stats]
+    figures.plot_supervised_histogram(docs, supervised)
+    figures.plot_degenerate_reasons(docs, degenerate)
+    figures.write_tokenization_table(docs, table)
+
+
+def report_training(run_url: str, segments: int, figure: str) -> None:
+    # The per-step metrics are the segments' own (_progress/), next to their manifests.
+    figures.write_training_report(run_url, range(segments), figure)
+
+
+def report_evaluation(metrics: str, figure: str) -> None:
+    figures.write_evaluation_report(metrics, figure)
+
+
+def report_storage(run_url: str, figure: str) -> None:
+    # The run root as it is now, outputs, logs, _progress/ and checkpoints alike.
+    objects = ReadOnlyStorage.open(run_url).list("")
+    figures.plot_storage(figures.storage_by_stage(objects), figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.report", description=__doc__)
+    sub = parser.add_subparsers(dest="report", required=True)
+    p = sub.add_parser("prompts", help="ingest summary and quarantine")
+    p.add_argument("--summary", required=True)
+    p.add_argument("--quarantine", required=True)
+    p.add_argument("--figure", required=True)
+    p.add_argument("--table", required=True)
+    p = sub.add_parser("generation", help="throughput, lengths, finish reasons")
+    p.add_argument("--generated", nargs="+", required=True)
+    p.add_argument("--benchmarks", nargs="*", default=[])
+    p.add_argument("--run-url", required=True)
+    p.add_argument("--throughput", required=True)
+    p.add_argument("--lengths", required=True)
+    p.add_argument("--finish", required=True)
+    p = sub.add_parser("tokenization", help="supervised tokens and the gate's reasons")
+    p.add_argument("--stats", nargs="+", required=True)
+    p.add_argument("--supervised", required=True)
+    p.add_argument("--degenerate", required=True)
+    p.add_argument("--table", required=True)
+    p = sub.add_parser("training", help="loss and acceptance curves")
+    p.add_argument("--run-url", required=True)
+    p.add_argument("--segments", type=int, required=True)
+    p.add_argument("--figure", required=True)
+    p = sub.add_parser("evaluation", help="acceptance per prompt set")
+    p.add_argument("--metrics", required=True)
+    p.add_argument("--figure", required=True)
+    p = sub.add_parser("storage", help="bytes per stage")
+    p.add_argument("--run-url", required=True)
+    p.add_argument("--figure", required=True)
+    args = vars(parser.parse_args(argv))
+    REPORTS[args.pop("report")](**args)
+    return 0
+
+
+REPORTS = {
+    "prompts": report_prompts,
+    "generation": report_generation,
+    "tokenization": report_tokenization,
+    "training": report_training,
+    "evaluation": report_evaluation,
+    "storage": report_storage,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
