@@ -83,7 +83,7 @@ def test_authors_loop_reports_the_same_acceptance_lengths_as_this_stage(trained_
     from transformers import AutoModelForCausalLM
 
     from dflash_pipeline.evaluation.loop import DecodeSettings, speculative_decode
-    from dflash_pipeline.evaluation.target import TargetRunner
+    from dflash_pipeline.evaluation.runner import TargetRunner
     from dflash_pipeline.model.inference import load_proposer
 
     prompts = demo_prompts(demo_model, count=3)

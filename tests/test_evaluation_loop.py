@@ -16,7 +16,7 @@ from dflash_pipeline.evaluation.loop import (
     plain_decode,
     speculative_decode,
 )
-from dflash_pipeline.evaluation.target import TargetRunner, _snapshot
+from dflash_pipeline.evaluation.runner import TargetRunner, _snapshot
 from dflash_pipeline.model.taps import TargetTaps
 
 VOCAB = 64

@@ -78,7 +78,7 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
     workflow.write_config(num_shards=3, **use_built_demo_model(demo_model))
     workflow.snakemake()
     shards = workflow.root / "results/demo/outputs"
-    names = sorted(p.name for p in shards.glob("prompts-*"))
+    names = sorted(p.name for p in shards.glob("prepare-*"))
     assert names == [f"prepare-0000{i}.parquet" for i in range(3)]
     summary = json.loads((workflow.root / "results/demo/outputs/ingest-summary.json").read_text())
     total = sum(pq.read_table(shards / n).num_rows for n in names)
@@ -89,7 +89,7 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
         stats = json.loads((shards / f"tokenize-0000{i}.stats.json").read_text())
         assert stats["degenerate_samples"] == 0 and stats["sequences_out"] >= stats["samples"]
     assert workflow.planned_jobs() == {}
-    (shards / "tokenized-00001.parquet").unlink()
+    (shards / "tokenize-00001.parquet").unlink()
     # The report figures made from that shard follow it (this run stops at tokenize).
     assert workflow.planned_jobs() == {
         "tokenize": 1,

@@ -68,6 +68,13 @@ def reuse_key(stage: str, shard: int | str) -> str:
     return f"{PROGRESS_DIR}/reuse/{stage}-{shard}.parquet"
 
 
+def hidden_states_key(shard: int | str) -> str:
+    """The big object behind an extract shard's manifest: the target's taps of its rows."""
+    if isinstance(shard, int):
+        shard = shard_name(shard)
+    return f"extract/shard-{shard}.safetensors"
+
+
 INGESTED_PROMPTS = f"{OUTPUTS_DIR}/ingest-prompts.parquet"
 INGEST_SUMMARY = f"{OUTPUTS_DIR}/ingest-summary.json"
 QUARANTINE = f"{OUTPUTS_DIR}/ingest-quarantine.jsonl"

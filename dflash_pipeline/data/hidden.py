@@ -24,10 +24,6 @@ _SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8
 FP8_MAX = 448.0
 
 
-def hidden_key(shard: str) -> str:
-    return f"extract/shard-{shard}.safetensors"
-
-
 class StreamingSafetensors:
     """Writes a safetensors file whose tensors are appended in order, row block by row block."""
 

@@ -1,6 +1,6 @@
 """Acceptance-length evaluation: the real speculative-decoding loop, its metrics and checks.
 
-``target`` runs the target model with a cache that can be rolled back (hybrid GDN layers
+``runner`` runs the target model with a cache that can be rolled back (hybrid GDN layers
 included), ``loop`` is the speculative-decoding loop and plain decoding, ``metrics`` turns loop
 traces into the metrics JSON, ``lossless`` and ``parity`` are the two gates, ``sglang`` measures the
 same drafter inside SGLang.

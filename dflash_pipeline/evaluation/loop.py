@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from dflash_pipeline.evaluation.target import TargetRunner
+from dflash_pipeline.evaluation.runner import TargetRunner
 
 
 class Proposer(Protocol):

@@ -175,7 +175,7 @@ def _run_transformers(target, drafter, prompts, options: EvalOptions, load_propo
     )
     from dflash_pipeline.evaluation.loop import DecodeSettings, plain_decode, speculative_decode
     from dflash_pipeline.evaluation.metrics import PromptResult
-    from dflash_pipeline.evaluation.target import TargetRunner, target_stop_token_ids
+    from dflash_pipeline.evaluation.runner import TargetRunner, target_stop_token_ids
     from dflash_pipeline.model.target import load_target
 
     if load_proposer is None:

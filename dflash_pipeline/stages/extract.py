@@ -22,7 +22,8 @@ import torch
 
 from dflash_pipeline.data.sharding import TRAIN
 from dflash_pipeline.core.storage import open_storage, sha256_file, write_atomically
-from dflash_pipeline.data.hidden import FP8_MAX, HIDDEN_DTYPES, StreamingSafetensors, hidden_key
+from dflash_pipeline.core import layout
+from dflash_pipeline.data.hidden import FP8_MAX, HIDDEN_DTYPES, StreamingSafetensors
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,8 @@ def extract_shard(
         writer.close()
         manifest = {
             "shard": shard,
-            "key": hidden_key(shard),
-            "url": storage.join(hidden_key(shard)),
+            "key": layout.hidden_states_key(shard),
+            "url": storage.join(layout.hidden_states_key(shard)),
             "size": path.stat().st_size,
             "sha256": sha256_file(path),
             "rows": len(rows),
@@ -99,7 +100,7 @@ def extract_shard(
             "layer_ids": list(layer_ids),
             "width": width,
         }
-        storage.upload_file(hidden_key(shard), path)
+        storage.upload_file(layout.hidden_states_key(shard), path)
     with write_atomically(manifest_out) as tmp_out:
         tmp_out.write_text(json.dumps(manifest, indent=1))
     return manifest
