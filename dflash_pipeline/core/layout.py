@@ -33,45 +33,41 @@ SHARD_STAGES = {
 }
 
 
-def shard_name(shard: int) -> str:
-    return f"{shard:05d}"
+def shard_name(shard: int | str) -> str:
+    """``3`` -> ``"00003"``; a name (a wildcard such as ``"{shard}"``) stays as it is."""
+    return shard if isinstance(shard, str) else f"{shard:05d}"
 
 
 def shard_key(stage: str, shard: int | str, ext: str | None = None) -> str:
     """Key of one shard's object, e.g. ``outputs/prepare-00003.parquet``."""
-    if isinstance(shard, int):
-        shard = shard_name(shard)
+    shard = shard_name(shard)
     return f"{OUTPUTS_DIR}/{stage}-{shard}.{ext or SHARD_STAGES[stage]}"
 
 
 def benchmark_key(rule_name: str, shard: int | str | None = None) -> str:
     """Key of a job's Snakemake benchmark (runtime and memory), e.g.
     ``outputs/benchmark.prepare-00003.tsv``."""
-    if isinstance(shard, int):
-        shard = shard_name(shard)
+    shard = shard_name(shard)
     suffix = f"-{shard}" if shard is not None else ""
     return f"{OUTPUTS_DIR}/benchmark.{rule_name}{suffix}.tsv"
 
 
 def progress_prefix(stage: str, shard: int | str) -> str:
     """Folder for a job's in-flight state (parts, telemetry) that is not yet an output."""
-    if isinstance(shard, int):
-        shard = shard_name(shard)
+    shard = shard_name(shard)
     return f"{PROGRESS_DIR}/{stage}/shard-{shard}/"
 
 
 def reuse_key(stage: str, shard: int | str) -> str:
     """A copy of a finished shard kept outside Snakemake's reach: Snakemake deletes an output
     before it rebuilds it (e.g. after data was added), and the job must not redo finished rows."""
-    if isinstance(shard, int):
-        shard = shard_name(shard)
+    shard = shard_name(shard)
     return f"{PROGRESS_DIR}/reuse/{stage}-{shard}.parquet"
 
 
 def hidden_states_key(shard: int | str) -> str:
     """The big object behind an extract shard's manifest: the target's taps of its rows."""
-    if isinstance(shard, int):
-        shard = shard_name(shard)
+    shard = shard_name(shard)
     return f"extract/shard-{shard}.safetensors"
 
 
@@ -97,29 +93,26 @@ def run_url(root: str, storage_provider: str | None, storage_prefix: str | None)
 
 # Training runs as a chain of checkpoint segments (dflash_pipeline.training). Snakemake tracks a
 # small manifest per segment; the checkpoint itself and the live metrics are written by the job.
-def segment_name(segment: int) -> str:
-    return f"{segment:04d}"
+def segment_name(segment: int | str) -> str:
+    return segment if isinstance(segment, str) else f"{segment:04d}"
 
 
 def segment_manifest_key(segment: int | str) -> str:
     """Declared output of training segment K, e.g. ``outputs/train-segment-0003.json``."""
-    if isinstance(segment, int):
-        segment = segment_name(segment)
+    segment = segment_name(segment)
     return f"{OUTPUTS_DIR}/train-segment-{segment}.json"
 
 
 def checkpoint_prefix(segment: int | str) -> str:
     """Folder of segment K's finished checkpoint (weights, optimizer, scheduler, data, RNG)."""
-    if isinstance(segment, int):
-        segment = segment_name(segment)
+    segment = segment_name(segment)
     return f"checkpoints/segment-{segment}/"
 
 
 def train_progress_prefix(segment: int | str) -> str:
     """In-flight state of segment K: periodic checkpoints, ``metrics.jsonl`` (one JSON object per
     optimizer step) and ``telemetry.json``."""
-    if isinstance(segment, int):
-        segment = segment_name(segment)
+    segment = segment_name(segment)
     return f"{PROGRESS_DIR}/train/segment-{segment}/"
 
 
