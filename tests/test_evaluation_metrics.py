@@ -24,12 +24,12 @@ from dflash_pipeline.evaluation.metrics import (
 )
 from dflash_pipeline.evaluation.parity import ParityError, check_parity, parity_report
 from dflash_pipeline.evaluation.prompts import PromptFileError, read_eval_prompts
-from dflash_pipeline.evaluation.sglang import (
-    SglangResponseError,
+from dflash_pipeline.evaluation.serving import (
+    EngineResponseError,
     acceptance_from_response,
     prompt_result,
     request_acceptance,
-    sglang_server_spec,
+    serving_server_spec,
 )
 
 
@@ -213,7 +213,7 @@ def test_bad_prompt_files_name_file_row_and_reason(tmp_path, rows, message):
 
 
 def test_sglang_is_launched_with_the_dflash_drafter_and_hybrid_rollback():
-    spec = sglang_server_spec("/m/target", "/m/drafter", 16, 31000, hybrid=True, tp=2)
+    spec = serving_server_spec("sglang", "/m/target", "/m/drafter", 16, 31000, hybrid=True, tp=2)
     cmd = sglang_command(spec)
     joined = " ".join(cmd)
     assert "--speculative-algorithm DFLASH" in joined
@@ -222,7 +222,9 @@ def test_sglang_is_launched_with_the_dflash_drafter_and_hybrid_rollback():
     assert "--speculative-dflash-block-size 16" in joined
     assert "--mamba-scheduler-strategy extra_buffer" in joined
     assert "--tp-size 2" in joined and "--port 31000" in joined
-    dense = " ".join(sglang_command(sglang_server_spec("/t", "/d", 8, 31000, hybrid=False)))
+    dense = " ".join(
+        sglang_command(serving_server_spec("sglang", "/t", "/d", 8, 31000, hybrid=False))
+    )
     assert "mamba" not in dense and "--speculative-dflash-block-size 8" in dense
 
 
@@ -264,9 +266,9 @@ def test_sglang_acceptance_is_read_from_meta_info():
     ],
 )
 def test_sglang_replies_without_usable_counters_are_refused(meta, message):
-    with pytest.raises(SglangResponseError, match=message):
+    with pytest.raises(EngineResponseError, match=message):
         acceptance_from_response({"meta_info": meta}, 4, source="prompt q7")
-    with pytest.raises(SglangResponseError, match="prompt q7: SGLang reply has no meta_info"):
+    with pytest.raises(EngineResponseError, match="prompt q7: SGLang reply has no meta_info"):
         acceptance_from_response({}, 4, source="prompt q7")
 
 
@@ -308,7 +310,9 @@ def test_sglang_mode_sends_prompt_ids_and_reads_acceptance_per_prompt():
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         prompts = [("p1", "math", [5, 6, 7, 8]), ("p2", "chat", [9, 10])]
-        results = request_acceptance(url, prompts, 4, max_new_tokens=64, temperature=0.0)
+        results, outputs = request_acceptance(
+            "sglang", url, prompts, 4, model="/m/target", max_new_tokens=64, temperature=0.0
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -321,3 +325,4 @@ def test_sglang_mode_sends_prompt_ids_and_reads_acceptance_per_prompt():
     assert by_id["p1"].tau == 3.0 and by_id["p1"].verify_steps == 4
     assert by_id["p1"].accept_hist == [0, 3, 1, 0] and by_id["p2"].prompt_set == "chat"
     assert aggregate(results)["tau"] == 3.0
+    assert outputs == {"p1": [1] * 12, "p2": [1] * 6}

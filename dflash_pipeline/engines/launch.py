@@ -91,14 +91,32 @@ def vllm_command(spec: ServerSpec) -> list[str]:
         cmd += ["--reasoning-parser", spec.reasoning_parser]
     spec_cfg = spec.speculative_settings()
     if spec_cfg:
-        method = {"NEXTN": "mtp", "EAGLE": "eagle", "EAGLE3": "eagle3"}.get(
-            spec_cfg["algorithm"].upper(), spec_cfg["algorithm"].lower()
-        )
-        vllm_spec = {"method": method, "num_speculative_tokens": spec_cfg.get("num_steps", 1)}
-        if "draft_model" in spec_cfg:
-            vllm_spec["model"] = spec_cfg["draft_model"]
-        cmd += ["--speculative-config", json.dumps(vllm_spec)]
+        cmd += ["--speculative-config", json.dumps(vllm_speculative_config(spec_cfg))]
     return cmd + list(spec.extra_args)
+
+
+VLLM_METHODS = {"NEXTN": "mtp", "EAGLE": "eagle", "EAGLE3": "eagle3", "DFLASH": "dflash"}
+
+
+def vllm_speculative_config(spec_cfg: dict) -> dict:
+    """vLLM's ``--speculative-config`` for the SGLang-named settings of the config.
+
+    ``num_speculative_tokens`` is the number of drafted tokens per step: SGLang's ``num_steps``
+    for chain drafters (EAGLE, MTP). DFlash drafts a whole block in one step: the anchor plus
+    B - 1 mask slots, and SGLang's ``num_draft_tokens`` is B, so vLLM gets B - 1 (vLLM 0.20.1
+    ``DFlashProposer``: 1 + num_speculative_tokens query slots per request).
+    """
+    algorithm = spec_cfg["algorithm"]
+    method = VLLM_METHODS.get(algorithm.upper(), algorithm.lower())
+    if method == "dflash" and "num_draft_tokens" in spec_cfg:
+        num_tokens = spec_cfg["num_draft_tokens"] - 1
+    else:
+        num_tokens = spec_cfg.get("num_steps", 1)
+    vllm_spec = {"method": method}
+    if "draft_model" in spec_cfg:
+        vllm_spec["model"] = spec_cfg["draft_model"]
+    vllm_spec["num_speculative_tokens"] = num_tokens
+    return vllm_spec
 
 
 def transformers_command(spec: ServerSpec) -> list[str]:

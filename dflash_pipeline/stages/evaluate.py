@@ -253,7 +253,7 @@ def _run_transformers(target, drafter, prompts, options: EvalOptions, load_propo
 def _run_sglang(target, drafter, prompts, options: EvalOptions, out: Path):
     from transformers import AutoConfig, AutoTokenizer
 
-    from dflash_pipeline.evaluation.sglang import (
+    from dflash_pipeline.evaluation.serving import (
         measure_with_sglang,
         sglang_server_spec,
         target_is_hybrid,

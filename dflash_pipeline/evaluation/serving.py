@@ -1,0 +1,855 @@
+"""Acceptance measured inside a real serving engine (vLLM or SGLang), with the exported drafter.
+
+One path for both engines: launch the target + drafter server, send every prompt as token ids one
+at a time, read each request's speculative counters, stop; then (greedy only) launch the same server
+without the drafter, decode the same prompts, stop, and compare token for token. The result is
+gated on parity with the project's own loop (``check_engine_parity``): the number that matters is
+the one the serving engine reproduces, not the one our loop measures.
+
+Where the counters come from:
+
+- SGLang (``--speculative-algorithm DFLASH``) reports per request, in ``meta_info``:
+  ``completion_tokens``, ``spec_verify_ct`` (target verify steps) and, in recent versions, a
+  histogram of drafts accepted per step (``spec_correct_drafts_histogram``; older ones call it
+  ``spec_accept_histogram``). tau = completion_tokens / spec_verify_ct, as SGLang's own
+  ``spec_accept_length``; its completion tokens include the first token, which prefill produced
+  without a verify step, so on short replies it reads slightly above the loop's tau. Hybrid (GDN)
+  targets need ``--mamba-scheduler-strategy extra_buffer`` for correct state rollback
+  (dflash-spec.md §6, pitfall 9).
+- vLLM (``--speculative-config '{"method": "dflash", ...}'``) has no per-request counters, only
+  server-wide Prometheus counters on ``/metrics`` (vllm/v1/spec_decode/metrics.py,
+  ``SpecDecodingProm``; labels ``engine``, ``model_name``, plus ``position`` on the per-position
+  one). With requests sent one at a time, the difference of the counters around a request is that
+  request's: every verify step of it is one draft, A accepted drafts add A to the accepted count
+  and 1 to each position < A. So verify steps = delta drafts, committed tokens = delta accepted +
+  delta drafts (A + 1 per step), and the count of steps with A >= k is the delta of position k - 1.
+  Like the loop, the counters include drafts accepted past a stop token or the token limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from dflash_pipeline.engines.client import (
+    CompletionsAdapter,
+    EngineClient,
+    Sampling,
+    SglangAdapter,
+)
+from dflash_pipeline.engines.launch import ManagedServer, ServerSpec
+from dflash_pipeline.evaluation.lossless import compare_greedy, lossless_summary
+from dflash_pipeline.evaluation.metrics import PromptResult
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("vllm", "sglang")
+SGLANG_HISTOGRAM_FIELDS = ("spec_correct_drafts_histogram", "spec_accept_histogram")
+
+# vLLM 0.20.1, vllm/v1/spec_decode/metrics.py (SpecDecodingProm): Counter names as declared;
+# the exposition text adds ``_total``. Summed over label sets (engine index, model name).
+VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+VLLM_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+# Measurement flags of the vLLM server, speculative and plain alike: a fixed seed; no prefix
+# caching, so every prompt is prefilled from scratch as in the loop and the plain reference; and
+# vLLM's neutral sampling defaults instead of the model's generation_config.json (which may set
+# e.g. repetition_penalty that the loop does not apply). The target's stop tokens still come from
+# generation_config.json.
+VLLM_MEASUREMENT_ARGS = ("--seed", "0", "--no-enable-prefix-caching", "--generation-config", "vllm")
+
+# Fields of the exported config.json that the engines read (dflash-spec.md §1.7; vLLM 0.20.1
+# qwen3_dflash.py / llm_base_proposer.py / gpu_model_runner.py; SGLang models/dflash.py).
+DFLASH_CONFIG_FIELDS = (
+    "mask_token_id",
+    "target_layer_ids",
+    "block_size",
+    "causal",
+    "use_swa",
+    "swa_window_size",
+    "use_aux_hidden_state",
+)
+TOP_LEVEL_FIELDS = (
+    "block_size",
+    "is_causal",
+    "layer_types",
+    "sliding_window",
+    "rope_theta",
+    "rope_parameters",
+    "num_hidden_layers",
+    "head_dim",
+)
+
+DEFAULT_ENGINE_PARITY_TOLERANCE = 0.05
+# A gap exactly at the tolerance passes; this absorbs the rounding of the division.
+_GAP_EPSILON = 1e-9
+CAUSES_ENGINE_BELOW = (
+    "target layer ids tapped one layer off: the project's id i is the OUTPUT of layer i "
+    "(HF hidden_states[i + 1]); vLLM 0.20.1 hands dflash_config.target_layer_ids straight to its "
+    "aux-hidden-state hook, which captures hidden_states[i] (fixed later by vLLM PR #40727)",
+    "sliding-window fields not read: the engine runs sliding_attention drafter layers as full "
+    "attention (layer_types / sliding_window / dflash_config.use_swa, swa_window_size, causal)",
+    "mask token id: dflash_config.mask_token_id missing, different from training, or outside "
+    "the target vocab",
+    "RoPE: the engine builds the drafter's rotary embedding from rope_theta / rope_parameters "
+    "(vLLM defaults theta to 1e6 when absent), not what training used",
+    "dtype or target: the engine runs another dtype (bf16 vs the loop's fp32), a quantized or "
+    "different target checkpoint",
+    "block size: num_speculative_tokens (vLLM) / --speculative-num-draft-tokens (SGLang) differ "
+    "from the loop's B",
+)
+CAUSES_ENGINE_ABOVE = (
+    "the loop is wrong where the engine is right (loop verify, cache rollback, tap extraction)",
+    "counting differs: SGLang's completion_tokens include the prefill token (short replies read "
+    "high); the prompts, chat template or thinking mode differ between the two runs",
+)
+
+
+class EngineResponseError(ValueError):
+    """A reply or metrics page lacks the counters the measurement needs; names the prompt."""
+
+
+class EngineParityError(AssertionError):
+    """The engine's tau and the loop's tau disagree beyond the tolerance."""
+
+
+# --- servers -------------------------------------------------------------------------------------
+
+
+def serving_server_spec(
+    engine: str,
+    target: str | Path,
+    drafter: str | Path,
+    block_size: int,
+    port: int,
+    *,
+    hybrid: bool,
+    speculative: bool = True,
+    tp: int = 1,
+    mem_fraction: float | None = None,
+    extra_args: list[str] | tuple[str, ...] = (),
+) -> ServerSpec:
+    """The server a measurement launches: target + DFlash drafter with B - 1 drafts per step, or
+    with ``speculative=False`` the same server without the drafter (the plain greedy reference).
+
+    Both engines get the same ``speculative`` settings (SGLang's names, B as num_draft_tokens);
+    ``engines.launch`` maps them to each engine's flags (vLLM: num_speculative_tokens = B - 1).
+    Hybrid targets only change SGLang (extra_buffer rollback of the GDN state after rejected
+    drafts); vLLM rolls hybrid state back on its own.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown serving engine {engine!r} ({', '.join(ENGINES)})")
+    if block_size < 2:
+        raise ValueError(f"block size must be at least 2, got {block_size}")
+    settings = {}
+    args: list[str] = list(VLLM_MEASUREMENT_ARGS) if engine == "vllm" else []
+    if speculative:
+        settings = {
+            "algorithm": "DFLASH",
+            "draft_model": str(drafter),
+            "num_draft_tokens": block_size,
+        }
+        if engine == "sglang":
+            args += ["--speculative-dflash-block-size", str(block_size)]
+            if hybrid:
+                args += ["--mamba-scheduler-strategy", "extra_buffer"]
+    return ServerSpec(
+        engine=engine,
+        model=str(target),
+        port=port,
+        tp=tp,
+        mem_fraction=mem_fraction,
+        speculative=settings,
+        extra_args=args + list(extra_args),
+    )
+
+
+def target_is_hybrid(config) -> bool:
+    """Whether a target config has linear-attention (GDN) layers."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return "linear_attention" in (getattr(text, "layer_types", None) or [])
+
+
+# --- the drafter's config ------------------------------------------------------------------------
+
+
+def drafter_fields(drafter_dir: str | Path) -> dict:
+    """The config.json fields an engine reads from the exported drafter, None where absent.
+
+    Kept with the measurement so a parity failure names what the engine was given: an absent
+    mask token id or SWA field is often the whole explanation.
+    """
+    path = Path(drafter_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path}: no config.json (not an exported drafter folder)"
+        ) from None
+    dflash = config.get("dflash_config") or {}
+    fields = {f"dflash_config.{key}": dflash.get(key) for key in DFLASH_CONFIG_FIELDS}
+    fields.update({key: config.get(key) for key in TOP_LEVEL_FIELDS})
+    return fields
+
+
+def drafter_block_size(drafter_dir: str | Path) -> int:
+    """B as the engines read it: ``dflash_config.block_size`` first, then the top level."""
+    fields = drafter_fields(drafter_dir)
+    block_size = fields["dflash_config.block_size"] or fields["block_size"]
+    if not block_size:
+        raise ValueError(
+            f"{drafter_dir}/config.json has no block_size (top level or dflash_config)"
+        )
+    return block_size
+
+
+# --- per-request acceptance ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpecAcceptance:
+    """One request's speculative counters, engine-independent."""
+
+    committed_tokens: int  # tokens committed by verify steps
+    verify_steps: int
+    generated_tokens: int
+    accept_hist: list[int] | None
+    finish_reason: str
+    output_ids: list[int] | None
+    extra: dict = field(default_factory=dict)
+
+
+def acceptance_from_response(
+    data: dict, block_size: int, source: str = "response"
+) -> SpecAcceptance:
+    """Read one SGLang ``/generate`` reply's speculative counters; errors say what is missing."""
+    meta = data.get("meta_info")
+    if not isinstance(meta, dict):
+        raise EngineResponseError(f"{source}: SGLang reply has no meta_info object")
+    for key in ("completion_tokens", "spec_verify_ct"):
+        if not isinstance(meta.get(key), int):
+            hint = (
+                " (the server runs without speculative decoding: check --speculative-algorithm)"
+                if key == "spec_verify_ct"
+                else ""
+            )
+            raise EngineResponseError(f"{source}: meta_info.{key} missing or not an integer{hint}")
+    hist = next((meta[k] for k in SGLANG_HISTOGRAM_FIELDS if meta.get(k)), None)
+    if hist is not None:
+        if not all(isinstance(c, int) and c >= 0 for c in hist) or len(hist) > block_size:
+            raise EngineResponseError(
+                f"{source}: acceptance histogram {hist} is not {block_size} or fewer counts"
+            )
+        hist = list(hist) + [0] * (block_size - len(hist))
+        if sum(hist) != meta["spec_verify_ct"]:
+            raise EngineResponseError(
+                f"{source}: acceptance histogram counts {sum(hist)} steps, spec_verify_ct says "
+                f"{meta['spec_verify_ct']}"
+            )
+    return SpecAcceptance(
+        committed_tokens=meta["completion_tokens"],
+        verify_steps=meta["spec_verify_ct"],
+        generated_tokens=meta["completion_tokens"],
+        accept_hist=hist,
+        finish_reason=_sglang_finish_reason(meta),
+        output_ids=data.get("output_ids"),
+    )
+
+
+def _sglang_finish_reason(meta: dict) -> str:
+    reason = meta.get("finish_reason") or {}
+    return reason.get("type", "unknown") if isinstance(reason, dict) else str(reason)
+
+
+@dataclass(frozen=True)
+class VllmCounters:
+    """vLLM's speculative-decoding counters at one moment, summed over engines."""
+
+    drafts: float
+    draft_tokens: float
+    accepted: float
+    accepted_per_pos: dict[int, float]
+
+
+def parse_vllm_metrics(text: str, source: str = "/metrics") -> VllmCounters:
+    """The four spec-decode counters from a ``/metrics`` exposition text, summed over label sets
+    (one per engine index with data parallelism), the per-position one kept per ``position``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {VLLM_DRAFTS: 0.0, VLLM_DRAFT_TOKENS: 0.0, VLLM_ACCEPTED: 0.0}
+    seen: set[str] = set()
+    per_pos: dict[int, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+                seen.add(sample.name)
+            elif sample.name == VLLM_ACCEPTED_PER_POS:
+                position = int(sample.labels["position"])
+                per_pos[position] = per_pos.get(position, 0.0) + sample.value
+    missing = sorted(set(totals) - seen)
+    if missing:
+        raise EngineResponseError(
+            f"{source}: no {', '.join(missing)} counters (the server runs without speculative "
+            "decoding, or with --disable-log-stats)"
+        )
+    return VllmCounters(
+        totals[VLLM_DRAFTS], totals[VLLM_DRAFT_TOKENS], totals[VLLM_ACCEPTED], per_pos
+    )
+
+
+def _count(value: float, what: str, source: str) -> int:
+    """A counter delta as a count: integral and not negative (a restarted server fails here)."""
+    if value < 0 or abs(value - round(value)) > 1e-6:
+        raise EngineResponseError(f"{source}: {what} changed by {value}, not a count")
+    return int(round(value))
+
+
+def acceptance_histogram_from_counters(
+    before: VllmCounters, after: VllmCounters, block_size: int, source: str = "request"
+) -> tuple[int, int, int, list[int]]:
+    """(verify steps, accepted drafts, draft tokens, histogram over A = 0..B-1) of the request
+    between two readings. Steps with A >= k number delta position k - 1; with A >= 0 all steps."""
+    steps = _count(after.drafts - before.drafts, "drafts", source)
+    accepted = _count(after.accepted - before.accepted, "accepted tokens", source)
+    draft_tokens = _count(after.draft_tokens - before.draft_tokens, "draft tokens", source)
+    positions = sorted(set(before.accepted_per_pos) | set(after.accepted_per_pos))
+    if positions != list(range(len(positions))) or len(positions) > block_size - 1:
+        raise EngineResponseError(
+            f"{source}: per-position counters cover positions {positions}, expected at most "
+            f"0..{block_size - 2}"
+        )
+    at_least = [steps] + [
+        _count(
+            after.accepted_per_pos.get(k, 0.0) - before.accepted_per_pos.get(k, 0.0),
+            f"accepted tokens at position {k}",
+            source,
+        )
+        for k in positions
+    ]
+    at_least += [0] * (block_size + 1 - len(at_least))
+    hist = [at_least[a] - at_least[a + 1] for a in range(block_size)]
+    if any(c < 0 for c in hist) or sum(at_least[1:]) != accepted:
+        raise EngineResponseError(
+            f"{source}: per-position accepted counts {at_least[1:]} are inconsistent with "
+            f"{steps} drafts and {accepted} accepted tokens"
+        )
+    return steps, accepted, draft_tokens, hist
+
+
+def acceptance_from_counters(
+    data: dict,
+    before: VllmCounters,
+    after: VllmCounters,
+    block_size: int,
+    source: str = "request",
+) -> SpecAcceptance:
+    """One vLLM ``/v1/completions`` reply with the counter readings around it."""
+    choice = _vllm_choice(data, source)
+    steps, accepted, draft_tokens, hist = acceptance_histogram_from_counters(
+        before, after, block_size, source
+    )
+    return SpecAcceptance(
+        committed_tokens=accepted + steps,
+        verify_steps=steps,
+        generated_tokens=len(choice["token_ids"]),
+        accept_hist=hist,
+        finish_reason=choice.get("finish_reason") or "unknown",
+        output_ids=list(choice["token_ids"]),
+        extra={"draft_tokens": draft_tokens},
+    )
+
+
+def _vllm_choice(data: dict, source: str) -> dict:
+    choices = data.get("choices")
+    if not choices or not isinstance(choices[0].get("token_ids"), list):
+        raise EngineResponseError(
+            f"{source}: vLLM reply has no choices[0].token_ids (the request must set "
+            "return_token_ids)"
+        )
+    return choices[0]
+
+
+def prompt_result(
+    prompt_id: str, prompt_set: str, prompt_tokens: int, acceptance: SpecAcceptance, block_size: int
+) -> PromptResult:
+    return PromptResult(
+        id=prompt_id,
+        prompt_set=prompt_set,
+        block_size=block_size,
+        accept_hist=acceptance.accept_hist,
+        committed_tokens=acceptance.committed_tokens,
+        verify_steps=acceptance.verify_steps,
+        generated_tokens=acceptance.generated_tokens,
+        prompt_tokens=prompt_tokens,
+        finish_reason=acceptance.finish_reason,
+        extra=dict(acceptance.extra) or None,
+    )
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+
+class _RawSglangAdapter(SglangAdapter):
+    """SGLang's ``/generate`` request, with the whole reply kept (meta_info included)."""
+
+    def parse(self, data: dict) -> dict:
+        return data
+
+
+class _VllmTokenIdsAdapter(CompletionsAdapter):
+    """vLLM's ``/v1/completions`` with the prompt as token ids (exactly what the loop decodes, no
+    re-tokenization) and the generated token ids asked back; the whole reply kept."""
+
+    def __init__(self, model: str):
+        super().__init__(model, strict=False)
+
+    def request(self, prompt_text: str, prompt_ids: list[int], sampling: Sampling):
+        path, body = super().request(prompt_text, prompt_ids, sampling)
+        body["prompt"] = list(prompt_ids)
+        return path, body
+
+    def parse(self, data: dict) -> dict:
+        return data
+
+
+def _adapter(engine: str, model: str):
+    return _RawSglangAdapter() if engine == "sglang" else _VllmTokenIdsAdapter(model)
+
+
+def output_ids(engine: str, data: dict, source: str = "reply") -> list[int]:
+    """The generated token ids of a reply (from either server kind)."""
+    if engine == "vllm":
+        return list(_vllm_choice(data, source)["token_ids"])
+    ids = data.get("output_ids")
+    if not isinstance(ids, list):
+        raise EngineResponseError(f"{source}: SGLang reply has no output_ids")
+    return ids
+
+
+@dataclass
+class _Reply:
+    data: dict
+    seconds: float
+    before: VllmCounters | None = None
+    after: VllmCounters | None = None
+
+
+async def _read_counters(http: httpx.AsyncClient, url: str) -> VllmCounters:
+    resp = await http.get(url + "/metrics")
+    resp.raise_for_status()
+    return parse_vllm_metrics(resp.text, f"{url}/metrics")
+
+
+async def _settled_counters(
+    http: httpx.AsyncClient,
+    url: str,
+    before: VllmCounters,
+    min_committed: int,
+    source: str,
+    tries: int = 20,
+) -> VllmCounters:
+    """The reading after a request. vLLM records a step's counters before the reply leaves, so
+    the first reading should do; should it ever lag (fewer committed tokens than the reply's
+    tokens after the prefill one), it is read again briefly rather than charged to the next
+    prompt, and a warning says so if it never catches up."""
+    for attempt in range(tries + 1):
+        after = await _read_counters(http, url)
+        committed = (after.accepted - before.accepted) + (after.drafts - before.drafts)
+        if committed >= min_committed:
+            return after
+        if attempt < tries:
+            await asyncio.sleep(0.05)
+    log.warning(
+        "%s: vLLM's counters show %d committed tokens for %d generated after the first; "
+        "steps without drafts, or counters recorded late (then charged to the next prompt)",
+        source,
+        committed,
+        min_committed,
+    )
+    return after
+
+
+async def _decode_all(
+    engine: str,
+    url: str,
+    prompts: list[tuple[str, str, list[int]]],
+    sampling_for,
+    *,
+    model: str,
+    counters: bool,
+    concurrency: int,
+    alive,
+) -> list[_Reply]:
+    """Send every prompt; with ``counters`` read vLLM's /metrics around each request (then one
+    at a time: the counters are server-wide)."""
+    if counters and concurrency != 1:
+        raise ValueError("vLLM's counters are server-wide: measure with concurrency 1")
+    gate = asyncio.Semaphore(concurrency)
+    client = EngineClient([url], _adapter(engine, model), alive=alive)
+    async with client, httpx.AsyncClient(timeout=60) as http:
+
+        async def one(index: int, ids: list[int]) -> _Reply:
+            async with gate:
+                before = await _read_counters(http, url) if counters else None
+                start = time.perf_counter()
+                data = await client.complete("", ids, sampling_for(index))
+                reply = _Reply(data, time.perf_counter() - start, before)
+                if counters:
+                    source = f"prompt {prompts[index][0]}"
+                    tokens = len(output_ids(engine, data, source))
+                    reply.after = await _settled_counters(http, url, before, tokens - 1, source)
+                return reply
+
+        return await asyncio.gather(*(one(i, p[2]) for i, p in enumerate(prompts)))
+
+
+def _sampling_for(max_new_tokens: int, temperature: float, seed: int | None):
+    """One seed per prompt, as the loop: sampled runs reproducible, prompts independent."""
+
+    def sampling(index: int) -> Sampling:
+        return Sampling(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=None if seed is None else seed + index,
+        )
+
+    return sampling
+
+
+def request_acceptance(
+    engine: str,
+    url: str,
+    prompts: list[tuple[str, str, list[int]]],
+    block_size: int,
+    *,
+    model: str,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int | None = None,
+    concurrency: int = 1,
+    alive=None,
+) -> tuple[list[PromptResult], dict[str, list[int]]]:
+    """Send every (id, prompt_set, prompt_ids) to a running speculative server and read each
+    request's acceptance; returns the per-prompt results and the generated token ids by id.
+    Concurrency 1 by default: batch-1 acceptance, as the loop measures it (vLLM requires it)."""
+    replies = asyncio.run(
+        _decode_all(
+            engine,
+            url,
+            prompts,
+            _sampling_for(max_new_tokens, temperature, seed),
+            model=model,
+            counters=engine == "vllm",
+            concurrency=concurrency,
+            alive=alive,
+        )
+    )
+    results, outputs = [], {}
+    for (pid, pset, ids), reply in zip(prompts, replies):
+        source = f"prompt {pid}"
+        if engine == "vllm":
+            acceptance = acceptance_from_counters(
+                reply.data, reply.before, reply.after, block_size, source
+            )
+        else:
+            acceptance = acceptance_from_response(reply.data, block_size, source)
+        result = prompt_result(pid, pset, len(ids), acceptance, block_size)
+        result.seconds = reply.seconds
+        results.append(result)
+        outputs[pid] = output_ids(engine, reply.data, source)
+    return results, outputs
+
+
+def request_plain(
+    engine: str,
+    url: str,
+    prompts: list[tuple[str, str, list[int]]],
+    *,
+    model: str,
+    max_new_tokens: int,
+    seed: int | None = None,
+    alive=None,
+) -> tuple[dict[str, list[int]], dict[str, float]]:
+    """Greedy-decode every prompt on a server without the drafter: token ids and seconds by id."""
+    replies = asyncio.run(
+        _decode_all(
+            engine,
+            url,
+            prompts,
+            _sampling_for(max_new_tokens, 0.0, seed),
+            model=model,
+            counters=False,
+            concurrency=1,
+            alive=alive,
+        )
+    )
+    outputs = {p[0]: output_ids(engine, r.data, f"prompt {p[0]}") for p, r in zip(prompts, replies)}
+    return outputs, {p[0]: r.seconds for p, r in zip(prompts, replies)}
+
+
+def engine_version(engine: str, url: str) -> str | None:
+    """The running server's version: vLLM ``/version``; SGLang ``/get_server_info`` (else the
+    installed package's). None when neither says."""
+    path = "/version" if engine == "vllm" else "/get_server_info"
+    try:
+        resp = httpx.get(url + path, timeout=30)
+        version = resp.json().get("version") if resp.status_code == 200 else None
+        if version:
+            return str(version)
+    except (httpx.HTTPError, ValueError):
+        pass
+    try:
+        return importlib.metadata.version(engine)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# --- lossless ------------------------------------------------------------------------------------
+
+ENGINE_LOSSLESS_METHOD = (
+    "exact token equality of the speculative server's greedy output against the same engine's "
+    "plain greedy server (no logits: any difference fails)"
+)
+
+
+def engine_lossless(
+    outputs: dict[str, list[int]], plain_outputs: dict[str, list[int]]
+) -> tuple[dict, dict]:
+    """(lossless section in lossless.py's shape, verdict dict per prompt id). Engines give no
+    logit margins, so a near tie cannot be told from a bug: every difference is a failure, with
+    its first differing position."""
+    verdicts = {pid: compare_greedy(outputs[pid], plain_outputs[pid], [], 0.0) for pid in outputs}
+    summary = lossless_summary(verdicts, 0.0)
+    summary["method"] = ENGINE_LOSSLESS_METHOD
+    return summary, {pid: v.as_dict() for pid, v in verdicts.items()}
+
+
+# --- one measurement -----------------------------------------------------------------------------
+
+
+@dataclass
+class EngineMeasurement:
+    """What one engine measured: acceptance per prompt, outputs, the lossless check, and what it
+    ran (version, the drafter fields it read) for the parity gate's message."""
+
+    engine: str
+    engine_version: str | None
+    results: list[PromptResult]
+    outputs: dict[str, list[int]]
+    plain_outputs: dict[str, list[int]]
+    lossless: dict
+    drafter_fields: dict
+
+    def settings(self) -> dict:
+        """The keys the metrics JSON's settings should carry."""
+        return {
+            "engine": self.engine,
+            "engine_version": self.engine_version,
+            "drafter_fields": self.drafter_fields,
+        }
+
+
+def measure_in_engine(
+    engine: str,
+    target: str | Path,
+    drafter: str | Path,
+    prompts: list[tuple[str, str, list[int]]],
+    block_size: int,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    log_dir: str | Path,
+    port: int,
+    hybrid: bool,
+    seed: int | None = None,
+    tp: int = 1,
+    mem_fraction: float | None = None,
+    extra_args: list[str] | tuple[str, ...] = (),
+    startup_timeout: float = 1800,
+) -> EngineMeasurement:
+    """Launch the speculative server, measure every prompt, stop it; in greedy mode launch the
+    plain server on the same port, decode the same prompts, stop it, and compare."""
+    fields = drafter_fields(drafter)
+    configured = fields["dflash_config.block_size"] or fields["block_size"]
+    if configured and configured != block_size:
+        log.warning(
+            "measuring with block size %d; the drafter was exported with %d", block_size, configured
+        )
+    log_dir = Path(log_dir)
+
+    def spec(speculative: bool) -> ServerSpec:
+        return serving_server_spec(
+            engine,
+            target,
+            drafter,
+            block_size,
+            port,
+            hybrid=hybrid,
+            speculative=speculative,
+            tp=tp,
+            mem_fraction=mem_fraction,
+            extra_args=extra_args,
+        )
+
+    speculative = spec(True)
+    with ManagedServer(
+        speculative, log_dir / f"{engine}-speculative.log", log_dir, startup_timeout=startup_timeout
+    ) as server:
+        version = engine_version(engine, speculative.url)
+        results, outputs = request_acceptance(
+            engine,
+            speculative.url,
+            prompts,
+            block_size,
+            model=str(target),
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            alive=server.alive,
+        )
+    plain_outputs: dict[str, list[int]] = {}
+    if temperature > 0:
+        lossless = {
+            "checked": False,
+            "reason": "sampled (temperature > 0): outputs match the target in distribution, not "
+            "token for token",
+        }
+    else:
+        plain = spec(False)
+        with ManagedServer(
+            plain, log_dir / f"{engine}-plain.log", log_dir, startup_timeout=startup_timeout
+        ) as server:
+            plain_outputs, plain_seconds = request_plain(
+                engine,
+                plain.url,
+                prompts,
+                model=str(target),
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+                alive=server.alive,
+            )
+        lossless, verdicts = engine_lossless(outputs, plain_outputs)
+        for result in results:
+            result.plain_seconds = plain_seconds[result.id]
+            result.plain_tokens = len(plain_outputs[result.id])
+            result.extra = {**(result.extra or {}), "lossless": verdicts[result.id]}
+    return EngineMeasurement(engine, version, results, outputs, plain_outputs, lossless, fields)
+
+
+# --- kept for evaluate.py's SGLang mode until it calls measure_in_engine -------------------------
+
+
+def sglang_server_spec(
+    target: str | Path,
+    drafter: str | Path,
+    block_size: int,
+    port: int,
+    *,
+    hybrid: bool,
+    tp: int = 1,
+    mem_fraction: float | None = None,
+    extra_args: list[str] | tuple[str, ...] = (),
+) -> ServerSpec:
+    """``serving_server_spec("sglang", ...)`` under its former name."""
+    return serving_server_spec(
+        "sglang",
+        target,
+        drafter,
+        block_size,
+        port,
+        hybrid=hybrid,
+        tp=tp,
+        mem_fraction=mem_fraction,
+        extra_args=extra_args,
+    )
+
+
+def measure_with_sglang(
+    spec: ServerSpec,
+    prompts: list[tuple[str, str, list[int]]],
+    block_size: int,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    log_dir: str | Path,
+    concurrency: int = 1,
+    startup_timeout: float = 1800,
+) -> list[PromptResult]:
+    """Launch the SGLang server, measure every prompt, stop it (no plain reference)."""
+    log_dir = Path(log_dir)
+    with ManagedServer(
+        spec, log_dir / "sglang.log", log_dir, startup_timeout=startup_timeout
+    ) as server:
+        results, _ = request_acceptance(
+            "sglang",
+            spec.url,
+            prompts,
+            block_size,
+            model=spec.model,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            concurrency=concurrency,
+            alive=server.alive,
+        )
+    return results
+
+
+# --- engine parity gate --------------------------------------------------------------------------
+
+
+def engine_parity_report(
+    loop_tau: float,
+    engine_tau: float,
+    tolerance: float = DEFAULT_ENGINE_PARITY_TOLERANCE,
+    *,
+    engine: str,
+    engine_version: str | None,
+    drafter_fields: dict,
+) -> dict:
+    """Both numbers side by side; ``gap`` is (engine - loop) / loop. The tolerance is tighter
+    than training parity's: the loop has the engines' semantics, so only implementation
+    differences (and what the engine reads from the export) separate them."""
+    if loop_tau <= 0:
+        raise ValueError(f"loop tau must be positive, got {loop_tau}")
+    gap = (engine_tau - loop_tau) / loop_tau
+    return {
+        "loop_tau": round(loop_tau, 4),
+        "engine_tau": round(engine_tau, 4),
+        "gap": round(gap, 4),
+        "tolerance": tolerance,
+        "passed": abs(gap) <= tolerance + _GAP_EPSILON,
+        "engine": engine,
+        "engine_version": engine_version,
+        "drafter_fields": dict(drafter_fields),
+    }
+
+
+def check_engine_parity(report: dict) -> dict:
+    """The report, or EngineParityError naming both taus, the gap, the engine and version, the
+    drafter fields it read, and where to look."""
+    if report["passed"]:
+        return report
+    below = report["gap"] < 0
+    causes = CAUSES_ENGINE_BELOW if below else CAUSES_ENGINE_ABOVE
+    fields = "\n".join(
+        f"    {key}: {json.dumps(value)}" for key, value in report["drafter_fields"].items()
+    )
+    version = report["engine_version"] or "(version unknown)"
+    raise EngineParityError(
+        f"engine parity failed: {report['engine']} {version} "
+        f"measured tau {report['engine_tau']:.3f}, {abs(report['gap']):.1%} "
+        f"{'below' if below else 'above'} the project loop's tau {report['loop_tau']:.3f} "
+        f"(gap {report['gap']:+.4f}, tolerance {report['tolerance']:.0%}).\n"
+        f"  Drafter config fields the engine read:\n{fields}\n  Usual causes:\n"
+        + "\n".join(f"  - {cause}" for cause in causes)
+    )

@@ -1,0 +1,425 @@
+"""Acceptance inside a serving engine: server commands, vLLM's /metrics counters, the request loop
+against stand-in servers, the lossless comparison and the engine parity gate. CPU only: neither
+vLLM nor SGLang runs here; the stand-ins play the parts of their HTTP APIs the measurement uses."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from dflash_pipeline.engines.launch import ServerSpec, server_command
+from dflash_pipeline.evaluation import serving
+from dflash_pipeline.evaluation.lossless import failure_message
+from dflash_pipeline.evaluation.metrics import aggregate, metrics_document
+from dflash_pipeline.evaluation.serving import (
+    DEFAULT_ENGINE_PARITY_TOLERANCE,
+    EngineParityError,
+    EngineResponseError,
+    acceptance_from_counters,
+    acceptance_histogram_from_counters,
+    check_engine_parity,
+    drafter_block_size,
+    drafter_fields,
+    engine_parity_report,
+    measure_in_engine,
+    parse_vllm_metrics,
+    prompt_result,
+    serving_server_spec,
+)
+from tests.fixtures.serving.make_vllm_metrics import StandInServer
+from tests.support.seaweed import free_port
+
+FIXTURES = Path(__file__).parent / "fixtures" / "serving"
+MEASUREMENT = ["--seed", "0", "--no-enable-prefix-caching", "--generation-config", "vllm"]
+
+
+# --- server commands ------------------------------------------------------------------------------
+
+
+def test_vllm_speculative_and_plain_servers_differ_only_by_the_dflash_config():
+    spec = serving_server_spec("vllm", "/m/target", "/m/drafter", 16, 8000, hybrid=True)
+    assert server_command(spec) == [
+        *"vllm serve /m/target --host 127.0.0.1 --port 8000".split(),
+        *"--tensor-parallel-size 1 --data-parallel-size 1".split(),
+        "--speculative-config",
+        '{"method": "dflash", "model": "/m/drafter", "num_speculative_tokens": 15}',
+        *MEASUREMENT,
+    ]
+    plain = serving_server_spec(
+        "vllm", "/m/target", "/m/drafter", 16, 8000, hybrid=True, speculative=False, tp=2,
+        mem_fraction=0.8, extra_args=["--max-model-len", "8192"],
+    )  # fmt: skip
+    assert server_command(plain) == [
+        *"vllm serve /m/target --host 127.0.0.1 --port 8000".split(),
+        *"--tensor-parallel-size 2 --data-parallel-size 1 --gpu-memory-utilization 0.8".split(),
+        *MEASUREMENT,
+        *"--max-model-len 8192".split(),
+    ]
+
+
+def test_sglang_speculative_and_plain_servers():
+    launch = [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m/target"]
+    spec = serving_server_spec("sglang", "/m/target", "/m/drafter", 16, 30000, hybrid=True, tp=2)
+    assert server_command(spec) == [
+        *launch,
+        *"--host 127.0.0.1 --port 30000 --tp-size 2 --dp-size 1".split(),
+        *"--speculative-algorithm DFLASH --speculative-num-draft-tokens 16".split(),
+        *"--speculative-draft-model-path /m/drafter --speculative-dflash-block-size 16".split(),
+        *"--mamba-scheduler-strategy extra_buffer".split(),
+    ]
+    plain = serving_server_spec(
+        "sglang", "/m/target", "/m/drafter", 16, 30000, hybrid=True, speculative=False
+    )
+    assert server_command(plain) == [
+        *launch,
+        *"--host 127.0.0.1 --port 30000 --tp-size 1 --dp-size 1".split(),
+    ]
+    with pytest.raises(ValueError, match="unknown serving engine 'trt'"):
+        serving_server_spec("trt", "/t", "/d", 16, 1, hybrid=False)
+
+
+def test_generation_with_a_dflash_drafter_in_vllm_drafts_block_size_minus_one_tokens():
+    dflash = {"algorithm": "DFLASH", "draft_model": "/d", "num_draft_tokens": 8}
+    cmd = server_command(ServerSpec(engine="vllm", model="/m", port=1, speculative=dflash))
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {
+        "method": "dflash",
+        "model": "/d",
+        "num_speculative_tokens": 7,
+    }
+    eagle = {"algorithm": "EAGLE3", "num_steps": 3, "num_draft_tokens": 4, "draft_model": "/e"}
+    cmd = server_command(ServerSpec(engine="vllm", model="/m", port=1, speculative=eagle))
+    spec_json = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec_json["num_speculative_tokens"] == 3  # chain drafters: num_steps, as before
+
+
+# --- vLLM's counters ------------------------------------------------------------------------------
+
+
+def fixture_counters():
+    before = parse_vllm_metrics((FIXTURES / "vllm-metrics-before.txt").read_text())
+    after = parse_vllm_metrics((FIXTURES / "vllm-metrics-after.txt").read_text())
+    return before, after
+
+
+def test_vllm_metrics_fixture_gives_the_requests_counters():
+    before, after = fixture_counters()
+    assert sorted(after.accepted_per_pos) == list(range(15))
+    steps, accepted, draft_tokens, hist = acceptance_histogram_from_counters(before, after, 16)
+    assert (steps, accepted, draft_tokens) == (8, 52, 120)
+    # A = 15, 3, 0, 7, 15, 2, 9, 1 (see fixtures/serving/README.md)
+    assert hist == [1, 1, 1, 1, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 2]
+    reply = {"choices": [{"text": "", "token_ids": list(range(61)), "finish_reason": "length"}]}
+    record = prompt_result("p", "s", 40, acceptance_from_counters(reply, before, after, 16), 16)
+    assert record.verify_steps == 8 and record.committed_tokens == 60 and record.tau == 7.5
+    assert record.generated_tokens == 61 and record.finish_reason == "length"
+    assert record.as_dict()["draft_tokens"] == 120
+    assert aggregate([record])["per_position"][:3] == [0.875, 0.75, 0.625]
+
+
+def test_vllm_counters_are_summed_over_engines():
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    text = "\n".join(
+        [
+            "# TYPE vllm:spec_decode_num_drafts_total counter",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 3.0',
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 4.0',
+            "# TYPE vllm:spec_decode_num_draft_tokens_total counter",
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 9.0',
+            'vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="m"} 12.0',
+            "# TYPE vllm:spec_decode_num_accepted_tokens_total counter",
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 2.0',
+            'vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m"} 5.0',
+            "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter",
+            f'{per_pos}{{engine="0",model_name="m",position="0"}} 2.0',
+            f'{per_pos}{{engine="1",model_name="m",position="0"}} 3.0',
+            f'{per_pos}{{engine="1",model_name="m",position="1"}} 2.0',
+            "",
+        ]
+    )
+    counters = parse_vllm_metrics(text)
+    assert (counters.drafts, counters.draft_tokens, counters.accepted) == (7, 21, 7)
+    assert counters.accepted_per_pos == {0: 5.0, 1: 2.0}
+
+
+def test_vllm_pages_without_usable_counters_are_refused():
+    plain_page = "".join(
+        line + "\n"
+        for line in (FIXTURES / "vllm-metrics-before.txt").read_text().splitlines()
+        if "spec_decode" not in line
+    )
+    with pytest.raises(EngineResponseError, match="without speculative decoding"):
+        parse_vllm_metrics(plain_page, "plain /metrics")
+    before, after = fixture_counters()
+    with pytest.raises(EngineResponseError, match="prompt q: drafts changed by -8.0, not a count"):
+        acceptance_histogram_from_counters(after, before, 16, "prompt q")
+    with pytest.raises(EngineResponseError, match=r"positions \[0, .*14\], expected at most 0..6"):
+        acceptance_histogram_from_counters(before, after, 8, "prompt q")
+    with pytest.raises(EngineResponseError, match="no choices\\[0\\].token_ids"):
+        acceptance_from_counters({"choices": [{"text": "x"}]}, before, after, 16, "prompt q")
+
+
+# --- the request loop against stand-in servers ----------------------------------------------------
+
+
+def steps_for(prompt_ids):
+    """The stand-ins' verify steps for a prompt: A derived from the prompt ids (block size 4)."""
+    return [p % 4 for p in prompt_ids]
+
+
+def tokens_for(prompt_ids, plain: bool):
+    tokens = [
+        (sum(prompt_ids) + i) % 1000 for i in range(1 + sum(a + 1 for a in steps_for(prompt_ids)))
+    ]
+    if plain and prompt_ids[0] == 9:  # prompt p2: the plain server decodes differently at 5
+        tokens[5] += 1
+    return tokens
+
+
+class StandInEngine(BaseHTTPRequestHandler):
+    """vLLM's /v1/completions, /metrics and /version, or SGLang's /generate and
+    /get_server_info, speculative or plain, as far as the measurement uses them."""
+
+    engine = "vllm"
+    speculative = True
+    metrics: StandInServer
+    requests: list[dict] = []
+
+    def reply(self, status, body, content_type="application/json"):
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/metrics" and self.engine == "vllm":
+            self.reply(200, self.metrics.text(), "text/plain; version=0.0.4")
+        elif self.path == "/version" and self.engine == "vllm":
+            self.reply(200, {"version": "0.20.1"})
+        elif self.path == "/get_server_info" and self.engine == "sglang":
+            self.reply(200, {"version": "0.5.11", "tp_size": 1})
+        else:
+            self.reply(404, {"error": self.path})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        StandInEngine.requests.append({"path": self.path, "speculative": self.speculative, **body})
+        ids = body["prompt"] if self.engine == "vllm" else body["input_ids"]
+        tokens = tokens_for(ids, plain=not self.speculative)
+        steps = steps_for(ids)
+        if self.engine == "vllm":
+            if self.speculative:
+                self.metrics.observe_request(len(ids), steps)
+            choice = {"index": 0, "text": "", "finish_reason": "length", "token_ids": tokens}
+            self.reply(200, {"choices": [choice], "usage": {"completion_tokens": len(tokens)}})
+            return
+        meta = {"completion_tokens": len(tokens), "finish_reason": {"type": "length"}}
+        if self.speculative:
+            meta["spec_verify_ct"] = len(steps)
+            meta["spec_correct_drafts_histogram"] = [steps.count(a) for a in range(4)]
+        self.reply(200, {"text": "", "output_ids": tokens, "meta_info": meta})
+
+    def log_message(self, *args):
+        pass
+
+
+class StandInManagedServer:
+    """ManagedServer's interface, serving a stand-in engine in a thread instead of a process."""
+
+    launched: list[list[str]] = []
+
+    def __init__(self, spec, log_path, run_dir, startup_timeout=1800):
+        self.spec = spec
+
+    def __enter__(self):
+        StandInManagedServer.launched.append(server_command(self.spec))
+        handler = type(
+            "Handler",
+            (StandInEngine,),
+            {
+                "engine": self.spec.engine,
+                "speculative": bool(self.spec.speculative_settings()),
+                "metrics": StandInServer(num_speculative_tokens=3),  # block size 4
+            },
+        )
+        self.http = ThreadingHTTPServer((self.spec.host, self.spec.port), handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        return self
+
+    def alive(self):
+        return True
+
+    def __exit__(self, *exc):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def stand_in_servers(monkeypatch):
+    monkeypatch.setattr(serving, "ManagedServer", StandInManagedServer)
+    StandInManagedServer.launched = []
+    StandInEngine.requests = []
+    return StandInManagedServer
+
+
+def exported_drafter(folder: Path) -> Path:
+    folder.mkdir()
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "block_size": 4,
+        "num_hidden_layers": 2,
+        "head_dim": 16,
+        "rope_theta": 1000000.0,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 2048,
+        "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9], "block_size": 4},
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+PROMPTS = [("p1", "math", [5, 6, 7, 8]), ("p2", "chat", [9, 10]), ("p3", "chat", [3, 3, 1])]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_measurement_in_an_engine_end_to_end(tmp_path, stand_in_servers, engine):
+    drafter = exported_drafter(tmp_path / "drafter")
+    measurement = measure_in_engine(
+        engine,
+        "/m/target",
+        drafter,
+        PROMPTS,
+        4,
+        max_new_tokens=64,
+        temperature=0.0,
+        log_dir=tmp_path / "run",
+        port=free_port(),
+        hybrid=False,
+        seed=7,
+    )
+    speculative, plain = stand_in_servers.launched
+    assert "dflash" in " ".join(speculative).lower() and "speculative" not in " ".join(plain)
+    assert measurement.engine == engine
+    assert measurement.engine_version == {"vllm": "0.20.1", "sglang": "0.5.11"}[engine]
+    assert measurement.drafter_fields["dflash_config.mask_token_id"] == 151669
+    assert measurement.drafter_fields["layer_types"] == ["sliding_attention", "full_attention"]
+    assert measurement.drafter_fields["dflash_config.use_swa"] is None
+
+    by_id = {r.id: r for r in measurement.results}
+    # p1: A = 1, 2, 3, 0 -> 4 verify steps committing 2 + 3 + 4 + 1 = 10 tokens, 11 generated
+    assert by_id["p1"].verify_steps == 4 and by_id["p1"].accept_hist == [1, 1, 1, 1]
+    assert by_id["p1"].generated_tokens == 11 and by_id["p1"].prompt_set == "math"
+    # vLLM counts committed tokens per verify step; SGLang's completion_tokens include prefill's
+    assert by_id["p1"].committed_tokens == {"vllm": 10, "sglang": 11}[engine]
+    assert measurement.outputs["p1"] == tokens_for([5, 6, 7, 8], plain=False)
+    assert measurement.plain_outputs["p2"] == tokens_for([9, 10], plain=True)
+
+    lossless = measurement.lossless
+    assert lossless["checked"] and not lossless["passed"] and lossless["exact"] == 2
+    assert set(lossless["failures"]) == {"p2"}
+    assert "prompt p2: first divergence at generated token 5" in failure_message(lossless)
+    assert by_id["p2"].as_dict()["lossless"]["verdict"] == "failed"
+    assert by_id["p1"].as_dict()["lossless"]["verdict"] == "exact"
+
+    sent = StandInEngine.requests
+    assert [r["speculative"] for r in sent] == [True] * 3 + [False] * 3
+    if engine == "vllm":
+        assert [r["prompt"] for r in sent[:3]] == [p[2] for p in PROMPTS]  # ids, in order
+        assert all(r["path"] == "/v1/completions" and r["return_token_ids"] for r in sent)
+        assert sent[0]["model"] == "/m/target" and sent[0]["temperature"] == 0.0
+        assert [r["seed"] for r in sent[:3]] == [7, 8, 9]  # one seed per prompt, as the loop
+    else:
+        assert [r["input_ids"] for r in sent[:3]] == [p[2] for p in PROMPTS]
+    document = metrics_document(
+        measurement.results, measurement.settings(), lossless=measurement.lossless
+    )
+    assert document["overall"]["speedup_estimate"] is not None
+    json.dumps(document)
+
+
+def test_sampled_measurement_launches_no_plain_server(tmp_path, stand_in_servers):
+    drafter = exported_drafter(tmp_path / "drafter")
+    measurement = measure_in_engine(
+        "vllm",
+        "/m/target",
+        drafter,
+        PROMPTS[:1],
+        4,
+        max_new_tokens=8,
+        temperature=0.7,
+        log_dir=tmp_path / "run",
+        port=free_port(),
+        hybrid=False,
+    )
+    assert len(stand_in_servers.launched) == 1 and measurement.plain_outputs == {}
+    assert not measurement.lossless["checked"] and "temperature" in measurement.lossless["reason"]
+    assert measurement.results[0].tau == pytest.approx(10 / 4)
+
+
+def test_drafter_fields_name_what_is_missing(tmp_path):
+    drafter = exported_drafter(tmp_path / "drafter")
+    fields = drafter_fields(drafter)
+    assert fields["dflash_config.target_layer_ids"] == [1, 9]
+    assert fields["rope_theta"] == 1e6 and fields["rope_parameters"] is None
+    assert drafter_block_size(drafter) == 4
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        drafter_fields(tmp_path)
+
+
+# --- the engine parity gate -----------------------------------------------------------------------
+
+FIELDS = {
+    "dflash_config.mask_token_id": 151669,
+    "dflash_config.target_layer_ids": [1, 9, 17, 25, 33],
+    "layer_types": None,
+    "rope_theta": 1000000.0,
+}
+
+
+def report(loop_tau, engine_tau, tolerance=DEFAULT_ENGINE_PARITY_TOLERANCE):
+    return engine_parity_report(
+        loop_tau,
+        engine_tau,
+        tolerance,
+        engine="vllm",
+        engine_version="0.20.1",
+        drafter_fields=FIELDS,
+    )
+
+
+def test_engine_parity_passes_within_tolerance():
+    passed = check_engine_parity(report(4.0, 3.9))
+    assert passed["passed"] and passed["gap"] == -0.025 and passed["tolerance"] == 0.05
+    assert passed["engine"] == "vllm" and passed["engine_version"] == "0.20.1"
+    assert passed["drafter_fields"] == FIELDS
+    json.dumps(passed)
+
+
+def test_a_mis_exported_drafter_fails_engine_parity_naming_numbers_engine_and_fields():
+    failed = report(3.60, 3.09)  # recorded: the loop at 3.60, the engine at 3.09
+    assert not failed["passed"] and failed["gap"] == pytest.approx(-0.1417)
+    with pytest.raises(EngineParityError) as error:
+        check_engine_parity(failed)
+    text = str(error.value)
+    assert "vllm 0.20.1 measured tau 3.090, 14.2% below the project loop's tau 3.600" in text
+    assert "gap -0.1417, tolerance 5%" in text
+    assert "dflash_config.mask_token_id: 151669" in text
+    assert "dflash_config.target_layer_ids: [1, 9, 17, 25, 33]" in text
+    assert "layer_types: null" in text
+    for cause in ("target layer ids", "sliding-window", "mask token id", "RoPE", "dtype"):
+        assert cause in text
+
+
+def test_engine_parity_boundary_is_inclusive():
+    assert report(4.0, 3.8)["passed"] and report(4.0, 4.2)["passed"]  # gaps of exactly 5%
+    assert not report(4.0, 3.79)["passed"] and not report(4.0, 4.21)["passed"]
+    with pytest.raises(EngineParityError, match="above the project loop's tau"):
+        check_engine_parity(report(4.0, 4.21))
+    with pytest.raises(ValueError, match="loop tau must be positive"):
+        report(0.0, 3.0)
