@@ -145,6 +145,22 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def server_port(port_base: int) -> int:
+    """A GPU job's port follows its first device, so a restart finds (and reaps) its leftover;
+    a CPU job takes any free port."""
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    if devices[0].strip().isdigit():
+        return port_base + int(devices[0])
+    return free_port()
+
+
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.5)

@@ -1,16 +1,19 @@
 """Measure a DFlash drafter's acceptance length in a real speculative-decoding loop.
 
     python -m dflash_pipeline.stages.evaluate --target DIR --drafter DIR --prompts FILE --out metrics.json
-        [--max-new-tokens N --temperature T --block-size B --thinking on|off --engine transformers|sglang]
+        [--max-new-tokens N --temperature T --block-size B --thinking on|off --engine transformers|vllm|sglang]
 
 Prompts are JSONL rows with OpenAI ``messages`` (and optionally ``id`` and ``prompt_set``), or the
 prepare stage's prompts parquet (``--split heldout`` selects the held-out rows), rendered with the
 target's chat template. With the default engine the target runs in transformers and the
 exported drafter proposes blocks through ``dflash_pipeline.model.inference``; every prompt is also
 decoded plainly, which gives the speedup estimate and, in greedy mode, the lossless check (the loop
-must reproduce plain greedy decoding token for token). ``--engine sglang`` launches SGLang with
-``--speculative-algorithm DFLASH`` instead and reads its per-request counters. The metrics JSON is
-written before any gate fails, so a failed run still shows what it measured.
+must reproduce plain greedy decoding token for token). ``--engine vllm`` (or ``sglang``) also
+serves the exported drafter in that engine (``dflash_pipeline.evaluation.serving``): acceptance per
+prompt from the engine's own counters, losslessness against the engine's plain greedy output, and
+the cross-engine parity gate (the engine's tau within ``--engine-parity-tolerance`` of the
+loop's). The metrics JSON is written before any gate fails, so a failed run still shows what it
+measured.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_pipeline.core.storage import write_atomically
+from dflash_pipeline.evaluation.serving import ENGINES
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +42,18 @@ class EvalOptions:
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     lossless_margin: float | None = None  # default by dtype (0 in fp32)
-    engine: str = "transformers"  # transformers | sglang
+    engine: str = "transformers"  # transformers | vllm | sglang (the loop, and that engine too)
     limit: int | None = None  # evaluate only the first N prompts
     split: str | None = None  # only rows of this split ("heldout" in the prepare stage's parquet)
     simulated_tau: float | None = None  # training's teacher-forced tau, for the parity gate
     parity_tolerance: float = 0.15
+    engine_parity_tolerance: float = 0.05  # the serving engine's tau against the loop's
     warmup: bool = True
-    sglang_port: int = 30000
-    sglang_tp: int = 1
-    sglang_extra_args: tuple[str, ...] = ()
-    runtime_dir: str | None = None  # sglang's log and pid files (default: beside --out)
+    engine_port: int | None = None  # None: a free port
+    engine_tp: int = 1
+    engine_mem_fraction: float | None = None
+    engine_extra_args: tuple[str, ...] = ()
+    runtime_dir: str | None = None  # the engine's log and pid files (default: beside --out)
 
 
 def resolve_device_dtype(options: EvalOptions):
@@ -79,11 +85,6 @@ def _render(tokenizer, prompts, thinking: bool) -> list[list[int]]:
     return rendered
 
 
-def _drafter_block_size(drafter: str | Path) -> int:
-    config = json.loads((Path(drafter) / "config.json").read_text())
-    return (config.get("dflash_config") or {}).get("block_size") or config["block_size"]
-
-
 def _write_json(path: Path, document: dict) -> None:
     with write_atomically(path) as tmp:
         tmp.write_text(json.dumps(document, indent=2) + "\n")
@@ -94,7 +95,7 @@ def _settings(target, drafter, prompts_path, options: EvalOptions, **resolved) -
     import transformers
 
     settings = asdict(options)
-    settings["sglang_extra_args"] = list(options.sglang_extra_args)
+    settings["engine_extra_args"] = list(options.engine_extra_args)
     settings.update(
         target=str(target),
         drafter=str(drafter),
@@ -114,30 +115,36 @@ def run_evaluation(
     options: EvalOptions | None = None,
     load_proposer=None,
     target_model=None,
+    engine_section: dict | None = None,
 ) -> dict:
-    """Evaluate and write the metrics JSON; raises LosslessError / ParityError after writing it.
+    """Evaluate and write the metrics JSON; raises LosslessError, ParityError or
+    EngineParityError after writing it.
 
-    ``load_proposer(drafter_dir, target_model)`` defaults to the DFlash drafter's loader;
-    ``target_model`` is the target already loaded (on the device and dtype of ``options``), so a
-    caller that also needs it (the evaluate job) loads a big target once.
+    The loop always runs (in transformers: the lossless check, the parity gate against the
+    simulated tau). With ``options.engine`` vllm or sglang the exported drafter is also measured
+    inside that engine, before the target is loaded here (both want the GPU's memory), and the
+    engine's tau is gated against the loop's. ``load_proposer(drafter_dir, target_model)``
+    defaults to the DFlash drafter's loader; ``target_model`` is the target already loaded (on
+    the device and dtype of ``options``), so a caller that also needs it loads a big target once;
+    ``engine_section`` is an engine measurement already made (``measure_engine``).
     """
     from dflash_pipeline.evaluation.prompts import read_eval_prompts
 
     options = options or EvalOptions()
+    if options.engine not in ("transformers", *ENGINES):
+        raise ValueError(f"unknown engine {options.engine!r} (transformers, {', '.join(ENGINES)})")
     out = Path(out)
+    if options.engine in ENGINES and engine_section is None:
+        engine_section = measure_engine(target, drafter, prompts_path, options, out)
     prompts = read_eval_prompts(prompts_path, options.limit, options.split)
-    if options.engine == "transformers":
-        results, sections, resolved = _run_transformers(
-            target, drafter, prompts, options, load_proposer, target_model
-        )
-    elif options.engine == "sglang":
-        results, sections, resolved = _run_sglang(target, drafter, prompts, options, out)
-    else:
-        raise ValueError(f"unknown engine {options.engine!r} (transformers, sglang)")
+    results, sections, resolved = _run_transformers(
+        target, drafter, prompts, options, load_proposer, target_model
+    )
 
     from dflash_pipeline.evaluation.lossless import LosslessError, failure_message
     from dflash_pipeline.evaluation.metrics import metrics_document
     from dflash_pipeline.evaluation.parity import check_parity, parity_report
+    from dflash_pipeline.evaluation.serving import check_engine_parity, engine_parity_report
 
     document = metrics_document(
         results, _settings(target, drafter, prompts_path, options, **resolved), **sections
@@ -147,6 +154,17 @@ def run_evaluation(
         document["parity"] = parity_report(
             options.simulated_tau, loop_tau, options.parity_tolerance
         )
+    if engine_section is not None:
+        document["engine"] = engine_section
+        if loop_tau is not None and engine_section["overall"]["tau"] is not None:
+            document["engine_parity"] = engine_parity_report(
+                loop_tau,
+                engine_section["overall"]["tau"],
+                options.engine_parity_tolerance,
+                engine=engine_section["name"],
+                engine_version=engine_section["version"],
+                drafter_fields=engine_section["drafter_fields"],
+            )
     _write_json(out, document)
     overall = document["overall"]
     log.info(
@@ -157,12 +175,59 @@ def run_evaluation(
         overall["speedup_estimate"],
         out,
     )
-    lossless = document.get("lossless") or {}
-    if lossless.get("checked") and not lossless["passed"]:
-        raise LosslessError(failure_message(lossless))
+    for where, lossless in (("loop", document.get("lossless")), ("engine", (engine_section or {}).get("lossless"))):
+        if lossless and lossless.get("checked") and not lossless["passed"]:
+            raise LosslessError(f"{where}: {failure_message(lossless)}")
     if "parity" in document:
         check_parity(options.simulated_tau, loop_tau, options.parity_tolerance)
+    if "engine_parity" in document:
+        check_engine_parity(document["engine_parity"])
     return document
+
+
+def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str | Path) -> dict:
+    """The exported drafter inside vLLM or SGLang, on the same prompts as the loop: launched
+    through the pipeline's own launch code, prompts sent as token ids, acceptance read per
+    prompt, outputs compared with the same engine's plain greedy decoding. Returns the metrics
+    JSON's ``engine`` section (the loop's format: overall, prompt sets, per prompt)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash_pipeline.engines.launch import free_port
+    from dflash_pipeline.evaluation.metrics import metrics_document
+    from dflash_pipeline.evaluation.prompts import read_eval_prompts
+    from dflash_pipeline.evaluation.serving import drafter_block_size, measure_in_engine, target_is_hybrid
+
+    prompts = read_eval_prompts(prompts_path, options.limit, options.split)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    block_size = options.block_size or drafter_block_size(drafter)
+    prompt_ids = _render(tokenizer, prompts, options.thinking)
+    measured = measure_in_engine(
+        options.engine,
+        target,
+        drafter,
+        [(p.id, p.prompt_set, ids) for p, ids in zip(prompts, prompt_ids)],
+        block_size,
+        max_new_tokens=options.max_new_tokens,
+        temperature=options.temperature,
+        log_dir=Path(options.runtime_dir or Path(out).parent),
+        port=options.engine_port or free_port(),
+        hybrid=target_is_hybrid(AutoConfig.from_pretrained(target)),
+        seed=options.seed,
+        tp=options.engine_tp,
+        mem_fraction=options.engine_mem_fraction,
+        extra_args=options.engine_extra_args,
+    )
+    document = metrics_document(measured.results, measured.settings(), lossless=measured.lossless)
+    section = {
+        "name": measured.engine,
+        "version": measured.version,
+        "drafter_fields": measured.drafter_fields,
+        **{k: document[k] for k in ("overall", "prompt_sets", "per_prompt", "lossless")},
+        "settings": document.get("settings"),
+    }
+    log.info("%s %s: tau %s, lossless %s", measured.engine, measured.version,
+             section["overall"]["tau"], measured.lossless.get("passed"))
+    return section
 
 
 def _run_transformers(target, drafter, prompts, options: EvalOptions, load_proposer, model=None):
@@ -250,42 +315,6 @@ def _run_transformers(target, drafter, prompts, options: EvalOptions, load_propo
     return results, {"lossless": lossless}, resolved
 
 
-def _run_sglang(target, drafter, prompts, options: EvalOptions, out: Path):
-    from transformers import AutoConfig, AutoTokenizer
-
-    from dflash_pipeline.evaluation.serving import (
-        measure_with_sglang,
-        sglang_server_spec,
-        target_is_hybrid,
-    )
-
-    block_size = options.block_size or _drafter_block_size(drafter)
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    hybrid = target_is_hybrid(AutoConfig.from_pretrained(target))
-    spec = sglang_server_spec(
-        target,
-        drafter,
-        block_size,
-        options.sglang_port,
-        hybrid=hybrid,
-        tp=options.sglang_tp,
-        extra_args=options.sglang_extra_args,
-    )
-    prompt_ids = _render(tokenizer, prompts, options.thinking)
-    runtime = Path(options.runtime_dir or out.parent)
-    results = measure_with_sglang(
-        spec,
-        [(p.id, p.prompt_set, ids) for p, ids in zip(prompts, prompt_ids)],
-        block_size,
-        max_new_tokens=options.max_new_tokens,
-        temperature=options.temperature,
-        log_dir=runtime,
-    )
-    lossless = {"checked": False, "reason": "engine sglang: no plain decoding to compare with"}
-    resolved = {"block_size": block_size, "target_hybrid": hybrid}
-    return results, {"lossless": lossless}, resolved
-
-
 def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[str], out: str | Path,
                  settings: dict, thinking: bool, failed_copy: str | Path) -> dict:
     """What the `evaluate` rule runs: the simulated tau on held-out tokenized rows, the loop on
@@ -307,17 +336,26 @@ def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[st
         limit=settings["max_prompts"],
         split="heldout",
         parity_tolerance=settings["parity_tolerance"],
+        engine_parity_tolerance=settings["engine_parity_tolerance"],
+        engine_mem_fraction=settings["engine_mem_fraction"],
+        engine_extra_args=tuple(settings["engine_extra_args"]),
     )
+    # The engine first: it wants the GPU's memory, which the target loaded here would hold.
+    engine_section = None
+    if options.engine in ENGINES:
+        engine_section = measure_engine(target, drafter_dir, prompts, options, out)
     # One copy of the target serves the simulated tau and the loop.
     model = load_target(target, *resolve_device_dtype(options))
     simulated = simulated_tau(drafter_dir, target, tokenized, max_rows=settings["simulated_rows"], target=model)
     print(f"simulated (teacher-forced, held-out) acceptance length: {simulated}")
     options.simulated_tau = simulated["tau"]
     try:
-        document = run_evaluation(target, drafter_dir, prompts, out, options, target_model=model)
+        document = run_evaluation(target, drafter_dir, prompts, out, options, target_model=model,
+                                  engine_section=engine_section)
         with tempfile.TemporaryDirectory() as tmp:
             for path in settings["benchmark_prompts"]:
-                extra_options = EvalOptions(**{**options.__dict__, "split": None, "simulated_tau": None})
+                extra_options = EvalOptions(**{**options.__dict__, "split": None, "simulated_tau": None,
+                                                  "engine": "transformers"})
                 extra = run_evaluation(target, drafter_dir, path, Path(tmp) / "extra.json", extra_options,
                                        target_model=model)
                 document["prompt_sets"].update(extra["prompt_sets"])
@@ -329,6 +367,7 @@ def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[st
             shutil.copyfile(out, failed_copy)
         raise
     return document
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -351,7 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, help="block size B (default: the drafter's)")
     parser.add_argument("--thinking", choices=("on", "off"), default="on")
     parser.add_argument("--seed", type=int, default=EvalOptions.seed, help="sampling seed")
-    parser.add_argument("--engine", choices=("transformers", "sglang"), default="transformers")
+    parser.add_argument(
+        "--engine",
+        choices=("transformers", *ENGINES),
+        default="transformers",
+        help="vllm, sglang: also measure the drafter inside that engine and gate on parity with the loop",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     parser.add_argument(
         "--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32 ..."
@@ -368,12 +412,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--parity-tolerance", type=float, default=EvalOptions.parity_tolerance)
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up decode")
-    parser.add_argument("--sglang-port", type=int, default=EvalOptions.sglang_port)
-    parser.add_argument("--sglang-tp", type=int, default=EvalOptions.sglang_tp)
     parser.add_argument(
-        "--sglang-arg", action="append", default=[], help="extra SGLang argument (repeatable)"
+        "--engine-parity-tolerance", type=float, default=EvalOptions.engine_parity_tolerance,
+        help="largest relative gap between the engine's tau and the loop's",
     )
-    parser.add_argument("--runtime-dir", help="SGLang log/pid folder (default: beside --out)")
+    parser.add_argument("--engine-port", type=int, help="the engine's port (default: a free one)")
+    parser.add_argument("--engine-tp", type=int, default=EvalOptions.engine_tp)
+    parser.add_argument("--engine-mem-fraction", type=float, help="the engine's GPU memory share")
+    parser.add_argument(
+        "--engine-arg", action="append", default=[], help="extra engine argument (repeatable)"
+    )
+    parser.add_argument("--runtime-dir", help="engine log/pid folder (default: beside --out)")
     return parser
 
 
@@ -395,18 +444,21 @@ def main(argv: list[str] | None = None) -> int:
         simulated_tau=args.simulated_tau,
         parity_tolerance=args.parity_tolerance,
         warmup=not args.no_warmup,
-        sglang_port=args.sglang_port,
-        sglang_tp=args.sglang_tp,
-        sglang_extra_args=tuple(args.sglang_arg),
+        engine_parity_tolerance=args.engine_parity_tolerance,
+        engine_port=args.engine_port,
+        engine_tp=args.engine_tp,
+        engine_mem_fraction=args.engine_mem_fraction,
+        engine_extra_args=tuple(args.engine_arg),
         runtime_dir=args.runtime_dir,
     )
     from dflash_pipeline.evaluation.lossless import LosslessError
     from dflash_pipeline.evaluation.parity import ParityError
     from dflash_pipeline.evaluation.prompts import PromptFileError
+    from dflash_pipeline.evaluation.serving import EngineParityError
 
     try:
         run_evaluation(args.target, args.drafter, args.prompts, args.out, options)
-    except (LosslessError, ParityError, PromptFileError) as err:
+    except (LosslessError, ParityError, EngineParityError, PromptFileError) as err:
         log.error("%s", err)
         return 1
     return 0

@@ -17,8 +17,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
-import socket
 import sys
 
 import pyarrow as pa
@@ -27,7 +25,7 @@ import pyarrow.parquet as pq
 from dflash_pipeline.core.jobstate import ShardProgress
 from dflash_pipeline.core.storage import open_storage, write_atomically
 from dflash_pipeline.engines.client import EngineClient, EngineError, make_adapter
-from dflash_pipeline.engines.launch import ManagedServer, ServerSpec
+from dflash_pipeline.engines.launch import ManagedServer, ServerSpec, server_port
 from dflash_pipeline.engines.regenerate import (
     GenerationSettings,
     ShardGenerator,
@@ -45,17 +43,6 @@ def engine_version(engine: str) -> str:
         return version(package) if package else "external"
     except PackageNotFoundError:
         return "unknown"
-
-
-def server_port(port_base: int) -> int:
-    """A GPU job's port follows its first device, so a restart finds (and reaps) its leftover;
-    a CPU job takes any free port."""
-    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    if devices[0].strip().isdigit():
-        return port_base + int(devices[0])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_job(
