@@ -420,7 +420,22 @@ def plot_acceptance(metrics: dict, out: str | Path) -> None:
     middle.set_xlabel("accepted length")
     names = ["overall", *sets]
     taus = [overall.get("tau") or 0] + [sets[k].get("tau") or 0 for k in sets]
-    _bars(right, names, taus, f"acceptance length τ (overall {overall.get('tau') or 0:.2f})", "τ", "#2e9d5b", True)
+    engine = metrics.get("engine") if isinstance(metrics.get("engine"), dict) else None
+    if engine is None:
+        _bars(right, names, taus, f"acceptance length τ (overall {overall.get('tau') or 0:.2f})", "τ", "#2e9d5b", True)
+    else:
+        # The loop's τ and the serving engine's side by side: the gap the engine parity gate checks.
+        engine_sets = engine.get("prompt_sets") or {}
+        served = [engine["overall"].get("tau") or 0] + [(engine_sets.get(k) or {}).get("tau") or 0 for k in sets]
+        xs = list(range(len(names)))
+        right.bar([x - 0.2 for x in xs], taus, 0.4, label="loop", color="#2e9d5b")
+        right.bar([x + 0.2 for x in xs], served, 0.4, label=f"{engine.get('name')} {engine.get('version') or ''}",
+                  color="#3b7dd8")
+        right.set_xticks(xs, names, rotation=45)
+        right.set_ylabel("τ")
+        right.legend(fontsize=7)
+        right.set_title(f"acceptance length τ: loop {overall.get('tau') or 0:.2f}, "
+                        f"{engine.get('name')} {engine['overall'].get('tau') or 0:.2f}")
     _save(fig, out)
 
 

@@ -380,9 +380,30 @@ def _evaluation_summary(metrics) -> dict | None:
         "tau": overall.get("tau"),
         "per_position": overall.get("per_position", []),
         "speedup_estimate": overall.get("speedup_estimate"),
-        "prompt_sets": {
-            name: values.get("tau")
-            for name, values in (metrics.get("prompt_sets") or {}).items()
-            if isinstance(values, dict)
-        },
+        "prompt_sets": _prompt_set_taus(metrics),
+        "engine": _engine_summary(metrics),
+    }
+
+
+def _prompt_set_taus(section: dict) -> dict:
+    return {
+        name: values.get("tau")
+        for name, values in (section.get("prompt_sets") or {}).items()
+        if isinstance(values, dict)
+    }
+
+
+def _engine_summary(metrics: dict) -> dict | None:
+    """The serving engine's measurement beside the loop's (evaluate.engine vllm or sglang)."""
+    engine = metrics.get("engine")
+    if not isinstance(engine, dict) or not isinstance(engine.get("overall"), dict):
+        return None
+    lossless = engine.get("lossless") or {}
+    return {
+        "name": engine.get("name"),
+        "version": engine.get("version"),
+        "tau": engine["overall"].get("tau"),
+        "prompt_sets": _prompt_set_taus(engine),
+        "lossless": lossless.get("passed") if lossless.get("checked") else None,
+        "parity": metrics.get("engine_parity"),
     }

@@ -159,6 +159,15 @@ function renderTraining(training, evaluation) {
     box.appendChild(el("p", { text: `Evaluation: acceptance length τ = ${fmtNum(evaluation.tau, 2)}` +
       (evaluation.speedup_estimate != null ? `, estimated speed-up ${fmtNum(evaluation.speedup_estimate, 2)}×` : "") +
       (sets ? ` (${sets})` : "") }));
+    const engine = evaluation.engine;
+    if (engine) {
+      const engineSets = Object.entries(engine.prompt_sets || {}).map(([k, v]) => `${k}: ${fmtNum(v, 2)}`).join(", ");
+      const parity = engine.parity;
+      box.appendChild(el("p", { text: `Served by ${engine.name} ${engine.version ?? ""}: τ = ${fmtNum(engine.tau, 2)}` +
+        (engineSets ? ` (${engineSets})` : "") +
+        (engine.lossless != null ? `, lossless ${engine.lossless ? "yes" : "NO"}` : "") +
+        (parity ? `; gap to the loop ${fmtNum(100 * parity.gap, 1)}% (tolerance ${fmtNum(100 * parity.tolerance, 1)}%, ${parity.passed ? "passed" : "FAILED"})` : "") }));
+    }
   }
 }
 
