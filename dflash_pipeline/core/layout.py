@@ -47,8 +47,7 @@ def shard_key(stage: str, shard: int | str, ext: str | None = None) -> str:
 def benchmark_key(rule_name: str, shard: int | str | None = None) -> str:
     """Key of a job's Snakemake benchmark (runtime and memory), e.g.
     ``outputs/benchmark.prepare-00003.tsv``."""
-    shard = shard_name(shard)
-    suffix = f"-{shard}" if shard is not None else ""
+    suffix = f"-{shard_name(shard)}" if shard is not None else ""
     return f"{OUTPUTS_DIR}/benchmark.{rule_name}{suffix}.tsv"
 
 
