@@ -1,13 +1,15 @@
 """Generation client overhead: the pipeline's generate path against a minimal load generator.
 
-Both send the same rendered prompts to the same `transformers serve` server at the same
-concurrency; the pipeline adds chat rendering, tokenization, reasoning splitting, progress parts
+Both send the same rendered prompts to the same server (`transformers serve`, or vLLM with
+``--engine vllm``) at the same concurrency; the pipeline adds chat rendering, tokenization, reasoning splitting, progress parts
 and telemetry. Design target: pipeline tokens/s >= 0.97 x the load generator's.
 
 The model has a realistic layer shape (random weights; hidden/layers/heads configurable) with
 the demo tokenizer, so every request runs to `--max-new-tokens` (random weights never stop).
 
-    python bench/generation_client.py --device cuda --out bench/results/generation_client.json
+    python bench/generation_client.py --out bench/results/generation_client.json
+    python bench/generation_client.py --engine vllm --hidden 4096 --layers 36 --heads 32 \
+        --intermediate 12288 --prompts 1024 --concurrency 256 --max-new-tokens 512
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ async def load_generator(url: str, model: str, texts: list[str], concurrency: in
     return {"tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1)}
 
 
-async def pipeline(url, model, tokenizer, rows, concurrency, max_new, run_dir) -> dict:
+async def pipeline(url, engine, model, tokenizer, rows, concurrency, max_new, run_dir) -> dict:
     import pyarrow as pa
 
     settings = GenerationSettings(thinking=True, sampling=Sampling(max_new, 0.0),
@@ -106,7 +108,7 @@ async def pipeline(url, model, tokenizer, rows, concurrency, max_new, run_dir) -
                                   part_every_seconds=30, telemetry_every_seconds=2)
     progress = ShardProgress(open_storage(run_dir), "generate", 0)
     progress.clear_parts()
-    async with EngineClient([url], make_adapter("transformers", model)) as client:
+    async with EngineClient([url], make_adapter(engine, model)) as client:
         gen = ShardGenerator(tokenizer, client, settings, "bench")
         t0 = time.perf_counter()
         table = await generate_shard(pa.Table.from_pylist(rows), gen, progress, lambda: {})
@@ -117,6 +119,7 @@ async def pipeline(url, model, tokenizer, rows, concurrency, max_new, run_dir) -
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -139,14 +142,14 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(model)
         rows = prompts(args.prompts)
         texts = [render_prompt(tokenizer, r["messages"], True) for r in rows]
-        spec = ServerSpec(engine="transformers", model=str(model), port=18931)
+        spec = ServerSpec(engine=args.engine, model=str(model), port=18931)
         runs = []
         with ManagedServer(spec, tmp / "engine.log", tmp, startup_timeout=600) as server:
             # Warm-up, then alternate the two clients so drift hits both alike.
             asyncio.run(load_generator(spec.url, str(model), texts[:16], 16, 16))
             for _ in range(args.repeats):
                 base = asyncio.run(load_generator(spec.url, str(model), texts, args.concurrency, args.max_new_tokens))
-                ours = asyncio.run(pipeline(spec.url, str(model), tokenizer, rows, args.concurrency,
+                ours = asyncio.run(pipeline(spec.url, args.engine, str(model), tokenizer, rows, args.concurrency,
                                             args.max_new_tokens, str(tmp / "run")))
                 runs.append({"load_generator": base, "pipeline": ours,
                              "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 3)})
@@ -154,11 +157,13 @@ def main() -> None:
             log_tail = server.log_tail(5)
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip() if os.path.exists("/usr/bin/nvidia-smi") else ""
-    import transformers
+    from importlib.metadata import version
 
+    engine = (f"vllm {version('vllm')}" if args.engine == "vllm"
+              else f"transformers serve {version('transformers')} --continuous-batching")
     result = {
         "benchmark": "generation_client",
-        "engine": f"transformers serve {transformers.__version__} --continuous-batching",
+        "engine": engine,
         "model_shape": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                         "kv_heads": args.kv_heads, "intermediate": args.intermediate,
                         "vocab": len(tokenizer), "weights": "random, bf16"},

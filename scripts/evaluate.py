@@ -24,6 +24,7 @@ def run(smk) -> None:
                 smk.params.settings,
                 smk.params.thinking,
                 Path(smk.log[0]).with_suffix(".failed-metrics.json"),
+                Path(smk.log[0]).parent / "evaluate-engine",
             )
 
 

@@ -229,3 +229,41 @@ def test_fused_loss_gradient_equals_autograd_through_full_logits():
     torch.testing.assert_close(grad_fused, grad_naive, rtol=1e-5, atol=1e-7)
     hits = (logits.argmax(-1) == blocks.labels.flatten()).reshape(blocks.labels.shape)
     assert torch.equal(fused.hits & blocks.supervised, hits & blocks.supervised)
+
+
+@pytest.mark.parametrize(
+    "layer_types, window, causal",
+    [([FULL, FULL], None, False), ([SLIDING, SLIDING], 4, True), ([SLIDING, FULL], 4, None)],
+)
+def test_the_export_writes_every_field_an_engine_reads(layer_types, window, causal):
+    """Every field of ENGINE_FIELDS is in the exported config.json, as the drafter was trained;
+    is_causal / dflash_config.causal only where one value holds for every layer."""
+    from dflash_pipeline.model.config import ENGINE_FIELDS, UNIFORM_ONLY_FIELDS
+
+    config = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=100, block_size=8, mask_token_id=99,
+                           num_target_layers=8, target_layer_ids=[1, 5], layer_types=layer_types,
+                           sliding_window=window)
+    exported = config.to_zlab()
+
+    def lookup(path):
+        node = exported
+        for part in path.split("."):
+            assert part in node, f"{path} is not written"
+            node = node[part]
+        return node
+
+    for path in ENGINE_FIELDS:
+        if path in UNIFORM_ONLY_FIELDS and causal is None:
+            node = exported if "." not in path else exported["dflash_config"]
+            assert path.split(".")[-1] not in node, f"{path} written for a mixed drafter"
+            continue
+        lookup(path)
+    assert lookup("dflash_config.target_layer_ids") == [1, 5]
+    assert lookup("eagle_aux_hidden_state_layer_ids") == [2, 6]  # capture after layers 1 and 5
+    assert lookup("dflash_config.use_swa") == (window is not None)
+    assert lookup("dflash_config.swa_window_size") == lookup("sliding_window") == window
+    assert lookup("layer_types") == layer_types
+    if causal is not None:
+        assert lookup("is_causal") is causal and lookup("dflash_config.causal") is causal
+    assert DrafterConfig.from_zlab(exported) == config  # the export reads back as trained

@@ -444,9 +444,13 @@ class _Reply:
     after: VllmCounters | None = None
 
 
-async def _read_counters(http: httpx.AsyncClient, url: str) -> VllmCounters:
+async def _read_counters(http: httpx.AsyncClient, url: str, keep: Path | None = None) -> VllmCounters:
+    """vLLM's counters now; with ``keep``, the raw exposition text is saved there too (the first
+    prompt's are kept beside the engine log: what a parsing test is checked against)."""
     resp = await http.get(url + "/metrics")
     resp.raise_for_status()
+    if keep is not None:
+        keep.write_text(resp.text)
     return parse_vllm_metrics(resp.text, f"{url}/metrics")
 
 
@@ -489,6 +493,7 @@ async def _decode_all(
     counters: bool,
     concurrency: int,
     alive,
+    raw_metrics_dir: Path | None = None,
 ) -> list[_Reply]:
     """Send every prompt; with ``counters`` read vLLM's /metrics around each request (then one
     at a time: the counters are server-wide)."""
@@ -498,9 +503,13 @@ async def _decode_all(
     client = EngineClient([url], _adapter(engine, model), alive=alive)
     async with client, httpx.AsyncClient(timeout=60) as http:
 
+        def keep(when: str) -> Path | None:
+            return raw_metrics_dir / f"vllm-metrics-{when}.txt" if raw_metrics_dir else None
+
         async def one(index: int, ids: list[int]) -> _Reply:
             async with gate:
-                before = await _read_counters(http, url) if counters else None
+                first = index == 0
+                before = await _read_counters(http, url, keep("before") if first else None) if counters else None
                 start = time.perf_counter()
                 data = await client.complete("", ids, sampling_for(index))
                 reply = _Reply(data, time.perf_counter() - start, before)
@@ -508,6 +517,8 @@ async def _decode_all(
                     source = f"prompt {prompts[index][0]}"
                     tokens = len(output_ids(engine, data, source))
                     reply.after = await _settled_counters(http, url, before, tokens - 1, source)
+                    if first and raw_metrics_dir:
+                        await _read_counters(http, url, keep("after"))
                 return reply
 
         return await asyncio.gather(*(one(i, p[2]) for i, p in enumerate(prompts)))
@@ -538,6 +549,7 @@ def request_acceptance(
     seed: int | None = None,
     concurrency: int = 1,
     alive=None,
+    raw_metrics_dir: Path | None = None,
 ) -> tuple[list[PromptResult], dict[str, list[int]]]:
     """Send every (id, prompt_set, prompt_ids) to a running speculative server and read each
     request's acceptance; returns the per-prompt results and the generated token ids by id.
@@ -552,6 +564,7 @@ def request_acceptance(
             counters=engine == "vllm",
             concurrency=concurrency,
             alive=alive,
+            raw_metrics_dir=raw_metrics_dir,
         )
     )
     results, outputs = [], {}
@@ -716,6 +729,7 @@ def measure_in_engine(
             temperature=temperature,
             seed=seed,
             alive=server.alive,
+            raw_metrics_dir=log_dir,
         )
     plain_outputs: dict[str, list[int]] = {}
     if temperature > 0:

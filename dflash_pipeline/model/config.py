@@ -28,6 +28,43 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+# Every drafter config field that vLLM's `dflash` and SGLang's `DFLASH` read (vLLM 0.20.1 source
+# and later fixes; SGLang 0.5.x; dflash-spec.md §1.7, peers.md), who reads it, and what the export
+# writes. ``"uniform"``: written only when all layers are of one kind (see ``to_zlab``).
+ENGINE_FIELDS = {
+    "dflash_config.mask_token_id": ("vllm sglang zlab", "the mask token the drafter was trained with"),
+    "dflash_config.target_layer_ids": ("vllm sglang zlab", "0-based layers whose output is tapped"),
+    "dflash_config.block_size": ("sglang zlab", "training block size"),
+    "dflash_config.use_aux_hidden_state": ("vllm", "true: the taps are the context"),
+    "dflash_config.use_swa": ("vllm", "any sliding-window layer"),
+    "dflash_config.swa_window_size": ("vllm sglang", "the sliding window (HF semantics), null without"),
+    "dflash_config.causal": ("vllm", "uniform: all sliding -> true, all full -> false"),
+    "is_causal": ("sglang zlab vllm", "uniform, as dflash_config.causal"),
+    "layer_types": ("vllm sglang zlab", "per layer full_attention / sliding_attention"),
+    "sliding_window": ("vllm sglang zlab", "the window, null without sliding layers"),
+    "use_sliding_window": ("zlab", "any sliding-window layer"),
+    "eagle_aux_hidden_state_layer_ids": ("vllm", "capture indices: target_layer_ids + 1"),
+    "block_size": ("sglang zlab", "training block size (older readers)"),
+    "num_target_layers": ("zlab", "the target's layer count"),
+    "rope_theta": ("vllm sglang zlab", "the drafter's RoPE base"),
+    "rope_parameters": ("vllm sglang", "rope_type default, rope_theta"),
+    "rope_scaling": ("zlab", "null: no scaling"),
+    "head_dim": ("vllm sglang zlab", "attention head width"),
+    "num_hidden_layers": ("vllm sglang zlab", "drafter layers"),
+    "num_attention_heads": ("vllm sglang zlab", ""),
+    "num_key_value_heads": ("vllm sglang zlab", ""),
+    "hidden_size": ("vllm sglang zlab", "= the target's"),
+    "intermediate_size": ("vllm sglang zlab", ""),
+    "rms_norm_eps": ("vllm sglang zlab", ""),
+    "max_position_embeddings": ("vllm sglang zlab", ""),
+    "vocab_size": ("vllm sglang zlab", "= the target's"),
+    "attention_bias": ("vllm sglang zlab", ""),
+    "tie_word_embeddings": ("vllm", "false: no LM head of its own"),
+}
+# Written only when every layer is of one kind: an explicit value applies to all layers.
+UNIFORM_ONLY_FIELDS = ("dflash_config.causal", "is_causal")
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -90,14 +127,24 @@ class DrafterConfig:
 
     # --- the z-lab format ----------------------------------------------------------------------
     def to_zlab(self) -> dict:
+        """The z-lab ``config.json``, with every field an engine reads written explicitly and as
+        the drafter was trained (``ENGINE_FIELDS`` lists them), so no engine falls back to a
+        default of its own (the engines' defaults differ)."""
         fields = asdict(self)
+        sliding = SLIDING in self.layer_types
         dflash = {
             "block_size": self.block_size,
             "mask_token_id": self.mask_token_id,
             "target_layer_ids": list(self.target_layer_ids),
+            "use_aux_hidden_state": True,
+            "use_swa": sliding,
+            "swa_window_size": self.sliding_window if sliding else None,
         }
         for key in ("block_size", "mask_token_id", "target_layer_ids"):
             fields.pop(key)
+        causal = self.uniform_causality()
+        if causal is not None:
+            dflash["causal"] = causal
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -106,13 +153,33 @@ class DrafterConfig:
             "rope_theta": self.rope_theta,
             "rope_scaling": None,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "use_sliding_window": SLIDING in self.layer_types,
+            "use_sliding_window": sliding,
+            "sliding_window": self.sliding_window if sliding else None,
             "max_window_layers": self.num_hidden_layers,
             "attention_dropout": 0.0,
             "tie_word_embeddings": False,
             "block_size": self.block_size,
+            # An explicit is_causal applies to EVERY layer in SGLang, z-lab and vLLM; training
+            # runs full layers bidirectionally and sliding layers causally, so a drafter that mixes
+            # them leaves it out and gets exactly that per-layer default everywhere.
+            **({"is_causal": causal} if causal is not None else {}),
+            # The target capture points, as capture indices (the residual stream after that many
+            # layers): tap id i = output of layer i = HF hidden_states[i + 1]. vLLM reads this key
+            # before dflash_config.target_layer_ids; vLLM 0.20.1 would otherwise capture
+            # target_layer_ids as they are, one layer early (vllm PR #40727).
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.target_layer_ids],
             "dflash_config": dflash,
         }
+
+    def uniform_causality(self) -> bool | None:
+        """Whether every layer attends causally within the block (all sliding), bidirectionally
+        (all full), or None when the drafter mixes both kinds."""
+        kinds = set(self.layer_types or [FULL] * self.num_hidden_layers)
+        if kinds == {FULL}:
+            return False
+        if kinds == {SLIDING}:
+            return True
+        return None
 
     @classmethod
     def from_zlab(cls, data: dict, source: str = "config") -> DrafterConfig:

@@ -316,11 +316,13 @@ def _run_transformers(target, drafter, prompts, options: EvalOptions, load_propo
 
 
 def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[str], out: str | Path,
-                 settings: dict, thinking: bool, failed_copy: str | Path) -> dict:
+                 settings: dict, thinking: bool, failed_copy: str | Path,
+                 runtime_dir: str | Path | None = None) -> dict:
     """What the `evaluate` rule runs: the simulated tau on held-out tokenized rows, the loop on
     the held-out prompts (gated on losslessness and parity), then the extra prompt sets; one
     target load for all of it. A failed job's metrics are kept at ``failed_copy`` (Snakemake
-    removes the output of a failed job)."""
+    removes the output of a failed job); a serving engine's logs and raw counters go to
+    ``runtime_dir``."""
     import shutil
 
     from dflash_pipeline.evaluation.simulated import simulated_tau
@@ -339,6 +341,7 @@ def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[st
         engine_parity_tolerance=settings["engine_parity_tolerance"],
         engine_mem_fraction=settings["engine_mem_fraction"],
         engine_extra_args=tuple(settings["engine_extra_args"]),
+        runtime_dir=None if runtime_dir is None else str(runtime_dir),
     )
     # The engine first: it wants the GPU's memory, which the target loaded here would hold.
     engine_section = None
