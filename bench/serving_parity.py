@@ -56,6 +56,9 @@ def main() -> int:
     parser.add_argument("--workdir", help="keep the run here (default: a temporary folder)")
     parser.add_argument("--engine-arg", action="append", default=[], help="extra vLLM argument")
     parser.add_argument("--target", help="a built demo target folder (default: the run builds one)")
+    parser.add_argument("--reuse-data-of", metavar="VARIANT",
+                        help="start from that variant's prompts, generations and tokenized shards "
+                             "(same --workdir): only training, export and evaluation run")
     args = parser.parse_args()
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="serving-parity-"))
@@ -76,10 +79,17 @@ def main() -> int:
         "evaluate": {"engine": "vllm", "max_prompts": args.max_prompts, "engine_extra_args": args.engine_arg},
     }
     (work / "bench-config.yaml").write_text(yaml.safe_dump(overrides))
+    if args.reuse_data_of:
+        source = work / "results" / f"serving-{args.reuse_data_of}" / "outputs"
+        dest = work / "results" / overrides["run"] / "outputs"
+        dest.mkdir(parents=True, exist_ok=True)
+        for path in sorted(source.iterdir()):
+            if path.name.startswith(("ingest-", "prepare-", "generate-", "tokenize-")):
+                shutil.copy2(path, dest / path.name)
     started = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "--cores", "all", "--resources", "gpu=1",
-         "--configfile", "config.yaml", "bench-config.yaml"],
+         "--configfile", "config.yaml", "bench-config.yaml", "--rerun-triggers", "mtime"],
         cwd=work, capture_output=True, text=True,
     )  # fmt: skip
     seconds = time.time() - started
