@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.demo import task
-from dflash_pipeline.stages.tokenize import TOKENIZED_SCHEMA
+from dflash_pipeline.data.tokenized import TOKENIZED_SCHEMA
 
 
 def write_tokenized_shard(model_dir: Path, path: Path, count: int, seed: int = 0, heldout_every: int = 0) -> Path:
