@@ -56,6 +56,10 @@ def main() -> int:
     parser.add_argument("--workdir", help="keep the run here (default: a temporary folder)")
     parser.add_argument("--engine-arg", action="append", default=[], help="extra vLLM argument")
     parser.add_argument("--target", help="a built demo target folder (default: the run builds one)")
+    parser.add_argument("--misexport", action="store_true",
+                        help="after a run of this variant (same --workdir): drop the capture indices "
+                             "from its exported config.json, as the export wrote it before, and "
+                             "evaluate again (a deliberately mis-exported drafter for the gate)")
     parser.add_argument("--reuse-data-of", metavar="VARIANT",
                         help="start from that variant's prompts, generations and tokenized shards "
                              "(same --workdir): only training, export and evaluation run")
@@ -86,6 +90,11 @@ def main() -> int:
         for path in sorted(source.iterdir()):
             if path.name.startswith(("ingest-", "prepare-", "generate-", "tokenize-")):
                 shutil.copy2(path, dest / path.name)
+    if args.misexport:
+        config_path = work / "results" / overrides["run"] / "drafter" / "config.json"
+        exported = json.loads(config_path.read_text())
+        exported.pop("eagle_aux_hidden_state_layer_ids", None)
+        config_path.write_text(json.dumps(exported, indent=2) + "\n")  # newer: evaluate reruns
     started = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "--cores", "all", "--resources", "gpu=1",
@@ -106,7 +115,7 @@ def main() -> int:
     record = {
         "benchmark": "serving_parity",
         **provenance(gpu_name()),
-        "variant": args.variant,
+        "variant": args.variant + ("-misexported" if args.misexport else ""),
         "drafter": VARIANTS[args.variant],
         "workflow_exit_code": proc.returncode,
         "workflow_seconds": round(seconds, 1),
