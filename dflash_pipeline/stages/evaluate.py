@@ -220,12 +220,12 @@ def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str
     document = metrics_document(measured.results, measured.settings(), lossless=measured.lossless)
     section = {
         "name": measured.engine,
-        "version": measured.version,
+        "version": measured.engine_version,
         "drafter_fields": measured.drafter_fields,
         **{k: document[k] for k in ("overall", "prompt_sets", "per_prompt", "lossless")},
         "settings": document.get("settings"),
     }
-    log.info("%s %s: tau %s, lossless %s", measured.engine, measured.version,
+    log.info("%s %s: tau %s, lossless %s", measured.engine, measured.engine_version,
              section["overall"]["tau"], measured.lossless.get("passed"))
     return section
 
