@@ -12,6 +12,7 @@ from dflash_pipeline.demo import task
 from dflash_pipeline.stages.evaluate import main
 from dflash_pipeline.model.config import drafter_config_for_target
 from dflash_pipeline.model.drafter import DFlashDrafter
+from tests.test_serving import stand_in_servers  # noqa: F401 (a fixture)
 
 BLOCK = 4
 
@@ -118,3 +119,29 @@ def test_evaluate_sampled_with_a_smaller_block_than_trained(demo_model, tmp_path
     assert [p["id"] for p in doc["per_prompt"]] == ["a1"]
     # Sampled outputs match the target in distribution only: no token-for-token check.
     assert doc["lossless"]["checked"] is False and "lossless" not in doc["per_prompt"][0]
+
+
+def test_engine_vllm_measures_beside_the_loop_and_gates_on_parity(
+    demo_model, tmp_path, prompts_file, stand_in_servers
+):
+    """`--engine vllm`: the drafter served by (a stand-in of) vLLM on the same prompts, its tau
+    and lossless check recorded beside the loop's, and the engine parity gate failing the run
+    after the metrics are written (the stand-in accepts far more than an untrained drafter)."""
+    drafter = export_untrained_drafter(demo_model, tmp_path / "drafter")
+    out = tmp_path / "eval" / "metrics.json"
+    args = ["--target", str(demo_model), "--drafter", str(drafter), "--prompts", str(prompts_file)]
+    args += ["--out", str(out), "--max-new-tokens", "24", "--thinking", "off", "--device", "cpu"]
+    assert main(args + ["--engine", "vllm", "--runtime-dir", str(tmp_path / "engine")]) == 1
+    doc = json.loads(out.read_text())
+    engine = doc["engine"]
+    assert engine["name"] == "vllm" and engine["version"] == "0.20.1"
+    assert engine["drafter_fields"]["dflash_config.block_size"] == BLOCK
+    assert [p["id"] for p in engine["per_prompt"]] == [p["id"] for p in doc["per_prompt"]]
+    assert set(engine["prompt_sets"]) == set(doc["prompt_sets"]) == {"arith", "chat"}
+    assert engine["lossless"]["checked"]
+    parity = doc["engine_parity"]
+    assert parity["loop_tau"] == doc["overall"]["tau"] and parity["engine_tau"] == engine["overall"]["tau"]
+    assert not parity["passed"] and parity["tolerance"] == 0.05
+    launched = [" ".join(cmd) for cmd in stand_in_servers.launched]
+    assert len(launched) == 2 and '"method": "dflash"' in launched[0] and "speculative" not in launched[1]
+    assert (tmp_path / "engine" / "vllm-metrics-before.txt").exists()

@@ -16,6 +16,7 @@ import pytest
 
 from dflash_pipeline.core.jobstate import ShardProgress
 from dflash_pipeline.core.storage import open_storage
+from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
 
 pytestmark = pytest.mark.workflow
 
@@ -99,7 +100,7 @@ def test_sigkilled_generation_resumes_with_exactly_the_prompt_set(
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
-    saved = len(progress.load_parts(__import__("dflash_pipeline.stages.generate").generate.GENERATED_SCHEMA))
+    saved = len(progress.load_parts(GENERATED_SCHEMA))
     assert saved >= 8
 
     workflow.snakemake("--unlock", *args, env=env)  # what a user does after a hard kill

@@ -31,7 +31,7 @@ from dflash_pipeline.evaluation.serving import (
     prompt_result,
     serving_server_spec,
 )
-from tests.fixtures.serving.make_vllm_metrics import StandInServer
+from tests.support.vllm_stand_in import StandInServer
 from tests.support.seaweed import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures" / "serving"
@@ -107,18 +107,22 @@ def fixture_counters():
 
 
 def test_vllm_metrics_fixture_gives_the_requests_counters():
+    """A real capture: vLLM 0.20.1 on an H200 serving the demo target with its exported drafter
+    (block 8), /metrics read before and after the first held-out prompt (see the README here)."""
     before, after = fixture_counters()
-    assert sorted(after.accepted_per_pos) == list(range(15))
-    steps, accepted, draft_tokens, hist = acceptance_histogram_from_counters(before, after, 16)
-    assert (steps, accepted, draft_tokens) == (8, 52, 120)
-    # A = 15, 3, 0, 7, 15, 2, 9, 1 (see fixtures/serving/README.md)
-    assert hist == [1, 1, 1, 1, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 2]
-    reply = {"choices": [{"text": "", "token_ids": list(range(61)), "finish_reason": "length"}]}
-    record = prompt_result("p", "s", 40, acceptance_from_counters(reply, before, after, 16), 16)
-    assert record.verify_steps == 8 and record.committed_tokens == 60 and record.tau == 7.5
-    assert record.generated_tokens == 61 and record.finish_reason == "length"
-    assert record.as_dict()["draft_tokens"] == 120
-    assert aggregate([record])["per_position"][:3] == [0.875, 0.75, 0.625]
+    assert (before.drafts, before.draft_tokens, before.accepted) == (0, 0, 0)
+    assert sorted(after.accepted_per_pos) == list(range(7))
+    steps, accepted, draft_tokens, hist = acceptance_histogram_from_counters(before, after, 8)
+    assert (steps, accepted, draft_tokens) == (13, 31, 91)
+    # accepted per position 10, 7, 6, 3, 2, 2, 1 -> steps with A = 0..7
+    assert hist == [3, 3, 1, 3, 1, 0, 1, 1]
+    reply = {"choices": [{"text": "", "token_ids": list(range(45)), "finish_reason": "stop"}]}
+    record = prompt_result("demo-0000", "heldout", 40, acceptance_from_counters(reply, before, after, 8), 8)
+    # the loop measured 3.3846 on the same prompt (bench/results/serving_parity-full-h200.json)
+    assert record.verify_steps == 13 and record.committed_tokens == 44 and round(record.tau, 4) == 3.3846
+    assert record.generated_tokens == 45 and record.finish_reason == "stop"
+    assert record.as_dict()["draft_tokens"] == 91
+    assert aggregate([record])["per_position"][:3] == [round(10 / 13, 4), round(7 / 13, 4), round(6 / 13, 4)]
 
 
 def test_vllm_counters_are_summed_over_engines():
@@ -155,12 +159,12 @@ def test_vllm_pages_without_usable_counters_are_refused():
     with pytest.raises(EngineResponseError, match="without speculative decoding"):
         parse_vllm_metrics(plain_page, "plain /metrics")
     before, after = fixture_counters()
-    with pytest.raises(EngineResponseError, match="prompt q: drafts changed by -8.0, not a count"):
-        acceptance_histogram_from_counters(after, before, 16, "prompt q")
-    with pytest.raises(EngineResponseError, match=r"positions \[0, .*14\], expected at most 0..6"):
-        acceptance_histogram_from_counters(before, after, 8, "prompt q")
+    with pytest.raises(EngineResponseError, match="prompt q: drafts changed by -13.0, not a count"):
+        acceptance_histogram_from_counters(after, before, 8, "prompt q")
+    with pytest.raises(EngineResponseError, match=r"positions \[0, .*6\], expected at most 0..2"):
+        acceptance_histogram_from_counters(before, after, 4, "prompt q")
     with pytest.raises(EngineResponseError, match="no choices\\[0\\].token_ids"):
-        acceptance_from_counters({"choices": [{"text": "x"}]}, before, after, 16, "prompt q")
+        acceptance_from_counters({"choices": [{"text": "x"}]}, before, after, 8, "prompt q")
 
 
 # --- the request loop against stand-in servers ----------------------------------------------------
@@ -423,3 +427,35 @@ def test_engine_parity_boundary_is_inclusive():
         check_engine_parity(report(4.0, 4.21))
     with pytest.raises(ValueError, match="loop tau must be positive"):
         report(0.0, 3.0)
+
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+
+
+@pytest.mark.parametrize(
+    "record, passes",
+    [("serving_parity-full-h200.json", True), ("serving_parity-misexported-h200.json", False)],
+)
+def test_the_gate_decides_the_recorded_h200_runs(record, passes):
+    """The numbers vLLM 0.20.1 and the loop gave on the same 16 held-out demo prompts: the
+    export with capture indices is within 5%; the same drafter without them (vLLM then taps one
+    layer early) fails, naming both taus, the engine and the fields it read."""
+    run = json.loads((RESULTS / record).read_text())
+    parity = engine_parity_report(
+        run["loop_tau"],
+        run["engine_tau"],
+        DEFAULT_ENGINE_PARITY_TOLERANCE,
+        engine=run["engine"],
+        engine_version=run["engine_version"],
+        drafter_fields=run["drafter_fields"],
+    )
+    assert parity == run["engine_parity"]  # what the evaluate rule wrote there
+    assert parity["passed"] is passes and run["engine_lossless"]["passed"]
+    if passes:
+        check_engine_parity(parity)
+        return
+    with pytest.raises(EngineParityError) as error:
+        check_engine_parity(parity)
+    text = str(error.value)
+    assert "vllm 0.20.1 measured tau 3.661, 8.7% below the project loop's tau 4.010" in text
+    assert "dflash_config.target_layer_ids: [1, 5]" in text

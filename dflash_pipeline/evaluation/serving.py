@@ -79,6 +79,7 @@ DFLASH_CONFIG_FIELDS = (
     "use_aux_hidden_state",
 )
 TOP_LEVEL_FIELDS = (
+    "eagle_aux_hidden_state_layer_ids",
     "block_size",
     "is_causal",
     "layer_types",
@@ -450,6 +451,7 @@ async def _read_counters(http: httpx.AsyncClient, url: str, keep: Path | None = 
     resp = await http.get(url + "/metrics")
     resp.raise_for_status()
     if keep is not None:
+        keep.parent.mkdir(parents=True, exist_ok=True)
         keep.write_text(resp.text)
     return parse_vllm_metrics(resp.text, f"{url}/metrics")
 
