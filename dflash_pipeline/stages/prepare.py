@@ -16,6 +16,7 @@ import json
 import logging
 import sys
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,26 +59,41 @@ class IngestResult:
         return len(self.bad) / self.rows_read if self.rows_read else 0.0
 
 
+def add_rows(result: IngestResult, items: Iterable[Prompt | BadRow], seen: set[str]) -> None:
+    """Count rows into ``result``: bad ones, exact duplicates (``seen`` dedupe keys), prompts."""
+    for item in items:
+        result.rows_read += 1
+        if isinstance(item, BadRow):
+            result.bad.append(item)
+            continue
+        key_hash = prompt_hash(item.prompt_turns)
+        if key_hash in seen:
+            result.duplicates += 1
+            continue
+        seen.add(key_hash)
+        result.prompts.append(item)
+
+
 def read_dataset(paths: list[str], max_row_bytes: int, id_field: str) -> IngestResult:
-    """Read and validate every row of every file; keep the first of exact duplicates."""
+    """Read and validate every row of every file; keep the first of exact duplicates.
+
+    A row never stops the read (it is quarantined); a file that cannot be read at all (not
+    parquet, truncated) stops it with a PrepareError naming the file.
+    """
     result = IngestResult()
     seen: set[str] = set()
     for url in paths:
         storage, key = open_object(url)
         if not storage.exists(key):
             raise PrepareError(f"dataset file {url} does not exist (config key dataset.paths)")
+        before = result.rows_read
         with storage.local_copy(key) as local:
-            for item in read_prompt_file(local, url, max_row_bytes, id_field):
-                result.rows_read += 1
-                if isinstance(item, BadRow):
-                    result.bad.append(item)
-                    continue
-                key_hash = prompt_hash(item.prompt_turns)
-                if key_hash in seen:
-                    result.duplicates += 1
-                    continue
-                seen.add(key_hash)
-                result.prompts.append(item)
+            try:
+                add_rows(result, read_prompt_file(local, url, max_row_bytes, id_field), seen)
+            except (OSError, pa.ArrowException) as err:
+                raise PrepareError(
+                    f"dataset file {url} cannot be read after {result.rows_read - before} rows: {err}"
+                ) from err
     return result
 
 
@@ -150,12 +166,18 @@ def write_by_shard(table: pa.Table, num_shards: int, out: str) -> None:
                 start = end
 
 
-def summarize(result: IngestResult, table: pa.Table, num_shards: int, paths: list[str]) -> dict:
-    shards = Counter(table.column("shard").to_pylist())
-    heldout = Counter(
-        s for s, split in zip(table.column("shard").to_pylist(), table.column("split").to_pylist())
-        if split == HELDOUT
-    )
+def summarize(
+    result: IngestResult,
+    table: pa.Table | None,
+    num_shards: int,
+    paths: list[str],
+    stopped: str | None = None,
+) -> dict:
+    """The ingest's counts; ``table`` is None (no samples written) when it ``stopped``."""
+    shard_col = table.column("shard").to_pylist() if table is not None else []
+    split_col = table.column("split").to_pylist() if table is not None else []
+    shards = Counter(shard_col)
+    heldout = Counter(s for s, split in zip(shard_col, split_col) if split == HELDOUT)
     return {
         "files": paths,
         "rows_read": result.rows_read,
@@ -163,12 +185,23 @@ def summarize(result: IngestResult, table: pa.Table, num_shards: int, paths: lis
         "bad_fraction": round(result.bad_fraction, 6),
         "bad_by_reason": dict(Counter(b.reason for b in result.bad).most_common()),
         "duplicates_dropped": result.duplicates,
-        "samples": table.num_rows,
+        "samples": len(shard_col),
         "heldout_samples": sum(heldout.values()),
         "num_shards": num_shards,
         "samples_per_shard": [shards.get(s, 0) for s in range(num_shards)],
         "heldout_per_shard": [heldout.get(s, 0) for s in range(num_shards)],
+        "stopped": stopped,
     }
+
+
+def write_report(result: IngestResult, summary: dict, out_summary: str, out_quarantine: str) -> None:
+    """The quarantine (every bad row: file, row, reason, detail) and the summary."""
+    with write_atomically(out_quarantine) as tmp:
+        tmp.write_text("".join(json.dumps(b.to_json()) + "\n" for b in result.bad))
+    with write_atomically(out_summary) as tmp:
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    for bad in result.bad[:20]:
+        log.warning("quarantined: %s", bad.describe())
 
 
 def ingest(
@@ -183,16 +216,24 @@ def ingest(
     max_row_bytes: int = 1_000_000,
     id_field: str = "id",
 ) -> dict:
-    """Validate, dedupe, id and shard the dataset; write the table, summary and quarantine."""
+    """Validate, dedupe, id and shard the dataset; write the table, summary and quarantine.
+
+    When the rows read are refused (too many bad rows, none valid, an id clash), the summary
+    (with the reason in ``stopped``) and the quarantine are written first, then the PrepareError
+    rises; no prompt table is written.
+    """
     result = read_dataset(paths, max_row_bytes, id_field)
-    check_bad_fraction(result, max_bad_fraction)
-    table = build_table(result.prompts, assign_ids(result.prompts), num_shards, heldout_fraction)
+    try:
+        check_bad_fraction(result, max_bad_fraction)
+        ids = assign_ids(result.prompts)
+    except PrepareError as err:
+        stopped = summarize(result, None, num_shards, paths, str(err))
+        write_report(result, stopped, out_summary, out_quarantine)
+        raise
+    table = build_table(result.prompts, ids, num_shards, heldout_fraction)
     write_by_shard(table, num_shards, out_prompts)
-    with write_atomically(out_quarantine) as tmp:
-        tmp.write_text("".join(json.dumps(b.to_json()) + "\n" for b in result.bad))
     summary = summarize(result, table, num_shards, paths)
-    with write_atomically(out_summary) as tmp:
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    write_report(result, summary, out_summary, out_quarantine)
     log.info(
         "ingested %d rows: %d samples, %d bad, %d duplicates, %d held out, %d shards",
         result.rows_read,
@@ -202,8 +243,6 @@ def ingest(
         summary["heldout_samples"],
         num_shards,
     )
-    for bad in result.bad[:20]:
-        log.warning("quarantined: %s", bad.describe())
     return summary
 
 
