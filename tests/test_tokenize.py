@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 import pytest
 
@@ -351,3 +353,346 @@ def test_engine_ids_are_kept_after_the_prompt_and_a_non_canonical_split_is_a_mis
     engine_text = text.replace("<think>\n", "<think>\n\n") + "<|im_end|>"
     prompt = tok.apply_chat_template(blank["messages"][:1], tokenize=False, add_generation_prompt=True, enable_thinking=True)
     assert (kept["s3"]["input_ids"], kept["s3"]["loss_mask"]) == pieces(tok, (prompt, 0), (engine_text, 1))
+
+
+# --------------------------------------------------------------------------------------------
+# Special-token literals in generated text, turns cut at the token limit, the real Qwen3 tokenizer
+
+# Every row is kept unless a test says otherwise: these tests look at ids and masks.
+LENIENT = {"max_degenerate_fraction": 1.0, "min_supervised_tokens": 1, "identical_response_min_count": 1000}
+BOTH_TOKENIZERS = pytest.mark.parametrize("tokenizer_name", ["tok", "qwen3_tokenizer"])
+
+
+def conversation_row(name, messages, output_ids=None, cut=None):
+    """A generated row in which every assistant message is a generated turn; ``cut`` maps the
+    index of a turn the engine cut at the token limit to whether its think block had closed;
+    ``output_ids`` are the engine's ids of a single-turn row."""
+    cut = cut or {}
+    turns = [
+        {
+            "message_index": i,
+            "finish_reason": "length" if i in cut else "stop",
+            "think_closed": cut.get(i, True),
+            "prompt_tokens": 10,
+            "completion_tokens": 10,
+            "output_ids": output_ids,
+        }
+        for i, m in enumerate(messages)
+        if m["role"] == "assistant"
+    ]
+    return {
+        "id": name,
+        "shard": 0,
+        "split": "train",
+        "messages": [
+            {"role": m["role"], "content": m["content"], "reasoning_content": m.get("reasoning_content")}
+            for m in messages
+        ],
+        "turns": turns,
+        "prompt_tokens": 10,
+        "completion_tokens": 10,
+        "error": None,
+        "fingerprint": "f",
+    }
+
+
+def tokenized(tokenizer, rows, thinking, **settings):
+    """The stage's output as {(id, turn): (input_ids, loss_mask)}, and its stats."""
+    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
+    out, stats = ShardTokenizer(tokenizer, thinking, {**LENIENT, **settings}).run(table, "g")
+    return {(r["id"], r["turn"]): (r["input_ids"], r["loss_mask"]) for r in out.to_pylist()}, stats
+
+
+def engine_ids(tokenizer, generated, stopped):
+    """The ids an engine returns for ``generated``: a literal special token in it is spelled in
+    ordinary tokens (a generated special token would be one id), and the end-of-turn id ends a
+    turn that stopped."""
+    ids = tokenizer(generated, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids + [tokenizer.eos_token_id] * stopped
+
+
+def as_generated(tokenizer, name, history, generated, thinking, finish, with_ids):
+    """The row ``engines/regenerate.py`` stores for one turn whose engine wrote ``generated``
+    (the text as the model produced it; a stopped turn's engine text ends with the end-of-turn
+    token, which the split removes): with the engine's ids, or without (transformers serve)."""
+    from dflash_pipeline.data.chat import assistant_message, render_prompt, split_reasoning
+
+    prompt = render_prompt(tokenizer, history, thinking)
+    stopped = finish == "stop"
+    split = split_reasoning(prompt, generated + tokenizer.eos_token * stopped, tokenizer.eos_token)
+    row = conversation_row(name, [*history, assistant_message(split)])
+    row["turns"][0].update(
+        finish_reason=finish,
+        think_closed=split.think_closed,
+        output_ids=engine_ids(tokenizer, generated, stopped) if with_ids else None,
+    )
+    return row, prompt
+
+
+# (thinking, what the model generated, finish reason). Each text is what the stored row gives
+# back: split_reasoning strips the newlines around the reasoning and the spaces around the answer.
+GENERATIONS = [
+    (True, "<think>\nFirst 2 + 2: add the units, so 2", "length"),  # cut inside the think block
+    (True, "<think>\n", "length"),  # cut right after opening it
+    (True, "<think>\n2 + 2 = 4\n</think>\n\n", "length"),  # cut right after closing it
+    (True, "<think>\n2 + 2 = 4\n</think>\n\nThe sum is 4, because 2", "length"),  # cut in the answer
+    (True, "<think>\n2 + 2 = 4\n</think>\n\nThe sum is 4.", "stop"),
+    (False, "The sum of 2 and 2 is", "length"),
+    (False, "The sum is 4.", "stop"),
+]
+
+
+@BOTH_TOKENIZERS
+def test_a_turn_gives_the_same_ids_and_mask_from_the_engine_ids_and_from_its_text(tokenizer_name, request):
+    """A turn cut at the token limit is supervised on exactly the tokens the model produced,
+    not on the think-block end and end-of-turn token the template adds to close it; a stopped
+    turn ends with the end-of-turn token. Both paths agree."""
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    history = [{"role": "user", "content": "What is 2 + 2?"}]
+    for thinking in (True, False):
+        rows, expected = [], {}
+        for k, (mode, generated, finish) in enumerate(GENERATIONS):
+            if mode != thinking:
+                continue
+            for with_ids in (True, False):
+                name = f"{'engine' if with_ids else 'text'}-{k}"
+                row, prompt = as_generated(tokenizer, name, history, generated, thinking, finish, with_ids)
+                rows.append(row)
+                supervised = generated + tokenizer.eos_token * (finish == "stop")
+                expected[(name, -1)] = pieces(tokenizer, (prompt, 0), (supervised, 1))
+        got, stats = tokenized(tokenizer, rows, thinking)
+        assert stats["reasons"] == {} and stats["round_trip_mismatches"] == 0
+        assert got == expected
+        for key in expected:
+            if key[0].startswith("engine"):
+                assert got[key] == got[("text" + key[0][len("engine"):], -1)]
+
+
+def test_a_cut_turn_in_a_conversation_is_supervised_as_generated_and_is_history_as_rendered(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    messages = [
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Let me think about"},
+        {"role": "user", "content": "Just the answer, please."},
+        {"role": "assistant", "content": "4", "reasoning_content": "They want it short."},
+    ]
+    got, _ = tokenized(tok, [conversation_row("c", messages, cut={1: False})], thinking=True)
+    assert got[("c", 1)] == pieces(
+        tok,
+        ("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<think>\nLet me think about", 1),
+    )
+    # The engine's prompt for the next turn rendered the cut turn as the template does.
+    assert got[("c", 3)] == pieces(
+        tok,
+        (
+            "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+            "<|im_start|>user\nJust the answer, please.<|im_end|>\n<|im_start|>assistant\n",
+            0,
+        ),
+        ("<think>\nThey want it short.\n</think>\n\n4<|im_end|>", 1),
+    )
+
+
+def test_a_cut_turn_in_one_row_per_conversation_leaves_the_template_closing_unsupervised(tok):
+    import copy
+
+    plain = copy.deepcopy(tok)
+    plain.chat_template = CHATML
+    messages = [
+        {"role": "user", "content": "What is 1 + 2?"},
+        {"role": "assistant", "content": "1 + 2 is"},
+        {"role": "user", "content": "Go on."},
+        {"role": "assistant", "content": "3"},
+    ]
+    seq = only(conversation_sequences(plain, messages, thinking=False, per_turn=False, cut={1: "content"}))
+    # The end of turn the template adds to the cut turn is history for the next one.
+    assert (seq.input_ids, seq.loss_mask) == pieces(
+        plain,
+        ("<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("1 + 2 is", 1),
+        ("<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("3<|im_end|>", 1),
+        ("\n", 0),
+    )
+
+
+def test_special_tokens_are_the_special_ones_not_the_think_tags(tok, qwen3_tokenizer):
+    from dflash_pipeline.data.masks import special_token_texts
+
+    assert set(special_token_texts(tok)) == {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"}
+    qwen3 = set(special_token_texts(qwen3_tokenizer))
+    assert {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_pad|>"} <= qwen3 and len(qwen3) == 14
+    assert not qwen3 & {"<think>", "</think>", "<tool_call>", "<tool_response>", "<|fim_prefix|>"}
+
+
+@BOTH_TOKENIZERS
+def test_a_special_token_literal_in_generated_text_never_cuts_the_turn(tokenizer_name, request):
+    """Without engine ids the row is quarantined (``special_token_in_text``); with them the
+    turn is kept exactly as the engine produced it. Literals in a user message are what the
+    engine was given, and non-special tags in an answer are ordinary tokens: neither counts."""
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    history = [{"role": "user", "content": "How does a turn end?"}]
+    answer = "<think>\nName the token.\n</think>\n\nIt ends with <|im_end|>, then the next turn starts."
+    rows, prompts = [], {}
+    for name, generated, with_ids in [
+        ("text-answer", answer, False),
+        ("text-reasoning", "<think>\nMaybe <|im_start|> opens one.\n</think>\n\nA turn ends with its end token.", False),
+        ("engine-answer", answer, True),
+        ("tags-answer", "<think>\nTags.\n</think>\n\nA <think> block closes with </think>; a call is <tool_call>.", False),
+    ]:
+        row, prompts[name] = as_generated(tokenizer, name, history, generated, True, "stop", with_ids)
+        rows.append(row)
+    user = [
+        {"role": "user", "content": "Why does <|im_end|> end a turn and <think> open reasoning?"},
+        {"role": "assistant", "content": "They are the template's tokens.", "reasoning_content": "Explain the tokens."},
+    ]
+    rows.append(conversation_row("user-literal", user))
+    got, stats = tokenized(tokenizer, rows, thinking=True)
+    assert stats["reasons"] == {"special_token_in_text": 2}
+    assert stats["examples"]["special_token_in_text"] == ["text-answer", "text-reasoning"]
+    assert set(got) == {("engine-answer", -1), ("tags-answer", -1), ("user-literal", -1)}
+    eos = tokenizer.eos_token_id
+    assert got[("engine-answer", -1)] == (
+        pieces(tokenizer, (prompts["engine-answer"], 0))[0] + rows[2]["turns"][0]["output_ids"],
+        pieces(tokenizer, (prompts["engine-answer"], 0))[1] + [1] * len(rows[2]["turns"][0]["output_ids"]),
+    )
+    assert got[("engine-answer", -1)][0].count(eos) == 2  # the prompt's and the turn's end; not the literal
+    assert got[("tags-answer", -1)] == pieces(
+        tokenizer,
+        (prompts["tags-answer"], 0),
+        ("<think>\nTags.\n</think>\n\nA <think> block closes with </think>; a call is <tool_call>.<|im_end|>", 1),
+    )
+    ids, mask = got[("user-literal", -1)]
+    assert (ids, mask) == pieces(
+        tokenizer,
+        ("<|im_start|>user\nWhy does <|im_end|> end a turn and <think> open reasoning?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<think>\nExplain the tokens.\n</think>\n\nThey are the template's tokens.<|im_end|>", 1),
+    )
+    assert ids.count(eos) == 3  # the user's literal is the token the engine's prompt held
+
+    # Kept by choice (the reason not degenerate), the row is supervised on its whole turn: the
+    # literal no longer ends it early.
+    reasons = [r for r in ShardTokenizer(tokenizer, True).cfg["degenerate_reasons"] if r != "special_token_in_text"]
+    got, stats = tokenized(tokenizer, rows[:1], thinking=True, degenerate_reasons=reasons)
+    assert stats["reasons"] == {"special_token_in_text": 1} and stats["degenerate_samples"] == 0
+    assert got[("text-answer", -1)] == pieces(tokenizer, (prompts["text-answer"], 0), (answer + "<|im_end|>", 1))
+
+
+def test_special_token_in_text_is_a_default_reason_counted_in_the_stats_and_the_report(tok, tmp_path):
+    import xml.etree.ElementTree as ET
+
+    import yaml
+
+    from dflash_pipeline.data.quality import DEFAULT_GATE, DEGENERATE_REASONS
+    from dflash_pipeline.report import figures
+
+    schema = yaml.safe_load((Path(__file__).resolve().parent.parent / "config/schema.yaml").read_text())
+    setting = schema["properties"]["tokenize"]["properties"]["degenerate_reasons"]
+    assert setting["default"] == DEFAULT_GATE["degenerate_reasons"] == sorted(DEGENERATE_REASONS)
+    assert sorted(setting["items"]["enum"]) == sorted(DEGENERATE_REASONS)
+    assert "special_token_in_text" in DEFAULT_GATE["degenerate_reasons"]
+
+    rows = [healthy(i) for i in range(40)] + [generated_row(99, "Stop at <|im_end|> here.", "think")]
+    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
+    out, stats = ShardTokenizer(tok, thinking=True).run(table, "generate-00000.parquet")
+    assert stats["reasons"] == {"special_token_in_text": 1} and stats["degenerate_samples"] == 1
+    assert out.num_rows == 40 and "s99" not in out.column("id").to_pylist()
+    figures.plot_degenerate_reasons([stats], tmp_path / "deg.svg")
+    assert "special_token_in_text" in " ".join(ET.parse(tmp_path / "deg.svg").getroot().itertext())
+    figures.write_tokenization_table([stats], tmp_path / "tok.html")
+    assert "special_token_in_text 1" in (tmp_path / "tok.html").read_text()
+
+
+# The real Qwen3 tokenizer and chat template against the Qwen3 chat format written out by hand.
+
+
+def test_qwen3_single_turns_with_and_without_thinking_and_a_system_prompt(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    system = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 12 + 30?"},
+        {"role": "assistant", "content": "12 + 30 = 42", "reasoning_content": "2 + 0 = 2, then 1 + 3 = 4."},
+    ]
+    got, stats = tokenized(tok, [conversation_row("sys", system)], thinking=True)
+    assert got == {("sys", -1): pieces(
+        tok,
+        ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<think>\n2 + 0 = 2, then 1 + 3 = 4.\n</think>\n\n12 + 30 = 42<|im_end|>", 1),
+    )}
+    assert stats["rows_per_turn"] is True
+    off = [{"role": "user", "content": "Add 5 and 7."}, {"role": "assistant", "content": "5 + 7 = 12"}]
+    got, _ = tokenized(tok, [conversation_row("off", off)], thinking=False)
+    # The empty think block is the prompt's (the generation prompt with thinking off): not supervised.
+    assert got == {("off", -1): pieces(
+        tok,
+        ("<|im_start|>user\nAdd 5 and 7.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
+        ("5 + 7 = 12<|im_end|>", 1),
+    )}
+
+
+def test_qwen3_multi_turn_rows_per_turn_with_and_without_thinking(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    first = "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    history = first + "1 + 2 = 3<|im_end|>\n<|im_start|>user\nAnd 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    on = [
+        {"role": "user", "content": "What is 1 + 2?"},
+        {"role": "assistant", "content": "1 + 2 = 3", "reasoning_content": "One plus two."},
+        {"role": "user", "content": "And 2 + 2?"},
+        {"role": "assistant", "content": "2 + 2 = 4", "reasoning_content": "Two plus two."},
+    ]
+    got, _ = tokenized(tok, [conversation_row("on", on)], thinking=True)
+    # The earlier answer is history without its reasoning, as Qwen3's template renders it.
+    assert got == {
+        ("on", 1): pieces(tok, (first, 0), ("<think>\nOne plus two.\n</think>\n\n1 + 2 = 3<|im_end|>", 1)),
+        ("on", 3): pieces(tok, (history, 0), ("<think>\nTwo plus two.\n</think>\n\n2 + 2 = 4<|im_end|>", 1)),
+    }
+    off = [{"role": m["role"], "content": m["content"]} for m in on]
+    got, _ = tokenized(tok, [conversation_row("off", off)], thinking=False)
+    empty = "<think>\n\n</think>\n\n"
+    assert got == {
+        ("off", 1): pieces(tok, (first + empty, 0), ("1 + 2 = 3<|im_end|>", 1)),
+        ("off", 3): pieces(tok, (history + empty, 0), ("2 + 2 = 4<|im_end|>", 1)),
+    }
+
+
+def test_qwen3_tool_turn_is_never_supervised(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    messages = [
+        {"role": "user", "content": "What is 40 + 2? Use the calculator."},
+        {"role": "assistant", "content": "Let me check.", "reasoning_content": "Call the calculator."},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "40 + 2 = 42", "reasoning_content": "The tool said 42."},
+    ]
+    got, _ = tokenized(tok, [conversation_row("tool", messages)], thinking=True)
+    user = "<|im_start|>user\nWhat is 40 + 2? Use the calculator.<|im_end|>\n<|im_start|>assistant\n"
+    call = "<think>\nCall the calculator.\n</think>\n\nLet me check.<|im_end|>"
+    # After the last real query the template keeps the reasoning of the turn before the tool.
+    assert got == {
+        ("tool", 1): pieces(tok, (user, 0), (call, 1)),
+        ("tool", 3): pieces(
+            tok,
+            (user + call + "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n", 0),
+            ("<think>\nThe tool said 42.\n</think>\n\n40 + 2 = 42<|im_end|>", 1),
+        ),
+    }
+
+
+def test_qwen3_non_ascii_text(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    messages = [
+        {"role": "system", "content": "Réponds vite — naïve café ☕"},
+        {"role": "user", "content": "用中文回答：2 + 2 等于几？😀"},
+        {"role": "assistant", "content": "等于 4 🎉", "reasoning_content": "2 + 2 = 4，很简单 ✓"},
+    ]
+    got, stats = tokenized(tok, [conversation_row("zh", messages)], thinking=True)
+    assert got == {("zh", -1): pieces(
+        tok,
+        (
+            "<|im_start|>system\nRéponds vite — naïve café ☕<|im_end|>\n"
+            "<|im_start|>user\n用中文回答：2 + 2 等于几？😀<|im_end|>\n<|im_start|>assistant\n",
+            0,
+        ),
+        ("<think>\n2 + 2 = 4，很简单 ✓\n</think>\n\n等于 4 🎉<|im_end|>", 1),
+    )}
+    assert stats["offset_fallbacks"] == 0 and stats["round_trip_mismatches"] == 0

@@ -5,6 +5,11 @@ for an assistant turn, render the history with the generation prompt (what the e
 the history plus the turn, and supervise the tokens in between, up to and including the
 end-of-turn token. Template scaffolding, system, user and tool tokens get 0.
 
+A turn the engine cut at the token limit (``finish_reason: length``) is supervised on exactly the
+text it produced: the template closes such a turn anyway (``\n</think>\n\n`` and the end-of-turn
+token for one cut mid-thought), so its span ends where its last generated text ends, found by
+rendering the turn once more with a marker after that text (``CUT_MARKER``).
+
 Templates that drop earlier turns' reasoning (Qwen3, Qwen3.5/3.6) cannot supervise every turn
 in one sequence: the rendering of turn 1 changes once turn 2 exists. Those conversations give one
 row per assistant turn (history as the template renders it, the turn itself with its reasoning);
@@ -28,6 +33,35 @@ from dflash_pipeline.data.chat import render, render_many
 
 class TemplateMismatch(ValueError):
     pass
+
+
+# Appended to the last generated text of a length-cut turn to find where that text ends in the
+# template's rendering; never tokenized.
+CUT_MARKER = "\ue000dflash:cut\ue000"
+
+
+def special_token_texts(tokenizer) -> tuple[str, ...]:
+    """The literal texts the tokenizer reads as special tokens (longest first): its named and
+    additional special tokens and every added token marked special.
+
+    An engine never writes these as text of a turn: it stops at the end-of-turn token, and any
+    other special token it generates is a single id that ``skip_special_tokens`` drops from the
+    text or keeps as its literal. So where such a literal is found in generated text, the text
+    alone cannot say which ids the model produced (that one special id, or ordinary pieces that
+    spell it), and tokenizing it would give the special id; the end-of-turn literal would also end
+    the turn early. Added tokens that are not special (Qwen3's ``<think>``, ``</think>``,
+    ``<tool_call>``) do not count: they are ordinary single tokens of generated text, which
+    tokenizing the text gives back as the same id."""
+    found = set(tokenizer.all_special_tokens)
+    found |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return tuple(sorted((t for t in found if t), key=lambda t: (-len(t), t)))
+
+
+@functools.lru_cache(maxsize=4)
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of ``special_token_texts``."""
+    ids = tokenizer.convert_tokens_to_ids(list(special_token_texts(tokenizer)))
+    return frozenset(i for i in ids if i is not None)
 
 
 def needs_rows_per_turn(tokenizer, thinking: bool = True) -> bool:
@@ -55,46 +89,76 @@ class MaskedSequence:
         return not round_trip_failures(tokenizer, [self])[0]
 
 
-def _supervised_span(prompt: str, full: str, index: int, eos: str) -> tuple[str, str]:
+def _supervised_span(prompt: str, full: str, index: int, eos: str, marked: str | None = None) -> tuple[str, str]:
     """(prompt text, prompt + turn text up to and including the end-of-turn token) from the
-    renderings of the history with the generation prompt and of the history plus the turn."""
+    renderings of the history with the generation prompt and of the history plus the turn.
+
+    The turn ends at the rendering's last end-of-turn token: the literal text of that token
+    inside the turn's own text must not end it early. For a turn cut at the token limit
+    ``marked`` is the rendering with ``CUT_MARKER`` after its last generated text, and the turn
+    ends there instead, without the closing tokens the template adds."""
     if not full.startswith(prompt):
         raise TemplateMismatch(f"rendering up to turn {index} does not extend its prompt")
-    end = full.find(eos, len(prompt))
+    if marked is not None:
+        cut = marked.find(CUT_MARKER, len(prompt)) if marked.startswith(prompt) else -1
+        if cut < 0 or not full.startswith(marked[:cut]):
+            raise TemplateMismatch(f"turn {index} (cut at the token limit): the rendering does not end with its text")
+        return prompt, marked[:cut]
+    end = full.rfind(eos, len(prompt))
     if end < 0:
         raise TemplateMismatch(f"turn {index} has no end-of-turn token {eos!r}")
     return prompt, full[: end + len(eos)]
+
+
+def _marked(message: dict, field: str) -> dict:
+    marked = dict(message)
+    marked[field] = (marked.get(field) or "") + CUT_MARKER
+    return marked
 
 
 Pieces = list[tuple[str, int]]  # (text, supervised) in order
 
 
 def conversation_pieces(
-    tokenizer, messages: list[dict], thinking: bool, per_turn: bool
+    tokenizer, messages: list[dict], thinking: bool, per_turn: bool, cut: dict[int, str] | None = None
 ) -> list[tuple[int, Pieces]]:
     """(assistant message index or -1, text pieces with their mask value) for one conversation.
     Raises TemplateMismatch."""
-    found = conversation_pieces_many(tokenizer, [messages], thinking, per_turn)[0]
+    found = conversation_pieces_many(tokenizer, [messages], thinking, per_turn, None if cut is None else [cut])[0]
     if isinstance(found, str):
         raise TemplateMismatch(found)
     return found
 
 
 def conversation_pieces_many(
-    tokenizer, conversations: list[list[dict]], thinking: bool, per_turn: bool
+    tokenizer,
+    conversations: list[list[dict]],
+    thinking: bool,
+    per_turn: bool,
+    cut: list[dict[int, str]] | None = None,
 ) -> list[list[tuple[int, Pieces]] | str]:
     """``conversation_pieces`` for many conversations, with all renderings in two batched calls;
-    a conversation whose renderings do not extend each other gives the TemplateMismatch text."""
+    a conversation whose renderings do not extend each other gives the TemplateMismatch text.
+
+    ``cut`` maps, per conversation, the index of each assistant turn cut at the token limit to
+    the message field its generated text ends with (``reasoning_content`` for a turn cut inside
+    its think block, else ``content``)."""
     prompts, fulls = [], []  # what to render, with and without the generation prompt
     plans = []
-    for messages in conversations:
+    for n, messages in enumerate(conversations):
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         whole = len(assistant) != 1 and not (per_turn and len(assistant) > 1)
+        cut_fields = cut[n] if cut else {}
         spans = []
         for i in assistant:
-            spans.append((i, len(prompts), len(fulls)))
+            marked = None
+            if i in cut_fields:
+                marked = len(fulls) + 1
+            spans.append((i, len(prompts), len(fulls), marked))
             prompts.append(messages[:i])
             fulls.append(messages[: i + 1])
+            if marked is not None:
+                fulls.append(messages[:i] + [_marked(messages[i], cut_fields[i])])
         plans.append((spans, len(fulls) if whole else None))
         if whole:
             fulls.append(messages)
@@ -104,7 +168,10 @@ def conversation_pieces_many(
     out: list[list[tuple[int, Pieces]] | str] = []
     for spans, whole_at in plans:
         try:
-            turns = [(i, _supervised_span(prompt_texts[p], full_texts[f], i, eos)) for i, p, f in spans]
+            turns = [
+                (i, _supervised_span(prompt_texts[p], full_texts[f], i, eos, None if m is None else full_texts[m]))
+                for i, p, f, m in spans
+            ]
             out.append(_pieces(turns, None if whole_at is None else full_texts[whole_at]))
         except TemplateMismatch as err:
             out.append(str(err))
@@ -179,6 +246,18 @@ def plain_backend(tokenizer):
     backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     backend.no_padding()
     backend.no_truncation()
+    return backend
+
+
+@functools.lru_cache(maxsize=4)
+def literal_backend(tokenizer):
+    """``plain_backend`` that reads the literal text of special tokens as plain text (what
+    ``split_special_tokens=True`` does): how a model spells ``<|im_end|>`` in ordinary tokens.
+    Added tokens that are not special are still read as themselves."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(plain_backend(tokenizer).to_str())
+    backend.encode_special_tokens = True
     return backend
 
 
@@ -264,10 +343,11 @@ def round_trip_failures(tokenizer, seqs: list[MaskedSequence]) -> list[bool]:
 
 
 def conversation_sequences(
-    tokenizer, messages: list[dict], thinking: bool, per_turn: bool
+    tokenizer, messages: list[dict], thinking: bool, per_turn: bool, cut: dict[int, str] | None = None
 ) -> list[tuple[int, MaskedSequence]]:
-    """(assistant message index or -1, sequence) pairs for one conversation."""
-    found = conversation_pieces(tokenizer, messages, thinking, per_turn)
+    """(assistant message index or -1, sequence) pairs for one conversation; ``cut`` as in
+    ``conversation_pieces_many``."""
+    found = conversation_pieces(tokenizer, messages, thinking, per_turn, cut)
     encoded = encode_pieces(tokenizer, [pieces for _, pieces in found])
     return [
         (index, MaskedSequence(e.input_ids.tolist(), e.loss_mask.tolist(), "".join(t for t, _ in pieces)))

@@ -26,6 +26,10 @@ DEGENERATE_REASONS = {
     "too_few_supervised": "fewer supervised tokens than tokenize.min_supervised_tokens",
     "identical_response": "the same response was given to many different prompts",
     "template_mismatch": "the chat template's renderings do not extend each other",
+    "special_token_in_text": (
+        "a generated turn's text holds a special token's literal (e.g. <|im_end|>) and the engine "
+        "returned no token ids: which ids the model produced cannot be recovered from the text"
+    ),
 }
 
 
@@ -73,18 +77,23 @@ def response_key(message: dict) -> str:
     return f"{(message.get('reasoning_content') or '').strip()}\x00{message.get('content', '').strip()}"
 
 
-def row_checks(row: dict) -> list[str]:
-    """Reasons visible before tokenizing: errors, empty responses, unclosed thinking."""
+def row_checks(row: dict, special_texts: tuple[str, ...] = ()) -> list[str]:
+    """Reasons visible before tokenizing: errors, empty responses, unclosed thinking, and
+    generated text (content or reasoning of a generated turn) holding any of ``special_texts``,
+    the literals of the tokenizer's special tokens (pass none for a row whose engine ids are
+    used instead of its text)."""
     if row["error"] is not None:
         return ["generation_error"]
     reasons = []
     for turn in row["turns"]:
         message = row["messages"][turn["message_index"]]
-        text = (message["content"] or "").strip() + (message.get("reasoning_content") or "").strip()
-        if not text and turn["finish_reason"] != "length":
+        content, reasoning = message["content"] or "", message.get("reasoning_content") or ""
+        if not (content.strip() + reasoning.strip()) and turn["finish_reason"] != "length":
             reasons.append("empty_response")
         if not turn["think_closed"] and turn["finish_reason"] == "stop":
             reasons.append("think_not_closed")
+        if any(literal in content or literal in reasoning for literal in special_texts):
+            reasons.append("special_token_in_text")
     return sorted(set(reasons))
 
 

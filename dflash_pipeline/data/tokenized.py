@@ -17,9 +17,11 @@ from dflash_pipeline.data.masks import (
     MaskedSequence,
     conversation_pieces_many,
     encode_pieces,
+    literal_backend,
     needs_rows_per_turn,
     plain_backend,
-    round_trip_failures,
+    special_token_ids,
+    special_token_texts,
 )
 from dflash_pipeline.data.quality import DEFAULT_GATE, gate_shard, repetition_loop, row_checks
 
@@ -93,20 +95,47 @@ def _messages(row: dict) -> list[dict]:
     return out
 
 
+def engine_turn(row: dict) -> dict | None:
+    """The turn of a row with one assistant turn whose engine returned its token ids (such a row
+    takes the engine's ids after the rendered prompt), else None."""
+    turns = row["turns"]
+    single = len(turns) == 1 and sum(m["role"] == "assistant" for m in row["messages"]) == 1
+    return turns[0] if single and turns[0].get("output_ids") else None
+
+
+def cut_fields(row: dict) -> dict[int, str]:
+    """For each turn of the row cut at the token limit: its message index and the field its
+    generated text ends with (the reasoning when the think block never closed)."""
+    out = {}
+    for turn in row["turns"]:
+        if turn["finish_reason"] == "length":
+            message = row["messages"][turn["message_index"]]
+            inside = not turn["think_closed"] and message.get("reasoning_content") is not None
+            out[turn["message_index"]] = "reasoning_content" if inside else "content"
+    return out
+
+
 def _engine_sequences(tokenizer, requests: list[tuple[list[tuple[str, int]], dict]]) -> list[tuple[MaskedSequence, bool]]:
     """(prompt ids + the engine's own generated ids, round trip ok) for each (rendered pieces,
-    turn) whose engine returned its ids; batched like the rest.
+    turn) whose engine returned its ids; batched like the rest. The end-of-turn id is added
+    to a turn that stopped without it; a turn cut at the token limit keeps exactly its ids.
 
     The round trip asks whether the ids are the tokenizer's own split of their text. When they
     are exactly the tokens of the rendered prompt + turn, they decode to that text and the answer
-    is yes without decoding; only the others are decoded and checked on their decoded text."""
+    is yes without decoding; only the others are decoded and checked on their decoded text:
+    each run of ids between special-token ids, from the prompt's last special token on, must be
+    the tokenizer's split of its text with special-token literals read as plain text. Special
+    tokens are where the tokenizer splits a text first, so for text without such literals this
+    is the whole text's tokenization; a literal ``<|im_end|>`` the model spelled in ordinary
+    tokens stays those tokens."""
     if not requests:
         return []
     backend = plain_backend(tokenizer)
     rendered = ["".join(text for text, _ in pieces) for pieces, _ in requests]
     prompts = backend.encode_batch_fast([pieces[0][0] for pieces, _ in requests], add_special_tokens=False)
     wholes = backend.encode_batch_fast(rendered, add_special_tokens=False)
-    seqs, generated, undecided = [], [], []
+    special = special_token_ids(tokenizer)
+    seqs, runs, run_owner = [], [], []
     for (pieces, turn), text, prompt, whole in zip(requests, rendered, prompts, wholes):
         out = list(turn["output_ids"])
         if turn["finish_reason"] == "stop" and out[-1] != tokenizer.eos_token_id:
@@ -114,20 +143,37 @@ def _engine_sequences(tokenizer, requests: list[tuple[list[tuple[str, int]], dic
         ids = prompt.ids
         seq = MaskedSequence(ids + out, [0] * len(ids) + [1] * len(out), text)
         if whole.ids != seq.input_ids:
-            undecided.append(len(seqs))
+            start = len(ids)  # the prompt's ids up to its last special token are its own split
+            while start and ids[start - 1] not in special:
+                start -= 1
+            for run in _runs_between(seq.input_ids[start:], special):
+                runs.append(run)
+                run_owner.append(len(seqs))
         seqs.append(seq)
-        generated.append(out)
-    outs = [generated[k] for k in undecided]
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        texts = [tokenizer.decode(out) for out in outs]
+        texts = [tokenizer.decode(run) for run in runs]
     else:
         # What ``tokenizer.decode`` returns without the clean-up, without its per-id type checks
         # (those took longer than decoding).
-        texts = backend.decode_batch(outs, skip_special_tokens=False)
-    for k, text in zip(undecided, texts):
-        seqs[k].text = requests[k][0][0][0] + text
-    failed = dict(zip(undecided, round_trip_failures(tokenizer, [seqs[k] for k in undecided])))
-    return [(seq, not failed.get(k, False)) for k, seq in enumerate(seqs)]
+        texts = backend.decode_batch(runs, skip_special_tokens=False) if runs else []
+    again = literal_backend(tokenizer).encode_batch_fast(texts, add_special_tokens=False) if texts else []
+    failed = {k for k, run, split in zip(run_owner, runs, again) if split.ids != run}
+    return [(seq, k not in failed) for k, seq in enumerate(seqs)]
+
+
+def _runs_between(ids: list[int], special: frozenset[int]) -> list[list[int]]:
+    """The runs of ids between special-token ids (which are dropped)."""
+    runs, run = [], []
+    for i in ids:
+        if i in special:
+            if run:
+                runs.append(run)
+            run = []
+        else:
+            run.append(i)
+    if run:
+        runs.append(run)
+    return runs
 
 
 @dataclass
@@ -154,18 +200,21 @@ class ShardTokenizer:
         self.thinking = thinking
         self.cfg = {**DEFAULTS, **(settings or {})}
         self.per_turn = needs_rows_per_turn(tokenizer, thinking)
+        self.special_texts = special_token_texts(tokenizer)
 
     def encode_rows(self, rows: list[dict]) -> list[list[TokenizedSequence] | str]:
         """Every sequence of each row, or the row's TemplateMismatch text: renderings and
         tokenization batched over the rows. A row with one turn whose engine returned its ids
         takes those ids after the rendered prompt."""
-        found = conversation_pieces_many(self.tokenizer, [_messages(r) for r in rows], self.thinking, self.per_turn)
+        found = conversation_pieces_many(
+            self.tokenizer, [_messages(r) for r in rows], self.thinking, self.per_turn, [cut_fields(r) for r in rows]
+        )
         text_pieces, engine_requests = [], []
         for row, item in zip(rows, found):
             if isinstance(item, str):
                 continue
-            if len(item) == 1 and len(row["turns"]) == 1 and row["turns"][0].get("output_ids"):
-                engine_requests.append((item[0][1], row["turns"][0]))
+            if engine_turn(row):
+                engine_requests.append((item[0][1], engine_turn(row)))
             else:
                 text_pieces += [pieces for _, pieces in item]
         encoded = iter(encode_pieces(self.tokenizer, text_pieces))
@@ -175,7 +224,7 @@ class ShardTokenizer:
             if isinstance(item, str):
                 out.append(item)
                 continue
-            if len(item) == 1 and len(row["turns"]) == 1 and row["turns"][0].get("output_ids"):
+            if engine_turn(row):
                 seq, round_trip_ok = next(engine)
                 ids, mask = np.array(seq.input_ids, np.int32), np.array(seq.loss_mask, np.int8)
                 out.append([self._checked(item[0][0], ids, mask, round_trip_ok, False)])
@@ -239,7 +288,8 @@ class ShardTokenizer:
         """The shard's tokenized table and stats; ``on_progress(samples_done, tokens_done)`` as
         chunks finish. Raises DegenerateShard."""
         rows = table.to_pylist()
-        checks = {r["id"]: row_checks(r) for r in rows}
+        # Special-token literals in generated text matter only where the text must be tokenized.
+        checks = {r["id"]: row_checks(r, () if engine_turn(r) else self.special_texts) for r in rows}
         to_render = [r for r in rows if "generation_error" not in checks[r["id"]]]
         skipped = len(rows) - len(to_render)  # error rows: done without tokenizing
         report = (lambda done, tokens: on_progress(skipped + done, tokens)) if on_progress else None
