@@ -21,7 +21,8 @@ from dflash_pipeline.data.masks import (
     plain_backend,
     round_trip_failures,
 )
-from dflash_pipeline.data.quality import DEFAULT_GATE, gate_shard, repetition_loop, row_checks
+from dflash_pipeline.data.chat import THINK_END, THINK_START
+from dflash_pipeline.data.quality import DEFAULT_GATE, gate_shard, row_checks, sequence_repetition
 
 TOKENIZED_SCHEMA = pa.schema(
     [
@@ -130,6 +131,13 @@ def _engine_sequences(tokenizer, requests: list[tuple[list[tuple[str, int]], dic
     return [(seq, not failed.get(k, False)) for k, seq in enumerate(seqs)]
 
 
+def _single_token_id(tokenizer, token: str) -> int | None:
+    found = tokenizer.convert_tokens_to_ids(token)
+    if found is None or found == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(found) != token:
+        return None
+    return int(found)
+
+
 @dataclass
 class TokenizedSequence:
     """One tokenized sequence of a row, truncated, with what the gate needs to know about it."""
@@ -141,7 +149,7 @@ class TokenizedSequence:
     supervised: int
     round_trip_ok: bool
     fell_back: bool
-    repetition: bool
+    repetition: dict | None  # the looping span's measurement (quality.sequence_repetition), or None
 
 
 class ShardTokenizer:
@@ -154,6 +162,9 @@ class ShardTokenizer:
         self.thinking = thinking
         self.cfg = {**DEFAULTS, **(settings or {})}
         self.per_turn = needs_rows_per_turn(tokenizer, thinking)
+        # The think markers' ids, where they are single tokens: the repetition check judges the
+        # thinking and the answer apart.
+        self.think_ids = tuple(_single_token_id(tokenizer, t) for t in (THINK_START, THINK_END))
 
     def encode_rows(self, rows: list[dict]) -> list[list[TokenizedSequence] | str]:
         """Every sequence of each row, or the row's TemplateMismatch text: renderings and
@@ -199,7 +210,7 @@ class ShardTokenizer:
             supervised=int(mask.sum()),
             round_trip_ok=round_trip_ok,
             fell_back=fell_back,
-            repetition=repetition_loop(ids[mask.astype(bool)], cfg["repetition_ngram"], cfg["repetition_min_repeats"]),
+            repetition=sequence_repetition(ids, mask, cfg, *self.think_ids),
         )
 
     def encode_all(self, rows: list[dict], on_chunk=None) -> list[list[TokenizedSequence] | str]:
