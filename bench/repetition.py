@@ -31,9 +31,6 @@ sys.path.insert(0, str(REPO))
 from dflash_pipeline.data.quality import DEFAULT_GATE, sequence_repetition  # noqa: E402
 from dflash_pipeline.demo.task import sample_problem  # noqa: E402
 
-THINK_START, THINK_END = 4, 5  # the demo tokenizer's ids of <think> and </think>
-
-
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -72,10 +69,10 @@ def shape_rows(shape: str, rows: int, length: int, tok) -> list[np.ndarray]:
     return out
 
 
-def as_response(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def as_response(ids: np.ndarray, think: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """A whole-response row: a 64-token prompt, <think>, most of the ids, </think>, the last 10%."""
     cut = len(ids) * 9 // 10
-    seq = np.concatenate([np.full(64, 7), [THINK_START], ids[:cut], [THINK_END], ids[cut:]]).astype(np.int32)
+    seq = np.concatenate([np.full(64, 7), [think[0]], ids[:cut], [think[1]], ids[cut:]]).astype(np.int32)
     mask = np.concatenate([np.zeros(64, np.int8), np.ones(len(seq) - 64, np.int8)])
     return seq, mask
 
@@ -91,15 +88,15 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    assert tok.convert_tokens_to_ids(["<think>", "</think>"]) == [THINK_START, THINK_END]
+    think = tuple(tok.convert_tokens_to_ids(["<think>", "</think>"]))
     results = {}
     for shape in ("demo-trace", "random", "loop"):
-        rows = [as_response(ids) for ids in shape_rows(shape, args.rows, args.length, tok)]
+        rows = [as_response(ids, think) for ids in shape_rows(shape, args.rows, args.length, tok)]
         tokens = sum(int(m.sum()) for _, m in rows)
         passes, flagged = [], 0
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            found = [sequence_repetition(seq, mask, DEFAULT_GATE, THINK_START, THINK_END) for seq, mask in rows]
+            found = [sequence_repetition(seq, mask, DEFAULT_GATE, *think) for seq, mask in rows]
             passes.append(time.perf_counter() - t0)
             flagged = sum(f is not None for f in found)
         results[shape] = {

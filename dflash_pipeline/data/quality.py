@@ -111,8 +111,9 @@ def block_periodicity(ids, max_period: int = 1024, block: int = LOOP_BLOCK) -> t
     if len(voters):
         keys, counts = np.unique((voters // block) * (max_period + 1) + first[voters], return_counts=True)
         blocks, periods = keys // (max_period + 1), keys % (max_period + 1)
-        order = np.lexsort((periods, -counts, blocks))  # per block: most votes first, then shorter
-        blocks, periods = blocks[order], periods[order]
+        # Per block: most votes first, then the shorter period (one sort of a composite key).
+        ranked = np.sort((blocks * (block + 1) + block - counts) * (max_period + 1) + periods)
+        blocks, periods = ranked // ((block + 1) * (max_period + 1)), ranked % (max_period + 1)
         rank = np.arange(len(blocks)) - np.searchsorted(blocks, blocks)
         top = rank < LOOP_CANDIDATES
         cand[blocks[top], rank[top]] = periods[top]
