@@ -52,7 +52,7 @@ class DegenerateShard(RuntimeError):
 # settings (DEFAULT_GATE, `tokenize.repetition_*`).
 LOOP_BLOCK = 128  # tokens scored together: the resolution at which a loop is found
 LOOP_ANCHOR = 3  # k-gram length whose earlier occurrences propose periods and follow drifting units
-LOOP_HOPS = 4  # earlier occurrences of a k-gram looked at (the most recent ones)
+LOOP_HOPS = 2  # earlier occurrences of a k-gram looked at (the most recent ones)
 LOOP_DRIFT = 16  # a unit of P tokens may shift by P // LOOP_DRIFT tokens from one repeat to the next
 LOOP_CANDIDATES = 3  # periods tried per block: the most frequent distances to earlier occurrences
 MIN_LOOP_TOKENS = 64  # shorter runs are not loops (a row of dashes, an indentation)
