@@ -6,7 +6,8 @@ Shapes: `demo-trace`, demo reasoning traces joined (the demo tokenizer's ids; th
 shapes recur, no loop); `random`, uniformly random ids of a 151k vocabulary (Qwen3-sized; no
 k-gram recurs, the fewest candidate periods); `loop`, a 22-token unit with a counter repeated
 (every block a loop, the longest runs to measure). Each shape's rows are timed `--repeats`
-times; the record keeps the best and the median pass.
+times; the record keeps the best and the median pass, and the median CPU time of the process (on a
+shared machine steadier than wall time).
 
     python bench/repetition.py --out bench/results/repetition.json
 """
@@ -93,11 +94,12 @@ def main() -> None:
     for shape in ("demo-trace", "random", "loop"):
         rows = [as_response(ids, think) for ids in shape_rows(shape, args.rows, args.length, tok)]
         tokens = sum(int(m.sum()) for _, m in rows)
-        passes, flagged = [], 0
+        passes, cpu, flagged = [], [], 0
         for _ in range(args.repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             found = [sequence_repetition(seq, mask, DEFAULT_GATE, *think) for seq, mask in rows]
             passes.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             flagged = sum(f is not None for f in found)
         results[shape] = {
             "rows": len(rows), "supervised_tokens_per_row": tokens // len(rows), "flagged_rows": flagged,
@@ -105,16 +107,21 @@ def main() -> None:
             "rows_per_s_median": round(len(rows) / statistics.median(passes), 1),
             "tokens_per_s_best": round(tokens / min(passes)),
             "ms_per_row_best": round(1000 * min(passes) / len(rows), 2),
+            "cpu_ms_per_row_median": round(1000 * statistics.median(cpu) / len(rows), 2),
         }
     # For scale: the demo tokenizer on the demo-trace texts (one batched call, as the stage makes).
     _, texts = demo_rows(tok, min(args.rows, 16), args.length)
-    passes = []
+    passes, cpu = [], []
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         encoded = tok(texts, add_special_tokens=False)["input_ids"]
         passes.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    tokens = sum(map(len, encoded))
     results["tokenizer_demo_trace"] = {
-        "rows": len(texts), "tokens_per_s_best": round(sum(map(len, encoded)) / min(passes)),
+        "rows": len(texts), "tokens_per_s_best": round(tokens / min(passes)),
+        # CPU time of all the tokenizer's threads: on a shared machine steadier than wall time.
+        "cpu_ms_per_16k_tokens_median": round(1000 * statistics.median(cpu) * 16384 / tokens, 2),
     }
     record = {
         "benchmark": "repetition",
