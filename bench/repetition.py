@@ -1,6 +1,7 @@
 """Repetition-loop check throughput on long rows: rows/s and tokens/s of
-``quality.sequence_repetition`` (spans split at ``</think>``, every span measured) on rows of
-16k supervised tokens, next to the demo tokenizer's own tokens/s on the same texts for scale.
+``quality.sequences_repetition`` (spans split at ``</think>``, every span measured) on rows of
+16k supervised tokens, called as the tokenize stage calls it (once per chunk of rows), next to
+the demo tokenizer's own tokens/s on the same texts for scale.
 
 Shapes: `demo-trace`, demo reasoning traces joined (the demo tokenizer's ids; the same line
 shapes recur, no loop); `random`, uniformly random ids of a 151k vocabulary (Qwen3-sized; no
@@ -29,7 +30,7 @@ from benchlib import emit, provenance
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_pipeline.data.quality import DEFAULT_GATE, sequence_repetition  # noqa: E402
+from dflash_pipeline.data.quality import DEFAULT_GATE, sequences_repetition  # noqa: E402
 from dflash_pipeline.demo.task import sample_problem  # noqa: E402
 
 def cpu_model() -> str:
@@ -97,7 +98,7 @@ def main() -> None:
         passes, cpu, flagged = [], [], 0
         for _ in range(args.repeats):
             t0, c0 = time.perf_counter(), time.process_time()
-            found = [sequence_repetition(seq, mask, DEFAULT_GATE, *think) for seq, mask in rows]
+            found = sequences_repetition(rows, DEFAULT_GATE, *think)
             passes.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
             flagged = sum(f is not None for f in found)

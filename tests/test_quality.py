@@ -15,6 +15,7 @@ import pytest
 from dflash_pipeline.data.quality import (
     DEFAULT_GATE,
     measure_repetition,
+    measure_repetitions,
     repetition_loop,
     response_spans,
     sequence_repetition,
@@ -92,6 +93,22 @@ def test_few_repeats_and_tiny_spans_are_not_loops():
     assert repetition_loop(loop_ids(5, 10)) is None  # 50 tokens: under 64
     assert repetition_loop([]) is None
     assert repetition_loop(varied_ids(5000)) is None
+
+
+def test_spans_measured_together_are_measured_as_alone():
+    """The stage measures a chunk's spans in one pass: no span sees another's tokens."""
+    unit = loop_ids(40, 1)
+    spans = [
+        loop_ids(40, 50),  # a loop...
+        unit * 2 + varied_ids(300),  # ...whose unit opens the next span: alone, no loop
+        loop_ids(5, 10),  # too short to be measured
+        varied_ids(1000, seed=3),
+        varied_ids(200, seed=4) + loop_ids(22, 40, "counter"),
+        loop_ids(500, 6, "sub2"),
+    ]
+    together = measure_repetitions(spans)
+    assert together == [measure_repetition(span) for span in spans]
+    assert [m["period"] for m in together] == [40, 0, 0, 0, 22, 500]
 
 
 def sequence(prompt: int, thinking: list[int], answer: list[int]) -> tuple[np.ndarray, np.ndarray]:

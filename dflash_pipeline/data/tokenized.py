@@ -22,7 +22,7 @@ from dflash_pipeline.data.masks import (
     round_trip_failures,
 )
 from dflash_pipeline.data.chat import THINK_END, THINK_START
-from dflash_pipeline.data.quality import DEFAULT_GATE, gate_shard, row_checks, sequence_repetition
+from dflash_pipeline.data.quality import DEFAULT_GATE, gate_shard, row_checks, sequences_repetition
 
 TOKENIZED_SCHEMA = pa.schema(
     [
@@ -195,6 +195,10 @@ class ShardTokenizer:
                     self._checked(turn, e.input_ids, e.loss_mask, e.round_trip_ok, e.fell_back)
                     for (turn, _), e in zip(item, encoded)
                 ])
+        seqs = [seq for item in out if not isinstance(item, str) for seq in item]
+        found = sequences_repetition([(s.input_ids, s.loss_mask) for s in seqs], self.cfg, *self.think_ids)
+        for seq, repetition in zip(seqs, found):
+            seq.repetition = repetition
         return out
 
     def _checked(self, turn: int, ids: np.ndarray, mask: np.ndarray, round_trip_ok: bool, fell_back: bool) -> TokenizedSequence:
@@ -210,7 +214,7 @@ class ShardTokenizer:
             supervised=int(mask.sum()),
             round_trip_ok=round_trip_ok,
             fell_back=fell_back,
-            repetition=sequence_repetition(ids, mask, cfg, *self.think_ids),
+            repetition=None,  # measured for the whole chunk at once, in encode_rows
         )
 
     def encode_all(self, rows: list[dict], on_chunk=None) -> list[list[TokenizedSequence] | str]:
