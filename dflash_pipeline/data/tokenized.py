@@ -149,7 +149,7 @@ class TokenizedSequence:
     supervised: int
     round_trip_ok: bool
     fell_back: bool
-    repetition: dict | None  # the looping span's measurement (quality.sequence_repetition), or None
+    repetition: dict | None  # the looping span's measurement (quality.sequences_repetition), or None
 
 
 class ShardTokenizer:
