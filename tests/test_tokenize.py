@@ -8,7 +8,6 @@ import pyarrow as pa
 import pytest
 
 from dflash_pipeline.data.masks import conversation_sequences
-from dflash_pipeline.data.quality import repetition_loop
 from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
 from dflash_pipeline.data.quality import DegenerateShard
 from dflash_pipeline.data.tokenized import ShardTokenizer
@@ -219,11 +218,6 @@ def test_each_degenerate_reason_is_counted(tok):
     assert stats["examples"]["think_not_closed"] == ["s202"]
     assert stats["examples"]["repetition_loop"] == ["s203"]
     assert stats["degenerate_samples"] == 4
-
-
-def test_repetition_loop_detector():
-    assert repetition_loop(list(range(8)) * 20)
-    assert not repetition_loop(list(range(200)))
 
 
 def test_one_tokenization_of_the_whole_text_gives_the_piecewise_ids_and_masks(tok):

@@ -23,7 +23,8 @@ from dflash_pipeline.data.masks import (
     special_token_ids,
     special_token_texts,
 )
-from dflash_pipeline.data.quality import DEFAULT_GATE, gate_shard, repetition_loop, row_checks
+from dflash_pipeline.data.chat import THINK_END, THINK_START
+from dflash_pipeline.data.quality import DEFAULT_GATE, gate_shard, row_checks, sequences_repetition
 
 TOKENIZED_SCHEMA = pa.schema(
     [
@@ -176,6 +177,13 @@ def _runs_between(ids: list[int], special: frozenset[int]) -> list[list[int]]:
     return runs
 
 
+def _single_token_id(tokenizer, token: str) -> int | None:
+    found = tokenizer.convert_tokens_to_ids(token)
+    if found is None or found == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(found) != token:
+        return None
+    return int(found)
+
+
 @dataclass
 class TokenizedSequence:
     """One tokenized sequence of a row, truncated, with what the gate needs to know about it."""
@@ -187,7 +195,7 @@ class TokenizedSequence:
     supervised: int
     round_trip_ok: bool
     fell_back: bool
-    repetition: bool
+    repetition: dict | None  # the looping span's measurement (quality.sequences_repetition), or None
 
 
 class ShardTokenizer:
@@ -201,6 +209,9 @@ class ShardTokenizer:
         self.cfg = {**DEFAULTS, **(settings or {})}
         self.per_turn = needs_rows_per_turn(tokenizer, thinking)
         self.special_texts = special_token_texts(tokenizer)
+        # The think markers' ids, where they are single tokens: the repetition check judges the
+        # thinking and the answer apart.
+        self.think_ids = tuple(_single_token_id(tokenizer, t) for t in (THINK_START, THINK_END))
 
     def encode_rows(self, rows: list[dict]) -> list[list[TokenizedSequence] | str]:
         """Every sequence of each row, or the row's TemplateMismatch text: renderings and
@@ -233,6 +244,10 @@ class ShardTokenizer:
                     self._checked(turn, e.input_ids, e.loss_mask, e.round_trip_ok, e.fell_back)
                     for (turn, _), e in zip(item, encoded)
                 ])
+        seqs = [seq for item in out if not isinstance(item, str) for seq in item]
+        found = sequences_repetition([(s.input_ids, s.loss_mask) for s in seqs], self.cfg, *self.think_ids)
+        for seq, repetition in zip(seqs, found):
+            seq.repetition = repetition
         return out
 
     def _checked(self, turn: int, ids: np.ndarray, mask: np.ndarray, round_trip_ok: bool, fell_back: bool) -> TokenizedSequence:
@@ -248,7 +263,7 @@ class ShardTokenizer:
             supervised=int(mask.sum()),
             round_trip_ok=round_trip_ok,
             fell_back=fell_back,
-            repetition=repetition_loop(ids[mask.astype(bool)], cfg["repetition_ngram"], cfg["repetition_min_repeats"]),
+            repetition=None,  # measured for the whole chunk at once, in encode_rows
         )
 
     def encode_all(self, rows: list[dict], on_chunk=None) -> list[list[TokenizedSequence] | str]:
