@@ -25,23 +25,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from benchlib import emit, provenance
+from benchlib import cpu_model, emit, provenance
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dflash_pipeline.data.quality import DEFAULT_GATE, sequences_repetition  # noqa: E402
 from dflash_pipeline.demo.task import sample_problem  # noqa: E402
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def demo_rows(tok, rows: int, length: int) -> tuple[list[np.ndarray], list[str]]:
     rng = random.Random(0)

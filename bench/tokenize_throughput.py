@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import emit, provenance
+from benchlib import cpu_model, emit, provenance
 
 import pyarrow as pa
 from tokenizers import Tokenizer
@@ -74,16 +74,6 @@ def with_engine_ids(tok, rows: list[dict]) -> list[dict]:
         text = f"<think>\n{message['reasoning_content']}\n</think>\n\n{message['content']}"
         row["turns"][0]["output_ids"] = tok(text, add_special_tokens=False)["input_ids"]
     return rows
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def measure(tok, rows: list[dict], workers: int, repeats: int) -> dict:
