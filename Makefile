@@ -14,7 +14,7 @@ CORES ?= all
 STATUS_PORT ?= 8080
 STATUS := $(PY) -m dflash_pipeline.status
 
-.PHONY: setup demo test lint dryrun report clean status stop browser-deps
+.PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt
 
 setup: $(STAMP)
 
@@ -57,6 +57,13 @@ status: setup
 
 stop:
 	$(STATUS) stop
+
+# Clear the run's halt once its cause is fixed (a tokenize shard failed the data-quality gate and
+# stopped generation; see README). An S3 run: make clear-halt PREFIX=s3://bucket/prefix
+CONFIG ?= config.yaml
+clear-halt: setup
+	$(PY) -m dflash_pipeline.stages.tokenize clear-halt --configfile $(CONFIG) \
+		$(if $(PREFIX),--default-storage-prefix $(PREFIX))
 
 # Headless Chromium and its driver for the status-page browser test (Debian packages).
 browser-deps:

@@ -7,7 +7,8 @@ sys.path.insert(0, workflow.basedir)
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import ConfigError, validate_config
 from dflash_pipeline.core.gpu_slots import count_gpus, default_lock_dir
-from dflash_pipeline.core.storage import S3Storage, is_s3_url
+from dflash_pipeline.core.jobstate import describe_halt, read_halt
+from dflash_pipeline.core.storage import S3Storage, is_s3_url, open_storage
 
 try:
     config.update(validate_config(config))
@@ -188,9 +189,24 @@ def start_status_page():
     (logger.info if proc.returncode == 0 else logger.warning)(message)
 
 
+def log_halt(prefix):
+    """Say why generate/extract/train jobs refuse: the run's halt (a tokenize shard failed the
+    data-quality gate; dflash_pipeline.core.jobstate). The jobs enforce it, keep-going or not.
+    """
+    run_storage = open_storage(RUN_URL)
+    halt = read_halt(run_storage)
+    if halt is not None:
+        logger.error(f"{prefix}: {describe_halt(halt, run_storage)}")
+
+
 onstart:
     if DEFAULT_STORAGE == "s3":
         # The S3 plugin deletes a bucket once it is empty; keep one object in it for good.
         S3Storage(RUN_URL).ensure_bucket()
+    log_halt("generate, extract and train jobs will refuse to start")
     if config["status"]["serve"]:
         start_status_page()
+
+
+onerror:
+    log_halt("the run stopped")

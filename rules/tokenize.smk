@@ -12,6 +12,9 @@ rule tokenize:
         log_path("tokenize"),
     benchmark:
         benchmark_path("tokenize")
+    # A finished generate shard is judged before more are generated: a shard that fails the
+    # quality gate halts the run's generation (dflash_pipeline.core.jobstate).
+    priority: 10
     conda:
         "../envs/cpu.yaml"
     # Rendering and tokenizing run in this many worker processes (scaled down to --cores).

@@ -103,6 +103,8 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         train={"segments": 2, "steps_per_segment": 6, "checkpoint_every_steps": 3, "metrics_every_seconds": 1},
         # A few prompts; a drafter this short-trained is not held to the parity gate here.
         evaluate={"max_prompts": 2, "max_new_tokens": 32, "simulated_rows": 8, "parity_tolerance": 10.0},
+        # A degenerate demo sample or two (CPU batching changes greedy output) is not this test's.
+        tokenize={"max_degenerate_fraction": 0.5},
     )
     source = RunSource(
         ReadOnlyStorage.open(str(workflow.root / "results/demo")),

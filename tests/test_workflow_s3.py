@@ -35,6 +35,9 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
         # so few steps and prompts here (and no parity gate on an untrained drafter).
         train={"steps_per_segment": 3, "checkpoint_every_steps": 2},
         evaluate={"max_prompts": 2, "max_new_tokens": 24, "simulated_rows": 2, "parity_tolerance": 10.0},
+        # The demo's greedy output changes with CPU batching and may hold a degenerate sample or
+        # two; the gate is tests/test_tokenize.py's business, storage is this test's.
+        tokenize={"max_degenerate_fraction": 0.5},
     )
     prefix = f"run-{uuid.uuid4().hex[:8]}"
     s3_args = ("--profile", "profiles/s3", "--default-storage-prefix", f"s3://{s3_server.bucket}/{prefix}")

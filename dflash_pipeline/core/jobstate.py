@@ -1,8 +1,15 @@
-"""In-flight state of a running job: parts of finished rows and live telemetry.
+"""In-flight state of a running job: parts of finished rows and live telemetry; the run's halt.
 
 Everything lives under ``_progress/<stage>/shard-NNNNN/`` of the run (local or S3) and is written
 by the job through the storage layer, each object atomically. A restarted job reads the parts
 back, so a crash costs only the rows not yet in a part; the status page reads the telemetry.
+
+``_progress/HALT.json`` stops a whole run: the tokenize stage writes it when a shard fails the
+data-quality gate, because every other shard is being generated with the same settings. While it
+exists no generate, extract or train job starts (``raise_if_halted``), and a running generate job
+stops after its next part. Only an explicit command removes it (``clear_halt``; the CLI is
+``python -m dflash_pipeline.stages.tokenize clear-halt``): Snakemake's ``keep-going`` and reruns
+cannot.
 """
 
 from __future__ import annotations
@@ -20,6 +27,77 @@ from dflash_pipeline.core.storage import Storage, StorageError, open_storage
 
 TELEMETRY = "telemetry.json"
 TELEMETRY_EVERY_S = 10.0
+CLEAR_HALT_COMMAND = "python -m dflash_pipeline.stages.tokenize clear-halt --run-url {run_url}"
+
+
+class RunHalted(RuntimeError):
+    """The run is halted (``_progress/HALT.json``); the message names the cause and the fix."""
+
+
+def read_halt(storage: Storage) -> dict | None:
+    """The run's halt record, or None when the run is not halted."""
+    try:
+        text = storage.read_text(layout.HALT)
+    except StorageError as err:
+        if "does not exist" in str(err):
+            return None
+        raise  # storage trouble: never mistake it for "not halted"
+    try:
+        halt = json.loads(text)
+    except ValueError:
+        halt = None
+    if not isinstance(halt, dict):
+        # A damaged halt still halts: it can only have been written by a failed gate.
+        return {"stage": "?", "shard": "?", "cause": f"unreadable halt object: {text[:200]!r}"}
+    return halt
+
+
+def write_halt(storage: Storage, stage: str, shard: int | str, cause: str, message: str,
+               details: dict | None = None) -> dict:
+    """Halt the run. The first cause stays: a later failure is logged by its own job, and
+    re-writing the object would hide which shard stopped the run."""
+    existing = read_halt(storage)
+    if existing is not None:
+        return existing
+    halt = {
+        "stage": stage,
+        "shard": layout.shard_name(shard),
+        "cause": cause,
+        "message": message,
+        "details": details or {},
+        "halted_at": time.time(),
+        "halted_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    storage.write_text(layout.HALT, json.dumps(halt, indent=1))
+    return halt
+
+
+def clear_halt(storage: Storage) -> dict | None:
+    """Remove the halt; returns what it said (None when the run was not halted)."""
+    halt = read_halt(storage)
+    if halt is not None:
+        storage.delete(layout.HALT)
+    return halt
+
+
+def describe_halt(halt: dict, storage: Storage) -> str:
+    """What a refused job says: the cause, where the halt lives, how to clear it."""
+    when = halt.get("halted_at_utc") or "?"
+    return (
+        f"the run is halted since {when}: {halt.get('stage')} shard {halt.get('shard')} "
+        f"{halt.get('cause')}. No generate, extract or train job of this run starts while "
+        f"{storage.join(layout.HALT)} exists (it holds the full message). Fix the generation "
+        "settings and regenerate that shard (delete its outputs/generate-NNNNN.parquet, or change "
+        "the generation config), then clear the halt: "
+        + CLEAR_HALT_COMMAND.format(run_url=storage.url)
+    )
+
+
+def raise_if_halted(storage: Storage, job: str) -> None:
+    """Refuse to start (or go on with) ``job`` while the run is halted."""
+    halt = read_halt(storage)
+    if halt is not None:
+        raise RunHalted(f"{job} stopped: {describe_halt(halt, storage)}")
 
 
 def write_telemetry(storage: Storage, prefix: str, identity: dict, record: dict) -> None:

@@ -70,6 +70,10 @@ def hidden_states_key(shard: int | str) -> str:
     return f"extract/shard-{shard}.safetensors"
 
 
+# The run's halt: written when a tokenize shard fails the data-quality gate; while it exists no
+# generate, extract or train job starts, and running generate jobs stop at their next part.
+HALT = f"{PROGRESS_DIR}/HALT.json"
+
 INGESTED_PROMPTS = f"{OUTPUTS_DIR}/ingest-prompts.parquet"
 INGEST_SUMMARY = f"{OUTPUTS_DIR}/ingest-summary.json"
 QUARANTINE = f"{OUTPUTS_DIR}/ingest-quarantine.jsonl"

@@ -49,7 +49,13 @@ HISTOGRAM_EDGES = [0, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1638
 
 
 class DegenerateShard(RuntimeError):
-    """The shard's data is degenerate; the message says why and shows examples."""
+    """The shard's data is degenerate; the message says why and shows examples. ``summary`` is
+    the shard's stats (as written for a passing shard), ``cause`` a one-line account of them."""
+
+    def __init__(self, message: str, summary: dict | None = None, cause: str | None = None):
+        super().__init__(message)
+        self.summary = summary or {}
+        self.cause = cause or "failed the data-quality gate"
 
 
 # The repetition-loop check (``repetition_loop``): fixed parts of the method; the thresholds are
@@ -415,7 +421,8 @@ def gate_shard(rows: list[dict], checks: dict[str, list[str]], encoded: dict, cf
         },
     }
     if fraction > cfg["max_degenerate_fraction"]:
-        raise DegenerateShard(describe_failure(summary, cfg["max_degenerate_fraction"]))
+        limit = cfg["max_degenerate_fraction"]
+        raise DegenerateShard(describe_failure(summary, limit), summary, summarize_failure(summary, limit))
     return kept, summary
 
 
@@ -427,6 +434,18 @@ def _histogram(values: list[int]) -> list[int]:
                 counts[k] += 1
                 break
     return counts
+
+
+def summarize_failure(summary: dict, limit: float) -> str:
+    """One line on a failed shard: fraction, top reasons, most common response."""
+    top = ", ".join(f"{r} {n}" for r, n in list(summary["reasons"].items())[:3])
+    common = summary["most_common_response"]
+    return (
+        f"failed the data-quality gate: {summary['degenerate_samples']} of {summary['samples']} "
+        f"samples ({summary['degenerate_fraction']:.1%}) degenerate, above "
+        f"tokenize.max_degenerate_fraction={limit} (top reasons: {top}; most common response, "
+        f"{common['count']} times: {common['text'][:80]!r})"
+    )
 
 
 def describe_failure(summary: dict, limit: float) -> str:

@@ -3,7 +3,8 @@
 Each conversation is replayed turn by turn on its regenerated history: every assistant turn of
 the source is replaced by the target's own response, and a conversation that ends with a user or
 tool turn gets one more assistant turn. Finished conversations go into progress parts as they
-come, so an interrupted shard resumes from them (rows are reused by id and fingerprint).
+come, so an interrupted shard resumes from them (rows are reused by id and fingerprint). After
+every part the run's halt is checked: a halted run stops the shard there.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dflash_pipeline.core.jobstate import ShardProgress
+from dflash_pipeline.core.jobstate import ShardProgress, raise_if_halted
 from dflash_pipeline.data.chat import assistant_message, render_prompt, split_reasoning
 from dflash_pipeline.engines.client import Completion, EngineClient, EngineError, RequestFailed, Sampling
 
@@ -224,6 +225,12 @@ async def generate_shard(
             log.info("saved a part of %d samples", len(batch))
         last_flush = time.monotonic()
 
+    async def save_part_or_stop() -> None:
+        await flush()
+        # A tokenize shard failed the quality gate meanwhile: this shard is being generated with
+        # the same settings, so stop here; the parts keep what is finished.
+        await asyncio.to_thread(raise_if_halted, progress.run, f"generate shard {progress.shard:05d}")
+
     async def report_forever() -> None:
         while True:
             await asyncio.to_thread(lambda: telemetry.write(engine=engine_info()))
@@ -235,6 +242,8 @@ async def generate_shard(
         async with semaphore:
             return await generator.conversation(row)
 
+    # Starting a server can take minutes: the run may have been halted meanwhile.
+    raise_if_halted(progress.run, f"generate shard {progress.shard:05d}")
     reporter = asyncio.create_task(report_forever())
     tasks = [asyncio.create_task(one(r)) for r in todo]
     try:
@@ -259,12 +268,18 @@ async def generate_shard(
                 len(pending) >= settings.part_every_samples
                 or time.monotonic() - last_flush >= settings.part_every_seconds
             ):
-                await flush()
-        await flush()
+                await save_part_or_stop()
+        await flush()  # the last part: every sample is done, so the shard is written
     except BaseException:
         telemetry.state = "failed"
         for task in tasks:
-            task.cancel()
+            if task.done() and not task.cancelled() and task.exception() is None:
+                result = task.result()  # finished, not yet counted: saved with the rest
+                if result["id"] not in done:
+                    done[result["id"]] = result
+                    pending.append(result)
+            else:
+                task.cancel()
         await flush()  # finished samples are never lost, whatever stopped the job
         raise
     finally:

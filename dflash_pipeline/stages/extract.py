@@ -23,6 +23,7 @@ import torch
 from dflash_pipeline.data.sharding import TRAIN
 from dflash_pipeline.core.storage import open_storage, sha256_file, write_atomically
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.jobstate import raise_if_halted
 from dflash_pipeline.data.hidden import FP8_MAX, HIDDEN_DTYPES, StreamingSafetensors
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,9 @@ def extract_shard(
 def extract_job(tokenized: str, target_dir: str, settings: dict, run_url: str, shard: str,
                 manifest_out: str, device: str | None = None) -> dict:
     """What the `extract` rule runs: the taps the drafter of ``settings`` (the `train` config)
-    reads, for one tokenized shard."""
+    reads, for one tokenized shard; refused while the run is halted (a tokenize shard failed the
+    data-quality gate)."""
+    raise_if_halted(open_storage(run_url), f"extract shard {layout.shard_name(shard)}")
     from dflash_pipeline.training.trainer import build_drafter_config
 
     layer_ids = build_drafter_config(settings, target_dir).target_layer_ids

@@ -6,7 +6,8 @@ ends with a user or tool turn gets one more assistant turn. Finished conversatio
 parts under ``_progress/generate/shard-NNNNN/`` every K samples or T seconds, so a killed job
 resumes where it stopped; telemetry for the status page is written at least every 10 s. The
 regeneration itself is ``dflash_pipeline.engines.regenerate``; this module starts or reaches the
-engine and writes the shard.
+engine and writes the shard. While the run is halted (``_progress/HALT.json``: a tokenize shard
+failed the data-quality gate) a job refuses to start, and a running one stops after its next part.
 
 Run by hand: ``python -m dflash_pipeline.stages.generate --help``.
 """
@@ -22,7 +23,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_pipeline.core.jobstate import ShardProgress
+from dflash_pipeline.core.jobstate import RunHalted, ShardProgress, raise_if_halted
 from dflash_pipeline.core.storage import open_storage, write_atomically
 from dflash_pipeline.engines.client import EngineClient, EngineError, make_adapter
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec, server_port
@@ -55,13 +56,16 @@ def run_job(
     engine_log: str,
     runtime_dir: str,
 ) -> None:
-    """Everything one generate job does: start or reach the engine, generate, write the shard."""
+    """Everything one generate job does: start or reach the engine, generate, write the shard.
+    A halted run (a tokenize shard failed the data-quality gate) is refused before anything
+    starts, and stops the job after its next part (``RunHalted``)."""
+    progress = ShardProgress(open_storage(run_url), "generate", shard)
+    raise_if_halted(progress.run, f"generate shard {shard:05d}")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     settings = GenerationSettings.from_config(gen, model)
     engine = gen["engine"]
-    progress = ShardProgress(open_storage(run_url), "generate", shard)
     prompts = pq.read_table(prompts_path)
     server = None
     if engine == "endpoint":
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_job(args.prompts, args.out, args.run_url, args.shard, args.model,
                 json.loads(args.generation_json), args.engine_log, args.runtime_dir)
-    except EngineError as err:
+    except (EngineError, RunHalted) as err:
         log.error("%s", err)
         return 1
     return 0

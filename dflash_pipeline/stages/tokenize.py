@@ -10,6 +10,12 @@ The work is ``dflash_pipeline.data.tokenized`` (masks, chunks, workers) and
 tokenized one and its stats, and keeps live telemetry under ``_progress/tokenize/shard-NNNNN/``.
 ``bench/tokenize_throughput.py`` measures the stage against the bare batched tokenizer.
 
+A failed gate also halts the run (``_progress/HALT.json``, see ``dflash_pipeline.core.jobstate``):
+every other shard is being generated with the same settings, so no generate, extract or train job
+starts until a person has looked and cleared it:
+``python -m dflash_pipeline.stages.tokenize clear-halt --run-url RUN`` (or ``--configfile``, with
+``--default-storage-prefix`` for an S3 run, to find the run the way Snakemake does).
+
 Run by hand: ``python -m dflash_pipeline.stages.tokenize --help``.
 """
 
@@ -23,8 +29,16 @@ import sys
 
 import pyarrow.parquet as pq
 
-from dflash_pipeline.core.jobstate import ShardProgress, Telemetry
-from dflash_pipeline.core.storage import open_storage, write_atomically
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.jobstate import (
+    ShardProgress,
+    Telemetry,
+    clear_halt,
+    describe_halt,
+    read_halt,
+    write_halt,
+)
+from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage, write_atomically
 from dflash_pipeline.data.quality import DegenerateShard
 from dflash_pipeline.data.tokenized import ShardTokenizer
 
@@ -59,6 +73,8 @@ def tokenize_file(
     except BaseException as err:
         if isinstance(err, DegenerateShard):
             log.error("%s", err)
+            if run_url and shard is not None:
+                halt_run(run_url, shard, err)
         telemetry.write("failed")
         raise
     with write_atomically(out) as tmp:
@@ -74,16 +90,84 @@ def tokenize_file(
     return summary
 
 
+def halt_run(run_url: str, shard: int, err: DegenerateShard) -> None:
+    """Stop the run's generation: the other shards are made with the same settings."""
+    storage = open_storage(run_url)
+    details = {k: err.summary[k] for k in ("samples", "degenerate_samples", "degenerate_fraction",
+                                           "reasons", "examples", "most_common_response") if k in err.summary}
+    try:
+        halt = write_halt(storage, "tokenize", shard, err.cause, str(err), details)
+    except StorageError as storage_err:  # the gate's own failure is what the job must report
+        log.error("could not halt the run (%s): other shards go on generating", storage_err)
+        return
+    if halt["shard"] != layout.shard_name(shard):
+        log.error("the run was already halted by %s shard %s", halt["stage"], halt["shard"])
+    else:
+        log.error("halting the run: %s", describe_halt(halt, storage))
+
+
+def resolve_run_url(args) -> str:
+    """The run root: --run-url, or the config's results_dir/run (below the S3 prefix)."""
+    if args.run_url:
+        return args.run_url
+    import yaml
+
+    from dflash_pipeline.core.config import validate_config
+
+    with open(args.configfile) as fh:
+        config = validate_config(yaml.safe_load(fh) or {})
+    root = layout.run_root(config["results_dir"], config["run"])
+    prefix = args.default_storage_prefix
+    return layout.run_url(root, "s3" if prefix else None, prefix)
+
+
+def halt_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_pipeline.stages.tokenize clear-halt|show-halt",
+        description="Show or clear the run's halt (_progress/HALT.json), written when a tokenize "
+        "shard fails the data-quality gate.",
+    )
+    parser.add_argument("action", choices=["clear-halt", "show-halt"])
+    parser.add_argument("--run-url", help="run root (local folder or s3://)")
+    parser.add_argument("--configfile", default="config.yaml",
+                        help="without --run-url: find the run from this config (default: %(default)s)")
+    parser.add_argument("--default-storage-prefix",
+                        help="without --run-url: the S3 prefix of an S3 run (as given to Snakemake)")
+    args = parser.parse_args(argv)
+    if not args.run_url and args.default_storage_prefix and not is_s3_url(args.default_storage_prefix):
+        parser.error("--default-storage-prefix must be an s3:// URL")
+    run_url = resolve_run_url(args)
+    storage = open_storage(run_url)
+    if args.action == "show-halt":
+        halt = read_halt(storage)
+        print(json.dumps(halt, indent=1) if halt else f"{run_url}: not halted")
+        return 0
+    halt = clear_halt(storage)
+    if halt is None:
+        print(f"{run_url}: not halted, nothing to clear")
+    else:
+        print(f"{run_url}: cleared the halt of {halt.get('stage')} shard {halt.get('shard')} "
+              f"({halt.get('cause')}); generate, extract and train jobs may start again")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.tokenize", description=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("clear-halt", "show-halt"):
+        return halt_main(argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_pipeline.stages.tokenize", description=__doc__,
+        epilog="Also: python -m dflash_pipeline.stages.tokenize clear-halt|show-halt --help",
+    )
     parser.add_argument("generated")
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--stats", required=True)
     parser.add_argument("--thinking", choices=["on", "off"], default="on")
     parser.add_argument("--settings-json", default="{}", help="the `tokenize` config as JSON")
-    parser.add_argument("--run-url", default=None, help="run root (local folder or s3://) for live telemetry")
-    parser.add_argument("--shard", type=int, default=None, help="shard number, for live telemetry")
+    parser.add_argument("--run-url", default=None, help="run root (local folder or s3://) for live telemetry "
+                        "and the halt a failed gate writes")
+    parser.add_argument("--shard", type=int, default=None, help="shard number, for live telemetry and the halt")
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: all cores)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dflash_pipeline.core.jobstate import raise_if_halted
+from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.training.trainer import SegmentJob
 
 
@@ -63,7 +65,9 @@ def run_train_job(job: SegmentJob, gpus: int) -> int:
 
 def train_job(run_url: str, segment: int, settings: dict, target_dir: str, tokenized: list[str],
               hidden: list[str], manifest: str, gpus: int) -> int:
-    """What the `train` rule runs: the segment over the job's shards on ``gpus`` devices."""
+    """What the `train` rule runs: the segment over the job's shards on ``gpus`` devices; refused
+    while the run is halted (a tokenize shard failed the data-quality gate)."""
+    raise_if_halted(open_storage(run_url), f"train segment {segment:04d}")
     job = SegmentJob(
         run_url=run_url,
         segment=segment,

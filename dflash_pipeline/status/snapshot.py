@@ -113,6 +113,7 @@ class SnapshotBuilder:
         telemetry: dict[tuple[str, int], dict] = {}
         segments: dict[int, dict] = {}
         eval_metrics = None
+        halt = None
         for obj in objects:
             use = storage_use.setdefault(layout.storage_category(obj.key), {"bytes": 0, "objects": 0})
             use["bytes"] += obj.size
@@ -134,6 +135,8 @@ class SnapshotBuilder:
                 segments.setdefault(int(m["segment"]), {})["done"] = True
             elif obj.key == layout.EVAL_METRICS:
                 eval_metrics = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
+            elif obj.key == layout.HALT:
+                halt = self._read_cached(obj.key, obj.size, obj.mtime, json.loads) or {"cause": "unreadable halt object"}
 
         jobs_by_stage_shard: dict[tuple[str, int], object] = {}
         for job in sorted(events.jobs.values(), key=lambda j: j.jobid):
@@ -218,6 +221,8 @@ class SnapshotBuilder:
                 "errors": events.errors[-5:],
                 "events_file": str(self.source.events_file) if self.source.events_file else None,
             },
+            # A tokenize shard failed the quality gate: generation is stopped until it is cleared.
+            "halt": _halt_summary(halt),
             "stages": stages,
             "running": running,
             "failed": failed,
@@ -407,3 +412,12 @@ def _engine_summary(metrics: dict) -> dict | None:
         "lossless": lossless.get("passed") if lossless.get("checked") else None,
         "parity": metrics.get("engine_parity"),
     }
+
+
+def _halt_summary(halt) -> dict | None:
+    """What the page shows of the run's halt (``_progress/HALT.json``)."""
+    if halt is None:
+        return None
+    if not isinstance(halt, dict):
+        halt = {"cause": "unreadable halt object"}
+    return {k: halt.get(k) for k in ("stage", "shard", "cause", "halted_at_utc")}

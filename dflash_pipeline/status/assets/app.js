@@ -187,6 +187,13 @@ function render(status) {
   error.textContent = status.error || "";
   if (status.error) return;
   document.getElementById("run-name").textContent = status.run;
+  const halt = document.getElementById("halt");
+  halt.hidden = !status.halt;
+  halt.textContent = status.halt
+    ? `Generation is halted since ${status.halt.halted_at_utc || "?"}: ${status.halt.stage} shard ` +
+      `${status.halt.shard} ${status.halt.cause}. Fix the cause, then clear it: ` +
+      `python -m dflash_pipeline.stages.tokenize clear-halt --run-url ${status.run}`
+    : "";
   const wf = status.workflow;
   document.getElementById("workflow-state").textContent = wf.state;
   document.getElementById("workflow-steps").textContent = wf.steps_total ? `${wf.steps_done} / ${wf.steps_total}` : "–";
