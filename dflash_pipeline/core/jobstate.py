@@ -55,7 +55,8 @@ def read_halt(storage: Storage) -> dict | None:
 def write_halt(storage: Storage, stage: str, shard: int | str, cause: str, message: str,
                details: dict | None = None) -> dict:
     """Halt the run. The first cause stays: a later failure is logged by its own job, and
-    re-writing the object would hide which shard stopped the run."""
+    re-writing the object would hide which shard stopped the run (two shards failing at the same
+    moment may leave either one's record; both halt)."""
     existing = read_halt(storage)
     if existing is not None:
         return existing
