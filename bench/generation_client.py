@@ -62,13 +62,19 @@ def make_model(out: Path, demo: Path | None, hidden: int, layers: int, heads: in
         torch_dtype="bfloat16",
     )
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    # An 8B-shaped model initialises in seconds on a GPU and in minutes on CPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     # Make end-of-turn unlikely so every request generates its full length.
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id].zero_()
     path = out / "model"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the server needs the memory
     return path
 
 
@@ -129,7 +135,9 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=6144)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--demo-model", type=Path, default=None, help="a built demo target (its tokenizer)")
+    p.add_argument("--demo-model", type=Path, default=None,
+                   help="a folder with the tokenizer to use (a built demo target, or Qwen3's)")
+    p.add_argument("--engine-arg", action="append", default=[], help="extra server argument")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from transformers import AutoTokenizer
@@ -142,7 +150,7 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(model)
         rows = prompts(args.prompts)
         texts = [render_prompt(tokenizer, r["messages"], True) for r in rows]
-        spec = ServerSpec(engine=args.engine, model=str(model), port=18931)
+        spec = ServerSpec(engine=args.engine, model=str(model), port=18931, extra_args=args.engine_arg)
         runs = []
         with ManagedServer(spec, tmp / "engine.log", tmp, startup_timeout=600) as server:
             # Warm-up, then alternate the two clients so drift hits both alike.
@@ -167,6 +175,8 @@ def main() -> None:
         "model_shape": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                         "kv_heads": args.kv_heads, "intermediate": args.intermediate,
                         "vocab": len(tokenizer), "weights": "random, bf16"},
+        "tokenizer": str(args.demo_model or "demo target"),
+        "engine_args": args.engine_arg,
         "prompts": args.prompts, "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
         "runs": runs,
         "ratio_mean": round(sum(r["ratio"] for r in runs) / len(runs), 3),
