@@ -115,6 +115,37 @@ CAUSES_ENGINE_ABOVE = (
 )
 
 
+# The newest vLLM whose DFlash drafter was read and found to run every layer as full attention:
+# its qwen3_dflash model passes no sliding window and no causal flag to the attention layer, so a
+# sliding_attention layer (windowed, causal in the block in training) attends to the whole context
+# and the whole block. Newer versions are not claimed either way.
+VLLM_DFLASH_FULL_ATTENTION_THROUGH = "0.20.1"
+
+
+def known_engine_limitations(engine: str, version: str | None, fields: dict) -> list[str]:
+    """What this engine version is known not to implement among the drafter's fields, each as a
+    sentence naming the fields, what the engine does instead and what to do; [] when none is
+    known (or the version is unknown)."""
+    if engine != "vllm" or not version:
+        return []
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        full_attention_only = Version(version) <= Version(VLLM_DFLASH_FULL_ATTENTION_THROUGH)
+    except InvalidVersion:
+        return []
+    sliding = sum(kind == "sliding_attention" for kind in fields.get("layer_types") or ())
+    if not full_attention_only or not (sliding or fields.get("dflash_config.use_swa")):
+        return []
+    return [
+        f"vllm {version} runs every DFlash drafter layer as full, bidirectional attention (no "
+        f"sliding window, no causal block): this drafter's {sliding} sliding_attention layer(s) "
+        f"(sliding_window {fields.get('sliding_window')}) see more in the engine than in "
+        "training. Serve it where sliding-window DFlash layers are implemented, or train it "
+        "with full attention only (train.layer_types: null) for this engine"
+    ]
+
+
 class EngineResponseError(ValueError):
     """A reply or metrics page lacks the counters the measurement needs; names the prompt."""
 
@@ -847,6 +878,7 @@ def engine_parity_report(
         "engine": engine,
         "engine_version": engine_version,
         "drafter_fields": dict(drafter_fields),
+        "known_limitations": known_engine_limitations(engine, engine_version, drafter_fields),
     }
 
 
@@ -861,11 +893,15 @@ def check_engine_parity(report: dict) -> dict:
         f"    {key}: {json.dumps(value)}" for key, value in report["drafter_fields"].items()
     )
     version = report["engine_version"] or "(version unknown)"
+    known = "".join(
+        f"  Known limitation of this engine version (the likely cause):\n  - {limitation}\n"
+        for limitation in report.get("known_limitations", ())
+    )
     raise EngineParityError(
         f"engine parity failed: {report['engine']} {version} "
         f"measured tau {report['engine_tau']:.3f}, {abs(report['gap']):.1%} "
         f"{'below' if below else 'above'} the project loop's tau {report['loop_tau']:.3f} "
         f"(gap {report['gap']:+.4f}, tolerance {report['tolerance']:.0%}).\n"
-        f"  Drafter config fields the engine read:\n{fields}\n  Usual causes:\n"
+        f"  Drafter config fields the engine read:\n{fields}\n{known}  Usual causes:\n"
         + "\n".join(f"  - {cause}" for cause in causes)
     )
