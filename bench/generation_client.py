@@ -98,9 +98,15 @@ async def load_generator(url: str, model: str, texts: list[str], concurrency: in
         async def one(text):
             nonlocal tokens
             async with sem:
-                r = await http.post(url + "/v1/completions", json={
-                    "model": model, "prompt": text, "max_tokens": max_new,
-                    "temperature": 0.0, "top_p": 1.0})
+                for attempt in range(3):  # a dropped keep-alive connection is retried, as ours does
+                    try:
+                        r = await http.post(url + "/v1/completions", json={
+                            "model": model, "prompt": text, "max_tokens": max_new,
+                            "temperature": 0.0, "top_p": 1.0})
+                        break
+                    except httpx.TransportError:
+                        if attempt == 2:
+                            raise
                 r.raise_for_status()
                 tokens += r.json()["usage"]["completion_tokens"]
         t0 = time.perf_counter()
