@@ -55,3 +55,19 @@ def test_invalid_config_names_the_bad_key(config, named):
 @pytest.mark.parametrize("example", sorted((REPO / "config/examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_configs_are_valid(example):
     validate_config(yaml.safe_load(example.read_text()))
+
+
+def test_dflash2_keys_have_defaults_and_cross_key_rules_are_checked():
+    train = validate_config({"train": {"algorithm": "dflash2"}})["train"]
+    assert (train["conv_kernel_size"], train["conv_group_size"]) == (2, 16)
+    assert (train["selector_rank"], train["selector_top_k"]) == (256, 16)
+    assert train["selector_gold_policy"] == "strict" and train["selector_normalization"] == "base"
+    assert validate_config({"train": {}})["train"]["algorithm"] == "dflash"
+    with pytest.raises(ConfigError, match="evaluate.engine: vllm cannot serve a DFlash2 drafter"):
+        validate_config({"train": {"algorithm": "dflash2"}, "evaluate": {"engine": "vllm"}})
+    with pytest.raises(ConfigError, match="train.conv_kernel_size: 9 is larger than train.block_size 8"):
+        validate_config({"train": {"algorithm": "dflash2", "conv_kernel_size": 9, "block_size": 8}})
+    with pytest.raises(ConfigError, match="selector_gold_policy"):
+        validate_config({"train": {"selector_gold_policy": "insert"}})
+    # DFlash is not held to DFlash2's rules.
+    validate_config({"train": {"conv_kernel_size": 9, "block_size": 8}, "evaluate": {"engine": "vllm"}})

@@ -1,5 +1,7 @@
 """The exported drafter in the DFlash authors' own package: it loads without missing or
-unexpected weights and its speculative greedy output equals plain greedy decoding."""
+unexpected weights and its speculative greedy output equals plain greedy decoding. The same for
+DFlash2: the authors' DFlash2DraftModel loads the export with every tensor filled, and its loop
+proposes the same drafts, accepts the same lengths and writes the same output as this one."""
 
 from __future__ import annotations
 
@@ -17,21 +19,39 @@ from tests.test_training import run_segment, settings
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module")
-def trained_drafter(demo_model, tmp_path_factory):
+def train_and_export(demo_model, root, **overrides):
     from tests.support.train_data import write_tokenized_shard
 
-    root = tmp_path_factory.mktemp("compat")
     tokenized = {"00000": str(write_tokenized_shard(demo_model, root / "t.parquet", 96, seed=3))}
     s = settings(steps_per_segment=160, checkpoint_every_steps=1000, batch_size=4, block_size=8,
                  num_anchors=32, learning_rate=3e-3, warmup_ratio=0.05, min_lr_ratio=0.1,
-                 loss_decay_gamma=4, intermediate_size=256)
+                 loss_decay_gamma=4, intermediate_size=256, **overrides)
     run_segment(root, 0, s, demo_model, tokenized)
     out = root / "drafter"
     out.mkdir()
     export_drafter(str(root), str(root / layout.segment_manifest_key(0)),
                    str(out / "config.json"), str(out / "model.safetensors"), "float32")
     return out
+
+
+@pytest.fixture(scope="module")
+def trained_drafter(demo_model, tmp_path_factory):
+    return train_and_export(demo_model, tmp_path_factory.mktemp("compat"))
+
+
+DFLASH2 = dict(algorithm="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=8)
+
+
+@pytest.fixture(scope="module")
+def trained_dflash2(demo_model, tmp_path_factory):
+    return train_and_export(demo_model, tmp_path_factory.mktemp("compat2"), **DFLASH2)
+
+
+@pytest.fixture(scope="module")
+def dflash2_reference(trained_dflash2, demo_model):
+    """The authors' loop on the demo's prompts, run once for the tests below."""
+    prompts = demo_prompts(demo_model)
+    return prompts, run_reference_loop(demo_model, trained_dflash2, prompts, 96, ["<|im_end|>"])
 
 
 def demo_prompts(demo_model, count=4):
@@ -99,3 +119,77 @@ def test_authors_loop_reports_the_same_acceptance_lengths_as_this_stage(trained_
         # Their last step counts only up to the stop token; every other step must agree.
         assert ours[:-1] == theirs["acceptance_lengths"][:-1]
         assert len(ours) == len(theirs["acceptance_lengths"])
+
+
+def test_dflash2_export_has_the_checkpoint_layout_the_authors_loaders_expect(trained_dflash2):
+    """dflash2-spec.md §2: 15 tensors per layer + 6, bare codebook names, every value finite;
+    architectures, top-level is_causal, the conv/selector sizes in dflash_config (where the
+    authors' MLX loader reads them) and block_size in both places."""
+    import json
+
+    from safetensors.torch import load_file
+
+    config = json.loads((trained_dflash2 / "config.json").read_text())
+    tensors = load_file(trained_dflash2 / "model.safetensors")
+    layers = config["num_hidden_layers"]
+    assert len(tensors) == 15 * layers + 6
+    assert "candidate_selector.predecessor_codebook" in tensors
+    assert "candidate_selector.successor_codebook" in tensors
+    assert not any(name.endswith("codebook.weight") for name in tensors)
+    V, H, r = config["vocab_size"], config["hidden_size"], 32
+    K, G = 2, H // 16
+    assert tensors["candidate_selector.successor_codebook"].shape == (V, r)
+    assert tensors["candidate_selector.hidden_projection.weight"].shape == (r, H)
+    for i in range(layers):
+        for side in ("attention_conv", "mlp_conv"):
+            assert tensors[f"layers.{i}.{side}.base_kernel"].shape == (2, K, H)
+            assert tensors[f"layers.{i}.{side}.kernel_projection.weight"].shape == (2 * K * G, H)
+    assert all(torch.isfinite(t).all() for t in tensors.values())
+    # Trained, not the identity / zero start (else the parity below would prove little).
+    assert tensors["candidate_selector.successor_codebook"].abs().max() > 0
+    assert tensors["layers.0.attention_conv.kernel_projection.weight"].abs().max() > 0
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert config["is_causal"] is False  # the demo drafter's layers are all full attention
+    dflash = config["dflash_config"]
+    assert {k: dflash[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")} == {
+        "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 8}
+    assert config["block_size"] == dflash["block_size"] == 8
+
+
+def test_authors_dflash2_model_loads_export_with_every_tensor_filled(dflash2_reference):
+    _, report = dflash2_reference
+    assert report["class"] == "DFlash2DraftModel"
+    assert report["missing_keys"] == [] and report["unexpected_keys"] == []
+    assert report["mismatched_keys"] == []
+    assert report["nonfinite"] == []  # nothing left as torch.empty
+    assert report["dflash2"] == {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 8}
+    assert report["block_size"] == 8 and report["mask_token_id"] == 3
+    assert report["target_layer_ids"] == [1, 5]
+    assert report["is_causal"] == [False, False] and report["sliding_window"] == [None, None]
+
+
+def test_authors_dflash2_loop_proposes_accepts_and_decodes_as_this_loop(dflash2_reference, trained_dflash2, demo_model):
+    from transformers import AutoModelForCausalLM
+
+    from dflash_pipeline.evaluation.loop import DecodeSettings, speculative_decode
+    from dflash_pipeline.evaluation.runner import TargetRunner
+    from dflash_pipeline.model.inference import load_proposer
+
+    prompts, report = dflash2_reference
+    target = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
+    proposer = load_proposer(trained_dflash2, target)
+    assert proposer.drafter.candidate_selector is not None
+    runner = TargetRunner(target, proposer.target_layer_ids)
+    settings = DecodeSettings(max_new_tokens=96, stop_token_ids=frozenset({2}))
+    accepted = []
+    for prompt, theirs in zip(prompts, report["results"]):
+        trace = speculative_decode(runner, proposer, prompt, settings)
+        assert prompt + trace.tokens == theirs["output_ids"]
+        assert theirs["output_ids"] == plain_greedy(demo_model, prompt, 96, 2)
+        ours = [a + 1 for a in trace.accepted_lengths]
+        assert len(ours) == len(theirs["acceptance_lengths"])
+        # Their last step counts only up to the stop token and may verify a shorter block.
+        assert ours[:-1] == theirs["acceptance_lengths"][:-1]
+        assert trace.drafts[:-1] == theirs["proposals"][:-1]
+        accepted += theirs["acceptance_lengths"]
+    assert sum(accepted) / len(accepted) >= 2.0, accepted

@@ -267,3 +267,277 @@ def test_the_export_writes_every_field_an_engine_reads(layer_types, window, caus
     if causal is not None:
         assert lookup("is_causal") is causal and lookup("dflash_config.causal") is causal
     assert DrafterConfig.from_zlab(exported) == config  # the export reads back as trained
+
+
+# --- DFlash2 (dflash2-spec.md §1.2, §1.3, §3.2) -------------------------------------------------
+
+import dataclasses  # noqa: E402
+
+from dflash_pipeline.model.config import DFLASH2_FIELDS, DrafterConfigError  # noqa: E402
+from dflash_pipeline.model.dflash2 import grouped_causal_conv  # noqa: E402
+from dflash_pipeline.training.selector import selector_loss, selector_metrics, selector_weight  # noqa: E402
+
+GROUP, RANK, TOP_K = 8, 6, 5
+
+
+def tiny_dflash2(layer_types=(FULL, SLIDING), kernel=2, block=BLOCK) -> DrafterConfig:
+    return dataclasses.replace(
+        tiny_config(layer_types, block=block), algorithm="dflash2", conv_kernel_size=kernel,
+        conv_group_size=GROUP, selector_rank=RANK, selector_top_k=TOP_K,
+    )  # fmt: skip
+
+
+def perturbed(config, seed=0, scale=0.3) -> DFlashDrafter:
+    """A DFlash2 drafter whose convolutions and selector are far from their no-op start."""
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                p.normal_(0, scale)
+    return drafter.eval()
+
+
+def test_a_fresh_dflash2_draws_the_dflash_weights_and_computes_the_same_logits():
+    base, extended = tiny_config((FULL, SLIDING)), tiny_dflash2((FULL, SLIDING))
+    torch.manual_seed(0)
+    dflash = DFlashDrafter(base)
+    torch.manual_seed(0)
+    dflash2 = DFlashDrafter(extended)
+    shared = dflash.state_dict()
+    state = dflash2.state_dict()
+    assert all(torch.equal(shared[k], state[k]) for k in shared)
+    assert len(state) == len(shared) + 4 * base.num_hidden_layers + 3
+    embed = torch.randn(VOCAB, HIDDEN)
+    input_ids, loss_mask, taps = make_batch()
+    blocks = build(base, input_ids, loss_mask)
+    with torch.no_grad():
+        assert torch.equal(blocks_forward(dflash, taps, embed, blocks), blocks_forward(dflash2, taps, embed, blocks))
+    # The selector starts as the logits' argmax (edge scores 0).
+    head = torch.randn(VOCAB, HIDDEN)
+    proposer = DFlashProposer(dflash2, embed, head)
+    plain = DFlashProposer(dflash, embed, head)
+    assert proposer.propose(taps[0, :5], 7, 5) == plain.propose(taps[0, :5], 7, 5)
+
+
+def reference_conv(values, dynamic, base, group, block_length):
+    """out[t, c] = sum_o (base[o, c] + dynamic[t, o, c // g]) * values[t - o, c], element by
+    element, reading zeros before each block's first slot."""
+    b, Q, H = values.shape
+    out = torch.zeros_like(values)
+    for row in range(b):
+        for t in range(Q):
+            for c in range(H):
+                for o in range(base.shape[0]):
+                    if (t % block_length) - o < 0:
+                        continue
+                    coefficient = base[o, c] + dynamic[row, t, o, c // group]
+                    out[row, t, c] += coefficient * values[row, t - o, c]
+    return out
+
+
+@pytest.mark.parametrize("kernel, block_length, blocks", [(2, 4, 3), (3, 4, 2), (3, 2, 2), (1, 4, 1)])
+def test_grouped_causal_conv_equals_element_by_element_reference(kernel, block_length, blocks):
+    g = torch.Generator().manual_seed(kernel * 10 + block_length)
+    H = 16
+    values = torch.randn(2, blocks * block_length, H, generator=g, dtype=torch.float64)
+    dynamic = torch.randn(2, blocks * block_length, kernel, H // 4, generator=g, dtype=torch.float64)
+    base = torch.randn(kernel, H, generator=g, dtype=torch.float64)
+    got = grouped_causal_conv(values, dynamic, base, 4, block_length)
+    torch.testing.assert_close(got, reference_conv(values, dynamic, base, 4, block_length))
+
+
+def test_the_convolution_never_reads_the_previous_block():
+    """Changing a block's slots changes nothing in the other blocks of the packed stream."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(1, 12, 16, generator=g)
+    dynamic, base = torch.randn(1, 12, 3, 4, generator=g), torch.randn(3, 16, generator=g)
+    before = grouped_causal_conv(values, dynamic, base, 4, 4)
+    changed = values.clone()
+    changed[:, 4:8] += 1.0  # the middle block
+    after = grouped_causal_conv(changed, dynamic, base, 4, 4)
+    assert torch.equal(before[:, :4], after[:, :4]) and torch.equal(before[:, 8:], after[:, 8:])
+    assert not torch.equal(before[:, 4:8], after[:, 4:8])
+
+
+@pytest.mark.parametrize("layer_types", [(FULL, FULL), (FULL, SLIDING)])
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("kernel", [2, 3])
+def test_dflash2_training_forward_equals_inference_block_forward(layer_types, backend, kernel):
+    """Packed blocks with the block-local convolution give, for every block, the hidden states
+    of an inference call on that block alone (also for blocks running off the sequence end)."""
+    config = tiny_dflash2(layer_types, kernel=kernel)
+    drafter = perturbed(config)
+    embed, head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    input_ids, loss_mask, taps = make_batch()
+    blocks = build(config, input_ids, loss_mask)
+    with torch.no_grad():
+        hidden = blocks_forward(drafter, taps, embed, blocks, backend=backend)
+    B, worst = config.block_size, 0.0
+    for row in range(2):
+        for n in range(blocks.num_blocks):
+            if not blocks.keep[row, n]:
+                continue
+            a = int(blocks.anchors[row, n])
+            proposer = DFlashProposer(drafter, embed, head)
+            proposer.extend_context(taps[row, :a])
+            expected = proposer.block_hidden(int(input_ids[row, a]), a)
+            worst = max(worst, (hidden[row, n * B + 1 : (n + 1) * B] - expected).abs().max().item())
+    assert worst < 1e-5, worst
+
+
+def test_a_short_tail_block_gives_the_causal_convolution_the_same_prefix():
+    """With an all-sliding (block-causal) drafter a block of L < B slots equals the first L
+    slots of the full block: the convolution looks only backwards."""
+    config = tiny_dflash2((SLIDING, SLIDING), kernel=3)
+    drafter = perturbed(config, seed=2)
+    embed, head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    _, _, taps = make_batch()
+    proposer = DFlashProposer(drafter, embed, head)
+    proposer.extend_context(taps[0, :6])
+    full = proposer.block_hidden(5, 6)
+    short = proposer.block_hidden(5, 6, block_size=2)
+    torch.testing.assert_close(short, full[:1], rtol=0, atol=1e-6)
+
+
+def brute_force_walk(selector, hidden, logits, anchor):
+    """The first-order walk spelled out: all K candidate scores with explicit sums."""
+    K = selector.top_k
+    P, S = selector.predecessor_codebook.double(), selector.successor_codebook.double()
+    gate = (hidden.double() @ selector.hidden_projection.weight.double().t())
+    prev, path = anchor, []
+    for t in range(hidden.shape[0]):
+        ids = logits[t].topk(K).indices.tolist()
+        scores = [float(logits[t, c]) + sum(float(P[prev, j] * gate[t, j] * S[c, j]) for j in range(P.shape[1])) for c in ids]
+        prev = ids[max(range(K), key=scores.__getitem__)]
+        path.append(prev)
+    return path
+
+
+def test_selector_walk_equals_brute_force_and_samples_from_its_rows():
+    config = tiny_dflash2()
+    drafter = perturbed(config, scale=1.0)
+    selector = drafter.candidate_selector
+    g = torch.Generator().manual_seed(1)
+    hidden, logits = torch.randn(6, HIDDEN, generator=g), torch.randn(6, VOCAB, generator=g)
+    drafts, candidates, rows = selector.walk(hidden, logits, anchor=4)
+    assert drafts == brute_force_walk(selector, hidden, logits, 4)
+    assert rows is None and candidates.shape == (6, TOP_K)
+    unary_argmax = logits.argmax(-1).tolist()
+    assert drafts != unary_argmax  # the edges matter here, or the test proves nothing
+    drafts, candidates, rows = selector.walk(hidden, logits, 4, temperature=0.7, generator=g)
+    torch.testing.assert_close(rows.sum(-1), torch.ones(6))
+    assert all(d in candidates[t].tolist() for t, d in enumerate(drafts))
+    # Each row is softmax(score / T) along the sampled path: recompute it with the sampled
+    # predecessors.
+    gate = hidden @ selector.hidden_projection.weight.t()
+    prev = 4
+    for t, d in enumerate(drafts):
+        unary = logits[t, candidates[t]]
+        edge = selector.successor_codebook[candidates[t]] @ (selector.predecessor_codebook[prev] * gate[t])
+        torch.testing.assert_close(rows[t], torch.softmax((unary + edge) / 0.7, -1))
+        prev = d
+
+
+@pytest.mark.parametrize("policy", ["strict", "replace_weakest"])
+@pytest.mark.parametrize("normalization", ["base", "covered"])
+def test_selector_loss_equals_hand_computed(policy, normalization):
+    config = tiny_dflash2((FULL,))
+    drafter = perturbed(config, scale=0.5)
+    selector = drafter.candidate_selector
+    embed, head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    input_ids, loss_mask, taps = make_batch()
+    blocks = build(config, input_ids, loss_mask, gamma=2.0)
+    hidden = blocks_forward(drafter, taps, embed, blocks)
+    base = block_loss(hidden, head, blocks, chunk_rows=5, top_k=TOP_K)
+    result = selector_loss(selector, hidden, head, blocks, base.rows, base.top_ids,
+                           gold_policy=policy, normalization=normalization)
+    B, S = config.block_size, input_ids.shape[1]
+    num = den_all = den_in = 0.0
+    covered = hits = total = 0
+    P, Sc = selector.predecessor_codebook.double(), selector.successor_codebook.double()
+    for row in range(2):
+        for n in range(blocks.num_blocks):
+            if not blocks.keep[row, n]:
+                continue
+            a = int(blocks.anchors[row, n])
+            for k in range(1, B):
+                if a + k >= S or not loss_mask[row, a + k]:
+                    continue
+                w = math.exp(-(k - 1) / 2.0)
+                h = hidden[row, n * B + k].double()
+                logits = h @ head.double().t()
+                ids = logits.topk(TOP_K).indices.tolist()
+                gold, prev = int(input_ids[row, a + k]), int(input_ids[row, a + k - 1])
+                total += 1
+                den_all += w
+                gate = h @ selector.hidden_projection.weight.double().t()
+                score = lambda c: logits[c] + (P[prev] * gate * Sc[c]).sum()  # noqa: E731
+                best = max(ids, key=lambda c: float(score(c)))
+                if gold in ids:
+                    covered += 1
+                    hits += best == gold
+                elif policy == "strict":
+                    continue
+                else:
+                    ids = ids[:-1] + [gold]
+                scores = torch.stack([score(c) for c in ids])
+                num += w * float(torch.logsumexp(scores, 0) - scores[ids.index(gold)])
+                den_in += w
+    expected = num / (den_all if normalization == "base" else den_in)
+    assert result.loss.item() == pytest.approx(expected, rel=1e-5)
+    metrics = selector_metrics(result, blocks)
+    assert metrics["selector_recall"] == pytest.approx(covered / total)
+    assert metrics["selector_accuracy"] == pytest.approx(hits / total)
+    assert 1.0 <= metrics["selector_accept_len"] <= B
+
+
+def test_selector_term_trains_the_backbone_unless_stopped():
+    config = tiny_dflash2((FULL,))
+    embed, head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    input_ids, loss_mask, taps = make_batch()
+    for stop in (False, True):
+        drafter = perturbed(config, scale=0.5).train()
+        blocks = build(config, input_ids, loss_mask)
+        hidden = blocks_forward(drafter, taps, embed, blocks)
+        base = block_loss(hidden, head, blocks, top_k=TOP_K)
+        result = selector_loss(drafter.candidate_selector, hidden, head, blocks, base.rows, base.top_ids,
+                               stop_gradient=stop)
+        result.loss.backward()
+        selector_grads = [p.grad for p in drafter.candidate_selector.parameters()]
+        assert all(g is not None and g.abs().sum() > 0 for g in selector_grads)
+        backbone = drafter.layers[0].mlp.down_proj.weight.grad
+        assert (backbone is None) == stop
+
+
+def test_selector_weight_warms_up_then_ramps():
+    values = [selector_weight(s, 100, 2.0, 0.1, 0.2) for s in range(100)]
+    assert values[:10] == [0.0] * 10
+    assert values[10] == pytest.approx(0.1) and values[29] == pytest.approx(2.0)
+    assert values[30:] == [2.0] * 70
+    assert selector_weight(0, 100, 1.0, 0.0, 0.0) == 1.0
+
+
+def test_dflash2_config_is_checked_and_exported_where_the_authors_read_it():
+    config = tiny_dflash2()
+    exported = config.to_zlab()
+    for path in DFLASH2_FIELDS:
+        node = exported
+        for part in path.split("."):
+            node = node[part]
+    assert exported["architectures"] == ["DFlash2DraftModel"]
+    assert exported["dflash_config"]["conv_group_size"] == GROUP
+    assert "conv_group_size" not in exported and "algorithm" not in exported
+    assert DrafterConfig.from_zlab(exported) == config
+    assert "conv_kernel_size" not in tiny_config().to_zlab()["dflash_config"]
+    for change, message in [
+        (dict(conv_group_size=5), "must divide hidden_size"),
+        (dict(conv_kernel_size=BLOCK + 1), "conv_kernel_size"),
+        (dict(selector_top_k=VOCAB + 1), "selector_top_k"),
+        (dict(selector_rank=None), "needs selector_rank"),
+        (dict(algorithm="dflash3"), "algorithm must be one of"),
+    ]:
+        with pytest.raises(DrafterConfigError, match=message):
+            dataclasses.replace(config, **change)
+    with pytest.raises(DrafterConfigError, match="only apply to algorithm dflash2"):
+        dataclasses.replace(tiny_config(), selector_rank=4)

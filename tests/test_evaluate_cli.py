@@ -17,7 +17,10 @@ from tests.test_serving import stand_in_servers  # noqa: F401 (a fixture)
 BLOCK = 4
 
 
-def export_untrained_drafter(target_dir, out_dir, block_size=BLOCK):
+DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8)
+
+
+def export_untrained_drafter(target_dir, out_dir, block_size=BLOCK, algorithm="dflash"):
     """A drafter in the exported z-lab layout with its initial weights (config + safetensors)."""
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     config = drafter_config_for_target(
@@ -27,6 +30,8 @@ def export_untrained_drafter(target_dir, out_dir, block_size=BLOCK):
         mask_token_id=tokenizer.convert_tokens_to_ids(task.MASK),
         intermediate_size=128,
         dtype="float32",
+        algorithm=algorithm,
+        dflash2=DFLASH2,
     )
     out_dir.mkdir(parents=True)
     config.save(out_dir / "config.json")
@@ -145,3 +150,24 @@ def test_engine_vllm_measures_beside_the_loop_and_gates_on_parity(
     launched = [" ".join(cmd) for cmd in stand_in_servers.launched]
     assert len(launched) == 2 and '"method": "dflash"' in launched[0] and "speculative" not in launched[1]
     assert (tmp_path / "engine" / "vllm-metrics-before.txt").exists()
+
+
+def test_evaluate_runs_a_dflash2_drafter_greedy_and_sampled(demo_model, tmp_path, prompts_file):
+    """The loop runs DFlash2's selector at temperature 0 (lossless check token for token) and
+    above (drafts sampled by the selector walk, verified by speculative sampling); the metrics
+    name the algorithm; a serving engine is refused before anything loads."""
+    drafter = export_untrained_drafter(demo_model, tmp_path / "drafter", algorithm="dflash2")
+    args = ["--target", str(demo_model), "--drafter", str(drafter), "--prompts", str(prompts_file)]
+    args += ["--max-new-tokens", "16", "--limit", "2", "--device", "cpu", "--no-warmup", "--thinking", "off"]
+    greedy, sampled = tmp_path / "greedy.json", tmp_path / "sampled.json"
+    assert main(args + ["--out", str(greedy)]) == 0
+    doc = json.loads(greedy.read_text())
+    assert doc["settings"]["algorithm"] == "dflash2"
+    assert doc["lossless"]["checked"] and doc["lossless"]["passed"]
+    assert main(args + ["--out", str(sampled), "--temperature", "0.7"]) == 0
+    doc = json.loads(sampled.read_text())
+    assert doc["settings"]["algorithm"] == "dflash2" and doc["lossless"]["checked"] is False
+    assert doc["overall"]["verify_steps"] > 0
+    refused = tmp_path / "refused.json"
+    assert main(args + ["--out", str(refused), "--engine", "vllm"]) == 1
+    assert not refused.exists()

@@ -334,3 +334,79 @@ def test_a_proposer_returning_the_wrong_number_of_drafts_is_named(dense):
 def test_tap_ids_outside_the_target_are_refused(dense):
     with pytest.raises(ValueError, match=r"tap layer ids \[4\] are outside the target's 4"):
         TargetRunner(dense, [0, 4])
+
+
+def test_sampled_drafts_are_verified_by_speculative_sampling():
+    """Drafts sampled from q over K candidates (DFlash2's selector above temperature 0): the
+    first committed token follows the target's p_0 and, after an accepted first draft, the next
+    one p_1 (chi-square); a proposer misreporting q is caught by the same test."""
+    from dflash_pipeline.evaluation.loop import TokenPicker
+
+    vocab, k, runs = 6, 3, 4000
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=g)
+    p = torch.softmax(logits, dim=-1)
+    # As the selector's: candidates are the top-K of the drafter's logits, here a noisy copy of
+    # the target's, and q is sharper than p over them.
+    draft_logits = logits[:3] + 0.5 * torch.randn(3, vocab, generator=g)
+    candidates = draft_logits.topk(k, dim=-1).indices
+    q = torch.softmax(2.0 * draft_logits.gather(1, candidates), dim=-1)
+
+    def chi2(counts, probs):
+        expected = probs * counts.sum()
+        return float(((counts - expected) ** 2 / expected).sum())
+
+    def sample(reported):
+        pick = TokenPicker(DecodeSettings(4, temperature=1.0, seed=1), torch.device("cpu"))
+        first, second = torch.zeros(vocab), torch.zeros(vocab)
+        accepted_any = 0
+        for _ in range(runs):
+            index = torch.multinomial(q, 1, generator=pick.generator)[:, 0]
+            drafts = candidates.gather(1, index[:, None])[:, 0].tolist()
+            accepted, token = pick.speculative(logits, drafts, candidates, reported)
+            committed = [*drafts[:accepted], token]
+            first[committed[0]] += 1
+            if accepted >= 1:
+                accepted_any += 1
+                second[committed[1]] += 1
+        return first, second, accepted_any
+
+    first, second, accepted_any = sample(q)
+    assert accepted_any > runs // 5  # drafts were accepted, not only resampled
+    assert chi2(first, p[0]) < 20.5 and chi2(second, p[1]) < 20.5  # 99.9% quantile, 5 dof
+    lied_first, _, _ = sample(torch.full_like(q, 1.0 / k))
+    assert chi2(lied_first, p[0]) > 20.5
+
+
+def tiny_dflash2_proposer(model, seed=0):
+    """A DFlash2 drafter for the dense test target, its convolutions and selector perturbed off
+    their no-op start so the walk is not the logits' argmax."""
+    from dflash_pipeline.model.config import drafter_config_for_target
+    from dflash_pipeline.model.drafter import DFlashDrafter
+    from dflash_pipeline.model.inference import DFlashProposer
+
+    config = drafter_config_for_target(
+        model.config, num_layers=2, block_size=4, mask_token_id=VOCAB - 1, target_layer_ids=TAPS,
+        dtype="float32", algorithm="dflash2",
+        dflash2=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=6),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                p.normal_(0, 0.5)
+    return DFlashProposer(drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+
+
+def test_dflash2_drafter_decodes_losslessly_greedy_and_samples_above_zero(dense):
+    proposer = tiny_dflash2_proposer(dense)
+    assert proposer.samples_drafts
+    runner = TargetRunner(dense, proposer.target_layer_ids)
+    greedy = speculative_decode(runner, proposer, PROMPT, DecodeSettings(24))
+    assert greedy.tokens == greedy_continuation(dense, 24)
+    sampled = speculative_decode(runner, proposer, PROMPT, DecodeSettings(24, temperature=0.8, seed=3))
+    assert len(sampled.tokens) == 24 and all(0 <= t < VOCAB for t in sampled.tokens)
+    assert all(len(d) == 3 for d in sampled.drafts)
+    again = speculative_decode(runner, proposer, PROMPT, DecodeSettings(24, temperature=0.8, seed=3))
+    assert again.tokens == sampled.tokens  # one seed, one generator for drafts and verify

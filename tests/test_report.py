@@ -159,3 +159,24 @@ def test_acceptance_figure_per_position_and_prompt_set(tmp_path):
     assert "acceptance length τ (overall 2.40)" in text and "math" in text and "chat" in text
     with pytest.raises(ValueError, match="no 'overall'"):
         report.plot_acceptance({"prompt_sets": {}}, tmp_path / "x.svg")
+
+
+def test_figures_name_the_algorithm_and_draw_the_selector_walk(tmp_path):
+    from dflash_pipeline.core import layout
+    from dflash_pipeline.core.storage import LocalStorage
+
+    run = LocalStorage(tmp_path / "run")
+    run.write_text(layout.train_progress_prefix(0) + layout.TRAIN_METRICS, "".join(json.dumps({
+        "segment": 0, "step": s, "algorithm": "dflash2", "loss": 2.0 / s, "accuracy": 0.1 * s,
+        "accuracy_per_position": [0.9, 0.5, 0.2], "accept_len": 1 + 0.2 * s, "selector_accuracy": 0.12 * s,
+        "selector_accept_len": 1 + 0.25 * s, "tokens_per_s": 1000.0, "lr": 1e-4, "time": float(s)}) + "\n"
+        for s in range(1, 4)))
+    report.write_training_report(str(tmp_path / "run"), [0], tmp_path / "train.svg")
+    text = svg_text(tmp_path / "train.svg")
+    assert "drafter: DFlash2" in text and "selector walk" in text and "logits argmax" in text
+    metrics = {"overall": {"tau": 2.4, "accept_hist": [3, 2, 1, 4], "per_position": [0.8, 0.5, 0.3]},
+               "prompt_sets": {}, "per_prompt": [], "settings": {"algorithm": "dflash2"}}
+    report.plot_acceptance(metrics, tmp_path / "acc.svg")
+    assert "drafter: DFlash2" in svg_text(tmp_path / "acc.svg")
+    report.plot_acceptance({**metrics, "settings": {}}, tmp_path / "acc1.svg")
+    assert "drafter: DFlash" in svg_text(tmp_path / "acc1.svg")

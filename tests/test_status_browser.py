@@ -152,7 +152,7 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         "train": "2 / 2",
     }
     assert final["curvePoints"] == 12  # every optimizer step of both segments
-    assert final["evaluation"].startswith("Evaluation: acceptance length τ = ")
+    assert final["evaluation"].startswith("Evaluation (DFlash): acceptance length τ = ")
     assert final["state"] == "finished"
 
     workflow.snakemake("--report", "report.html")
@@ -197,6 +197,7 @@ def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp
                   acceptPoints: document.querySelectorAll("#chart-accept polyline").length,
                   segments: document.querySelectorAll("#segments tbody tr").length,
                   evaluation: document.getElementById("evaluation").textContent,
+                  algorithm: document.getElementById("training-algorithm").textContent,
                 };""")
             if page["points"]:
                 break
@@ -210,3 +211,4 @@ def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp
     assert any("87% degenerate" in log for log in page["logs"])
     assert (page["points"], page["acceptPoints"], page["segments"]) == (5, 1, 2)
     assert "τ = 2.5" in page["evaluation"] and "math: 2.7" in page["evaluation"]
+    assert page["algorithm"] == "Drafter: DFlash" and "Evaluation (DFlash)" in page["evaluation"]

@@ -53,8 +53,10 @@ def test_snapshot_counts_shards_and_shows_running_failed_training_and_storage(lo
     assert failed["log_tail"][0].startswith("tokenize failed: 87% degenerate")
     assert [p["step"] for p in snap["training"]["curve"]] == [1, 2, 3, 4, 5]
     assert snap["training"]["curve"][-1]["accept_len"] == pytest.approx(1.5)
+    assert snap["training"]["algorithm"] == "dflash"  # steps that name none are DFlash
     assert [(s["segment"], s["state"]) for s in snap["training"]["segments"]] == [("0000", "done"), ("0001", "running")]
     assert snap["evaluation"]["tau"] == 2.5 and snap["evaluation"]["prompt_sets"] == {"math": 2.7}
+    assert snap["evaluation"]["algorithm"] == "dflash"
     assert snap["storage"]["by_category"]["prepare"] == {"bytes": 200, "objects": 2}
     assert snap["workflow"]["state"] == "running, with failures"
     assert (snap["workflow"]["steps_done"], snap["workflow"]["steps_total"]) == (4, 9)

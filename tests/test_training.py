@@ -282,3 +282,28 @@ def test_ddp_over_two_processes_trains_and_resumes_after_sigterm(demo_model, tok
     assert manifest["processes"] == 2 and manifest["steps"] == [0, 12]
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(12))
+
+
+def test_a_dflash2_segment_logs_selector_metrics_and_exports_the_authors_format(demo_model, tokenized, tmp_path):
+    s = settings(algorithm="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4,
+                 selector_warmup_ratio=0.25, selector_ramp_ratio=0.25, steps_per_segment=STEPS,
+                 checkpoint_every_steps=STEPS)
+    manifest = run_segment(tmp_path, 0, s, demo_model, tokenized)
+    assert manifest["algorithm"] == "dflash2"
+    assert manifest["drafter_config"]["architectures"] == ["DFlash2DraftModel"]
+    assert {"selector_recall", "selector_accuracy", "selector_accept_len"} <= set(manifest["last_metrics"])
+    lines = (tmp_path / layout.train_progress_prefix(0) / layout.TRAIN_METRICS).read_text().splitlines()
+    records = [json.loads(x) for x in lines]
+    # alpha: 0 for the first quarter of the steps, a ramp over the next quarter, then 1.
+    assert [r["selector_weight"] for r in records] == [0.0, 0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    for r in records:
+        assert r["algorithm"] == "dflash2"
+        assert 0 <= r["selector_accuracy"] <= r["selector_recall"] <= 1
+        assert 1 <= r["selector_accept_len"] <= 4 and r["selector_loss"] >= 0
+        assert r["total_loss"] == pytest.approx(r["loss"] + r["selector_weight"] * r["selector_loss"], rel=1e-4)
+    out = tmp_path / "drafter"
+    out.mkdir()
+    export_drafter(str(tmp_path), str(tmp_path / layout.segment_manifest_key(0)),
+                   str(out / "config.json"), str(out / "model.safetensors"), "bfloat16")
+    tensors = load_file(out / "model.safetensors")
+    assert len(tensors) == 15 * 2 + 6 and "candidate_selector.successor_codebook" in tensors

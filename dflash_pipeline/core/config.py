@@ -61,10 +61,28 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
     _fill_defaults(config, schema)
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
-    if errors:
-        lines = [_describe(e) for e in errors]
+    lines = [_describe(e) for e in errors] or _cross_key_problems(config)
+    if lines:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines))
     return config
+
+
+def _cross_key_problems(config: dict) -> list[str]:
+    """Rules that span keys, checked before any job starts rather than hours into a run."""
+    train, evaluate = config.get("train") or {}, config.get("evaluate") or {}
+    problems = []
+    if train.get("algorithm") == "dflash2":
+        if evaluate.get("engine", "transformers") != "transformers":
+            problems.append(
+                f"evaluate.engine: {evaluate['engine']} cannot serve a DFlash2 drafter "
+                "(train.algorithm: dflash2); the pinned engine versions load DFlash only, use transformers"
+            )
+        if train.get("conv_kernel_size", 1) > train.get("block_size", 2):
+            problems.append(
+                f"train.conv_kernel_size: {train['conv_kernel_size']} is larger than "
+                f"train.block_size {train['block_size']}"
+            )
+    return problems
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> dict:

@@ -10,6 +10,13 @@ y_A is the next anchor. Because every committed token is the target's own choice
 committed prefix, the output is the target's own decoding: token for token in greedy mode, in
 distribution when sampling ("sample the target, compare" is speculative sampling with a
 deterministic proposal).
+
+A proposer that samples its drafts above temperature 0 (DFlash2's selector walk,
+``samples_drafts``) also returns the distribution q each draft was drawn from; then the verify
+step is speculative sampling proper (dflash2-spec.md §1.5): draft d at slot i is accepted iff
+u * q(d) < p_i(d), u uniform; the first rejected slot commits a sample of
+normalize(max(p_i - q, 0)) (p_i if that is all zero), and a fully accepted block a sample of the
+last slot's p. The committed tokens are then distributed as the target's own samples.
 """
 
 from __future__ import annotations
@@ -40,6 +47,20 @@ class Proposer(Protocol):
         the ones committed since the previous call: over a generation every committed position
         before the anchor is passed exactly once, in order.
         """
+        ...
+
+
+class SamplingProposer(Proposer, Protocol):
+    """A proposer whose drafts are samples above temperature 0 (``samples_drafts`` true)."""
+
+    samples_drafts: bool
+
+    def propose_sampled(
+        self, new_context: torch.Tensor, anchor_token: int, anchor_position: int,
+        temperature: float, generator: torch.Generator,
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """As ``propose``, plus each slot's candidate ids [B-1, K] and the probabilities
+        q [B-1, K] its draft was sampled from (the same contract on ``new_context``)."""
         ...
 
 
@@ -74,6 +95,7 @@ class SpeculativeTrace:
     block_size: int
     finish_reason: str  # "stop" | "length"
     seconds: float
+    drafts: list[list[int]] = field(default_factory=list)  # the proposal of every verify step
 
 
 @dataclass
@@ -102,6 +124,25 @@ class TokenPicker:
         probs = torch.softmax(logits / self.temperature, dim=-1)
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0].tolist()
 
+    def speculative(
+        self, logits: torch.Tensor, drafts: list[int], candidates: torch.Tensor, q: torch.Tensor
+    ) -> tuple[int, int]:
+        """Speculative sampling of sampled drafts: (accepted drafts, the token after them)."""
+        p = torch.softmax(logits / self.temperature, dim=-1)  # [B, V]
+        candidates, q = candidates.to(p.device), q.to(device=p.device, dtype=p.dtype)
+        for i, draft in enumerate(drafts):
+            q_draft = q[i][candidates[i] == draft].sum()
+            u = torch.rand((), generator=self.generator, device=p.device)
+            if u * q_draft < p[i, draft]:
+                continue
+            residual = p[i].clone()
+            residual.scatter_add_(0, candidates[i], -q[i])
+            residual.clamp_min_(0)
+            total = residual.sum()
+            residual = residual / total if total > 0 else p[i]
+            return i, int(torch.multinomial(residual, 1, generator=self.generator))
+        return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=self.generator))
+
 
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -129,6 +170,7 @@ def speculative_decode(
 ) -> SpeculativeTrace:
     block_size = proposer.block_size
     pick = TokenPicker(settings, target.device)
+    sampled_drafts = not settings.greedy and getattr(proposer, "samples_drafts", False)
     _synchronize(target.device)
     started = time.perf_counter()
     proposer.reset()
@@ -138,22 +180,33 @@ def speculative_decode(
     anchor_position = len(prompt_ids)
     tokens = [anchor]
     accepted_lengths: list[int] = []
+    proposals: list[list[int]] = []
     while not _done(tokens, [anchor], settings):
-        drafts = list(proposer.propose(context, anchor, anchor_position))
+        if sampled_drafts:
+            drafts, candidates, q = proposer.propose_sampled(
+                context, anchor, anchor_position, settings.temperature, pick.generator
+            )
+            drafts = list(drafts)
+        else:
+            drafts = list(proposer.propose(context, anchor, anchor_position))
         if len(drafts) != block_size - 1:
             raise ProposerError(
                 f"the proposer returned {len(drafts)} drafts for block size {block_size} "
                 f"(expected {block_size - 1})"
             )
+        proposals.append(drafts)
         block = [anchor, *drafts]
         logits, block_taps = target.verify(block)
-        posterior = pick(logits)  # posterior[i]: the target's token at anchor_position + i + 1
-        accepted = 0
-        while accepted < block_size - 1 and drafts[accepted] == posterior[accepted]:
-            accepted += 1
+        if sampled_drafts:
+            accepted, anchor = pick.speculative(logits, drafts, candidates, q)
+        else:
+            posterior = pick(logits)  # posterior[i]: the target's token at anchor_position + i + 1
+            accepted = 0
+            while accepted < block_size - 1 and drafts[accepted] == posterior[accepted]:
+                accepted += 1
+            anchor = posterior[accepted]
         accepted_lengths.append(accepted)
         context = target.keep(accepted + 1, block_taps)
-        anchor = posterior[accepted]
         new_tokens = [*drafts[:accepted], anchor]
         tokens.extend(new_tokens)
         anchor_position += accepted + 1
@@ -162,7 +215,7 @@ def speculative_decode(
     _synchronize(target.device)
     seconds = time.perf_counter() - started
     tokens, reason = _finish(tokens, settings)
-    return SpeculativeTrace(tokens, accepted_lengths, block_size, reason, seconds)
+    return SpeculativeTrace(tokens, accepted_lengths, block_size, reason, seconds, proposals)
 
 
 @torch.no_grad()

@@ -3,7 +3,9 @@
 The same blocks as in training (anchors where the anchor and its next token are supervised), the
 exported drafter, the target's taps of the row itself: tau = 1 + the number of leading block
 slots the drafter gets right, averaged over blocks. Training reports the same quantity on its
-batches; the parity gate compares this one with the tau of the real decoding loop.
+batches; the parity gate compares this one with the tau of the real decoding loop. For DFlash2 a
+slot is right when the selector, teacher-forced, picks the gold token: while every earlier slot
+was right that is exactly its greedy walk, so tau is the walk's (not the logits' argmax's).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dflash_pipeline.data.sharding import HELDOUT
 from dflash_pipeline.model.inference import load_drafter
 from dflash_pipeline.model.target import load_target, target_embeddings
 from dflash_pipeline.model.taps import TargetTaps
-from dflash_pipeline.training.blocks import block_metrics, blocks_forward, build_blocks, sample_anchors
+from dflash_pipeline.training.blocks import block_loss, block_metrics, blocks_forward, build_blocks, sample_anchors
+from dflash_pipeline.training.selector import selector_loss
 
 
 def _hits(hidden, head, blocks, chunk_rows: int) -> torch.Tensor:
@@ -28,6 +31,12 @@ def _hits(hidden, head, blocks, chunk_rows: int) -> torch.Tensor:
         logits = flat[start : start + chunk_rows] @ head.t().to(flat.dtype)
         hits[rows[start : start + chunk_rows]] = logits.argmax(-1) == labels[start : start + chunk_rows]
     return hits.reshape(blocks.labels.shape)
+
+
+def _selector_hits(drafter, hidden, head, blocks, chunk_rows: int) -> torch.Tensor:
+    selector = drafter.candidate_selector
+    base = block_loss(hidden, head, blocks, chunk_rows, top_k=selector.top_k)
+    return selector_loss(selector, hidden, head, blocks, base.rows, base.top_ids).hits
 
 
 @torch.no_grad()
@@ -72,11 +81,16 @@ def simulated_tau(
                 mask_token_id=config.mask_token_id, gamma=7.0,
             )  # fmt: skip
             hidden = blocks_forward(drafter, taps(ids), embed, blocks)
-            metrics = block_metrics(_hits(hidden, head, blocks, chunk_rows), blocks)
+            if drafter.candidate_selector is not None:
+                hits = _selector_hits(drafter, hidden, head, blocks, chunk_rows)
+            else:
+                hits = _hits(hidden, head, blocks, chunk_rows)
+            metrics = block_metrics(hits, blocks)
             runs.append((metrics["accept_len"], metrics["blocks"]))
             rows_used += 1
     blocks_total = sum(n for _, n in runs)
     if not blocks_total:
         raise ValueError(f"no {split} rows with a supervised block in {tokenized_paths}")
     tau = sum(t * n for t, n in runs) / blocks_total
-    return {"tau": round(tau, 4), "blocks": blocks_total, "rows": rows_used, "split": split}
+    return {"tau": round(tau, 4), "blocks": blocks_total, "rows": rows_used, "split": split,
+            "algorithm": config.algorithm}

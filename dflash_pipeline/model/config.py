@@ -13,6 +13,12 @@ from pathlib import Path
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+DFLASH = "dflash"
+DFLASH2 = "dflash2"
+ALGORITHMS = (DFLASH, DFLASH2)
+ARCHITECTURES = {DFLASH: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}
+# The DFlash2 hyperparameters the checkpoint carries (dflash2-spec.md §2.1), in dflash_config.
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 class DrafterConfigError(ValueError):
@@ -63,6 +69,14 @@ ENGINE_FIELDS = {
 }
 # Written only when every layer is of one kind: an explicit value applies to all layers.
 UNIFORM_ONLY_FIELDS = ("dflash_config.causal", "is_causal")
+# What a DFlash2 export adds, read by the authors' DFlash2DraftModel (torch reads dflash_config
+# first, then the top level; their MLX loader reads the conv/selector keys from dflash_config
+# only, where a missing key silently becomes 0; dflash2-spec.md §2.1). No serving engine of the
+# versions this project runs (vLLM 0.20.1) dispatches DFlash2DraftModel.
+DFLASH2_FIELDS = {
+    "architectures": ("zlab", '["DFlash2DraftModel"]: the only dispatch key'),
+    **{f"dflash_config.{key}": ("zlab", "DFlash2 module shape") for key in DFLASH2_KEYS},
+}
 
 
 @dataclass
@@ -86,6 +100,13 @@ class DrafterConfig:
     attention_bias: bool = False
     hidden_act: str = "silu"
     dtype: str = "bfloat16"
+    # DFlash2 (dflash2-spec.md §1): a grouped dynamic causal convolution around every sublayer
+    # and a low-rank candidate selector; the four sizes are None for plain DFlash.
+    algorithm: str = DFLASH
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
 
     def __post_init__(self):
         if not self.layer_types:
@@ -118,8 +139,41 @@ class DrafterConfig:
             problems.append(f"only hidden_act 'silu' is implemented, got {self.hidden_act!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        problems += self._dflash2_problems()
         if problems:
             raise DrafterConfigError("invalid drafter config: " + "; ".join(problems))
+
+    def _dflash2_problems(self) -> list[str]:
+        if self.algorithm not in ALGORITHMS:
+            return [f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}"]
+        values = {key: getattr(self, key) for key in DFLASH2_KEYS}
+        if self.algorithm == DFLASH:
+            given = [key for key, value in values.items() if value is not None]
+            return [f"{', '.join(given)} only apply to algorithm dflash2"] if given else []
+        missing = [key for key, value in values.items() if value is None]
+        if missing:
+            return [f"algorithm dflash2 needs {', '.join(missing)}"]
+        # The constraints of the authors' modules (dflash2-spec.md §2.1).
+        problems = []
+        if not 1 <= self.conv_kernel_size <= self.block_size:
+            problems.append(
+                f"conv_kernel_size {self.conv_kernel_size} must lie in 1..block_size ({self.block_size})"
+            )
+        if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+            problems.append(
+                f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}"
+            )
+        if self.selector_rank < 1:
+            problems.append(f"selector_rank must be at least 1, got {self.selector_rank}")
+        if not 1 <= self.selector_top_k <= self.vocab_size:
+            problems.append(
+                f"selector_top_k {self.selector_top_k} must lie in 1..vocab_size ({self.vocab_size})"
+            )
+        return problems
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.algorithm == DFLASH2
 
     @property
     def num_taps(self) -> int:
@@ -140,13 +194,15 @@ class DrafterConfig:
             "use_swa": sliding,
             "swa_window_size": self.sliding_window if sliding else None,
         }
-        for key in ("block_size", "mask_token_id", "target_layer_ids"):
+        for key in ("block_size", "mask_token_id", "target_layer_ids", "algorithm", *DFLASH2_KEYS):
             fields.pop(key)
+        if self.is_dflash2:
+            dflash.update({key: getattr(self, key) for key in DFLASH2_KEYS})
         causal = self.uniform_causality()
         if causal is not None:
             dflash["causal"] = causal
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [ARCHITECTURES[self.algorithm]],
             "model_type": "qwen3",
             **fields,
             # Written explicitly so no loader falls back to a guess (dflash-spec.md pitfall 10).
@@ -184,10 +240,20 @@ class DrafterConfig:
     @classmethod
     def from_zlab(cls, data: dict, source: str = "config") -> DrafterConfig:
         dflash = data.get("dflash_config") or {}
-        if data.get("architectures") != ["DFlashDraftModel"]:
+        by_architecture = {arch: algo for algo, arch in ARCHITECTURES.items()}
+        architectures = data.get("architectures") or []
+        if len(architectures) != 1 or architectures[0] not in by_architecture:
             raise DrafterConfigError(
-                f"{source}: architectures must be ['DFlashDraftModel'], got {data.get('architectures')}"
+                f"{source}: architectures must be one of "
+                f"{[[a] for a in by_architecture]}, got {data.get('architectures')}"
             )
+        algorithm = by_architecture[architectures[0]]
+        # As the authors' loader: dflash_config first, then the top level.
+        dflash2 = (
+            {key: dflash.get(key, data.get(key)) for key in DFLASH2_KEYS}
+            if algorithm == DFLASH2
+            else {}
+        )
         rope = data.get("rope_parameters") or {}
         scaling = data.get("rope_scaling") or (
             rope if rope.get("rope_type", "default") != "default" else None
@@ -217,6 +283,8 @@ class DrafterConfig:
                 attention_bias=data.get("attention_bias", False),
                 hidden_act=data.get("hidden_act", "silu"),
                 dtype=data.get("dtype") or data.get("torch_dtype") or "bfloat16",
+                algorithm=algorithm,
+                **dflash2,
             )
         except KeyError as err:
             raise DrafterConfigError(f"{source}: missing key {err.args[0]!r}") from None
@@ -246,9 +314,12 @@ def drafter_config_for_target(
     intermediate_size: int | None = None,
     rope_theta: float | None = None,
     dtype: str = "bfloat16",
+    algorithm: str = DFLASH,
+    dflash2: dict | None = None,
 ) -> DrafterConfig:
     """A drafter shaped after its target: same hidden size, heads and vocab (the target's
-    embedding and LM head are reused), its own layer count and block size."""
+    embedding and LM head are reused), its own layer count and block size. ``dflash2`` holds
+    the four DFlash2 sizes (``DFLASH2_KEYS``) when ``algorithm`` is dflash2."""
     text = target_text_config(target_config)
     num_target_layers = text.num_hidden_layers
     rope = getattr(text, "rope_parameters", None) or {}
@@ -273,4 +344,6 @@ def drafter_config_for_target(
         rope_theta=float(theta),
         max_position_embeddings=getattr(text, "max_position_embeddings", 40960),
         dtype=dtype,
+        algorithm=algorithm,
+        **({key: (dflash2 or {})[key] for key in DFLASH2_KEYS} if algorithm == DFLASH2 else {}),
     )

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_pipeline.model.config import SLIDING, DrafterConfig
+from dflash_pipeline.model.dflash2 import CandidateSelector, GroupedCausalConv
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
 
@@ -160,12 +161,26 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_dflash2:
+            # Only the block stream is convolved; the context features never are.
+            conv = lambda: GroupedCausalConv(  # noqa: E731
+                config.hidden_size, config.conv_kernel_size, config.conv_group_size
+            )
+            self.attention_conv, self.mlp_conv = conv(), conv()
+        else:
+            self.attention_conv = self.mlp_conv = None
 
-    def forward(self, hidden, context_k, context_v, cos, sin, mask, backend):
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), context_k, context_v, cos, sin, mask, backend
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, context_k, context_v, cos, sin, mask, backend, block_length):
+        x = self.input_layernorm(hidden)
+        if self.attention_conv is None:
+            hidden = hidden + self.self_attn(x, context_k, context_v, cos, sin, mask, backend)
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        # The block's queries and its own keys/values come from the convolved input.
+        y, post = self.attention_conv.prepare(x, block_length)
+        z = self.self_attn(y, context_k, context_v, cos, sin, mask, backend)
+        hidden = hidden + self.attention_conv.finish(z, post, block_length)
+        y, post = self.mlp_conv.prepare(self.post_attention_layernorm(hidden), block_length)
+        return hidden + self.mlp_conv.finish(self.mlp(y), post, block_length)
 
 
 class DFlashDrafter(nn.Module):
@@ -178,16 +193,30 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.candidate_selector = (
+            CandidateSelector(config.vocab_size, h, config.selector_rank, config.selector_top_k)
+            if config.is_dflash2
+            else None
+        )
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
+        """normal(0, std) linears, unit norms; DFlash2's convolutions as the identity and its
+        selector last, so a seeded DFlash2 draws the same DFlash weights as a seeded DFlash
+        (and computes the same logits: both modules start as no-ops)."""
+        dflash2 = (GroupedCausalConv, CandidateSelector)
+        skip = {id(p) for m in self.modules() if isinstance(m, dflash2) for p in m.parameters()}
         for module in self.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear) and id(module.weight) not in skip:
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, GroupedCausalConv):
+                module.reset_identity()
+        if self.candidate_selector is not None:
+            self.candidate_selector.reset_parameters(std)
 
     def fuse_context(self, taps: torch.Tensor) -> torch.Tensor:
         """Target taps [b, S, K*H] -> context features c [b, S, H]."""
@@ -205,13 +234,17 @@ class DFlashDrafter(nn.Module):
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
         masks: dict[str, torch.Tensor | None],
         backend: str = "sdpa",
+        block_length: int | None = None,
     ) -> torch.Tensor:
         """Block hidden states [b, Q, H] (before the LM head). ``masks`` maps a layer type to its
-        mask (dense bool [b, Q, S+Q] for sdpa, a BlockMask for flex, None = everything visible)."""
+        mask (dense bool [b, Q, S+Q] for sdpa, a BlockMask for flex, None = everything visible).
+        ``block_length``: the query stream is Q / block_length consecutive blocks (DFlash2's
+        convolution stays inside each); None = one block of Q slots."""
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+        block_length = block_length or block_embeds.shape[1]
         cos, sin = self.rotary(block_positions, block_embeds.dtype)
         hidden = block_embeds
         for layer, (k, v), layer_type in zip(self.layers, context_kv, self.config.layer_types):
-            hidden = layer(hidden, k, v, cos, sin, masks[layer_type], backend)
+            hidden = layer(hidden, k, v, cos, sin, masks[layer_type], backend, block_length)
         return self.norm(hidden)

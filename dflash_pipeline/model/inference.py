@@ -3,7 +3,7 @@
 ``DFlashProposer`` keeps each layer's context keys/values for all committed positions (appending
 the new ones each call), runs the block [anchor, MASK x (B-1)] at positions anchor..anchor+B-1
 through ``DFlashDrafter.forward`` (the same code as training, with N = 1) and takes the argmax at
-slots 1..B-1 (drafts are greedy, also when the target samples).
+slots 1..B-1 (DFlash), or walks DFlash2's candidate selector through each slot's top-K.
 """
 
 from __future__ import annotations
@@ -61,6 +61,14 @@ class DFlashProposer:
     @torch.no_grad()
     def block_logits(self, anchor_token: int, anchor_position: int, block_size: int | None = None):
         """Logits [B-1, V] of slots 1..B-1 of the block anchored at ``anchor_position``."""
+        return self.logits(self.block_hidden(anchor_token, anchor_position, block_size))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden @ self.lm_head_weight.t().to(hidden.dtype)).float()
+
+    @torch.no_grad()
+    def block_hidden(self, anchor_token: int, anchor_position: int, block_size: int | None = None):
+        """Final draft hidden states [B-1, H] (after the draft norm) of slots 1..B-1."""
         if anchor_position != self.context_len:
             raise ValueError(
                 f"the block must start right after the committed context: anchor position "
@@ -80,8 +88,7 @@ class DFlashProposer:
                 anchor, keep, self.context_len, B, self.config.sliding_window
             )
         embeds = F.embedding(tokens, self.embed_weight).to(param.dtype)
-        hidden = self.drafter(embeds, positions, context_kv, masks, "sdpa")
-        return (hidden[0, 1:] @ self.lm_head_weight.t().to(hidden.dtype)).float()
+        return self.drafter(embeds, positions, context_kv, masks, "sdpa")[0, 1:]
 
     def _empty_kv(self, param):
         c = self.config
@@ -89,8 +96,31 @@ class DFlashProposer:
         return [(empty, empty)] * c.num_hidden_layers
 
     def propose(self, new_context: torch.Tensor, anchor_token: int, anchor_position: int) -> list[int]:
+        """Greedy drafts: the logits' argmax (DFlash), the selector's walk (DFlash2; its argmax
+        of unary + edge scores, not of the logits)."""
         self.extend_context(new_context)
-        return self.block_logits(anchor_token, anchor_position).argmax(dim=-1).tolist()
+        hidden = self.block_hidden(anchor_token, anchor_position)
+        logits = self.logits(hidden)
+        selector = self.drafter.candidate_selector
+        if selector is None:
+            return logits.argmax(dim=-1).tolist()
+        return selector.walk(hidden, logits, anchor_token)[0]
+
+
+    @property
+    def samples_drafts(self) -> bool:
+        """DFlash2 samples its drafts above temperature 0 (the selector's walk); DFlash's stay
+        greedy, which "sample the target, compare" verifies losslessly."""
+        return self.drafter.candidate_selector is not None
+
+    def propose_sampled(self, new_context, anchor_token, anchor_position, temperature, generator):
+        """Drafts sampled by the selector walk, with each slot's candidates [B-1, K] and the
+        distribution q [B-1, K] its draft was drawn from."""
+        self.extend_context(new_context)
+        hidden = self.block_hidden(anchor_token, anchor_position)
+        return self.drafter.candidate_selector.walk(
+            hidden, self.logits(hidden), anchor_token, temperature, generator
+        )
 
 
 def load_drafter(drafter_dir: str | Path, device=None, dtype=None) -> DFlashDrafter:

@@ -31,6 +31,9 @@ CHAR_EDGES = [0, 1, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
 SHARD_NUMBER = re.compile(r"(\d{5})")
 
 
+ALGORITHM_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2"}
+
+
 def histogram(values: Iterable[int], edges: list[int]) -> list[int]:
     """Counts per bin; bin k holds edges[k] <= v < edges[k+1], the last bin is open-ended."""
     counts = [0] * len(edges)
@@ -379,14 +382,22 @@ def plot_training_curves(points: list[dict], out: str | Path) -> None:
     and the last step's accuracy per draft position."""
     plt = _pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.4))
+    algorithm = next((p["algorithm"] for p in reversed(points) if p.get("algorithm")), "dflash")
+    fig.suptitle(f"drafter: {ALGORITHM_NAMES.get(algorithm, algorithm)}")
     panels = [("loss", "loss"), ("accuracy", "accuracy"), ("accept_len", "simulated acceptance length"),
               ("lr", "learning rate"), ("tokens_per_s", "tokens / s")]
+    # DFlash2: beside the logits' argmax, the selector's teacher-forced walk (what it proposes).
+    extra = {"accuracy": "selector_accuracy", "accept_len": "selector_accept_len"}
     for ax, (key, title) in zip(axes.flat, panels):
         xy = [(p["step"], p[key]) for p in points if p.get(key) is not None]
         if not xy:
             _empty(ax, f"{title}: no data")
             continue
-        ax.plot(*zip(*xy), color="#3b7dd8", linewidth=1.2)
+        ax.plot(*zip(*xy), color="#3b7dd8", linewidth=1.2, label="logits argmax")
+        walk = [(p["step"], p[extra[key]]) for p in points if p.get(extra.get(key, "")) is not None]
+        if walk:
+            ax.plot(*zip(*walk), color="#d8663b", linewidth=1.2, label="selector walk")
+            ax.legend(fontsize=7)
         ax.set_title(title)
         ax.set_xlabel("step")
     ax = axes.flat[5]
@@ -418,6 +429,8 @@ def plot_acceptance(metrics: dict, out: str | Path) -> None:
     hist = overall.get("accept_hist") or []
     _bars(middle, [str(i) for i in range(len(hist))], hist, "accepted draft tokens per verify step", "steps")
     middle.set_xlabel("accepted length")
+    algorithm = (metrics.get("settings") or {}).get("algorithm", "dflash")
+    fig.suptitle(f"drafter: {ALGORITHM_NAMES.get(algorithm, algorithm)}", fontsize=9)
     names = ["overall", *sets]
     taus = [overall.get("tau") or 0] + [sets[k].get("tau") or 0 for k in sets]
     engine = metrics.get("engine") if isinstance(metrics.get("engine"), dict) else None

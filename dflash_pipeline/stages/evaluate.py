@@ -133,6 +133,7 @@ def run_evaluation(
     options = options or EvalOptions()
     if options.engine not in ("transformers", *ENGINES):
         raise ValueError(f"unknown engine {options.engine!r} (transformers, {', '.join(ENGINES)})")
+    check_engine_serves(drafter, options.engine)
     out = Path(out)
     if options.engine in ENGINES and engine_section is None:
         engine_section = measure_engine(target, drafter, prompts_path, options, out)
@@ -183,6 +184,32 @@ def run_evaluation(
     if "engine_parity" in document:
         check_engine_parity(document["engine_parity"])
     return document
+
+
+def drafter_algorithm(drafter: str | Path) -> str:
+    """dflash or dflash2, from the exported config.json's architectures."""
+    from dflash_pipeline.model.config import ARCHITECTURES
+
+    config_path = Path(drafter) / "config.json"
+    architectures = json.loads(config_path.read_text()).get("architectures") or []
+    by_architecture = {arch: algo for algo, arch in ARCHITECTURES.items()}
+    if len(architectures) != 1 or architectures[0] not in by_architecture:
+        raise ValueError(f"{config_path}: architectures {architectures} is neither of {sorted(by_architecture)}")
+    return by_architecture[architectures[0]]
+
+
+class EngineUnsupportedError(ValueError):
+    """The chosen serving engine cannot load this drafter."""
+
+
+def check_engine_serves(drafter: str | Path, engine: str) -> None:
+    """The serving engines of the pinned versions (vLLM 0.20.1, SGLang 0.5.x) dispatch only
+    DFlashDraftModel: a DFlash2 drafter is evaluated in this package's loop alone."""
+    if engine in ENGINES and drafter_algorithm(drafter) == "dflash2":
+        raise EngineUnsupportedError(
+            f"{Path(drafter) / 'config.json'}: a DFlash2DraftModel drafter cannot be served by "
+            f"{engine} (the pinned engine versions load DFlash only); use evaluate.engine transformers"
+        )
 
 
 def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str | Path) -> dict:
@@ -303,6 +330,7 @@ def _run_transformers(target, drafter, prompts, options: EvalOptions, load_propo
             "distribution, not token for token",
         }
     resolved = {
+        "algorithm": getattr(getattr(proposer, "config", None), "algorithm", "dflash"),
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "block_size": proposer.block_size,
@@ -329,6 +357,7 @@ def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[st
     from dflash_pipeline.model.target import load_target
 
     out = Path(out)
+    check_engine_serves(drafter_dir, settings["engine"])
     options = EvalOptions(
         max_new_tokens=settings["max_new_tokens"],
         temperature=settings["temperature"],
@@ -461,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_evaluation(args.target, args.drafter, args.prompts, args.out, options)
-    except (LosslessError, ParityError, EngineParityError, PromptFileError) as err:
+    except (LosslessError, ParityError, EngineParityError, PromptFileError, EngineUnsupportedError) as err:
         log.error("%s", err)
         return 1
     return 0

@@ -1,6 +1,8 @@
 """Export the last segment's drafter in the z-lab format that SGLang and vLLM load:
 ``config.json`` + ``model.safetensors`` with unprefixed tensor names and no embedding or LM head
-(both engines take those from the target; dflash-spec.md §4.1).
+(both engines take those from the target; dflash-spec.md §4.1). A DFlash2 drafter is written
+as the authors' ``DFlash2DraftModel`` (dflash2-spec.md §2): 15 tensors per layer + 6, bare
+codebook names, the conv/selector sizes in ``dflash_config``.
 
 Run by hand: ``python -m dflash_pipeline.stages.export --help``."""
 
@@ -44,6 +46,10 @@ def export_drafter(run_url: str, manifest_path: str, config_out: str, weights_ou
             f"unexpected {sorted(set(weights) - set(expected))}"
         )
     tensors = {name: t.to(DTYPES[dtype]).contiguous() for name, t in weights.items()}
+    # A loader fills only what the file holds; a NaN or inf here would be served silently.
+    nonfinite = sorted(name for name, t in tensors.items() if not torch.isfinite(t).all())
+    if nonfinite:
+        raise ValueError(f"{manifest_path}: non-finite values in tensors {nonfinite} (as {dtype})")
     with write_atomically(weights_out) as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
     with write_atomically(config_out) as tmp:

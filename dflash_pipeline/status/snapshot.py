@@ -342,11 +342,11 @@ class SnapshotBuilder:
                 }
             )
         points.sort(key=lambda p: p.get("step", 0))
-        curve = [
-            {k: p.get(k) for k in ("step", "loss", "accuracy", "accept_len", "tokens_per_s", "lr")}
-            for p in thin_points(points)
-        ]
-        return {"segments": rows, "curve": curve, "steps_logged": len(points)}
+        keys = ("step", "loss", "accuracy", "accept_len", "selector_accept_len", "tokens_per_s", "lr")
+        curve = [{k: p.get(k) for k in keys} for p in thin_points(points)]
+        # Which drafter is training: each step records it (metrics before DFlash2 existed: dflash).
+        algorithm = next((p["algorithm"] for p in reversed(points) if p.get("algorithm")), "dflash" if points else None)
+        return {"segments": rows, "curve": curve, "steps_logged": len(points), "algorithm": algorithm}
 
 
 # Where Snakemake keeps the local copy of a storage file while the job writes it
@@ -387,6 +387,7 @@ def _evaluation_summary(metrics) -> dict | None:
         "speedup_estimate": overall.get("speedup_estimate"),
         "prompt_sets": _prompt_set_taus(metrics),
         "engine": _engine_summary(metrics),
+        "algorithm": (metrics.get("settings") or {}).get("algorithm", "dflash"),
     }
 
 

@@ -26,6 +26,7 @@ class Blocks:
     tokens: torch.Tensor  # [b, N*B] int64: anchor token then mask tokens
     positions: torch.Tensor  # [b, N*B] int64: a_n + k
     labels: torch.Tensor  # [b, N*B] int64: input_ids[a_n + k] (0 beyond the sequence)
+    predecessors: torch.Tensor  # [b, N*B] int64: input_ids[a_n + k - 1] (slot 1: the anchor)
     supervised: torch.Tensor  # [b, N*B] bool: the binary (undecayed) loss mask
     weights: torch.Tensor  # [b, N*B] float32: supervised * decay
     block_size: int
@@ -95,6 +96,8 @@ def build_blocks(
     tokens = torch.full_like(positions, mask_token_id)
     tokens[:, :, 0] = torch.gather(input_ids, 1, anchors)
     labels = torch.where(inside, labels, torch.zeros_like(labels))
+    # The ground truth before each slot: DFlash2's selector is trained teacher-forced.
+    previous = torch.gather(input_ids, 1, (positions - 1).clamp(0, seq_len - 1).reshape(batch, -1))
     flat = lambda t: t.reshape(batch, -1)  # noqa: E731
     return Blocks(
         anchors=anchors,
@@ -102,6 +105,7 @@ def build_blocks(
         tokens=flat(tokens),
         positions=flat(positions),
         labels=flat(labels),
+        predecessors=previous,
         supervised=flat(supervised),
         weights=flat(weights),
         block_size=block_size,
@@ -143,7 +147,7 @@ def blocks_forward(
     context_kv = drafter.context_kv(context, context_positions)
     block_embeds = F.embedding(blocks.tokens, embed_weight).to(context.dtype)
     masks = attention_masks(drafter, blocks, context_len, backend)
-    return drafter(block_embeds, blocks.positions, context_kv, masks, backend)
+    return drafter(block_embeds, blocks.positions, context_kv, masks, backend, blocks.block_size)
 
 
 @dataclass
@@ -151,6 +155,10 @@ class LossResult:
     loss: torch.Tensor
     hits: torch.Tensor  # [b, N*B] bool: argmax == label (only meaningful where supervised)
     tokens: int  # supervised slots
+    # Rows (flat indices into [b*N*B]) of the supervised slots, and the top-K ids of their
+    # logits (top_k > 0 only: DFlash2's selector candidates).
+    rows: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
 
 
 def block_loss(
@@ -158,33 +166,42 @@ def block_loss(
     lm_head_weight: torch.Tensor,
     blocks: Blocks,
     chunk_rows: int = 2048,
+    top_k: int = 0,
 ) -> LossResult:
     """Weighted cross-entropy sum(w * CE) / sum(w) over the supervised slots.
 
     The LM head is frozen, so the loss's gradient with respect to each supervised row's hidden
     state can be computed in the forward pass, chunk by chunk: w * (softmax - onehot) @ W. Only
     that [rows, H] gradient is kept, so full-vocabulary logits exist for one chunk at a time and
-    are never recomputed in the backward pass."""
+    are never recomputed in the backward pass. ``top_k`` > 0 also keeps each supervised row's
+    top-K token ids from the same chunks (DFlash2's selector candidates)."""
     rows = blocks.supervised.flatten().nonzero().flatten()
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     weights = blocks.weights.flatten()
     denominator = weights.sum().clamp_min(1e-12)
-    total, row_hits = _FusedWeightedCE.apply(
-        flat_hidden[rows], lm_head_weight, blocks.labels.flatten()[rows], weights[rows], chunk_rows
+    total, row_hits, top_ids = _FusedWeightedCE.apply(
+        flat_hidden[rows], lm_head_weight, blocks.labels.flatten()[rows], weights[rows], chunk_rows, top_k
     )
     hits = torch.zeros(blocks.labels.numel(), dtype=torch.bool, device=hidden.device)
     hits[rows] = row_hits
-    return LossResult(loss=total / denominator, hits=hits.reshape(blocks.labels.shape), tokens=rows.numel())
+    return LossResult(
+        loss=total / denominator,
+        hits=hits.reshape(blocks.labels.shape),
+        tokens=rows.numel(),
+        rows=rows,
+        top_ids=top_ids if top_k else None,
+    )
 
 
 class _FusedWeightedCE(torch.autograd.Function):
     """sum(w * CE(h @ W.T, label)) with its gradient for h computed in the forward pass."""
 
     @staticmethod
-    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_rows):
+    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_rows, top_k=0):
         compute_dtype = lm_head_weight.dtype
         grad_hidden = torch.empty(hidden.shape, dtype=compute_dtype, device=hidden.device)
         hits = torch.empty(labels.shape, dtype=torch.bool, device=hidden.device)
+        top_ids = torch.empty((labels.shape[0], top_k), dtype=torch.long, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk_rows):
@@ -194,6 +211,8 @@ class _FusedWeightedCE(torch.autograd.Function):
                 w = weights[start:end].float()
                 logits = (h @ lm_head_weight.t()).float()
                 hits[start:end] = logits.argmax(dim=-1) == label
+                if top_k:
+                    top_ids[start:end] = logits.topk(top_k, dim=-1).indices
                 lse = torch.logsumexp(logits, dim=-1)
                 picked = logits.gather(1, label[:, None])[:, 0]
                 total += ((lse - picked) * w).sum()
@@ -203,13 +222,13 @@ class _FusedWeightedCE(torch.autograd.Function):
                 grad_hidden[start:end] = probs.to(compute_dtype) @ lm_head_weight
         ctx.save_for_backward(grad_hidden)
         ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(hits)
-        return total, hits
+        ctx.mark_non_differentiable(hits, top_ids)
+        return total, hits, top_ids
 
     @staticmethod
-    def backward(ctx, grad_total, grad_hits):
+    def backward(ctx, grad_total, grad_hits, grad_top_ids):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_total).to(ctx.hidden_dtype), None, None, None, None
+        return (grad_hidden * grad_total).to(ctx.hidden_dtype), None, None, None, None, None
 
 
 def block_metrics(hits: torch.Tensor, blocks: Blocks) -> dict:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_pipeline.training.blocks import Blocks, LossResult, block_loss, blocks_forward, build_blocks, sample_anchors
+from dflash_pipeline.training.selector import SelectorResult, selector_loss
 
 
 @dataclass
@@ -16,6 +17,9 @@ class StepResult:
     blocks: Blocks
     grad_norm: float
     lr: float
+    selector: SelectorResult | None = None  # DFlash2 only
+    selector_weight: float = 0.0
+    total_loss: float | None = None  # base + selector_weight * selector term
 
 
 def optimizer_step(
@@ -31,9 +35,11 @@ def optimizer_step(
     generator: torch.Generator,
     backend: str,
     forward_module=None,
+    selector_weight: float | None = None,
 ) -> StepResult:
     """``forward_module`` (a DDP wrapper of the block forward) replaces the plain forward when
-    gradients are averaged across processes."""
+    gradients are averaged across processes. ``selector_weight``: DFlash2's alpha at this step
+    (``training.selector.selector_weight``); None = train.selector_loss_weight."""
     config = drafter.config
     anchors, keep = sample_anchors(loss_mask, settings["num_anchors"], generator)
     blocks = build_blocks(
@@ -45,18 +51,39 @@ def optimizer_step(
         mask_token_id=config.mask_token_id,
         gamma=settings["loss_decay_gamma"],
     )
+    selector = drafter.candidate_selector
     on_gpu = taps.is_cuda
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=on_gpu):
         if forward_module is not None:
             hidden = forward_module(taps, embed_weight, blocks, backend)
         else:
             hidden = blocks_forward(drafter, taps, embed_weight, blocks, backend)
-        result = block_loss(hidden, lm_head_weight, blocks, settings["loss_chunk_rows"])
-    result.loss.backward()
+        result = block_loss(
+            hidden, lm_head_weight, blocks, settings["loss_chunk_rows"],
+            top_k=selector.top_k if selector is not None else 0,
+        )  # fmt: skip
+        total = result.loss
+        chosen = None
+        alpha = 0.0
+        if selector is not None:
+            alpha = settings["selector_loss_weight"] if selector_weight is None else selector_weight
+            chosen = selector_loss(
+                selector, hidden, lm_head_weight, blocks, result.rows, result.top_ids,
+                gold_policy=settings["selector_gold_policy"],
+                normalization=settings["selector_normalization"],
+                stop_gradient=settings["selector_stop_gradient"],
+            )  # fmt: skip
+            # Always in the graph, also at alpha 0 (warm-up): every parameter gets a gradient,
+            # as DDP's reducer expects, and the metrics are measured all along.
+            total = total + alpha * chosen.loss
+    total.backward()
     clip = settings["grad_clip"] if settings["grad_clip"] > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss=result, blocks=blocks, grad_norm=float(grad_norm), lr=lr)
+    return StepResult(
+        loss=result, blocks=blocks, grad_norm=float(grad_norm), lr=lr,
+        selector=chosen, selector_weight=alpha, total_loss=float(total.detach()),
+    )  # fmt: skip

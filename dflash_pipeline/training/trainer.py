@@ -22,16 +22,18 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.model.config import DrafterConfig, drafter_config_for_target
+from dflash_pipeline.model.config import DFLASH, DFLASH2_KEYS, DrafterConfig, drafter_config_for_target
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.core.jobstate import write_telemetry
 from dflash_pipeline.core.storage import Storage, open_storage
 from dflash_pipeline.training.blocks import block_metrics, blocks_forward
 from dflash_pipeline.training.checkpoint import RollingCheckpoints, load_checkpoint, save_checkpoint
 from dflash_pipeline.training.data import BatchPlan, collate, read_training_sequences
+from dflash_pipeline.training.selector import selector_metrics, selector_weight
 from dflash_pipeline.training.step import optimizer_step
 
 PREEMPTED_EXIT_CODE = 143
+SELECTOR_SUMMARY = ("selector_recall", "selector_accuracy", "selector_accept_len")
 
 
 class TrainingError(RuntimeError):
@@ -88,6 +90,8 @@ def build_drafter_config(settings: dict, target_dir: str) -> DrafterConfig:
         sliding_window=settings.get("sliding_window"),
         intermediate_size=settings.get("intermediate_size"),
         dtype=settings.get("export_dtype", "bfloat16"),
+        algorithm=settings.get("algorithm", DFLASH),
+        dflash2={key: settings.get(key) for key in DFLASH2_KEYS},
     )
 
 
@@ -317,15 +321,25 @@ class _SegmentRun:
             generator,
             self.backend,
             forward_module=self.model if self.dist.world > 1 else None,
-        )
+            selector_weight=selector_weight(
+                step, self.total_steps, s["selector_loss_weight"],
+                s["selector_warmup_ratio"], s["selector_ramp_ratio"],
+            ),
+        )  # fmt: skip
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - started
         tokens = self.dist.sum(float(real_tokens), self.device)
         metrics = block_metrics(out.loss.hits, out.blocks)
+        if out.selector is not None:
+            # loss stays the DFlash (base) term, comparable across algorithms; total_loss is
+            # what was optimised.
+            metrics.update(selector_metrics(out.selector, out.blocks))
+            metrics.update(selector_weight=out.selector_weight, total_loss=round(out.total_loss, 6))
         return {
             "segment": self.job.segment,
             "step": step,
+            "algorithm": self.drafter_config.algorithm,
             "loss": round(out.loss.loss.item(), 6),
             **metrics,
             "grad_norm": round(out.grad_norm, 6),
@@ -401,7 +415,11 @@ class _SegmentRun:
                 "checkpoint_prefix": prefix,
                 "files": index["files"],
                 "drafter_config": self.drafter_config.to_zlab(),
-                "last_metrics": {k: last.get(k) for k in ("loss", "accuracy", "accept_len", "lr")},
+                "algorithm": self.drafter_config.algorithm,
+                "last_metrics": {
+                    **{k: last.get(k) for k in ("loss", "accuracy", "accept_len", "lr")},
+                    **{k: last[k] for k in SELECTOR_SUMMARY if k in last},
+                },
                 "processes": self.dist.world,
             }
             from dflash_pipeline.core.storage import write_atomically

@@ -53,9 +53,10 @@ def reference_python() -> Path:
 
 RUN_REFERENCE = r'''
 import json, sys, time
+from pathlib import Path
 import torch
 import dflash.model as dm
-from dflash import DFlashDraftModel
+from dflash import DFlash2DraftModel, DFlashDraftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 import transformers
 
@@ -63,26 +64,61 @@ args = json.loads(sys.argv[1])
 # Its timing helper synchronizes CUDA; on a CPU the plain clock is the same measurement.
 dm._cuda_time = time.perf_counter
 target = AutoModelForCausalLM.from_pretrained(args["target"], dtype=torch.float32).eval()
-drafter, info = DFlashDraftModel.from_pretrained(
+# Dispatch on architectures, as the authors' benchmark does.
+architectures = json.loads(Path(args["drafter"], "config.json").read_text())["architectures"]
+cls = DFlash2DraftModel if architectures == ["DFlash2DraftModel"] else DFlashDraftModel
+drafter, info = cls.from_pretrained(
     args["drafter"], dtype=torch.float32, output_loading_info=True
 )
 drafter.eval()
+# Whatever the checkpoint did not fill stays torch.empty garbage (DFlash2's base_kernel).
+nonfinite = sorted(n for n, t in drafter.state_dict().items() if not torch.isfinite(t).all())
+# The drafts of every verify step, as the loop computed them.
+proposals = []
+if isinstance(drafter, DFlash2DraftModel):
+    propose = drafter.propose
+    def recording_propose(*a, **k):
+        out = propose(*a, **k)
+        proposals.append(out[0][0].tolist())
+        return out
+    drafter.propose = recording_propose
+else:
+    compute_logits = drafter.compute_logits
+    def recording_logits(*a, **k):
+        logits = compute_logits(*a, **k)
+        proposals.append(logits[0].argmax(-1).tolist())
+        return logits
+    drafter.compute_logits = recording_logits
 tokenizer = AutoTokenizer.from_pretrained(args["target"])
 stop = [tokenizer.convert_tokens_to_ids(t) for t in args["stop_tokens"]]
 results = []
 for prompt_ids in args["prompts"]:
     ids = torch.tensor([prompt_ids])
+    proposals.clear()
     stats = dm.dflash_generate(drafter, target, ids, args["max_new_tokens"], stop,
                                temperature=0.0, return_stats=True)
     results.append({"output_ids": stats.output_ids[0].tolist(),
-                    "acceptance_lengths": list(map(int, stats.acceptance_lengths))})
+                    "acceptance_lengths": list(map(int, stats.acceptance_lengths)),
+                    "proposals": list(proposals)})
+layers = list(drafter.layers)
+dflash2 = {}
+if isinstance(drafter, DFlash2DraftModel):
+    conv = layers[0].attention_conv
+    dflash2 = {"conv_kernel_size": conv.kernel_size, "conv_group_size": conv.group_size,
+               "selector_rank": drafter.candidate_selector.hidden_projection.out_features,
+               "selector_top_k": drafter.candidate_selector.top_k}
 print(json.dumps({
     "transformers": transformers.__version__,
+    "class": type(drafter).__name__,
     "missing_keys": sorted(info["missing_keys"]),
     "unexpected_keys": sorted(info["unexpected_keys"]),
     "mismatched_keys": [list(map(str, k)) for k in info.get("mismatched_keys", [])],
+    "nonfinite": nonfinite,
     "block_size": drafter.block_size, "mask_token_id": drafter.mask_token_id,
     "target_layer_ids": list(drafter.target_layer_ids),
+    "is_causal": [bool(layer.self_attn.is_causal) for layer in layers],
+    "sliding_window": [layer.self_attn.sliding_window for layer in layers],
+    "dflash2": dflash2,
     "results": results,
 }))
 '''

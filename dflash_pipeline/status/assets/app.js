@@ -145,7 +145,10 @@ function lineChart(svgId, points) {
 function renderTraining(training, evaluation) {
   const curve = training.curve || [];
   lineChart("chart-loss", curve.map((p) => ({ x: p.step, y: p.loss })));
-  lineChart("chart-accept", curve.map((p) => ({ x: p.step, y: p.accept_len })));
+  // DFlash2 proposes by its selector's walk: its simulated acceptance length is the walk's.
+  lineChart("chart-accept", curve.map((p) => ({ x: p.step, y: p.selector_accept_len ?? p.accept_len })));
+  const algorithm = { dflash: "DFlash", dflash2: "DFlash2 (selector walk)" }[training.algorithm];
+  document.getElementById("training-algorithm").textContent = algorithm ? `Drafter: ${algorithm}` : "";
   fillTable("segments", (training.segments || []).map((s) => el("tr", {}, [
     td(s.segment), td(s.state),
     td(s.steps_total ? `${s.steps_done ?? 0} / ${s.steps_total} (step ${s.step ?? "–"})` : String(s.step ?? "–"), "num"),
@@ -156,7 +159,8 @@ function renderTraining(training, evaluation) {
   box.replaceChildren();
   if (evaluation) {
     const sets = Object.entries(evaluation.prompt_sets || {}).map(([k, v]) => `${k}: ${fmtNum(v, 2)}`).join(", ");
-    box.appendChild(el("p", { text: `Evaluation: acceptance length τ = ${fmtNum(evaluation.tau, 2)}` +
+    const drafter = { dflash: "DFlash", dflash2: "DFlash2" }[evaluation.algorithm];
+    box.appendChild(el("p", { text: `Evaluation${drafter ? ` (${drafter})` : ""}: acceptance length τ = ${fmtNum(evaluation.tau, 2)}` +
       (evaluation.speedup_estimate != null ? `, estimated speed-up ${fmtNum(evaluation.speedup_estimate, 2)}×` : "") +
       (sets ? ` (${sets})` : "") }));
     const engine = evaluation.engine;
