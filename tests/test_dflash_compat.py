@@ -181,6 +181,9 @@ def test_authors_dflash2_loop_proposes_accepts_and_decodes_as_this_loop(dflash2_
     assert proposer.drafter.candidate_selector is not None
     runner = TargetRunner(target, proposer.target_layer_ids)
     settings = DecodeSettings(max_new_tokens=96, stop_token_ids=frozenset({2}))
+    argmax_drafts = []
+    logits_of = proposer.logits
+    proposer.logits = lambda hidden: _record_argmax(logits_of(hidden), argmax_drafts)
     accepted = []
     for prompt, theirs in zip(prompts, report["results"]):
         trace = speculative_decode(runner, proposer, prompt, settings)
@@ -193,3 +196,25 @@ def test_authors_dflash2_loop_proposes_accepts_and_decodes_as_this_loop(dflash2_
         assert trace.drafts[:-1] == theirs["proposals"][:-1]
         accepted += theirs["acceptance_lengths"]
     assert sum(accepted) / len(accepted) >= 2.0, accepted
+    ours = argmax_drafts  # the logits argmax of each of our proposals
+    walked = [d for r in report["results"] for d in r["proposals"]]
+    differ = sum(a != b for a, b in zip(ours, walked))
+    # The walk must matter, or equal proposals would only prove DFlash's parity again (36 of
+    # 60 proposals differ from the argmax when this was written).
+    assert differ > 0
+    print(f"DFlash2 loop tau {sum(accepted) / len(accepted):.3f} over {len(accepted)} steps; "
+          f"the selector walk differs from the logits' argmax in {differ} of {len(walked)} proposals")
+
+
+def _record_argmax(logits, out: list):
+    out.append(logits.argmax(dim=-1).tolist())
+    return logits
+
+
+def test_simulated_tau_of_a_dflash2_drafter_is_its_selector_walk(trained_dflash2, demo_model):
+    from dflash_pipeline.evaluation.simulated import simulated_tau
+
+    shard = str(trained_dflash2.parent / "t.parquet")
+    walk = simulated_tau(str(trained_dflash2), str(demo_model), [shard], split="train", max_rows=16, device="cpu")
+    assert walk["algorithm"] == "dflash2" and 1.5 <= walk["tau"] <= 8, walk
+    print(f"DFlash2 simulated tau (selector walk, training rows): {walk}")

@@ -106,7 +106,6 @@ class DFlashProposer:
             return logits.argmax(dim=-1).tolist()
         return selector.walk(hidden, logits, anchor_token)[0]
 
-
     @property
     def samples_drafts(self) -> bool:
         """DFlash2 samples its drafts above temperature 0 (the selector's walk); DFlash's stay
