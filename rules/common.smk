@@ -8,7 +8,12 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import ConfigError, validate_config
 from dflash_pipeline.core.gpu_slots import count_gpus, default_lock_dir
 from dflash_pipeline.core.jobstate import describe_halt, read_halt
+from dflash_pipeline.core.s3_inventory import install_folder_inventory
 from dflash_pipeline.core.storage import S3Storage, is_s3_url, open_storage
+
+# Planning against S3 reads absence from folder listings (one request per 1,000 objects, not
+# three per missing object); see dflash_pipeline/core/s3_inventory.py.
+install_folder_inventory()
 
 try:
     config.update(validate_config(config))
