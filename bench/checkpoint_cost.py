@@ -6,7 +6,10 @@ synchronous checkpoints (train.checkpoint_async false) and with its background o
 default), each written through the storage layer (a local folder, or ``--run-url s3://...``)
 exactly as ``dflash_pipeline.training.trainer`` does: stage this rank's share, write it in a
 thread, commit the index at the first step boundary where the write is done, wait for it before
-the next checkpoint. The cost is the window's wall time over the no-checkpoint window's, minus 1.
+the next checkpoint. ``cost`` is the window's wall time over the no-checkpoint window's, minus 1;
+``cost_within_window`` the checkpoint steps' extra time (median checkpoint step minus median plain
+step, plus waits) over the window, from one window's own steps (robust to a machine whose load
+changes between windows).
 
     python bench/checkpoint_cost.py --case tiny --out bench/results/checkpoint_cost-cpu.json
     python bench/checkpoint_cost.py --case qwen3.6-27b --share-of 8 --out bench/results/checkpoint_cost-h200.json
@@ -161,7 +164,7 @@ def main() -> None:
     parser.add_argument("--case", default="tiny", help="tiny (CPU) or a case of bench/train_step.py")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--every", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--share-of", type=int, default=1, help="write one rank's share of an N-rank job")
     parser.add_argument("--run-url", help="where checkpoints go (default: a temp folder)")
     parser.add_argument("--modes", nargs="+", default=["none", "sync", "async"])
@@ -179,9 +182,15 @@ def main() -> None:
         storage = open_storage(args.run_url or tmp)
         results = [run_window(mode, args, case_spec(args.case), device, group, storage) for mode in args.modes]
     base = next((r for r in results if r["mode"] == "none"), None)
-    if base:
-        for r in results:
+    for r in results:
+        if base:
             r["cost"] = round(r["window_s"] / base["window_s"] - 1, 4)
+        # The same from one window's own step times, immune to the load changing between
+        # windows: what the checkpoint steps took beyond a plain step, over the window.
+        if r["median_checkpoint_step_s"] is not None:
+            extra = r["checkpoints"] * (r["median_checkpoint_step_s"] - r["median_plain_step_s"])
+            extra += sum(r["waits_for_previous_s"]) + r["final_wait_s"]
+            r["cost_within_window"] = round(extra / (args.steps * r["median_plain_step_s"]), 4)
     if dist.is_main:
         emit({
             "benchmark": "checkpoint_cost",
