@@ -33,6 +33,27 @@ RUN_URL = layout.run_url(
 )
 
 
+def check_offline_budget():
+    """Offline mode above train.offline_max_bytes stops the plan (dflash_pipeline.training.offline);
+    it is checked again when a training job starts."""
+    from dflash_pipeline.training.offline import OfflineBudgetError, check_run
+
+    if config["train"]["mode"] != "offline" or config["until"] not in (
+        "train",
+        "evaluate",
+    ):
+        return
+    try:
+        check_run(config, open_storage(RUN_URL))
+    except OfflineBudgetError as err:
+        raise ValueError(
+            f"{err}\n(check config.yaml or the file given with --configfile)"
+        ) from None
+
+
+check_offline_budget()
+
+
 wildcard_constraints:
     shard=r"\d{5}",
     segment=r"\d{4}",

@@ -66,6 +66,8 @@ class Workflow:
         run_env = dict(os.environ)
         # Shell rules call `python -m ...`: the interpreter running the tests must come first.
         run_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{run_env.get('PATH', '')}"
+        # ... and the package of the checkout under test, not whichever copy is pip-installed.
+        run_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), run_env.get("PYTHONPATH")) if p)
         run_env.update(env or {})
         # In its own process group, so a run past the timeout is stopped with its jobs and the
         # servers they launched, instead of leaving them to load the machine for later tests.
