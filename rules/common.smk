@@ -222,7 +222,9 @@ def take_run_lease():
     if not config["lease"]["enabled"]:
         return
     try:
-        lease = RunLease(open_storage(RUN_URL), ttl_s=config["lease"]["ttl_s"]).acquire()
+        lease = RunLease(
+            open_storage(RUN_URL), ttl_s=config["lease"]["ttl_s"]
+        ).acquire()
     except LeaseHeld as err:
         logger.error(str(err))
         raise SystemExit(1) from None
