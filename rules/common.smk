@@ -8,6 +8,7 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import ConfigError, validate_config
 from dflash_pipeline.core.gpu_slots import count_gpus, default_lock_dir
 from dflash_pipeline.core.jobstate import describe_halt, read_halt
+from dflash_pipeline.core.lease import LeaseHeld, LeaseLost, RunLease
 from dflash_pipeline.core.s3_inventory import install_folder_inventory
 from dflash_pipeline.core.storage import S3Storage, is_s3_url, open_storage
 
@@ -225,14 +226,59 @@ def log_halt(prefix):
         logger.error(f"{prefix}: {describe_halt(halt, run_storage)}")
 
 
+# This driver's run lease (dflash_pipeline.core.lease), taken in onstart: only real executions
+# run onstart (not dry-runs, --lint, reports, nor the jobs' own Snakemake processes).
+RUN_LEASE = []
+
+
+def lease_trouble(err):
+    """The heartbeat failed. Lost (another driver took the run over): stop this driver, as
+    Ctrl-C would (Snakemake's SIGTERM handler cancels the running jobs)."""
+    import os
+    import signal
+
+    if isinstance(err, LeaseLost):
+        logger.error(f"{err}: this driver stops so that only one drives the run")
+        os.kill(os.getpid(), signal.SIGTERM)
+    else:
+        logger.warning(f"run lease heartbeat failed (retried at the next beat): {err}")
+
+
+def take_run_lease():
+    if not config["lease"]["enabled"]:
+        return
+    try:
+        lease = RunLease(
+            open_storage(RUN_URL), ttl_s=config["lease"]["ttl_s"]
+        ).acquire()
+    except LeaseHeld as err:
+        logger.error(str(err))
+        raise SystemExit(1) from None
+    if lease.took_over is not None:
+        logger.warning(f"took over a stale run lease: {lease.took_over.get('owner')}")
+    lease.start_heartbeat(lease_trouble)
+    RUN_LEASE.append(lease)
+
+
+def release_run_lease():
+    while RUN_LEASE:
+        RUN_LEASE.pop().release()
+
+
 onstart:
     if DEFAULT_STORAGE == "s3":
         # The S3 plugin deletes a bucket once it is empty; keep one object in it for good.
         S3Storage(RUN_URL).ensure_bucket()
+    take_run_lease()
     log_halt("generate, extract and train jobs will refuse to start")
     if config["status"]["serve"]:
         start_status_page()
 
 
+onsuccess:
+    release_run_lease()
+
+
 onerror:
+    release_run_lease()
     log_halt("the run stopped")

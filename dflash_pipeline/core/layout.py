@@ -73,6 +73,8 @@ def hidden_states_key(shard: int | str) -> str:
 # The run's halt: written when a tokenize shard fails the data-quality gate; while it exists no
 # generate, extract or train job starts, and running generate jobs stop at their next part.
 HALT = f"{PROGRESS_DIR}/HALT.json"
+# The run lease: which Snakemake driver runs this run (dflash_pipeline.core.lease).
+RUN_LEASE = f"{PROGRESS_DIR}/LEASE.json"
 
 INGESTED_PROMPTS = f"{OUTPUTS_DIR}/ingest-prompts.parquet"
 INGEST_SUMMARY = f"{OUTPUTS_DIR}/ingest-summary.json"
