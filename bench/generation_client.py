@@ -91,13 +91,22 @@ async def load_generator(url: str, model: str, texts: list[str], concurrency: in
     """The minimal client: POST the same prompts, count completion tokens."""
     sem = asyncio.Semaphore(concurrency)
     tokens = 0
-    async with httpx.AsyncClient(timeout=600) as http:
+    # One connection per in-flight request, as the pipeline's client keeps (httpx's default pool
+    # of 100 would cap a concurrency of 256 and flatter the pipeline).
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         async def one(text):
             nonlocal tokens
             async with sem:
-                r = await http.post(url + "/v1/completions", json={
-                    "model": model, "prompt": text, "max_tokens": max_new,
-                    "temperature": 0.0, "top_p": 1.0})
+                for attempt in range(3):  # a dropped keep-alive connection is retried, as ours does
+                    try:
+                        r = await http.post(url + "/v1/completions", json={
+                            "model": model, "prompt": text, "max_tokens": max_new,
+                            "temperature": 0.0, "top_p": 1.0})
+                        break
+                    except httpx.TransportError:
+                        if attempt == 2:
+                            raise
                 r.raise_for_status()
                 tokens += r.json()["usage"]["completion_tokens"]
         t0 = time.perf_counter()

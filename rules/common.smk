@@ -8,7 +8,12 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import ConfigError, validate_config
 from dflash_pipeline.core.gpu_slots import count_gpus, default_lock_dir
 from dflash_pipeline.core.jobstate import describe_halt, read_halt
+from dflash_pipeline.core.s3_inventory import install_folder_inventory
 from dflash_pipeline.core.storage import S3Storage, is_s3_url, open_storage
+
+# Planning against S3 reads absence from folder listings (one request per 1,000 objects, not
+# three per missing object); see dflash_pipeline/core/s3_inventory.py.
+install_folder_inventory()
 
 try:
     config.update(validate_config(config))
@@ -26,6 +31,27 @@ DEFAULT_STORAGE = workflow.storage_settings.default_storage_provider
 RUN_URL = layout.run_url(
     RUN_ROOT, DEFAULT_STORAGE, workflow.storage_settings.default_storage_prefix
 )
+
+
+def check_offline_budget():
+    """Offline mode above train.offline_max_bytes stops the plan (dflash_pipeline.training.offline);
+    it is checked again when a training job starts."""
+    from dflash_pipeline.training.offline import OfflineBudgetError, check_run
+
+    if config["train"]["mode"] != "offline" or config["until"] not in (
+        "train",
+        "evaluate",
+    ):
+        return
+    try:
+        check_run(config, open_storage(RUN_URL))
+    except OfflineBudgetError as err:
+        raise ValueError(
+            f"{err}\n(check config.yaml or the file given with --configfile)"
+        ) from None
+
+
+check_offline_budget()
 
 
 wildcard_constraints:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,15 +66,27 @@ class Workflow:
         run_env = dict(os.environ)
         # Shell rules call `python -m ...`: the interpreter running the tests must come first.
         run_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{run_env.get('PATH', '')}"
+        # ... and the package of the checkout under test, not whichever copy is pip-installed.
+        run_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), run_env.get("PYTHONPATH")) if p)
         run_env.update(env or {})
-        proc = subprocess.run(
+        # In its own process group, so a run past the timeout is stopped with its jobs and the
+        # servers they launched, instead of leaving them to load the machine for later tests.
+        with subprocess.Popen(
             [sys.executable, "-m", "snakemake", "--cores", "2", *args],
             cwd=self.root,
             env=run_env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=timeout,
-        )
+            start_new_session=True,
+        ) as child:
+            try:
+                stdout, stderr = child.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.communicate()
+                raise
+        proc = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
         if check and proc.returncode != 0:
             raise AssertionError(
                 f"snakemake {' '.join(args)} failed ({proc.returncode}):\n"
