@@ -8,7 +8,10 @@ rule evaluate:
         drafter_config=run_path(layout.DRAFTER_CONFIG),
         drafter_weights=run_path(layout.DRAFTER_WEIGHTS),
         prompts=run_path(layout.INGESTED_PROMPTS),
-        tokenized=expand(shard_output("tokenize"), shard=SHARDS),
+        # Only the held-out rows of each tokenize shard (small objects), for the simulated tau.
+        heldout=expand(
+            shard_output("tokenize", layout.TOKENIZE_HELDOUT_EXT), shard=SHARDS
+        ),
     output:
         metrics=run_path(layout.EVAL_METRICS),
     log:

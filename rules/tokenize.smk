@@ -8,6 +8,8 @@ rule tokenize:
     output:
         tokenized=shard_output("tokenize"),
         stats=shard_output("tokenize", "stats.json"),
+        # The shard's held-out rows on their own: evaluate reads these, not every shard.
+        heldout=shard_output("tokenize", layout.TOKENIZE_HELDOUT_EXT),
     log:
         log_path("tokenize"),
     benchmark:

@@ -19,7 +19,7 @@ def run(smk) -> None:
                 smk.params.model,
                 str(Path(smk.input.drafter_config).parent),
                 smk.input.prompts,
-                list(smk.input.tokenized),
+                list(smk.input.heldout),
                 smk.output.metrics,
                 smk.params.settings,
                 smk.params.thinking,

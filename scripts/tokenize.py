@@ -16,6 +16,7 @@ def run(smk) -> None:
             run_url=smk.params.run_url,
             shard=int(smk.wildcards.shard),
             workers=smk.threads,
+            heldout_out=smk.output.heldout,
         )
 
 

@@ -379,10 +379,13 @@ class _SegmentRun:
     def run(self) -> dict:
         s = self.settings
         self._load_target()
-        self.sequences = read_training_sequences(self.job.tokenized)
-        self.plan = BatchPlan(
-            [x.length for x in self.sequences], s["batch_size"] * self.dist.world, s["seed"]
+        # Memory-mapped: every rank maps the same local copies (shared page cache), none holds
+        # the set in its own memory.
+        self.sequences = read_training_sequences(
+            self.job.tokenized, cache_dir=s.get("data_cache_dir"), rank=self.dist.local_rank,
+            world=int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world)),
         )
+        self.plan = BatchPlan(self.sequences.lengths, s["batch_size"] * self.dist.world, s["seed"])
         self._build_model()
         source = self._restore()
         metrics = MetricsLog(
