@@ -65,6 +65,8 @@ class Workflow:
         run_env = dict(os.environ)
         # Shell rules call `python -m ...`: the interpreter running the tests must come first.
         run_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{run_env.get('PATH', '')}"
+        # This checkout's package, also where another checkout is the pip-installed one.
+        run_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), run_env.get("PYTHONPATH")) if p)
         run_env.update(env or {})
         proc = subprocess.run(
             [sys.executable, "-m", "snakemake", "--cores", "2", *args],
