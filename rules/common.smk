@@ -5,8 +5,8 @@ import sys
 sys.path.insert(0, workflow.basedir)
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.config import ConfigError, validate_config
-from dflash_pipeline.core.gpu_slots import count_gpus, default_lock_dir
+from dflash_pipeline.core.config import ConfigError, rule_params, validate_config
+from dflash_pipeline.core.gpu_slots import pool_from_config
 from dflash_pipeline.core.jobstate import describe_halt, read_halt
 from dflash_pipeline.core.lease import LeaseHeld, LeaseLost, RunLease
 from dflash_pipeline.core.s3_inventory import install_folder_inventory
@@ -91,8 +91,8 @@ def local_dataset_files():
 
 
 # GPU slots: Snakemake counts `gpu`; the wrapper picks the devices (see dflash_pipeline.core.gpu_slots).
-GPU_POOL = config["gpus"] if config["gpus"] is not None else count_gpus()
-GPU_LOCK_DIR = config["gpu_lock_dir"] or str(default_lock_dir())
+# Jobs find the pool the same way from the config: it is no param (no rerun trigger).
+GPU_POOL, GPU_LOCK_DIR = pool_from_config(config)
 # `--resources gpu=N` (absent: Snakemake ignores the gpu resource altogether).
 _gpu_limit = getattr(workflow.global_resources.get("gpu"), "value", None)
 if _gpu_limit is not None and int(_gpu_limit) > GPU_POOL:
@@ -108,6 +108,15 @@ def gpu_wrapper(n):
         f"python -m dflash_pipeline.core.gpu_slots --gpus {n} --pool {GPU_POOL} "
         f"--lock-dir {GPU_LOCK_DIR} --"
     )
+
+
+def partition(gpus):
+    """SLURM partition of a job that takes `gpus` GPUs (profiles/slurm; other executors ignore
+    the resource)."""
+    return config["slurm"]["gpu_partition" if gpus else "cpu_partition"]
+
+
+CPU_PARTITION = partition(0)
 
 
 def target_model_input(wildcards):

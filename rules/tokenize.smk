@@ -23,10 +23,12 @@ rule tokenize:
     threads: 4
     resources:
         mem_mb=4000,
+        runtime=60,
+        slurm_partition=CPU_PARTITION,
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],
         thinking=config["generation"]["thinking"],
-        settings=config["tokenize"],
+        settings=rule_params(config, "tokenize"),
     script:
         "../scripts/tokenize.py"
