@@ -62,7 +62,7 @@ class Workflow:
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return path
 
-    def snakemake(self, *args: str, env: dict | None = None, check: bool = True, timeout=900):
+    def snakemake(self, *args: str, env: dict | None = None, check: bool = True, timeout=2400):
         run_env = dict(os.environ)
         # Shell rules call `python -m ...`: the interpreter running the tests must come first.
         run_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{run_env.get('PATH', '')}"
