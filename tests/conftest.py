@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,18 @@ def s3_env(s3_server, monkeypatch):
     for key, value in s3_server.env.items():
         monkeypatch.setenv(key, value)
     return s3_server.env
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """An empty storage root, once in a local folder and once on the session's S3 server."""
+    from dflash_pipeline.core.storage import open_storage
+
+    if request.param == "local":
+        return open_storage(tmp_path / "run")
+    server = request.getfixturevalue("s3_server")
+    request.getfixturevalue("s3_env")
+    return open_storage(f"s3://{server.bucket}/unit-{uuid.uuid4().hex[:8]}")
 
 
 class Workflow:

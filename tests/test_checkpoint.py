@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import uuid
 
 import pytest
 import torch
@@ -32,13 +31,6 @@ from dflash_pipeline.training.checkpoint import (
 )
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return open_storage(tmp_path / "run")
-    server = request.getfixturevalue("s3_server")
-    request.getfixturevalue("s3_env")
-    return open_storage(f"s3://{server.bucket}/ckpt-{uuid.uuid4().hex[:8]}")
 
 
 def trained_state(step: int = 3) -> dict:

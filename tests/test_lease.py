@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-import uuid
 
 import pytest
 
@@ -24,13 +23,6 @@ from dflash_pipeline.core.lease import (
 from dflash_pipeline.core.storage import open_storage
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return open_storage(tmp_path / "run")
-    server = request.getfixturevalue("s3_server")
-    request.getfixturevalue("s3_env")
-    return open_storage(f"s3://{server.bucket}/lease-{uuid.uuid4().hex[:8]}")
 
 
 class FakeClock:

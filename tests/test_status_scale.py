@@ -5,7 +5,6 @@ incremental snapshot says the same as a full one. Local and real S3 (SeaweedFS).
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 
@@ -37,13 +36,9 @@ class CountingStorage(ReadOnlyStorage):
         return super().read_bytes(key)
 
 
-@pytest.fixture(params=["local", "s3"])
-def run(request, tmp_path):
-    if request.param == "local":
-        return open_storage(tmp_path / "run")
-    server = request.getfixturevalue("s3_server")
-    request.getfixturevalue("s3_env")
-    return open_storage(f"s3://{server.bucket}/scale-{uuid.uuid4().hex[:8]}")
+@pytest.fixture
+def run(store):
+    return store
 
 
 def finish(run, stage, shard, tokens=7):
