@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchlib import cpu_model, emit, provenance
+from benchlib import RequestCounter, cpu_model, emit, provenance
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -36,17 +36,6 @@ from tests.support.seaweed import start_seaweed  # noqa: E402
 
 STAGES = ("prepare", "generate", "tokenize")
 TELEMETRY_STAGES = ("generate", "tokenize")
-
-
-class RequestCounter:
-    """Counts the S3 calls a boto3 client makes (botocore's before-call event)."""
-
-    def __init__(self, client):
-        self.count = 0
-        client.meta.events.register("before-call.s3.*", self._seen)
-
-    def _seen(self, **_):
-        self.count += 1
 
 
 def fill(store: S3Storage, shards: int) -> float:
