@@ -14,7 +14,7 @@ CORES ?= all
 STATUS_PORT ?= 8080
 STATUS := $(PY) -m dflash_pipeline.status
 
-.PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt
+.PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt plan
 
 setup: $(STAMP)
 
@@ -64,6 +64,14 @@ CONFIG ?= config.yaml
 clear-halt: setup
 	$(PY) -m dflash_pipeline.stages.tokenize clear-halt --configfile $(CONFIG) \
 		$(if $(PREFIX),--default-storage-prefix $(PREFIX))
+
+# What the run of CONFIG will cost before it runs: prompts, shards, tokens, GPU-hours per stage,
+# bytes per stage and wall time on GPUS GPUs (measured figures from the run root once it has any).
+#   make plan CONFIG=config/examples/qwen3.6-27b.yaml GPUS=8 [PREFIX=s3://bucket/prefix]
+GPUS ?=
+plan: setup
+	$(PY) -m dflash_pipeline.stages.plan $(if $(filter-out config.yaml,$(CONFIG)),--configfile $(CONFIG)) \
+		$(if $(GPUS),--gpus $(GPUS)) $(if $(PREFIX),--default-storage-prefix $(PREFIX))
 
 # Headless Chromium and its driver for the status-page browser test (Debian packages).
 browser-deps:

@@ -5,7 +5,12 @@ from snakemake.utils import min_version
 min_version("9.27.1")
 
 
-configfile: "config.yaml"
+# The CPU demo is the default only. A file given with --configfile is a complete config of its
+# own: keys it leaves out take config/schema.yaml's defaults (rules/common.smk), never the
+# demo's. To layer over the demo instead, name it first: --configfile config.yaml mine.yaml
+if not workflow.overwrite_configfiles:
+
+    configfile: "config.yaml"
 
 
 report: "report/workflow.rst"

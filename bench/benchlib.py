@@ -41,3 +41,14 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+class RequestCounter:
+    """Counts the S3 calls a boto3 client makes (botocore's before-call event)."""
+
+    def __init__(self, client):
+        self.count = 0
+        client.meta.events.register("before-call.s3.*", self._seen)
+
+    def _seen(self, **_):
+        self.count += 1

@@ -1,23 +1,30 @@
-"""Dry-run cost of the workflow against S3 at scale (design target: 10,000 shards x 4 stages
-in <= 30 s against a local SeaweedFS).
+"""Dry-run cost of the workflow against S3 at scale (design target: 10,000 shards x every per-shard
+stage in <= 30 s against a local SeaweedFS; <= 60 s with 25% of the shards' chains missing).
 
-Fills a bucket on a local SeaweedFS with every output of a finished run of N shards (tiny
-objects, uploaded in pipeline order so mtimes are consistent), then times `snakemake -n`
-with the s3 profile, which must report nothing to do.
+Fills a bucket on a local SeaweedFS with every output of a finished run of N shards up to
+``--until`` (the list comes from ``snakemake --summary`` of the same config; tiny objects,
+uploaded stage by stage so mtimes are consistent), then times `snakemake -n` with the s3 profile
+(must report nothing to do), deletes the generate and tokenize outputs of ``--missing-fraction``
+of the shards and times it again (must plan exactly those chains), once more with the S3
+plugin's own per-object checks (``DFLASH_S3_FOLDER_INVENTORY=0``) for comparison. The S3
+requests of each dry run are counted by operation (``DFLASH_S3_REQUEST_LOG``).
 
-    python bench/dryrun_s3.py --shards 10000 --out bench/results/dryrun_s3.json
+    python bench/dryrun_s3.py --shards 10000 --out bench/results/dryrun_s3-10k.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,29 +37,72 @@ sys.path.insert(0, str(REPO))
 
 from dflash_pipeline.core import layout  # noqa: E402
 from dflash_pipeline.core.storage import S3Storage  # noqa: E402
-from tests.conftest import WORKFLOW_FILES  # noqa: E402
+from tests.conftest import WORKFLOW_FILES, parse_job_table  # noqa: E402
 from tests.support.seaweed import start_seaweed  # noqa: E402
 
+# Upload order of a finished run (a rule's outputs are newer than its inputs').
+RULE_ORDER = ("ingest", "prepare", "generate", "tokenize", "extract", "train", "export", "evaluate",
+              "report_prompts", "report_generation", "report_tokenization", "report_training",
+              "report_evaluation", "report_storage")
 
-def planned_keys(num_shards: int) -> list[list[str]]:
-    """Tracked output keys of a finished run (outputs and benchmarks), grouped in the order
-    the pipeline writes them."""
+
+def summary_outputs(wf: Path, env: dict) -> dict[str, list[str]]:
+    """Every output of the planned run, by rule (``snakemake --summary`` on local files)."""
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "--summary", "--cores", "1"],
+                          cwd=wf, capture_output=True, text=True, env=env, check=True)
+    by_rule: dict[str, list[str]] = defaultdict(list)
+    for line in proc.stdout.splitlines()[1:]:
+        fields = line.split("\t")
+        if len(fields) >= 3 and fields[0] != "output_file":
+            by_rule[fields[2]].append(fields[0])
+    # Benchmark files are not in the summary, but a missing one reruns its job once a job
+    # downstream of it is planned: a finished run has every one of them.
     root = layout.run_root("results", "demo")
-    ingest = [layout.INGESTED_PROMPTS, layout.INGEST_SUMMARY, layout.QUARANTINE]
-    ingest.append(layout.benchmark_key("ingest"))
-    shards = [layout.shard_key("prepare", s) for s in range(num_shards)]
-    shards += [layout.benchmark_key("prepare", s) for s in range(num_shards)]
-    return [[f"{root}/{k}" for k in group] for group in (ingest, shards)]
+    for rule, keys in list(by_rule.items()):
+        if rule in layout.SHARD_STAGES:
+            shards = sorted({shard_of(k) for k in keys})
+            by_rule[rule] += [f"{root}/{layout.benchmark_key(rule, s)}" for s in shards]
+        else:
+            by_rule[rule].append(f"{root}/{layout.benchmark_key(rule)}")
+    return by_rule
+
+
+def shard_of(key: str) -> str:
+    """``.../tokenize-00012.stats.json`` -> ``00012``."""
+    return Path(key).name.split("-")[1].split(".")[0]
+
+
+def dry_run(wf: Path, bucket: str, env: dict, **extra) -> dict:
+    log = wf / f"requests-{time.time_ns()}.json"
+    cmd = [sys.executable, "-m", "snakemake", "-n", "--cores", "1",
+           "--profile", "profiles/s3", "--default-storage-prefix", f"s3://{bucket}/bench"]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=wf, capture_output=True, text=True,
+                          env={**env, "DFLASH_S3_REQUEST_LOG": str(log), **extra})
+    seconds = time.time() - t0
+    if proc.returncode or os.environ.get("BENCH_VERBOSE"):
+        print(proc.stdout, proc.stderr, file=sys.stderr)
+    return {
+        "seconds": round(seconds, 2),
+        "jobs": parse_job_table(proc.stdout + proc.stderr),
+        "nothing_to_do": "Nothing to be done" in proc.stdout + proc.stderr,
+        "requests": json.loads(log.read_text()) if log.exists() else None,
+        "exit_code": proc.returncode,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=10000)
+    parser.add_argument("--until", default="tokenize", help="config key `until` of the run")
+    parser.add_argument("--missing-fraction", type=float, default=0.25)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         server = start_seaweed(tmp / "weed")
+        env.update(server.env)
         os.environ.update(server.env)
         try:
             wf = tmp / "wf"
@@ -61,41 +111,52 @@ def main() -> None:
                 (shutil.copytree if (REPO / name).is_dir() else shutil.copy2)(REPO / name, wf / name)
             config = yaml.safe_load((wf / "config.yaml").read_text())
             config["num_shards"] = args.shards
+            config["until"] = args.until
             config["target"]["build_demo"] = False
+            config["status"] = {**config.get("status", {}), "serve": False}
             (wf / "config.yaml").write_text(yaml.safe_dump(config))
-            store = S3Storage(f"s3://{server.bucket}/bench")
             t0 = time.time()
-            for group in planned_keys(args.shards):
+            by_rule = summary_outputs(wf, env)
+            local_s = time.time() - t0  # planning on local files, all missing: the floor
+            store = S3Storage(f"s3://{server.bucket}/bench")
+            rules = sorted(by_rule, key=lambda r: (RULE_ORDER.index(r) if r in RULE_ORDER else 99, r))
+            t0 = time.time()
+            for rule in rules:
                 with ThreadPoolExecutor(16) as pool:
-                    list(pool.map(lambda k: store.write_bytes(k, b"x"), group))
+                    list(pool.map(lambda k: store.write_bytes(k, b"x"), by_rule[rule]))
                 time.sleep(1.1)  # S3 mtimes have 1 s resolution: keep stages apart
             fill_s = time.time() - t0
-            cmd = [sys.executable, "-m", "snakemake", "-n", "--quiet", "rules", "--cores", "1",
-                   "--profile", "profiles/s3", "--default-storage-prefix", f"s3://{server.bucket}/bench"]
-            t0 = time.time()
-            proc = subprocess.run(cmd, cwd=wf, capture_output=True, text=True,
-                                  env=dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
-            dry_s = time.time() - t0
-            nothing = "Nothing to be done" in proc.stdout + proc.stderr
-            t0 = time.time()
-            subprocess.run(cmd[:-4], cwd=wf, capture_output=True, text=True)  # local floor: no S3
-            local_s = time.time() - t0
+            objects = sum(len(v) for v in by_rule.values())
+            complete = dry_run(wf, server.bucket, env)
+            shards = sorted({shard_of(k) for k in by_rule.get("tokenize", [])})
+            gone = set(random.Random(0).sample(shards, int(len(shards) * args.missing_fraction)))
+            doomed = [k for rule in ("generate", "tokenize") for k in by_rule.get(rule, [])
+                      if shard_of(k) in gone and "/benchmark." not in k]
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(store.delete, doomed))
+            missing = dry_run(wf, server.bucket, env)
+            plain = dry_run(wf, server.bucket, env, DFLASH_S3_FOLDER_INVENTORY="0")
         finally:
             server.stop()
+    expected = {"generate": len(gone), "tokenize": len(gone)}
     result = {
         "benchmark": "dryrun_s3",
         "shards": args.shards,
-        "shard_stages": ["prepare"],
-        "objects": sum(len(g) for g in planned_keys(args.shards)),
-        "dry_run_s3_seconds": round(dry_s, 2),
-        "nothing_to_do": nothing,
-        "dry_run_local_missing_outputs_seconds": round(local_s, 2),
+        "until": args.until,
+        "objects": objects,
+        "outputs_by_rule": {r: len(v) for r, v in by_rule.items()},
+        "complete": complete,
+        "missing_shards": len(gone),
+        "missing_objects": len(doomed),
+        "with_missing": missing,
+        "with_missing_plans_exactly_their_chains": all(
+            missing["jobs"].get(rule) == n for rule, n in expected.items()),
+        "with_missing_plugin_alone": plain,
+        "planning_local_all_missing_seconds": round(local_s, 2),
         "fill_seconds": round(fill_s, 1),
         **provenance(f"cpu {os.cpu_count()} cores, {platform.machine()}"),
     }
     emit(result, args.out)
-    if not nothing:
-        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
 
 
 if __name__ == "__main__":

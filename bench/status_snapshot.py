@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchlib import emit, provenance
+from benchlib import RequestCounter, emit, provenance
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -29,17 +29,6 @@ from dflash_pipeline.core.storage import ReadOnlyStorage  # noqa: E402
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder  # noqa: E402
 from dflash_pipeline.core.storage import S3Storage  # noqa: E402
 from tests.support.seaweed import start_seaweed  # noqa: E402
-
-
-class RequestCounter:
-    """Counts the S3 calls a boto3 client makes (botocore's before-call event)."""
-
-    def __init__(self, client):
-        self.count = 0
-        client.meta.events.register("before-call.s3.*", self._seen)
-
-    def _seen(self, **_):
-        self.count += 1
 
 
 def main() -> None:

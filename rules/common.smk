@@ -5,10 +5,16 @@ import sys
 sys.path.insert(0, workflow.basedir)
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.config import ConfigError, validate_config
-from dflash_pipeline.core.gpu_slots import count_gpus, default_lock_dir
+from dflash_pipeline.core.config import ConfigError, rule_params, validate_config
+from dflash_pipeline.core.gpu_slots import pool_from_config
 from dflash_pipeline.core.jobstate import describe_halt, read_halt
+from dflash_pipeline.core.lease import LeaseHeld, LeaseLost, RunLease
+from dflash_pipeline.core.s3_inventory import install_folder_inventory
 from dflash_pipeline.core.storage import S3Storage, is_s3_url, open_storage
+
+# Planning against S3 reads absence from folder listings (one request per 1,000 objects, not
+# three per missing object); see dflash_pipeline/core/s3_inventory.py.
+install_folder_inventory()
 
 try:
     config.update(validate_config(config))
@@ -26,6 +32,27 @@ DEFAULT_STORAGE = workflow.storage_settings.default_storage_provider
 RUN_URL = layout.run_url(
     RUN_ROOT, DEFAULT_STORAGE, workflow.storage_settings.default_storage_prefix
 )
+
+
+def check_offline_budget():
+    """Offline mode above train.offline_max_bytes stops the plan (dflash_pipeline.training.offline);
+    it is checked again when a training job starts."""
+    from dflash_pipeline.training.offline import OfflineBudgetError, check_run
+
+    if config["train"]["mode"] != "offline" or config["until"] not in (
+        "train",
+        "evaluate",
+    ):
+        return
+    try:
+        check_run(config, open_storage(RUN_URL))
+    except OfflineBudgetError as err:
+        raise ValueError(
+            f"{err}\n(check config.yaml or the file given with --configfile)"
+        ) from None
+
+
+check_offline_budget()
 
 
 wildcard_constraints:
@@ -64,8 +91,8 @@ def local_dataset_files():
 
 
 # GPU slots: Snakemake counts `gpu`; the wrapper picks the devices (see dflash_pipeline.core.gpu_slots).
-GPU_POOL = config["gpus"] if config["gpus"] is not None else count_gpus()
-GPU_LOCK_DIR = config["gpu_lock_dir"] or str(default_lock_dir())
+# Jobs find the pool the same way from the config: it is no param (no rerun trigger).
+GPU_POOL, GPU_LOCK_DIR = pool_from_config(config)
 # `--resources gpu=N` (absent: Snakemake ignores the gpu resource altogether).
 _gpu_limit = getattr(workflow.global_resources.get("gpu"), "value", None)
 if _gpu_limit is not None and int(_gpu_limit) > GPU_POOL:
@@ -81,6 +108,15 @@ def gpu_wrapper(n):
         f"python -m dflash_pipeline.core.gpu_slots --gpus {n} --pool {GPU_POOL} "
         f"--lock-dir {GPU_LOCK_DIR} --"
     )
+
+
+def partition(gpus):
+    """SLURM partition of a job that takes `gpus` GPUs (profiles/slurm; other executors ignore
+    the resource)."""
+    return config["slurm"]["gpu_partition" if gpus else "cpu_partition"]
+
+
+CPU_PARTITION = partition(0)
 
 
 def target_model_input(wildcards):
@@ -199,14 +235,59 @@ def log_halt(prefix):
         logger.error(f"{prefix}: {describe_halt(halt, run_storage)}")
 
 
+# This driver's run lease (dflash_pipeline.core.lease), taken in onstart: only real executions
+# run onstart (not dry-runs, --lint, reports, nor the jobs' own Snakemake processes).
+RUN_LEASE = []
+
+
+def lease_trouble(err):
+    """The heartbeat failed. Lost (another driver took the run over): stop this driver, as
+    Ctrl-C would (Snakemake's SIGTERM handler cancels the running jobs)."""
+    import os
+    import signal
+
+    if isinstance(err, LeaseLost):
+        logger.error(f"{err}: this driver stops so that only one drives the run")
+        os.kill(os.getpid(), signal.SIGTERM)
+    else:
+        logger.warning(f"run lease heartbeat failed (retried at the next beat): {err}")
+
+
+def take_run_lease():
+    if not config["lease"]["enabled"]:
+        return
+    try:
+        lease = RunLease(
+            open_storage(RUN_URL), ttl_s=config["lease"]["ttl_s"]
+        ).acquire()
+    except LeaseHeld as err:
+        logger.error(str(err))
+        raise SystemExit(1) from None
+    if lease.took_over is not None:
+        logger.warning(f"took over a stale run lease: {lease.took_over.get('owner')}")
+    lease.start_heartbeat(lease_trouble)
+    RUN_LEASE.append(lease)
+
+
+def release_run_lease():
+    while RUN_LEASE:
+        RUN_LEASE.pop().release()
+
+
 onstart:
     if DEFAULT_STORAGE == "s3":
         # The S3 plugin deletes a bucket once it is empty; keep one object in it for good.
         S3Storage(RUN_URL).ensure_bucket()
+    take_run_lease()
     log_halt("generate, extract and train jobs will refuse to start")
     if config["status"]["serve"]:
         start_status_page()
 
 
+onsuccess:
+    release_run_lease()
+
+
 onerror:
+    release_run_lease()
     log_halt("the run stopped")

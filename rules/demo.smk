@@ -15,5 +15,7 @@ rule build_demo_model:
     threads: 2
     resources:
         mem_mb=4000,
+        runtime=120,
+        slurm_partition=CPU_PARTITION,
     shell:
         "python -m dflash_pipeline.demo.build_model --out {output.model} > {log} 2>&1"

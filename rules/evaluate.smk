@@ -8,7 +8,10 @@ rule evaluate:
         drafter_config=run_path(layout.DRAFTER_CONFIG),
         drafter_weights=run_path(layout.DRAFTER_WEIGHTS),
         prompts=run_path(layout.INGESTED_PROMPTS),
-        tokenized=expand(shard_output("tokenize"), shard=SHARDS),
+        # Only the held-out rows of each tokenize shard (small objects), for the simulated tau.
+        heldout=expand(
+            shard_output("tokenize", layout.TOKENIZE_HELDOUT_EXT), shard=SHARDS
+        ),
     output:
         metrics=run_path(layout.EVAL_METRICS),
     log:
@@ -21,11 +24,13 @@ rule evaluate:
     resources:
         gpu=min(1, config["train"]["gpus_per_job"]),
         mem_mb=16000,
+        runtime=240,
+        slurm_partition=partition(min(1, config["train"]["gpus_per_job"])),
     params:
         model=config["target"]["model"],
         thinking=config["generation"]["thinking"],
-        settings=config["evaluate"],
-        gpu_pool=GPU_POOL,
-        gpu_lock_dir=GPU_LOCK_DIR,
+        # What defines the metrics; the engine's memory share and extra arguments the job
+        # reads from the config.
+        settings=rule_params(config, "evaluate"),
     script:
         "../scripts/evaluate.py"

@@ -8,22 +8,29 @@ rule generate:
     output:
         generated=shard_output("generate"),
     log:
-        log_path("generate"),
+        job=log_path("generate"),
+        # The engine server's own log: a declared log, so an S3 run uploads it with the job's
+        # (Snakemake stores the logs of failed jobs too).
+        engine=run_path(f"{layout.LOGS_DIR}/generate-engine/{{shard}}.log"),
     benchmark:
         benchmark_path("generate")
+    # A retry resumes from the shard's saved parts (a crash costs at most one part).
+    retries: config["generation"]["retries"]
     conda:
         "../envs/generate-sglang.yaml"
     threads: 2
     resources:
         gpu=config["generation"]["gpus_per_job"],
         mem_mb=8000,
+        # Minutes (a cluster's time limit): a shard is sized for ~1 GPU-hour; a job cut at
+        # the limit resumes from its parts on retry.
+        runtime=240,
+        slurm_partition=partition(config["generation"]["gpus_per_job"]),
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],
-        generation=config["generation"],
-        engine_log=lambda wildcards: f"logs/engine/{config['run']}-generate-{wildcards.shard}.log",
-        gpu_pool=GPU_POOL,
-        gpu_lock_dir=GPU_LOCK_DIR,
-        runtime_dir=GPU_LOCK_DIR,
+        # Only what defines the output; the rest of `generation` (concurrency, intervals,
+        # server, ...) the job reads from the config, which is no rerun trigger.
+        generation=rule_params(config, "generate"),
     script:
         "../scripts/generate.py"

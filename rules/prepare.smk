@@ -17,9 +17,12 @@ rule ingest:
     threads: 1
     resources:
         mem_mb=4000,
+        runtime=120,
+        slurm_partition=CPU_PARTITION,
     params:
         num_shards=config["num_shards"],
-        dataset=config["dataset"],
+        # Sorted keys: the order of keys in the config file says nothing about the output.
+        dataset=rule_params(config, "ingest"),
     script:
         "../scripts/ingest.py"
 
@@ -38,5 +41,7 @@ rule prepare:
     threads: 1
     resources:
         mem_mb=2000,
+        runtime=30,
+        slurm_partition=CPU_PARTITION,
     script:
         "../scripts/prepare.py"

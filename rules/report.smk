@@ -2,6 +2,17 @@
 # (dflash_pipeline.report.figures).
 
 
+# Small and quick: they run in the driver process, not as cluster jobs.
+localrules:
+    all,
+    report_prompts,
+    report_generation,
+    report_tokenization,
+    report_training,
+    report_evaluation,
+    report_storage,
+
+
 rule report_prompts:
     input:
         summary=run_path(layout.INGEST_SUMMARY),
@@ -26,6 +37,8 @@ rule report_prompts:
     threads: 1
     resources:
         mem_mb=1000,
+        runtime=30,
+        slurm_partition=CPU_PARTITION,
     script:
         "../scripts/report_prompts.py"
 
@@ -59,6 +72,8 @@ rule report_generation:
     threads: 1
     resources:
         mem_mb=2000,
+        runtime=30,
+        slurm_partition=CPU_PARTITION,
     params:
         run_url=lambda wildcards: RUN_URL,
     script:
@@ -93,6 +108,8 @@ rule report_tokenization:
     threads: 1
     resources:
         mem_mb=1000,
+        runtime=30,
+        slurm_partition=CPU_PARTITION,
     script:
         "../scripts/report_tokenization.py"
 
@@ -115,6 +132,8 @@ rule report_training:
     threads: 1
     resources:
         mem_mb=2000,
+        runtime=30,
+        slurm_partition=CPU_PARTITION,
     params:
         run_url=lambda wildcards: RUN_URL,
         segments=config["train"]["segments"],
@@ -140,6 +159,8 @@ rule report_evaluation:
     threads: 1
     resources:
         mem_mb=1000,
+        runtime=30,
+        slurm_partition=CPU_PARTITION,
     script:
         "../scripts/report_evaluation.py"
 
@@ -163,6 +184,8 @@ rule report_storage:
     threads: 1
     resources:
         mem_mb=1000,
+        runtime=30,
+        slurm_partition=CPU_PARTITION,
     params:
         run_url=lambda wildcards: RUN_URL,
     script:

@@ -8,6 +8,8 @@ rule tokenize:
     output:
         tokenized=shard_output("tokenize"),
         stats=shard_output("tokenize", "stats.json"),
+        # The shard's held-out rows on their own: evaluate reads these, not every shard.
+        heldout=shard_output("tokenize", layout.TOKENIZE_HELDOUT_EXT),
     log:
         log_path("tokenize"),
     benchmark:
@@ -21,10 +23,12 @@ rule tokenize:
     threads: 4
     resources:
         mem_mb=4000,
+        runtime=60,
+        slurm_partition=CPU_PARTITION,
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],
         thinking=config["generation"]["thinking"],
-        settings=config["tokenize"],
+        settings=rule_params(config, "tokenize"),
     script:
         "../scripts/tokenize.py"

@@ -12,18 +12,20 @@ rule extract:
         log_path("extract"),
     benchmark:
         benchmark_path("extract")
+    retries: config["train"]["retries"]
     conda:
         "../envs/gpu-train.yaml"
     threads: 2
     resources:
         gpu=min(1, config["train"]["gpus_per_job"]),
         mem_mb=16000,
+        runtime=240,
+        slurm_partition=partition(min(1, config["train"]["gpus_per_job"])),
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],
-        settings=config["train"],
-        gpu_pool=GPU_POOL,
-        gpu_lock_dir=GPU_LOCK_DIR,
+        # Only the keys that define the stored taps (dflash_pipeline.core.config.RULE_KEYS).
+        settings=rule_params(config, "extract"),
     script:
         "../scripts/extract.py"
 
@@ -37,18 +39,24 @@ rule train:
         run_path(f"{layout.LOGS_DIR}/train/segment-{{segment}}.log"),
     benchmark:
         run_path(layout.benchmark_key("train", "{segment}"))
+    # A retry resumes from the segment's last in-segment checkpoint.
+    retries: config["train"]["retries"]
     conda:
         "../envs/gpu-train.yaml"
     threads: 2
     resources:
         gpu=config["train"]["gpus_per_job"],
         mem_mb=16000,
+        # Minutes per segment (a cluster's time limit); a segment cut at the limit resumes
+        # from its last checkpoint on retry.
+        runtime=720,
+        slurm_partition=partition(config["train"]["gpus_per_job"]),
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],
-        settings=config["train"],
-        gpu_pool=GPU_POOL,
-        gpu_lock_dir=GPU_LOCK_DIR,
+        # Data, optimizer, schedule and drafter shape only; checkpoint_every_steps, metrics
+        # interval etc. the job reads from the config, which is no rerun trigger.
+        settings=rule_params(config, "train"),
     script:
         "../scripts/train.py"
 
@@ -68,6 +76,8 @@ rule export:
     threads: 1
     resources:
         mem_mb=8000,
+        runtime=60,
+        slurm_partition=CPU_PARTITION,
     params:
         run_url=lambda wildcards: RUN_URL,
         dtype=config["train"]["export_dtype"],

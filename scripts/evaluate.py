@@ -4,7 +4,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.core.gpu_slots import job_devices
+from dflash_pipeline.core.config import job_settings
+from dflash_pipeline.core.gpu_slots import job_devices, pool_from_config
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.stages.evaluate import evaluate_job
 
@@ -14,14 +15,16 @@ def run(smk) -> None:
         # Token-by-token decoding of a small model on a CPU is latency-bound: one thread was
         # faster than two on the 2-core test machine (oversubscribed threads wait on each other).
         torch.set_num_threads(1 if not smk.resources.gpu else smk.threads)
-        with job_devices(smk.resources.gpu, smk.params.gpu_pool, smk.params.gpu_lock_dir):
+        # The engine's memory share and extra arguments come from the config.
+        settings = job_settings(smk.config, "evaluate", dict(smk.params.settings))
+        with job_devices(smk.resources.gpu, *pool_from_config(smk.config)):
             evaluate_job(
                 smk.params.model,
                 str(Path(smk.input.drafter_config).parent),
                 smk.input.prompts,
-                list(smk.input.tokenized),
+                list(smk.input.heldout),
                 smk.output.metrics,
-                smk.params.settings,
+                settings,
                 smk.params.thinking,
                 Path(smk.log[0]).with_suffix(".failed-metrics.json"),
                 Path(smk.log[0]).parent / "evaluate-engine",

@@ -2,7 +2,8 @@
 
 import torch
 
-from dflash_pipeline.core.gpu_slots import job_devices
+from dflash_pipeline.core.config import job_settings
+from dflash_pipeline.core.gpu_slots import job_devices, pool_from_config
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.stages.extract import extract_job
 
@@ -10,11 +11,13 @@ from dflash_pipeline.stages.extract import extract_job
 def run(smk) -> None:
     with job_logging(smk.log[0]):
         torch.set_num_threads(smk.threads)  # as many compute threads as Snakemake granted
-        with job_devices(smk.resources.gpu, smk.params.gpu_pool, smk.params.gpu_lock_dir):
+        # The rest of the `train` section (the drafter's config) comes from the config.
+        settings = job_settings(smk.config, "extract", dict(smk.params.settings))
+        with job_devices(smk.resources.gpu, *pool_from_config(smk.config)):
             extract_job(
                 smk.input.tokenized,
                 smk.params.model,
-                dict(smk.params.settings),
+                settings,
                 smk.params.run_url,
                 smk.wildcards.shard,
                 smk.output.manifest,

@@ -1,5 +1,7 @@
 """Snakemake glue for rule `ingest`; the logic is dflash_pipeline.stages.prepare.ingest."""
 
+from pathlib import Path
+
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.stages.prepare import ingest
 
@@ -17,6 +19,8 @@ def run(smk) -> None:
             max_bad_fraction=dataset["max_bad_fraction"],
             max_row_bytes=dataset["max_row_bytes"],
             id_field=dataset["id_field"],
+            # The outputs of a refused dataset are deleted with the failed job; these stay.
+            refused_copy=Path(smk.log[0]).with_suffix(""),
         )
 
 

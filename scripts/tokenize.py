@@ -1,5 +1,6 @@
 """Snakemake glue for rule `tokenize`: dflash_pipeline.stages.tokenize.tokenize_file."""
 
+from dflash_pipeline.core.config import job_settings
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.stages.tokenize import tokenize_file
 
@@ -12,10 +13,11 @@ def run(smk) -> None:
             smk.output.tokenized,
             smk.output.stats,
             smk.params.thinking,
-            dict(smk.params.settings),
+            job_settings(smk.config, "tokenize", dict(smk.params.settings)),
             run_url=smk.params.run_url,
             shard=int(smk.wildcards.shard),
             workers=smk.threads,
+            heldout_out=smk.output.heldout,
         )
 
 

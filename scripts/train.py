@@ -2,7 +2,8 @@
 
 import torch
 
-from dflash_pipeline.core.gpu_slots import job_devices
+from dflash_pipeline.core.config import job_settings
+from dflash_pipeline.core.gpu_slots import job_devices, pool_from_config
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.stages.train import train_job
 
@@ -10,11 +11,13 @@ from dflash_pipeline.stages.train import train_job
 def run(smk) -> None:
     with job_logging(smk.log[0]):
         torch.set_num_threads(smk.threads)  # as many compute threads as Snakemake granted
-        with job_devices(smk.resources.gpu, smk.params.gpu_pool, smk.params.gpu_lock_dir):
+        # Operational keys (checkpoint interval, metrics interval...) come from the config.
+        settings = job_settings(smk.config, "train", dict(smk.params.settings))
+        with job_devices(smk.resources.gpu, *pool_from_config(smk.config)):
             train_job(
                 smk.params.run_url,
                 int(smk.wildcards.segment),
-                dict(smk.params.settings),
+                settings,
                 smk.params.model,
                 list(smk.input.tokenized),
                 list(smk.input.get("hidden", [])),

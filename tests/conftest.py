@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,18 @@ def s3_env(s3_server, monkeypatch):
     return s3_server.env
 
 
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """An empty storage root, once in a local folder and once on the session's S3 server."""
+    from dflash_pipeline.core.storage import open_storage
+
+    if request.param == "local":
+        return open_storage(tmp_path / "run")
+    server = request.getfixturevalue("s3_server")
+    request.getfixturevalue("s3_env")
+    return open_storage(f"s3://{server.bucket}/unit-{uuid.uuid4().hex[:8]}")
+
+
 class Workflow:
     """A copy of the workflow in a temp folder, with helpers to run snakemake in it."""
 
@@ -61,19 +75,31 @@ class Workflow:
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return path
 
-    def snakemake(self, *args: str, env: dict | None = None, check: bool = True, timeout=900):
+    def snakemake(self, *args: str, env: dict | None = None, check: bool = True, timeout=2400):
         run_env = dict(os.environ)
         # Shell rules call `python -m ...`: the interpreter running the tests must come first.
         run_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{run_env.get('PATH', '')}"
+        # ... and the package of the checkout under test, not whichever copy is pip-installed.
+        run_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), run_env.get("PYTHONPATH")) if p)
         run_env.update(env or {})
-        proc = subprocess.run(
+        # In its own process group, so a run past the timeout is stopped with its jobs and the
+        # servers they launched, instead of leaving them to load the machine for later tests.
+        with subprocess.Popen(
             [sys.executable, "-m", "snakemake", "--cores", "2", *args],
             cwd=self.root,
             env=run_env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=timeout,
-        )
+            start_new_session=True,
+        ) as child:
+            try:
+                stdout, stderr = child.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.communicate()
+                raise
+        proc = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
         if check and proc.returncode != 0:
             raise AssertionError(
                 f"snakemake {' '.join(args)} failed ({proc.returncode}):\n"

@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_pipeline.core.config import ConfigError, load_schema, validate_config
+from dflash_pipeline.core.config import (
+    RULE_KEYS,
+    ConfigError,
+    job_settings,
+    load_schema,
+    rule_params,
+    split_section,
+    validate_config,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,3 +79,111 @@ def test_dflash2_keys_have_defaults_and_cross_key_rules_are_checked():
         validate_config({"train": {"selector_gold_policy": "insert"}})
     # DFlash is not held to DFlash2's rules.
     validate_config({"train": {"conv_kernel_size": 9, "block_size": 8}, "evaluate": {"engine": "vllm"}})
+
+
+# --- which keys define a rule's output (its `params`) and which only say how the job runs ---
+
+
+def _section_schema(section):
+    return load_schema()["properties"][section]["properties"]
+
+
+@pytest.mark.parametrize("rule", sorted(RULE_KEYS))
+def test_every_key_of_a_rules_section_is_classified_once(rule):
+    table = RULE_KEYS[rule]
+    assert not table["defining"] & table["operational"]
+    assert table["defining"] | table["operational"] == set(_section_schema(table["section"]))
+
+
+def test_rule_params_keep_the_defining_keys_only_in_a_stable_order():
+    config = validate_config({"generation": {"concurrency": 7, "sampling": {"top_p": 0.9, "temperature": 0.6}}})
+    params = rule_params(config, "generate")
+    assert set(params) == {"engine", "thinking", "max_new_tokens", "seed", "sampling"}
+    # The order of keys in the YAML file does not change the params' repr (Snakemake's trigger).
+    assert list(params["sampling"]) == sorted(params["sampling"])
+    reordered = validate_config({"generation": {"sampling": {"temperature": 0.6, "top_p": 0.9}}})
+    assert repr(rule_params(reordered, "generate")) == repr(params)
+
+
+@pytest.mark.parametrize(
+    ("rule", "key", "value"),
+    [
+        ("generate", "concurrency", 3),
+        ("generate", "telemetry_every_seconds", 1),
+        ("generate", "server", {"port_base": 31000}),
+        ("train", "checkpoint_every_steps", 7),
+        ("train", "metrics_every_seconds", 1),
+        ("extract", "learning_rate", 0.1),
+        ("evaluate", "engine_extra_args", ["--x"]),
+    ],
+)
+def test_an_operational_key_leaves_the_params_alone_and_reaches_the_job(rule, key, value):
+    section = RULE_KEYS[rule]["section"]
+    base = validate_config({})
+    changed = validate_config({section: {key: value}})
+    assert rule_params(changed, rule) == rule_params(base, rule)
+    settings = job_settings(changed, rule, rule_params(changed, rule))
+    assert settings == changed[section] and settings[key] == changed[section][key]
+
+
+@pytest.mark.parametrize(
+    ("rule", "key", "value"),
+    [
+        ("generate", "max_new_tokens", 9),
+        ("generate", "sampling", {"temperature": 0.5}),
+        ("train", "learning_rate", 0.1),
+        ("train", "gpus_per_job", 4),
+        ("extract", "hidden_dtype", "float32"),
+        ("evaluate", "max_prompts", 3),
+        ("tokenize", "max_length", 64),
+    ],
+)
+def test_a_defining_key_changes_the_params(rule, key, value):
+    section = RULE_KEYS[rule]["section"]
+    assert rule_params(validate_config({section: {key: value}}), rule) != rule_params(validate_config({}), rule)
+
+
+def test_an_unclassified_key_is_an_error_naming_it():
+    with pytest.raises(ConfigError, match="'generation.new_knob' is neither output-defining nor operational"):
+        split_section("generate", {"new_knob": 1})
+
+
+# --- example configs: complete configs, omitted keys take the schema's defaults ---
+
+
+def _schema_defaults(schema, path=()):
+    """(dotted path, default) of every leaf property of the schema."""
+    for name, sub in schema.get("properties", {}).items():
+        if sub.get("type") == "object" and "properties" in sub:
+            yield from _schema_defaults(sub, (*path, name))
+        else:
+            yield (*path, name), sub["default"]
+
+
+def _given(config, path):
+    for part in path:
+        if not isinstance(config, dict) or part not in config:
+            return False
+        config = config[part]
+    return True
+
+
+def _value(config, path):
+    for part in path:
+        config = config[part]
+    return config
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "config/examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_take_the_schema_default_for_every_omitted_key(example):
+    """The workflow reads an example alone (the demo's config.yaml only without --configfile,
+    see the Snakefile) and fills omitted keys from the schema: a key the example leaves out must
+    come out as the schema's default, never the demo's value."""
+    raw = yaml.safe_load(example.read_text())
+    parsed = validate_config(raw)
+    omitted = [(path, default) for path, default in _schema_defaults(load_schema()) if not _given(raw, path)]
+    assert omitted, "the example sets every key: nothing to check"
+    for path, default in omitted:
+        assert _value(parsed, path) == default, f"{example.name}: {'.'.join(path)}"
+    # The keys that the demo's values used to leak into (issue: a 256-wide drafter MLP).
+    assert parsed["train"]["intermediate_size"] is None and parsed["evaluate"]["simulated_rows"] == 64

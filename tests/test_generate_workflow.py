@@ -144,6 +144,8 @@ def test_sigkilled_generation_resumes_with_exactly_the_prompt_set(
     assert attempts, log_text[-2000:]
     total, reused, fresh = map(int, attempts[-1])
     assert reused == saved and fresh == total - saved  # nothing lost, nothing generated twice
+    # The engine server's log is kept in the run root, in S3 too (a declared log of the job).
+    assert _read(run_url, "logs/generate-engine/00000.log").strip()
     if where == "local":
         generated = pq.read_table(workflow.root / GENERATED)
         prompts = pq.read_table(workflow.root / PROMPTS)
@@ -179,17 +181,19 @@ def test_engine_that_fails_to_start_names_its_log(workflow, demo_model, tmp_path
         num_shards=1,
         target={"model": str(broken), "build_demo": False},
         gpu_lock_dir=str(tmp_path / "locks"),
-        generation={"server": {"startup_timeout_s": 120}},
+        # The job's own failure is the subject: no Snakemake retry.
+        generation={"server": {"startup_timeout_s": 120}, "retries": 0},
     )
     proc = workflow.snakemake(check=False)
     assert proc.returncode != 0
     log_text = (workflow.root / "results/demo/logs/generate/00000.log").read_text()
-    assert "see its log logs/engine/demo-generate-00000.log" in log_text
-    assert (workflow.root / "logs/engine/demo-generate-00000.log").is_file()
+    # The engine's log lives in the run root's logs (an S3 run uploads it with the job's log).
+    assert "see its log results/demo/logs/generate-engine/00000.log" in log_text
+    assert (workflow.root / "results/demo/logs/generate-engine/00000.log").is_file()
 
 
 def test_engine_dying_mid_shard_fails_the_job_and_keeps_finished_parts(workflow, demo_model, tmp_path):
-    configure(workflow, demo_model, tmp_path)
+    configure(workflow, demo_model, tmp_path, retries=0)  # a retry would resume and succeed
     progress = ShardProgress(open_storage(workflow.root / "results/demo"), "generate", 0)
     run = start_snakemake(workflow)
     try:
@@ -202,7 +206,7 @@ def test_engine_dying_mid_shard_fails_the_job_and_keeps_finished_parts(workflow,
             os.killpg(run.pid, signal.SIGKILL)
     log_text = (workflow.root / "results/demo/logs/generate/00000.log").read_text()
     assert "the engine process died" in log_text
-    assert "Engine log: logs/engine/demo-generate-00000.log" in log_text
+    assert "Engine log: results/demo/logs/generate-engine/00000.log" in log_text
     assert len(progress.part_keys()) >= 1
     assert progress.read_telemetry()["state"] == "failed"
 
@@ -218,6 +222,7 @@ def test_endpoint_that_keeps_failing_stops_the_job_with_a_clear_error(workflow, 
         endpoints=[f"http://127.0.0.1:{free_port()}"],
         max_retries=0,
         max_consecutive_failures=3,
+        retries=0,
     )
     proc = workflow.snakemake(check=False)
     assert proc.returncode != 0

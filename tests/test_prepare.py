@@ -198,6 +198,27 @@ def test_too_many_bad_rows_stop_with_file_row_and_reason(tmp_path):
     assert [(q["row"], q["reason"]) for q in quarantined] == [(3, "unknown_role"), (6, "malformed_json")]
 
 
+def test_a_refused_dataset_keeps_its_summary_and_quarantine_beside_the_log(tmp_path):
+    """A workflow deletes a failed job's outputs: the copies beside the log survive that."""
+    rows = [openai_row(f"q{i}") for i in range(4)] + [{"messages": "not a list"}] * 4
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    logs.mkdir()
+    with pytest.raises(PrepareError) as err:
+        ingest([str(data)], 2, str(out / "prompts.parquet"), str(out / "summary.json"),
+               str(out / "quarantine.jsonl"), refused_copy=logs / "ingest")
+    for path in out.iterdir():  # what Snakemake does to a failed job's outputs
+        path.unlink()
+    kept_summary = logs / "ingest.refused-summary.json"
+    kept_quarantine = logs / "ingest.refused-quarantine.jsonl"
+    message = str(err.value)
+    assert "4 of 8 rows (50.0%) are bad" in message
+    assert str(kept_quarantine) in message and str(kept_summary) in message
+    assert json.loads(kept_summary.read_text())["bad_rows"] == 4
+    assert len(kept_quarantine.read_text().splitlines()) == 4
+
+
 def test_parquet_input_in_sharegpt_shape(tmp_path):
     path = tmp_path / "data.parquet"
     pq.write_table(

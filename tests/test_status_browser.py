@@ -90,6 +90,22 @@ def read_page(driver) -> dict:
     return page
 
 
+# How long to wait for the page to show what the run did: a bound for a hang only, far above
+# the page's 2 s poll, so a loaded machine (a slow browser, a slow report) changes nothing.
+PATIENCE_S = 600
+
+
+def wait_for(read, done, poll_s: float = 0.5):
+    """read() until done(value) holds or PATIENCE_S have gone; the last value either way
+    (the assertions that follow say what was missing)."""
+    deadline = time.monotonic() + PATIENCE_S
+    value = read()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        value = read()
+    return value
+
+
 def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_section(
     workflow, demo_model, tmp_path, browser
 ):
@@ -129,13 +145,8 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
             time.sleep(0.5)
         output = run.stdout.read()
         assert run.returncode == 0, output[-4000:]
-        deadline = time.monotonic() + 30  # the page polls every 2 s
-        while time.monotonic() < deadline:
-            page = read_page(browser)
-            if page["overall"] == 100.0 and page["state"] == "finished":
-                break
-            time.sleep(0.5)
-        final = read_page(browser)
+        final = wait_for(lambda: read_page(browser),
+                         lambda page: page["overall"] == 100.0 and page["state"] == "finished")
         browser.save_screenshot(str(ARTIFACTS / "status-page-finished.png"))
     finally:
         if run.poll() is None:
@@ -157,20 +168,16 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
 
     workflow.snakemake("--report", "report.html")
     browser.get((workflow.root / "report.html").as_uri())
-    deadline = time.monotonic() + 30
-    body = ""
-    while "6. Storage" not in body and time.monotonic() < deadline:
-        time.sleep(0.5)
-        body = browser.find_element("tag name", "body").text
+    def body_text() -> str:
+        return browser.find_element("tag name", "body").text
+
+    body = wait_for(body_text, lambda text: "6. Storage" in text)
     for section in ("Workflow", "1. Prompts", "2. Generation", "3. Tokenization", "4. Training", "5. Evaluation",
                     "6. Storage"):
         assert section in body, f"report section {section!r} missing"
     assert "data-quality gate" in body  # the workflow description page
     browser.find_element("xpath", "//*[normalize-space(text())='2. Generation']").click()
-    deadline = time.monotonic() + 15
-    while "report-generation-lengths.svg" not in body and time.monotonic() < deadline:
-        time.sleep(0.5)
-        body = browser.find_element("tag name", "body").text
+    body = wait_for(body_text, lambda text: "report-generation-lengths.svg" in text)
     assert "report-generation-lengths.svg" in body and "report-generation-finish.svg" in body
     browser.save_screenshot(str(ARTIFACTS / "report.png"))
 
@@ -185,10 +192,9 @@ def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp
     server = StatusServer(SnapshotBuilder(source), port=0).start()
     try:
         browser.get(server.url)
-        deadline = time.monotonic() + 20
-        page = {}
-        while time.monotonic() < deadline:
-            page = browser.execute_script("""
+
+        def read_training():
+            return browser.execute_script("""
                 const line = document.querySelector("#chart-loss polyline");
                 return {
                   shard: document.querySelector("tr.running-shard .bar")?.getAttribute("aria-valuenow"),
@@ -199,9 +205,8 @@ def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp
                   evaluation: document.getElementById("evaluation").textContent,
                   algorithm: document.getElementById("training-algorithm").textContent,
                 };""")
-            if page["points"]:
-                break
-            time.sleep(0.3)
+
+        page = wait_for(read_training, lambda page: page["points"], poll_s=0.3)
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         browser.save_screenshot(str(ARTIFACTS / "status-page-training.png"))
     finally:

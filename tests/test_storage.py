@@ -13,19 +13,11 @@ from dflash_pipeline.core.storage import (
     S3Storage,
     StorageError,
     open_object,
-    open_storage,
     s3_settings_from_env,
     write_atomically,
 )
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return open_storage(tmp_path / "root")
-    server = request.getfixturevalue("s3_server")
-    request.getfixturevalue("s3_env")
-    return open_storage(f"s3://{server.bucket}/unit-{uuid.uuid4().hex[:8]}")
 
 
 def test_write_read_list_delete_round_trip(store):

@@ -19,6 +19,7 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.stages.export import expected_tensor_shapes, export_drafter
+from dflash_pipeline.training.checkpoint import load_checkpoint
 from dflash_pipeline.training.trainer import PREEMPTED_EXIT_CODE, SegmentJob, lr_factor
 from tests.support.train_data import write_tokenized_shard
 
@@ -70,10 +71,9 @@ def run_segment(run_dir: Path, segment: int, s: dict, demo_model, tokenized) -> 
 
 
 def final_state(run_dir: Path, segment: int = 0):
-    prefix = run_dir / layout.checkpoint_prefix(segment)
-    weights = load_file(prefix / "model.safetensors")
-    trainer = torch.load(prefix / "trainer.pt", weights_only=True)
-    return weights, trainer
+    loaded = load_checkpoint(open_storage(str(run_dir)), layout.checkpoint_prefix(segment))
+    assert loaded is not None, f"no checkpoint of segment {segment} in {run_dir}"
+    return loaded.state["model"], loaded.state
 
 
 def assert_same_state(a, b):
@@ -137,7 +137,12 @@ def start_training(run_dir: Path, s: dict, demo_model, tokenized) -> subprocess.
     )
 
 
-def wait_for(predicate, proc, timeout=120):
+# Bounds for a hang only (each test also has pytest-timeout's): a loaded machine only makes the
+# training slower, never a different result.
+PATIENCE_S = 600
+
+
+def wait_for(predicate, proc, timeout=PATIENCE_S):
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():
@@ -159,17 +164,17 @@ def test_killed_and_resumed_equals_uninterrupted_bit_for_bit(how, reference, dem
         # Any time after the first step: the job checkpoints where it is and exits.
         wait_for(lambda: metrics.exists(), proc)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=PATIENCE_S)
         assert proc.returncode == PREEMPTED_EXIT_CODE, out
         assert "SIGTERM: checkpointed at step" in out
     else:
         wait_for(lambda: latest.exists(), proc)
         proc.kill()
-        proc.communicate(timeout=60)
+        proc.communicate(timeout=PATIENCE_S)
         assert proc.returncode == -signal.SIGKILL
     assert not (tmp_path / layout.segment_manifest_key(0)).exists(), "the kill came too late"
     resumed = start_training(tmp_path, s, demo_model, tokenized)
-    out, _ = resumed.communicate(timeout=300)
+    out, _ = resumed.communicate(timeout=PATIENCE_S)
     assert resumed.returncode == 0, out
     assert "from in-segment checkpoint" in out
     assert_same_state(final_state(tmp_path), final_state(reference[0]))
@@ -253,8 +258,9 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
 
 
 def test_ddp_over_two_processes_trains_and_resumes_after_sigterm(demo_model, tokenized, tmp_path):
-    """torchrun with two CPU ranks (gloo): both ranks stop at the same step on SIGTERM, rank 0
-    checkpoints once, and a rerun resumes from there to the end of the segment."""
+    """torchrun with two CPU ranks (gloo): both ranks stop at the same step on SIGTERM, each
+    writes its shard of the checkpoint, and a rerun resumes from there to the end of the segment,
+    bit for bit where an uninterrupted run ends."""
     from dflash_pipeline.stages.train import segment_args, torchrun_command
 
     s = settings(steps_per_segment=12, checkpoint_every_steps=100, batch_size=1)
@@ -268,20 +274,32 @@ def test_ddp_over_two_processes_trains_and_resumes_after_sigterm(demo_model, tok
     metrics = tmp_path / layout.train_progress_prefix(0) / layout.TRAIN_METRICS
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    wait_for(lambda: metrics.exists(), proc, timeout=300)
+    wait_for(lambda: metrics.exists(), proc)
     os.killpg(proc.pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=PATIENCE_S)
     assert proc.returncode != 0
     assert out.count("SIGTERM: checkpointed at step") == 2, out  # both ranks, same step
     steps = {line.rsplit(" ", 3)[-2].rstrip(";") for line in out.splitlines() if "checkpointed at step" in line}
     assert len(steps) == 1, out
-    resumed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=PATIENCE_S)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "from in-segment checkpoint" in resumed.stdout
     manifest = json.loads((tmp_path / layout.segment_manifest_key(0)).read_text())
     assert manifest["processes"] == 2 and manifest["steps"] == [0, 12]
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(12))
+    # Each rank wrote its own shard of the checkpoint; rank 0 the index naming both.
+    index = json.loads((tmp_path / layout.checkpoint_prefix(0) / "checkpoint.json").read_text())
+    assert sorted(index["files"]) == ["shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+    assert index["world"] == 2 and index["step"] == 12
+    # ... and the interrupted, resumed pair of ranks ends where an uninterrupted pair does.
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    job.run_url, job.manifest_path = str(straight), str(straight / layout.segment_manifest_key(0))
+    command = torchrun_command(2, [*segment_args(job, str(settings_file)), "--device", "cpu"])
+    uninterrupted = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert uninterrupted.returncode == 0, uninterrupted.stdout + uninterrupted.stderr
+    assert_same_state(final_state(tmp_path), final_state(straight))
 
 
 def test_a_dflash2_segment_logs_selector_metrics_and_exports_the_authors_format(demo_model, tokenized, tmp_path):

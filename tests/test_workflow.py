@@ -140,3 +140,7 @@ def test_mostly_bad_dataset_fails_ingest_naming_file_row_and_reason(workflow):
         assert "2 of 3 rows (66.7%) are bad" in text
         assert "data/bad.jsonl row 2: malformed JSON" in text
     assert not (workflow.root / "results/demo/outputs").exists()
+    # Snakemake deleted the failed job's outputs; the copies beside the log name every bad row.
+    kept = workflow.root / "results/demo/logs/ingest.refused-quarantine.jsonl"
+    assert [json.loads(line)["row"] for line in kept.read_text().splitlines()] == [2, 3]
+    assert "ingest.refused-summary.json" in log

@@ -91,3 +91,125 @@ def load_config(path: str | Path, overrides: dict | None = None) -> dict:
         config = yaml.safe_load(fh) or {}
     config.update(overrides or {})
     return validate_config(config)
+
+
+# Which keys of a rule's config section define what the rule writes. Only these go into the
+# rule's `params`, Snakemake's `params` rerun trigger: editing any other key of the section (how
+# a job runs: concurrency, intervals, ports, retries, kernels, resources) must not regenerate
+# finished shards or retrain a finished segment. Jobs read those keys from the workflow config
+# (``job_settings``), which is no rerun trigger. Every key of a section is listed on exactly one
+# side (tests/test_config.py checks this against the schema), so a new key must be classified.
+RULE_KEYS: dict[str, dict[str, Any]] = {
+    "ingest": {
+        "section": "dataset",
+        "defining": {"paths", "id_field", "max_row_bytes", "max_bad_fraction", "heldout_fraction"},
+        "operational": set(),
+    },
+    "generate": {
+        "section": "generation",
+        # Model and chat template come from `target.model` (a param of its own).
+        "defining": {"engine", "thinking", "max_new_tokens", "seed", "sampling"},
+        "operational": {
+            "endpoints", "gpus_per_job", "concurrency", "request_timeout_s", "max_retries",
+            "max_consecutive_failures", "max_error_fraction", "part_every_samples",
+            "part_every_seconds", "telemetry_every_seconds", "server", "retries",
+        },
+    },
+    "tokenize": {
+        "section": "tokenize",
+        # Lengths, the degenerate-sample rules and the gate decide which rows a shard keeps.
+        "defining": {
+            "max_length", "min_supervised_tokens", "max_degenerate_fraction",
+            "degenerate_reasons", "identical_response_min_count",
+            "identical_response_min_fraction", "repetition_max_period", "repetition_min_match",
+            "repetition_min_repeats", "repetition_min_fraction",
+        },
+        "operational": set(),
+    },
+    "extract": {
+        "section": "train",
+        # The taps stored: which target layers (the default rule depends on num_layers), in
+        # which dtype. Everything else about the drafter is training's business.
+        "defining": {"num_layers", "target_layer_ids", "hidden_dtype"},
+        "operational": {
+            "mode", "segments", "steps_per_segment", "checkpoint_every_steps", "batch_size",
+            "gpus_per_job", "intermediate_size", "block_size", "layer_types", "sliding_window",
+            "mask_token_id", "num_anchors", "loss_decay_gamma", "learning_rate",
+            "min_lr_ratio", "warmup_ratio", "weight_decay", "grad_clip", "seed", "attention",
+            "loss_chunk_rows", "export_dtype", "metrics_every_seconds", "retries",
+            "checkpoint_async", "data_cache_dir", "offline_max_bytes",
+            # The drafter algorithm and its keys: extract stores taps, whatever trains on them.
+            "algorithm", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+            "selector_loss_weight", "selector_warmup_ratio", "selector_ramp_ratio",
+            "selector_gold_policy", "selector_normalization", "selector_stop_gradient",
+        },
+    },
+    "train": {
+        "section": "train",
+        # Data, optimizer, schedule and drafter shape. gpus_per_job is here because the global
+        # batch is batch_size x processes. export_dtype is the export rule's own param;
+        # hidden_dtype reaches training through extract's outputs (its inputs) in offline mode.
+        "defining": {
+            "mode", "segments", "steps_per_segment", "batch_size", "gpus_per_job", "num_layers",
+            "intermediate_size", "block_size", "target_layer_ids", "layer_types",
+            "sliding_window", "mask_token_id", "num_anchors", "loss_decay_gamma",
+            "learning_rate", "min_lr_ratio", "warmup_ratio", "weight_decay", "grad_clip", "seed",
+            "algorithm", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+            "selector_loss_weight", "selector_warmup_ratio", "selector_ramp_ratio",
+            "selector_gold_policy", "selector_normalization", "selector_stop_gradient",
+        },
+        # attention: sdpa and flex are tested equal; loss_chunk_rows only bounds memory.
+        "operational": {
+            "checkpoint_every_steps", "attention", "loss_chunk_rows", "export_dtype",
+            "metrics_every_seconds", "hidden_dtype", "retries",
+            # Where and how checkpoints and data copies are written, and a budget check.
+            "checkpoint_async", "data_cache_dir", "offline_max_bytes",
+        },
+    },
+    "evaluate": {
+        "section": "evaluate",
+        "defining": {
+            "engine", "engine_parity_tolerance", "max_prompts", "max_new_tokens", "temperature",
+            "lossless_margin", "parity_tolerance", "simulated_rows", "benchmark_prompts",
+        },
+        "operational": {"engine_mem_fraction", "engine_extra_args"},
+    },
+}
+
+
+def _canonical(value: Any) -> Any:
+    """Dicts with sorted keys, recursively: Snakemake compares params by their repr, and the
+    order of keys in a YAML file says nothing about a stage's output."""
+    if isinstance(value, dict):
+        return {key: _canonical(value[key]) for key in sorted(value)}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item) for item in value]
+    return value
+
+
+def split_section(rule: str, section: dict) -> tuple[dict, dict]:
+    """The rule's config section as (defining, operational) keys; see ``RULE_KEYS``."""
+    if rule not in RULE_KEYS:
+        raise ConfigError(f"no key table for rule '{rule}' (known: {', '.join(sorted(RULE_KEYS))})")
+    table = RULE_KEYS[rule]
+    unknown = sorted(set(section) - table["defining"] - table["operational"])
+    if unknown:
+        raise ConfigError(
+            f"config key '{table['section']}.{unknown[0]}' is neither output-defining nor "
+            f"operational for rule '{rule}' (dflash_pipeline.core.config.RULE_KEYS)"
+        )
+    defining = {k: v for k, v in section.items() if k in table["defining"]}
+    operational = {k: v for k, v in section.items() if k in table["operational"]}
+    return _canonical(defining), operational
+
+
+def rule_params(config: dict, rule: str) -> dict:
+    """What a rule passes as its `settings` param: the output-defining keys of its section."""
+    return split_section(rule, config[RULE_KEYS[rule]["section"]])[0]
+
+
+def job_settings(config: dict, rule: str, defining: dict) -> dict:
+    """The whole section for the job: ``defining`` (the rule's param) and the operational keys
+    read from the workflow config (``snakemake.config`` in a script)."""
+    _, operational = split_section(rule, config[RULE_KEYS[rule]["section"]])
+    return {**operational, **defining}

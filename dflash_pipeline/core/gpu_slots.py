@@ -53,6 +53,14 @@ def count_gpus() -> int:
     return sum(1 for line in out.splitlines() if line.strip())
 
 
+def pool_from_config(config: dict) -> tuple[int, str]:
+    """(pool size, lock folder) from the workflow config's `gpus` and `gpu_lock_dir`: the
+    Snakefile and the jobs both call this, so neither travels in a rule's params (a pool counted
+    on another node must not rerun finished work)."""
+    size = config["gpus"] if config.get("gpus") is not None else count_gpus()
+    return size, str(config.get("gpu_lock_dir") or default_lock_dir())
+
+
 def device_pool(pool_size: int, inherited: str | None = None) -> list[str]:
     """The device ids jobs may take.
 

@@ -44,6 +44,17 @@ def shard_key(stage: str, shard: int | str, ext: str | None = None) -> str:
     return f"{OUTPUTS_DIR}/{stage}-{shard}.{ext or SHARD_STAGES[stage]}"
 
 
+# A tokenize shard's held-out rows, also in an object of their own (``outputs/tokenize-NNNNN.
+# heldout.parquet``, ~1% of the shard): evaluation samples its rows from these, not from every
+# tokenized shard.
+TOKENIZE_HELDOUT_EXT = "heldout.parquet"
+
+
+def heldout_key(shard: int | str) -> str:
+    """Key of a tokenize shard's held-out rows, e.g. ``outputs/tokenize-00003.heldout.parquet``."""
+    return shard_key("tokenize", shard, TOKENIZE_HELDOUT_EXT)
+
+
 def benchmark_key(rule_name: str, shard: int | str | None = None) -> str:
     """Key of a job's Snakemake benchmark (runtime and memory), e.g.
     ``outputs/benchmark.prepare-00003.tsv``."""
@@ -73,6 +84,8 @@ def hidden_states_key(shard: int | str) -> str:
 # The run's halt: written when a tokenize shard fails the data-quality gate; while it exists no
 # generate, extract or train job starts, and running generate jobs stop at their next part.
 HALT = f"{PROGRESS_DIR}/HALT.json"
+# The run lease: which Snakemake driver runs this run (dflash_pipeline.core.lease).
+RUN_LEASE = f"{PROGRESS_DIR}/LEASE.json"
 
 INGESTED_PROMPTS = f"{OUTPUTS_DIR}/ingest-prompts.parquet"
 INGEST_SUMMARY = f"{OUTPUTS_DIR}/ingest-summary.json"

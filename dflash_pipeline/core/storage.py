@@ -32,6 +32,8 @@ S3_ENV_PREFIX = "SNAKEMAKE_STORAGE_S3_"
 BUCKET_SENTINEL_KEY = ".dflash-pipeline-bucket"
 # Local temp files carry this marker so listings never show a half-written object.
 PARTIAL_MARKER = ".partial-"
+# Lock files of local conditional writes (hidden from listings like partial files).
+LOCK_MARKER = ".cond-lock-"
 
 
 class StorageError(RuntimeError):
@@ -84,6 +86,31 @@ class Storage(ABC):
     @abstractmethod
     def delete(self, key: str) -> None:
         """Delete ``key``; deleting a missing key is not an error."""
+
+    # Conditional writes: the run lease (dflash_pipeline.core.lease) needs "create only if absent"
+    # and "replace only if unchanged since I read it", so that two drivers can never both win.
+    # A tag names one version of an object (S3: its ETag; local: a hash of its bytes).
+    @abstractmethod
+    def read_tagged(self, key: str) -> tuple[bytes, str] | None:
+        """The object's bytes and tag, or None when it does not exist."""
+
+    @abstractmethod
+    def create_if_absent(self, key: str, data: bytes) -> str | None:
+        """Write ``key`` only if it does not exist; its new tag, or None when it existed."""
+
+    @abstractmethod
+    def replace_if_tag(self, key: str, data: bytes, tag: str) -> str | None:
+        """Overwrite ``key`` only if its current tag is ``tag``; the new tag, or None."""
+
+    @abstractmethod
+    def delete_if_tag(self, key: str, tag: str) -> bool:
+        """Delete ``key`` only if its current tag is ``tag``; whether it was deleted."""
+
+    def list_range(self, prefix: str, start: str = "", stop: str | None = None) -> list[ObjectInfo]:
+        """Objects under ``prefix`` whose key ``k`` has ``start <= k < stop`` (no ``stop``: to
+        the end), sorted. On S3 the listing starts at ``start`` and ends at ``stop``, so its
+        requests grow with the objects in the range, not with the whole prefix."""
+        return [o for o in self.list(prefix) if o.key >= start and (stop is None or o.key < stop)]
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object under ``prefix``; returns how many were deleted."""
@@ -171,7 +198,7 @@ class LocalStorage(Storage):
         found = []
         for dirpath, _, filenames in os.walk(root):
             for name in filenames:
-                if PARTIAL_MARKER in name:
+                if PARTIAL_MARKER in name or LOCK_MARKER in name:
                     continue
                 full = Path(dirpath) / name
                 key = full.relative_to(root).as_posix()
@@ -182,6 +209,57 @@ class LocalStorage(Storage):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def _locked(self, key: str) -> Iterator[Path]:
+        """An exclusive flock on a lock file beside ``key``: local conditional writes check and
+        write under it, so two processes on this machine never both see "absent"."""
+        import fcntl
+
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f".{path.name}{LOCK_MARKER}"), "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield path
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    @staticmethod
+    def _tag(data: bytes) -> str:
+        import hashlib
+
+        return hashlib.sha256(data).hexdigest()
+
+    def read_tagged(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            data = self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        return data, self._tag(data)
+
+    def create_if_absent(self, key: str, data: bytes) -> str | None:
+        with self._locked(key) as path:
+            if path.is_file():
+                return None
+            self.write_bytes(key, data)
+        return self._tag(data)
+
+    def replace_if_tag(self, key: str, data: bytes, tag: str) -> str | None:
+        with self._locked(key):
+            current = self.read_tagged(key)
+            if current is None or current[1] != tag:
+                return None
+            self.write_bytes(key, data)
+        return self._tag(data)
+
+    def delete_if_tag(self, key: str, tag: str) -> bool:
+        with self._locked(key):
+            current = self.read_tagged(key)
+            if current is None or current[1] != tag:
+                return False
+            self.delete(key)
+        return True
 
 
 def s3_settings_from_env(env: dict[str, str] | None = None) -> dict[str, str | None]:
@@ -217,6 +295,20 @@ def _s3_client():
         region_name=settings["region"],
         config=config,
     )
+
+
+def _client_error_code(err: BaseException | None) -> str:
+    response = getattr(err, "response", None) or {}
+    code = response.get("Error", {}).get("Code", "")
+    return str(code or response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+
+
+def _key_before(key: str) -> str:
+    """A string that sorts just before ``key``: its last character decremented."""
+    if not key:
+        return key
+    last = key[-1]
+    return key[:-1] + (chr(ord(last) - 1) if ord(last) > 0 else "")
 
 
 def split_s3_url(url: str) -> tuple[str, str]:
@@ -311,10 +403,74 @@ class S3Storage(Storage):
                 )
         return sorted(found, key=lambda o: o.key)
 
+    def list_range(self, prefix: str, start: str = "", stop: str | None = None) -> list[ObjectInfo]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        kwargs = {"Bucket": self.bucket, "Prefix": base + prefix}
+        if start > prefix:
+            # StartAfter is exclusive; any key below `start` will do, since the keys are
+            # filtered below: one that sorts just before it skips everything else.
+            kwargs["StartAfter"] = base + _key_before(start)
+        found = []
+        paginator = self.client.get_paginator("list_objects_v2")
+
+        def collect():
+            for page in paginator.paginate(**kwargs):
+                for obj in page.get("Contents", []):
+                    key = obj["Key"][len(base) :]
+                    if stop is not None and key >= stop:
+                        return
+                    if key >= start:
+                        found.append(ObjectInfo(key, obj["Size"], obj["LastModified"].timestamp()))
+
+        self._call("listing", prefix, collect)
+        return found
+
     def delete(self, key: str) -> None:
         self._call(
             "deleting", key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key)
         )
+
+    # Conditional writes use S3's If-None-Match: * (create only if absent) and If-Match: <ETag>
+    # (replace or delete only if unchanged); SeaweedFS 4.x, AWS and MinIO honour both and
+    # answer 412 PreconditionFailed otherwise.
+    def _conditional(self, what: str, key: str, fn, **kwargs):
+        """Run a conditional request: its response, or None when the condition did not hold."""
+        try:
+            return self._call(what, key, fn, Bucket=self.bucket, Key=self._key(key), **kwargs)
+        except StorageError as err:
+            code = _client_error_code(err.__cause__)
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                return None
+            if code in ("NotImplemented", "501"):
+                raise StorageError(
+                    f"{what} {self.join(key)} failed: the S3 server does not support conditional "
+                    "writes (If-None-Match / If-Match), which the run lease needs"
+                ) from err
+            if "does not exist" in str(err):
+                return None  # If-Match on a missing object
+            raise
+
+    def read_tagged(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            resp = self._call(
+                "reading", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key)
+            )
+        except StorageError as err:
+            if "does not exist" in str(err):
+                return None
+            raise
+        return resp["Body"].read(), resp["ETag"]
+
+    def create_if_absent(self, key: str, data: bytes) -> str | None:
+        resp = self._conditional("creating", key, self.client.put_object, Body=data, IfNoneMatch="*")
+        return None if resp is None else resp["ETag"]
+
+    def replace_if_tag(self, key: str, data: bytes, tag: str) -> str | None:
+        resp = self._conditional("replacing", key, self.client.put_object, Body=data, IfMatch=tag)
+        return None if resp is None else resp["ETag"]
+
+    def delete_if_tag(self, key: str, tag: str) -> bool:
+        return self._conditional("deleting", key, self.client.delete_object, IfMatch=tag) is not None
 
     def ensure_bucket(self) -> None:
         """Create the bucket if needed and put the permanent sentinel object into it."""
@@ -402,6 +558,9 @@ class ReadOnlyStorage:
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         return self._storage.list(prefix)
+
+    def list_range(self, prefix: str, start: str = "", stop: str | None = None) -> list[ObjectInfo]:
+        return self._storage.list_range(prefix, start, stop)
 
     def read_bytes(self, key: str) -> bytes:
         return self._storage.read_bytes(key)

@@ -30,19 +30,30 @@ class ParityError(AssertionError):
     """The loop's tau and the simulated tau disagree beyond the tolerance."""
 
 
+# A gap exactly at the tolerance passes; this absorbs the rounding of the division.
+_GAP_EPSILON = 1e-9
+
+
+def relative_gap(reference: float, measured: float, tolerance: float, what: str) -> tuple[float, bool]:
+    """(measured - reference) / reference and whether its size is within the tolerance
+    (inclusive); ``what`` names the reference in the error for a non-positive one."""
+    if reference <= 0:
+        raise ValueError(f"{what} must be positive, got {reference}")
+    gap = (measured - reference) / reference
+    return gap, abs(gap) <= tolerance + _GAP_EPSILON
+
+
 def parity_report(
     simulated_tau: float, loop_tau: float, tolerance: float = DEFAULT_TOLERANCE
 ) -> dict:
     """Both numbers side by side; ``gap`` is (loop - simulated) / simulated."""
-    if simulated_tau <= 0:
-        raise ValueError(f"simulated tau must be positive, got {simulated_tau}")
-    gap = (loop_tau - simulated_tau) / simulated_tau
+    gap, passed = relative_gap(simulated_tau, loop_tau, tolerance, "simulated tau")
     return {
         "simulated_tau": round(simulated_tau, 4),
         "loop_tau": round(loop_tau, 4),
         "gap": round(gap, 4),
         "tolerance": tolerance,
-        "passed": abs(gap) <= tolerance,
+        "passed": passed,
     }
 
 

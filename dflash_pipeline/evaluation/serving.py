@@ -47,6 +47,7 @@ from dflash_pipeline.engines.client import (
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec
 from dflash_pipeline.evaluation.lossless import compare_greedy, lossless_summary
 from dflash_pipeline.evaluation.metrics import PromptResult
+from dflash_pipeline.evaluation.parity import relative_gap
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,6 @@ TOP_LEVEL_FIELDS = (
 )
 
 DEFAULT_ENGINE_PARITY_TOLERANCE = 0.05
-# A gap exactly at the tolerance passes; this absorbs the rounding of the division.
-_GAP_EPSILON = 1e-9
 CAUSES_ENGINE_BELOW = (
     "target layer ids tapped one layer off: the project's id i is the OUTPUT of layer i "
     "(HF hidden_states[i + 1]); vLLM 0.20.1 hands dflash_config.target_layer_ids straight to its "
@@ -866,15 +865,13 @@ def engine_parity_report(
     """Both numbers side by side; ``gap`` is (engine - loop) / loop. The tolerance is tighter
     than training parity's: the loop has the engines' semantics, so only implementation
     differences (and what the engine reads from the export) separate them."""
-    if loop_tau <= 0:
-        raise ValueError(f"loop tau must be positive, got {loop_tau}")
-    gap = (engine_tau - loop_tau) / loop_tau
+    gap, passed = relative_gap(loop_tau, engine_tau, tolerance, "loop tau")
     return {
         "loop_tau": round(loop_tau, 4),
         "engine_tau": round(engine_tau, 4),
         "gap": round(gap, 4),
         "tolerance": tolerance,
-        "passed": abs(gap) <= tolerance + _GAP_EPSILON,
+        "passed": passed,
         "engine": engine,
         "engine_version": engine_version,
         "drafter_fields": dict(drafter_fields),

@@ -6,9 +6,16 @@ slots the drafter gets right, averaged over blocks. Training reports the same qu
 batches; the parity gate compares this one with the tau of the real decoding loop. For DFlash2 a
 slot is right when the selector, teacher-forced, picks the gold token: while every earlier slot
 was right that is exactly its greedy walk, so tau is the walk's (not the logits' argmax's).
+
+The rows are the first ``max_rows`` held-out rows (with a supervised block) in the order of the
+files given; the evaluate job gives the tokenize stage's per-shard held-out objects
+(``outputs/tokenize-NNNNN.heldout.parquet``), which hold exactly those rows of each shard in shard
+order, and files are opened one at a time, only until enough rows are found.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -39,6 +46,16 @@ def _selector_hits(drafter, hidden, head, blocks, chunk_rows: int) -> torch.Tens
     return selector_loss(selector, hidden, head, blocks, base.rows, base.top_ids).hits
 
 
+def split_rows(paths: list[str], split: str = HELDOUT) -> Iterator[tuple[str, list[int], list[int]]]:
+    """(id, input_ids, loss_mask) of the rows of ``split`` in ``paths``, file by file and in file
+    order; a file is opened only when the rows before it have been consumed."""
+    for path in paths:
+        table = pq.read_table(path, columns=["id", "split", "input_ids", "loss_mask"])
+        table = table.filter(pc.equal(table["split"], split))
+        for i in range(table.num_rows):
+            yield table["id"][i].as_py(), table["input_ids"][i].as_py(), table["loss_mask"][i].as_py()
+
+
 @torch.no_grad()
 def simulated_tau(
     drafter_dir: str,
@@ -64,33 +81,31 @@ def simulated_tau(
     config = drafter.config
     taps = TargetTaps(target, config.target_layer_ids)
     generator = torch.Generator().manual_seed(seed)
-    runs, rows_used = [], 0
-    for path in tokenized_paths:
-        table = pq.read_table(path, columns=["split", "input_ids", "loss_mask"])
-        table = table.filter(pc.equal(table["split"], split))
-        for i in range(table.num_rows):
-            if rows_used >= max_rows:
-                break
-            ids = torch.tensor([table["input_ids"][i].as_py()], device=device)
-            mask = torch.tensor([table["loss_mask"][i].as_py()], device=device)
-            anchors, keep = sample_anchors(mask, num_anchors, generator)
-            if not keep.any():
-                continue
-            blocks = build_blocks(
-                ids, mask, anchors, keep, block_size=config.block_size,
-                mask_token_id=config.mask_token_id, gamma=7.0,
-            )  # fmt: skip
-            hidden = blocks_forward(drafter, taps(ids), embed, blocks)
-            if drafter.candidate_selector is not None:
-                hits = _selector_hits(drafter, hidden, head, blocks, chunk_rows)
-            else:
-                hits = _hits(hidden, head, blocks, chunk_rows)
-            metrics = block_metrics(hits, blocks)
-            runs.append((metrics["accept_len"], metrics["blocks"]))
-            rows_used += 1
+    runs, used = [], []
+    for sample_id, row_ids, row_mask in split_rows(tokenized_paths, split):
+        if len(used) >= max_rows:
+            break  # no further file is opened
+        ids = torch.tensor([row_ids], device=device)
+        mask = torch.tensor([row_mask], device=device)
+        anchors, keep = sample_anchors(mask, num_anchors, generator)
+        if not keep.any():
+            continue
+        blocks = build_blocks(
+            ids, mask, anchors, keep, block_size=config.block_size,
+            mask_token_id=config.mask_token_id, gamma=7.0,
+        )  # fmt: skip
+        hidden = blocks_forward(drafter, taps(ids), embed, blocks)
+        if drafter.candidate_selector is not None:
+            hits = _selector_hits(drafter, hidden, head, blocks, chunk_rows)
+        else:
+            hits = _hits(hidden, head, blocks, chunk_rows)
+        metrics = block_metrics(hits, blocks)
+        runs.append((metrics["accept_len"], metrics["blocks"]))
+        used.append(sample_id)
+    rows_used = len(used)
     blocks_total = sum(n for _, n in runs)
     if not blocks_total:
         raise ValueError(f"no {split} rows with a supervised block in {tokenized_paths}")
     tau = sum(t * n for t, n in runs) / blocks_total
-    return {"tau": round(tau, 4), "blocks": blocks_total, "rows": rows_used, "split": split,
+    return {"tau": round(tau, 4), "blocks": blocks_total, "rows": rows_used, "split": split, "row_ids": used,
             "algorithm": config.algorithm}

@@ -187,6 +187,19 @@ def _empty(ax, text: str) -> None:
     ax.set_yticks([])
 
 
+def _stacked_per_shard(ax, shards, series: dict, ylabel, colors=None, legend_size=None) -> None:
+    """One stacked bar per shard, one colour per series (reasons of finish, of degeneracy)."""
+    xs = list(range(len(shards)))
+    bottom = [0] * len(shards)
+    for name, values in series.items():
+        ax.bar(xs, values, bottom=bottom, label=name, color=(colors or {}).get(name))
+        bottom = [a + b for a, b in zip(bottom, values)]
+    ax.set_xticks(xs, shards, rotation=45 if len(xs) > 8 else 0)
+    ax.set_xlabel("shard")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=legend_size)
+
+
 def _bars(ax, labels, values, title, ylabel=None, color="#3b7dd8", rotate=False):
     if not labels:
         return _empty(ax, f"{title}: none")
@@ -290,17 +303,9 @@ def plot_finish_reasons(summaries: list[dict], out: str | Path) -> None:
     if not reasons:
         _empty(ax, "no generated turns")
     else:
-        xs = list(range(len(summaries)))
-        bottom = [0] * len(summaries)
+        series = {r: [s["finish_reasons"].get(r, 0) for s in summaries] for r in reasons}
         colors = {"stop": "#2e9d5b", "length": "#f0a030", "error": "#d64545"}
-        for reason in reasons:
-            values = [s["finish_reasons"].get(reason, 0) for s in summaries]
-            ax.bar(xs, values, bottom=bottom, label=reason, color=colors.get(reason))
-            bottom = [a + b for a, b in zip(bottom, values)]
-        ax.set_xticks(xs, [s["shard"] for s in summaries], rotation=45 if len(xs) > 8 else 0)
-        ax.set_xlabel("shard")
-        ax.set_ylabel("turns")
-        ax.legend()
+        _stacked_per_shard(ax, [s["shard"] for s in summaries], series, "turns", colors)
     ax.set_title("Finish reasons per shard")
     _save(fig, out)
 
@@ -331,16 +336,8 @@ def plot_degenerate_reasons(stats: list[dict], out: str | Path) -> None:
     if not reasons:
         _empty(ax, f"no degenerate samples in {len(stats)} shards")
     else:
-        xs = list(range(len(stats)))
-        bottom = [0] * len(stats)
-        for reason in reasons:
-            values = [s.get("reasons", {}).get(reason, 0) for s in stats]
-            ax.bar(xs, values, bottom=bottom, label=reason)
-            bottom = [a + b for a, b in zip(bottom, values)]
-        ax.set_xticks(xs, labels, rotation=45 if len(xs) > 8 else 0)
-        ax.set_xlabel("shard")
-        ax.set_ylabel("samples")
-        ax.legend(fontsize=7)
+        series = {r: [s.get("reasons", {}).get(r, 0) for s in stats] for r in reasons}
+        _stacked_per_shard(ax, labels, series, "samples", legend_size=7)
     ax.set_title("Degenerate-sample reasons per shard")
     _save(fig, out)
 

@@ -36,7 +36,7 @@ def export_drafter(run_url: str, manifest_path: str, config_out: str, weights_ou
     loaded = load_checkpoint(storage, manifest["checkpoint_prefix"])
     if loaded is None:
         raise FileNotFoundError(f"no checkpoint at {storage.join(manifest['checkpoint_prefix'])}")
-    weights, _ = loaded
+    weights = loaded.state["model"]
     config = DrafterConfig.from_zlab(manifest["drafter_config"], source=manifest_path)
     config.dtype = dtype
     expected = expected_tensor_shapes(config)

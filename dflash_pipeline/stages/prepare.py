@@ -215,12 +215,15 @@ def ingest(
     max_bad_fraction: float = 0.05,
     max_row_bytes: int = 1_000_000,
     id_field: str = "id",
+    refused_copy: str | Path | None = None,
 ) -> dict:
     """Validate, dedupe, id and shard the dataset; write the table, summary and quarantine.
 
     When the rows read are refused (too many bad rows, none valid, an id clash), the summary
     (with the reason in ``stopped``) and the quarantine are written first, then the PrepareError
-    rises; no prompt table is written.
+    rises; no prompt table is written. A workflow deletes a failed job's outputs, so with
+    ``refused_copy`` (a path stem beside the job's log) both are also kept as
+    ``<stem>.refused-summary.json`` and ``<stem>.refused-quarantine.jsonl``, and the error says so.
     """
     result = read_dataset(paths, max_row_bytes, id_field)
     try:
@@ -229,7 +232,16 @@ def ingest(
     except PrepareError as err:
         stopped = summarize(result, None, num_shards, paths, str(err))
         write_report(result, stopped, out_summary, out_quarantine)
-        raise
+        if refused_copy is None:
+            raise
+        stem = Path(refused_copy)
+        kept_summary = stem.with_name(stem.name + ".refused-summary.json")
+        kept_quarantine = stem.with_name(stem.name + ".refused-quarantine.jsonl")
+        write_report(result, stopped, str(kept_summary), str(kept_quarantine))
+        raise PrepareError(
+            f"{err}\n  every bad row (file, row, reason): {kept_quarantine}\n"
+            f"  summary: {kept_summary}"
+        ) from err
     table = build_table(result.prompts, ids, num_shards, heldout_fraction)
     write_by_shard(table, num_shards, out_prompts)
     summary = summarize(result, table, num_shards, paths)

@@ -27,6 +27,7 @@ import logging
 import os
 import sys
 
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_pipeline.core import layout
@@ -40,6 +41,7 @@ from dflash_pipeline.core.jobstate import (
 )
 from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage, write_atomically
 from dflash_pipeline.data.quality import DegenerateShard
+from dflash_pipeline.data.sharding import HELDOUT
 from dflash_pipeline.data.tokenized import ShardTokenizer
 
 log = logging.getLogger(__name__)
@@ -54,9 +56,11 @@ def tokenize_file(
     run_url: str | None = None,
     shard: int | None = None,
     workers: int | None = None,
+    heldout_out: str | None = None,
 ) -> dict:
     """Tokenize one generated shard; with ``run_url`` and ``shard``, live telemetry goes under
-    the run's ``_progress/tokenize/``."""
+    the run's ``_progress/tokenize/``; with ``heldout_out``, the shard's held-out rows are also
+    written there on their own (``heldout_rows``)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -79,6 +83,9 @@ def tokenize_file(
         raise
     with write_atomically(out) as tmp:
         pq.write_table(result, tmp)
+    if heldout_out:
+        with write_atomically(heldout_out) as tmp:
+            pq.write_table(heldout_rows(result), tmp)
     with write_atomically(stats_out) as tmp:
         tmp.write_text(json.dumps(summary, indent=1) + "\n")
     telemetry.write("done")
@@ -88,6 +95,12 @@ def tokenize_file(
         summary["reasons"], summary["supervised_tokens_total"],
     )
     return summary
+
+
+def heldout_rows(table):
+    """The held-out rows of a tokenized table, in table order and schema: evaluation samples its
+    rows from them, so it opens this small object instead of the whole shard."""
+    return table.filter(pc.equal(table["split"], HELDOUT))
 
 
 def halt_run(run_url: str, shard: int, err: DegenerateShard) -> None:
@@ -163,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--stats", required=True)
+    parser.add_argument("--heldout", default=None, help="also write the held-out rows here")
     parser.add_argument("--thinking", choices=["on", "off"], default="on")
     parser.add_argument("--settings-json", default="{}", help="the `tokenize` config as JSON")
     parser.add_argument("--run-url", default=None, help="run root (local folder or s3://) for live telemetry "
@@ -173,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         tokenize_file(args.generated, args.model, args.out, args.stats, args.thinking == "on",
-                      json.loads(args.settings_json), args.run_url, args.shard, args.workers)
+                      json.loads(args.settings_json), args.run_url, args.shard, args.workers, args.heldout)
     except DegenerateShard:
         return 1
     return 0

@@ -2,8 +2,15 @@
 
 Sources, cheapest first:
 
-* ONE paginated listing of the run root: which shard outputs exist (done), and bytes per stage;
-* the ``_progress/`` telemetry of jobs in flight (read again only when its size or mtime changed);
+* a listing of the run root: which shard outputs exist (done), and bytes per stage. The whole
+  root is listed on the first refresh and every ``full_listing_every_s``; in between, a refresh
+  lists only what can still change: per shard stage the key ranges of shard blocks that were not
+  all done (``SETTLED_BLOCK`` shards each), and the few run-level prefixes (``LIVE_PREFIXES``).
+  A finished run of 10,000 shards x 3 stages leaves ~50k objects (outputs and every finished
+  shard's telemetry); listing them took minutes of S3 pages per refresh on a loaded machine,
+  while the incremental refresh costs a handful of requests (bench/status_scale.py);
+* the ``_progress/`` telemetry of jobs (read again only when its size or mtime changed, so a
+  finished shard's telemetry is read once per server, concurrently on the first refresh);
 * training metrics (``_progress/train/segment-KKKK/metrics.jsonl``) and evaluation metrics;
 * the events file of the ``dflash`` logger plugin: which jobs run, finished or failed.
 
@@ -13,15 +20,17 @@ only lists and reads. The result is plain JSON for the page and the ``/api/statu
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import read_train_metrics
-from dflash_pipeline.core.storage import ReadOnlyStorage, StorageError
+from dflash_pipeline.core.storage import ObjectInfo, ReadOnlyStorage, StorageError
 from dflash_pipeline.status.events import JobBoard, RunEvents
 
 # Shard stages in pipeline order; each is named like the rule that builds its objects.
@@ -35,6 +44,23 @@ UNTIL_STAGES = ["prepare", "generate", "tokenize", "train", "evaluate"]
 TELEMETRY_KEY = re.compile(r"^_progress/(?P<stage>[a-z_]+)/shard-(?P<shard>\d{5})/telemetry\.json$")
 SEGMENT_KEY = re.compile(r"^_progress/train/segment-(?P<segment>\d{4})/(?P<name>metrics\.jsonl|telemetry\.json)$")
 SEGMENT_MANIFEST = re.compile(r"^outputs/train-segment-(?P<segment>\d{4})\.json$")
+
+# Shards per block: a block whose shards were all done at the last listing is settled (not
+# listed again until the next full listing, or until a job of it runs or fails again).
+SETTLED_BLOCK = 100
+# Run-level objects that change while a run goes on, listed on every refresh (all small).
+LIVE_PREFIXES = (
+    f"{layout.PROGRESS_DIR}/train/",
+    layout.HALT,
+    f"{layout.OUTPUTS_DIR}/train-segment-",
+    f"{layout.OUTPUTS_DIR}/evaluate-",
+    f"{layout.OUTPUTS_DIR}/ingest-",
+    f"{layout.OUTPUTS_DIR}/report-",
+    f"{layout.DRAFTER_DIR}/",
+)
+# Concurrent reads of telemetry not seen before (the first refresh of a finished run: one GET
+# per finished shard and stage).
+READ_THREADS = 8
 
 LOG_TAIL_LINES = 20
 LOG_TAIL_BYTES = 16384
@@ -55,6 +81,9 @@ class RunSource:
     workdir: Path = Path(".")  # Snakemake's working directory: local log paths are relative to it
     # Telemetry not refreshed for this long belongs to a job that died without saying so.
     stale_after_s: float = 300.0
+    # The whole run root is listed again this often (bytes of logs, checkpoints, settled
+    # shards); in between only what can still change is (see the module's docstring).
+    full_listing_every_s: float = 300.0
 
 
 def thin_points(points: list[dict], limit: int = MAX_CURVE_POINTS) -> list[dict]:
@@ -72,6 +101,76 @@ class SnapshotBuilder:
         self.source = source
         self.board = JobBoard(source.events_file) if source.events_file else None
         self._cache: dict[str, tuple[tuple[int, float], object]] = {}
+        # The run root's objects as last listed, sorted by key (keys in a parallel list).
+        self._objects: list[ObjectInfo] | None = None
+        self._keys: list[str] = []
+        self._full_at = 0.0
+        self._settled: dict[str, set[int]] = {}
+        self.last_listing = "none"  # "full" or "incremental": what the last build listed
+
+    def _list_objects(self, now: float, events: RunEvents) -> list[ObjectInfo]:
+        storage = self.source.storage
+        if self._objects is None or now - self._full_at >= self.source.full_listing_every_s:
+            self._objects = storage.list("")
+            self._keys = [o.key for o in self._objects]
+            self._full_at, self.last_listing = now, "full"
+            return self._objects
+        for prefix, start, stop in self._live_ranges(events):
+            fresh = storage.list_range(prefix, start, stop)
+            lo = bisect.bisect_left(self._keys, max(prefix, start))
+            upper = prefix + "\U0010ffff"  # above every key that starts with prefix
+            hi = bisect.bisect_left(self._keys, upper if stop is None else min(upper, stop))
+            self._objects[lo:hi] = fresh
+            self._keys[lo:hi] = [o.key for o in fresh]
+        self.last_listing = "incremental"
+        return self._objects
+
+    def _live_ranges(self, events: RunEvents) -> list[tuple[str, str, str | None]]:
+        """(prefix, start, stop) of every key range a refresh lists between full listings."""
+        ranges = [(prefix, "", None) for prefix in LIVE_PREFIXES]
+        n = self.source.num_shards
+        blocks = (n + SETTLED_BLOCK - 1) // SETTLED_BLOCK
+        active: dict[str, set[int]] = {}  # a job ran or failed since: its block may change
+        for job in events.jobs.values():
+            shard = job.wildcards.get("shard", "")
+            if job.rule in SHARD_STAGES and shard.isdigit() and job.state in ("running", "failed"):
+                active.setdefault(job.rule, set()).add(int(shard) // SETTLED_BLOCK)
+        for stage in SHARD_STAGES:
+            settled = self._settled.get(stage, set()) - active.get(stage, set())
+            block = 0
+            while block < blocks:
+                if block in settled:
+                    block += 1
+                    continue
+                first = block
+                while block < blocks and block not in settled:
+                    block += 1
+                lo, hi = first * SETTLED_BLOCK, block * SETTLED_BLOCK
+                for prefix in (f"{layout.OUTPUTS_DIR}/{stage}-", f"{layout.PROGRESS_DIR}/{stage}/shard-"):
+                    stop = f"{prefix}{layout.shard_name(hi)}" if hi < n else None
+                    ranges.append((prefix, f"{prefix}{layout.shard_name(lo)}" if lo else "", stop))
+        return ranges
+
+    def _settle(self, done: dict[str, set[int]]) -> None:
+        n = self.source.num_shards
+        for stage, shards in done.items():
+            self._settled[stage] = {
+                b for b in range((n + SETTLED_BLOCK - 1) // SETTLED_BLOCK)
+                if all(s in shards for s in range(b * SETTLED_BLOCK, min((b + 1) * SETTLED_BLOCK, n)))
+            }
+
+    def _prefetch(self, objects: list[ObjectInfo]) -> None:
+        """Read, concurrently, every parsed object that is new or changed since its last read."""
+        todo = []
+        for obj in objects:
+            parse = _parser_for(obj.key)
+            hit = self._cache.get(obj.key)
+            if parse is not None and (hit is None or hit[0] != (obj.size, obj.mtime)):
+                todo.append((obj, parse))
+        if len(todo) < 2:
+            return
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            list(pool.map(lambda item: self._read_cached(item[0].key, item[0].size, item[0].mtime, item[1]), todo))
 
     def _read_cached(self, key: str, size: int, mtime: float, parse):
         hit = self._cache.get(key)
@@ -104,8 +203,9 @@ class SnapshotBuilder:
 
     def build(self) -> dict:
         now = time.time()
-        objects = self.source.storage.list("")
         events = self.board.refresh() if self.board else RunEvents()
+        objects = self._list_objects(now, events)
+        self._prefetch(objects)
         n = self.source.num_shards
 
         done: dict[str, set[int]] = {stage: set() for stage in SHARD_STAGES}
@@ -138,6 +238,7 @@ class SnapshotBuilder:
             elif obj.key == layout.HALT:
                 halt = self._read_cached(obj.key, obj.size, obj.mtime, json.loads) or {"cause": "unreadable halt object"}
 
+        self._settle(done)
         jobs_by_stage_shard: dict[tuple[str, int], object] = {}
         for job in sorted(events.jobs.values(), key=lambda j: j.jobid):
             stage = job.rule if job.rule in SHARD_STAGES else None
@@ -233,6 +334,8 @@ class SnapshotBuilder:
             "training": self._training(segments),
             "evaluation": _evaluation_summary(eval_metrics),
             "storage": {
+                # Bytes outside the ranges listed between full listings are as of this time.
+                "full_listing_at": self._full_at,
                 "total_bytes": sum(u["bytes"] for u in storage_use.values()),
                 "by_category": dict(sorted(storage_use.items())),
             },
@@ -413,6 +516,17 @@ def _engine_summary(metrics: dict) -> dict | None:
         "lossless": lossless.get("passed") if lossless.get("checked") else None,
         "parity": metrics.get("engine_parity"),
     }
+
+
+def _parser_for(key: str):
+    """How build() parses an object it reads (None: it is only listed)."""
+    if TELEMETRY_KEY.match(key):
+        return json.loads
+    if m := SEGMENT_KEY.match(key):
+        return read_train_metrics if m["name"] == layout.TRAIN_METRICS else json.loads
+    if key in (layout.EVAL_METRICS, layout.HALT):
+        return json.loads
+    return None
 
 
 def _halt_summary(halt) -> dict | None:

@@ -1,79 +1,315 @@
-"""Training checkpoints through the storage layer (local or S3).
+"""Training checkpoints through the storage layer (local or S3), written by every rank.
 
-A checkpoint is a folder of objects: the drafter weights (safetensors), the trainer state
-(optimizer, scheduler, step, data position, RNG; ``torch.save``), and ``checkpoint.json`` with
-each object's size and sha256, written LAST. A reader trusts only a folder whose index exists and
-whose objects match it, so a crash in the middle of a save never yields a half checkpoint.
+A checkpoint is a folder of objects: one shard per rank (``shard-RRRRR-of-WWWWW.pt``, written with
+``torch.save`` and read back with ``weights_only=True``) and ``checkpoint.json``, the index with
+each shard's size and sha256, written LAST by rank 0 once every rank reported its shard stored. A
+reader trusts only a folder whose index exists and whose shards match it, so a crash in the middle
+of a save never yields a half checkpoint.
+
+Why shards of a replicated state rather than ``torch.distributed.checkpoint``: training is DDP, so
+every rank holds the whole drafter and optimizer state. Each rank writes (and hashes) only its part
+of the tensors -- a byte-balanced split that every rank computes alike from the shapes -- so
+the write is spread over the ranks instead of rank 0 writing everything while the others wait. DCP
+would do the same de-duplication, but it writes to a filesystem or fsspec, not through
+``Storage`` (atomic objects, the run's S3 settings), it changes the on-disk format the export and
+the tests read into ``.distcp`` files plus pickled metadata, and its async save runs collectives
+from a background thread beside DDP's. Here the background part (``PendingSave``) does no
+collective at all: the trainer commits the index at a step boundary once every rank's upload is
+done (``dflash_pipeline.training.trainer``).
+
+Each rank's shard also carries that rank's RNG state (CPU, Python and, on a GPU, its own CUDA
+device's), so a resume restores every rank's generators, not only rank 0's. Loading maps every
+tensor onto one device (``map_location``): the rank's own, never the device a tensor was saved
+from.
+
 In-segment checkpoints go to step-named folders below the segment's progress prefix with a
-``latest.json`` pointer (again written last); older step folders are removed after the pointer
-moved, so there is always one complete checkpoint to resume from.
+``latest.json`` pointer (written after the index); older step folders are removed after the
+pointer moved, so there is always one complete checkpoint to resume from.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import tempfile
+import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from dflash_pipeline.core.storage import Storage, StorageError, sha256_file
 
+FORMAT = 2
 INDEX = "checkpoint.json"
 LATEST = "latest.json"
-WEIGHTS = "model.safetensors"
-TRAINER_STATE = "trainer.pt"
+TENSOR_REF = "__tensor__"
 
 
 class CheckpointError(RuntimeError):
     pass
 
 
-def save_checkpoint(
-    storage: Storage, prefix: str, weights: dict[str, torch.Tensor], trainer_state: dict
-) -> dict:
+class Collective(Protocol):
+    """What a save needs of the process group (``trainer.Distributed`` is one)."""
+
+    rank: int
+    world: int
+
+    def gather_objects(self, obj: Any) -> list[Any]: ...
+
+    def barrier(self) -> None: ...
+
+
+class SingleProcess:
+    rank = 0
+    world = 1
+
+    def gather_objects(self, obj):
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+
+def shard_name(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.pt"
+
+
+# --- the state as a skeleton plus named tensors ----------------------------------------------
+def split_tensors(obj: Any, path: str = "", out: dict | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``obj`` with every tensor replaced by ``{TENSOR_REF: path}``, and the tensors by path."""
+    out = {} if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out[path] = obj
+        return {TENSOR_REF: path}, out
+    if isinstance(obj, dict):
+        return {k: split_tensors(v, f"{path}/{k}", out)[0] for k, v in obj.items()}, out
+    if isinstance(obj, (list, tuple)):
+        items = [split_tensors(v, f"{path}/{i}", out)[0] for i, v in enumerate(obj)]
+        return (items if isinstance(obj, list) else tuple(items)), out
+    return obj, out
+
+
+def join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {TENSOR_REF}:
+            return tensors[obj[TENSOR_REF]]
+        return {k: join_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [join_tensors(v, tensors) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(join_tensors(v, tensors) for v in obj)
+    return obj
+
+
+def assign_tensors(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """Tensor paths per rank, balanced by bytes (largest first onto the least loaded rank). A
+    function of the paths and sizes only, so every rank computes the same split."""
+    loads = [0] * world
+    parts: list[list[str]] = [[] for _ in range(world)]
+    for path in sorted(sizes, key=lambda p: (-sizes[p], p)):
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        parts[rank].append(path)
+        loads[rank] += sizes[path]
+    return parts
+
+
+# --- RNG -----------------------------------------------------------------------------------
+def capture_rng(device: torch.device | str | None = None) -> dict:
+    """This process's RNG state: CPU, Python and, when it trains on a GPU, that GPU's. Only the
+    rank's own device: asking another device for its state would create a CUDA context there."""
+    device = torch.device(device or "cpu")
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": None}
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        state["cuda"] = {"device": index, "state": torch.cuda.get_rng_state(index)}
+    return state
+
+
+def restore_rng(state: dict, device: torch.device | str | None = None) -> None:
+    """Set the generators ``capture_rng`` saved; the CUDA state goes to this rank's device."""
+    device = torch.device(device or "cpu")
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(state["python"])
+    cuda = state.get("cuda")
+    if cuda is not None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_rng_state(cuda["state"].cpu(), index)
+
+
+# --- writing -------------------------------------------------------------------------------
+def stage_shard(state: dict, rng: dict, rank: int, world: int, copy: bool) -> dict:
+    """What rank ``rank`` writes: its part of the tensors (on the CPU; copied when ``copy``, so
+    training can go on changing the live tensors while a background thread writes), its RNG
+    state and, on rank 0, the skeleton of the state."""
+    skeleton, tensors = split_tensors(state)
+    sizes = {p: t.numel() * t.element_size() for p, t in tensors.items()}
+    mine = assign_tensors(sizes, world)[rank]
+    payload = {
+        "format": FORMAT,
+        "rank": rank,
+        "world": world,
+        "tensors": {p: tensors[p].detach().to("cpu", copy=copy) for p in mine},
+        "rng": rng,
+    }
+    if rank == 0:
+        payload["skeleton"] = skeleton
+    return payload
+
+
+def write_shard(storage: Storage, prefix: str, payload: dict) -> dict:
+    """Serialize, hash and upload one rank's shard; returns its index entry."""
+    name = shard_name(payload["rank"], payload["world"])
     with tempfile.TemporaryDirectory(prefix="dflash-ckpt-") as tmp:
-        files = {WEIGHTS: Path(tmp) / WEIGHTS, TRAINER_STATE: Path(tmp) / TRAINER_STATE}
-        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, files[WEIGHTS])
-        torch.save(trainer_state, files[TRAINER_STATE])
-        index = {"step": trainer_state.get("step"), "files": {}}
-        for name, path in files.items():
-            index["files"][name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-            storage.upload_file(prefix + name, path)
+        path = Path(tmp) / name
+        torch.save(payload, path)
+        entry = {"name": name, "size": path.stat().st_size, "sha256": sha256_file(path)}
+        storage.upload_file(prefix + name, path)
+    return entry
+
+
+def write_index(storage: Storage, prefix: str, step: int, world: int, entries: list[dict]) -> dict:
+    """The index, written last: only now is the checkpoint at ``prefix`` complete."""
+    index = {
+        "format": FORMAT,
+        "step": step,
+        "world": world,
+        "files": {e["name"]: {"size": e["size"], "sha256": e["sha256"]} for e in entries},
+    }
     storage.write_text(prefix + INDEX, json.dumps(index, indent=1))
     return index
 
 
+def gather_entries(group: Collective, entry: dict | BaseException) -> list[dict]:
+    """Every rank's shard entry; a failure on any rank fails them all (nobody waits forever)."""
+    entries = group.gather_objects(entry if isinstance(entry, dict) else {"error": repr(entry)})
+    failed = [(r, e["error"]) for r, e in enumerate(entries) if "error" in e]
+    if failed:
+        if isinstance(entry, BaseException):
+            raise entry
+        raise CheckpointError(f"rank {failed[0][0]} could not write its checkpoint shard: {failed[0][1]}")
+    return entries
+
+
+def save_checkpoint(
+    storage: Storage, prefix: str, state: dict, rng: dict, group: Collective | None = None
+) -> dict:
+    """Every rank of ``group`` calls this with the same ``state`` (DDP: replicated) and its own
+    ``rng``; each writes its shard, rank 0 the index last. Returns the index."""
+    group = group or SingleProcess()
+    try:
+        entry: dict | BaseException = write_shard(
+            storage, prefix, stage_shard(state, rng, group.rank, group.world, copy=False)
+        )
+    except Exception as err:  # reported to every rank by gather_entries
+        entry = err
+    entries = gather_entries(group, entry)
+    index = None
+    if group.rank == 0:
+        index = write_index(storage, prefix, int(state["step"]), group.world, entries)
+    group.barrier()
+    return index or read_index(storage, prefix)
+
+
+class PendingSave:
+    """One rank's shard being written by a background thread; ``done()`` never blocks."""
+
+    def __init__(self, storage: Storage, prefix: str, payload: dict):
+        self.prefix = prefix
+        self.step = None
+        self._result: dict | BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(storage, prefix, payload), name="checkpoint-writer", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, storage, prefix, payload):
+        try:
+            self._result = write_shard(storage, prefix, payload)
+        except BaseException as err:  # handed to the main thread by result()
+            self._result = err
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> dict | BaseException:
+        self._thread.join()
+        return self._result
+
+
+# --- reading -------------------------------------------------------------------------------
 def read_index(storage: Storage, prefix: str) -> dict | None:
     if not storage.exists(prefix + INDEX):
         return None
-    return json.loads(storage.read_text(prefix + INDEX))
+    index = json.loads(storage.read_text(prefix + INDEX))
+    if index.get("format") != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {storage.join(prefix + INDEX)} has format {index.get('format')!r}, this "
+            f"version reads format {FORMAT}; delete the folder to start that segment again"
+        )
+    return index
 
 
-def load_checkpoint(storage: Storage, prefix: str) -> tuple[dict, dict] | None:
-    """(weights, trainer_state) of the checkpoint at ``prefix``, or None if there is none."""
+def map_location_for(device: torch.device | str) -> torch.device:
+    """Where ``torch.load`` puts every tensor of a checkpoint read by a rank on ``device``: that
+    device, whatever device the tensor was saved from (a CUDA index without one means the current
+    device, i.e. the rank's own, never cuda:0)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def tensors_off_device(obj: Any, device: torch.device) -> list[str]:
+    """Paths of the tensors in ``obj`` that are not on ``device``."""
+    _, tensors = split_tensors(obj)
+    return [p for p, t in tensors.items() if t.device != device]
+
+
+@dataclass
+class Checkpoint:
+    state: dict  # the replicated state (model, optimizer, scheduler, step, ...)
+    rng: dict  # this rank's RNG state (rank 0's when the checkpoint had fewer ranks)
+    index: dict
+
+
+def load_checkpoint(
+    storage: Storage, prefix: str, map_location: torch.device | str = "cpu", rank: int = 0
+) -> Checkpoint | None:
+    """The checkpoint at ``prefix`` with every tensor on ``map_location``, or None when it has no
+    index (never written, or a save that did not finish)."""
     index = read_index(storage, prefix)
     if index is None:
         return None
-    with tempfile.TemporaryDirectory(prefix="dflash-ckpt-") as tmp:
-        paths = {}
-        for name, expected in index["files"].items():
-            path = Path(tmp) / name
-            try:
-                storage.download_file(prefix + name, path)
-            except StorageError as err:
-                raise CheckpointError(f"checkpoint {storage.join(prefix)}: {err}") from err
-            actual = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-            if actual != expected:
-                raise CheckpointError(
-                    f"checkpoint {storage.join(prefix + name)} does not match its index "
-                    f"({actual} != {expected}); delete the folder to start that segment again"
-                )
-            paths[name] = path
-        weights = load_file(paths[WEIGHTS])
-        trainer_state = torch.load(paths[TRAINER_STATE], weights_only=True)
-    return weights, trainer_state
+    device = map_location_for(map_location)
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = None
+    rngs: dict[int, dict] = {}
+    for name, expected in sorted(index["files"].items()):
+        try:
+            with storage.local_copy(prefix + name) as path:
+                actual = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+                if actual != expected:
+                    raise CheckpointError(
+                        f"checkpoint {storage.join(prefix + name)} does not match its index "
+                        f"({actual} != {expected}); delete the folder to start that segment again"
+                    )
+                payload = torch.load(path, map_location=device, weights_only=True)
+        except StorageError as err:
+            raise CheckpointError(f"checkpoint {storage.join(prefix)}: {err}") from err
+        tensors.update(payload["tensors"])
+        rngs[payload["rank"]] = payload["rng"]
+        if payload["rank"] == 0:
+            skeleton = payload["skeleton"]
+    if skeleton is None:
+        raise CheckpointError(f"checkpoint {storage.join(prefix + INDEX)} lists no rank-0 shard")
+    state = join_tensors(skeleton, tensors)
+    off = tensors_off_device(state, device)
+    if off:  # torch.load honours map_location; this guards the promise, not torch
+        raise CheckpointError(f"checkpoint {storage.join(prefix)}: {off[:3]} not on {device}")
+    return Checkpoint(state=state, rng=rngs.get(rank, rngs[0]), index=index)
 
 
 class RollingCheckpoints:
@@ -83,19 +319,42 @@ class RollingCheckpoints:
         self.storage = storage
         self.prefix = prefix
 
-    def save(self, weights: dict, trainer_state: dict) -> None:
-        step_prefix = f"{self.prefix}step-{trainer_state['step']:08d}/"
-        save_checkpoint(self.storage, step_prefix, weights, trainer_state)
+    def step_prefix(self, step: int) -> str:
+        return f"{self.prefix}step-{step:08d}/"
+
+    def save(self, state: dict, rng: dict, group: Collective | None = None) -> None:
+        group = group or SingleProcess()
+        step_prefix = self.step_prefix(int(state["step"]))
+        save_checkpoint(self.storage, step_prefix, state, rng, group)
+        if group.rank == 0:
+            self.point_to(step_prefix)
+
+    def begin(self, state: dict, rng: dict, group: Collective) -> PendingSave:
+        """Start writing this rank's shard in the background (the tensors are copied first);
+        ``commit`` it once every rank's ``done()``."""
+        step_prefix = self.step_prefix(int(state["step"]))
+        pending = PendingSave(self.storage, step_prefix, stage_shard(state, rng, group.rank, group.world, copy=True))
+        pending.step = int(state["step"])
+        return pending
+
+    def commit(self, pending: PendingSave, group: Collective) -> None:
+        """Every rank calls this for the same save: rank 0 writes its index, then the pointer."""
+        entries = gather_entries(group, pending.result())
+        if group.rank == 0:
+            write_index(self.storage, pending.prefix, pending.step, group.world, entries)
+            self.point_to(pending.prefix)
+
+    def point_to(self, step_prefix: str) -> None:
         self.storage.write_text(self.prefix + LATEST, json.dumps({"prefix": step_prefix}))
         for obj in self.storage.list(self.prefix + "step-"):
             if not obj.key.startswith(step_prefix):
                 self.storage.delete(obj.key)
 
-    def load_latest(self) -> tuple[dict, dict] | None:
+    def load_latest(self, map_location="cpu", rank: int = 0) -> Checkpoint | None:
         if not self.storage.exists(self.prefix + LATEST):
             return None
         pointer = json.loads(self.storage.read_text(self.prefix + LATEST))
-        return load_checkpoint(self.storage, pointer["prefix"])
+        return load_checkpoint(self.storage, pointer["prefix"], map_location, rank)
 
     def clear(self) -> None:
         self.storage.delete_prefix(self.prefix)

@@ -6,7 +6,8 @@ source of randomness is a function of (seed, step, rank) -- anchors come from a 
 per step, batches from ``BatchPlan`` -- so weights, optimizer and scheduler state plus the step
 number reproduce the run exactly; RNG states are saved as well for anything else that draws.
 SIGTERM checkpoints at the end of the current step and exits; a periodic checkpoint every M steps
-bounds what a SIGKILL loses.
+(written in the background while training goes on) bounds what a SIGKILL loses. Checkpoints are
+written by every rank, each its share (``dflash_pipeline.training.checkpoint``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -27,7 +28,15 @@ from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.core.jobstate import write_telemetry
 from dflash_pipeline.core.storage import Storage, open_storage
 from dflash_pipeline.training.blocks import block_metrics, blocks_forward
-from dflash_pipeline.training.checkpoint import RollingCheckpoints, load_checkpoint, save_checkpoint
+from dflash_pipeline.training.checkpoint import (
+    INDEX,
+    PendingSave,
+    RollingCheckpoints,
+    capture_rng,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
 from dflash_pipeline.training.data import BatchPlan, collate, read_training_sequences
 from dflash_pipeline.training.selector import selector_metrics, selector_weight
 from dflash_pipeline.training.step import optimizer_step
@@ -131,6 +140,21 @@ class Distributed:
         torch.distributed.all_reduce(tensor)
         return float(tensor.item())
 
+    def flags_any(self, flags: list[bool], device) -> list[bool]:
+        """Each flag OR-ed over the ranks, in one all-reduce."""
+        if self.world == 1:
+            return list(flags)
+        value = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        return [bool(v) for v in value.tolist()]
+
+    def gather_objects(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
     def barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier()
@@ -228,7 +252,14 @@ class _SegmentRun:
         else:
             from dflash_pipeline.data.hidden import HiddenShards
             from dflash_pipeline.model.target import load_target_embeddings
+            from dflash_pipeline.training.offline import OfflineBudgetError, check_stored
 
+            # Refuse before any rank downloads the shards (train.offline_max_bytes).
+            manifests = {k: json.loads(Path(p).read_text()) for k, p in self.job.hidden.items()}
+            try:
+                check_stored(self.settings, manifests, self.dist.world)
+            except OfflineBudgetError as err:
+                raise TrainingError(str(err)) from None
             self.taps = None
             self.hidden = HiddenShards(self.storage, self.job.hidden, self.drafter_config)
             self.embed_weight, self.lm_head_weight = load_target_embeddings(
@@ -256,25 +287,27 @@ class _SegmentRun:
         self.rolling = RollingCheckpoints(
             self.storage, layout.train_progress_prefix(self.job.segment) + "checkpoint/"
         )
-        loaded = self.rolling.load_latest()
+        # Every tensor onto this rank's own device (never the device it was saved from).
+        where = dict(map_location=self.device, rank=self.dist.rank)
+        loaded = self.rolling.load_latest(**where)
         source = "in-segment checkpoint"
         if loaded is None and self.job.segment > 0:
-            loaded = load_checkpoint(self.storage, layout.checkpoint_prefix(self.job.segment - 1))
+            loaded = load_checkpoint(self.storage, layout.checkpoint_prefix(self.job.segment - 1), **where)
             source = f"segment {self.job.segment - 1}"
             if loaded is None:
                 raise TrainingError(
                     f"segment {self.job.segment - 1}'s checkpoint is missing from "
-                    f"{self.storage.join(layout.checkpoint_prefix(self.job.segment - 1))}"
+                    f"{self.storage.join(layout.checkpoint_prefix(self.job.segment - 1))} "
+                    f"(no {INDEX}: never written, or its save did not finish)"
                 )
         if loaded is None:
             self.step = self.start_step
             return "fresh drafter"
-        weights, state = loaded
-        self.drafter.load_state_dict(weights, strict=True)
+        state = loaded.state
+        self.drafter.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
+        restore_rng(loaded.rng, self.device)
         self.step = int(state["step"])
         if not self.start_step <= self.step <= self.end_step:
             raise TrainingError(
@@ -283,13 +316,14 @@ class _SegmentRun:
             )
         return source
 
-    def _trainer_state(self) -> dict:
+    def _state(self) -> dict:
+        """What every rank holds alike (DDP); each rank's RNG goes beside it (capture_rng)."""
         return {
             "step": self.step,
             "samples_seen": self.step * self.plan.global_batch,
+            "model": self.drafter.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
 
     # --- the loop ------------------------------------------------------------------------------
@@ -359,10 +393,13 @@ class _SegmentRun:
     def run(self) -> dict:
         s = self.settings
         self._load_target()
-        self.sequences = read_training_sequences(self.job.tokenized)
-        self.plan = BatchPlan(
-            [x.length for x in self.sequences], s["batch_size"] * self.dist.world, s["seed"]
+        # Memory-mapped: every rank maps the same local copies (shared page cache), none holds
+        # the set in its own memory.
+        self.sequences = read_training_sequences(
+            self.job.tokenized, cache_dir=s.get("data_cache_dir"), rank=self.dist.local_rank,
+            world=int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world)),
         )
+        self.plan = BatchPlan(self.sequences.lengths, s["batch_size"] * self.dist.world, s["seed"])
         self._build_model()
         source = self._restore()
         metrics = MetricsLog(
@@ -376,36 +413,66 @@ class _SegmentRun:
             f"{self.device}, attention {self.backend}",
             flush=True,
         )
+        self.pending: PendingSave | None = None
         try:
             while self.step < self.end_step:
                 record = self._train_step(self.step)
                 self.step += 1
                 if self.dist.is_main:
                     metrics.add(record)
-                stop = self.dist.any(self.stop_requested, self.device)
+                # One all-reduce per step: a SIGTERM on any rank, and whether a background
+                # checkpoint write is still running on any rank.
+                stop, writing = self.dist.flags_any(
+                    [self.stop_requested, self.pending is not None and not self.pending.done()],
+                    self.device,
+                )
+                if self.pending is not None and not writing:
+                    self._commit_pending(metrics)
                 periodic = (self.step - self.start_step) % s["checkpoint_every_steps"] == 0
-                if (stop or periodic) and self.step < self.end_step:
+                if stop and self.step < self.end_step:
+                    self._commit_pending(metrics)
+                    self.rolling.save(self._state(), capture_rng(self.device), self.dist)
+                    self._flush(metrics)
+                elif periodic and self.step < self.end_step:
                     self._save_rolling(metrics)
                 if stop:
                     print(f"SIGTERM: checkpointed at step {self.step}; exiting", flush=True)
                     raise SystemExit(PREEMPTED_EXIT_CODE)
+            self._commit_pending(metrics)
             return self._finish(metrics)
         finally:
             signal.signal(signal.SIGTERM, previous)
 
     def _save_rolling(self, metrics: MetricsLog) -> None:
+        """A periodic checkpoint. Async (train.checkpoint_async): this rank's share of the state
+        is copied to the CPU here and written by a background thread while training goes on; it
+        becomes the latest checkpoint at the first step boundary where every rank finished."""
+        self._commit_pending(metrics)  # at most one save in flight
+        if self.settings["checkpoint_async"]:
+            self.pending = self.rolling.begin(self._state(), capture_rng(self.device), self.dist)
+        else:
+            self.rolling.save(self._state(), capture_rng(self.device), self.dist)
+            self._flush(metrics)
+
+    def _commit_pending(self, metrics: MetricsLog) -> None:
+        """Wait for the save in flight (if any) and make it the latest checkpoint; every rank
+        calls this at the same step."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        self.rolling.commit(pending, self.dist)
+        self._flush(metrics)
+
+    def _flush(self, metrics: MetricsLog) -> None:
         if self.dist.is_main:
-            self.rolling.save(self.drafter.state_dict(), self._trainer_state())
             metrics.flush("running")
-        self.dist.barrier()
 
     def _finish(self, metrics: MetricsLog) -> dict:
         manifest = None
+        prefix = layout.checkpoint_prefix(self.job.segment)
+        # Every rank writes its shard; rank 0 the index, then the manifest Snakemake waits for.
+        index = save_checkpoint(self.storage, prefix, self._state(), capture_rng(self.device), self.dist)
         if self.dist.is_main:
-            prefix = layout.checkpoint_prefix(self.job.segment)
-            index = save_checkpoint(
-                self.storage, prefix, self.drafter.state_dict(), self._trainer_state()
-            )
             metrics.flush("done")
             last = metrics.records[-1] if metrics.records else {}
             manifest = {

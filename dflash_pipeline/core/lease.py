@@ -1,0 +1,244 @@
+"""The run lease: one Snakemake driver per run root (a local folder or an S3 prefix).
+
+Snakemake's own lock lives in the working directory's ``.snakemake/``, so two drivers started
+from two checkouts (or two machines) on the same S3 prefix would both run, deleting each other's
+generation parts and checkpoints. The lease is one object, ``_progress/LEASE.json`` in the run
+root, naming its holder (host, pid, process start, when it started) with a heartbeat and an
+expiry:
+
+* the first driver creates it with a conditional write (S3 ``If-None-Match: *``; locally an
+  exclusive create under ``flock``), so of two drivers starting together exactly one wins;
+* a second driver finds it held and stops at once, with a message naming the holder;
+* the holder refreshes it every ``ttl_s / 4`` seconds with ``If-Match`` on the version it last
+  wrote, so a driver that lost its lease (it stalled past the expiry and another took over)
+  finds out at its next heartbeat instead of silently overwriting the new holder;
+* a lease is stale once its expiry has passed, or at once when its holder is a process of this
+  host that no longer exists (a killed driver); a stale lease is taken over, again with
+  ``If-Match``, so two drivers taking over the same stale lease cannot both win;
+* the holder deletes it when the run ends (success or error).
+
+Only real executions take it (the workflow's ``onstart``): dry-runs, ``--lint``, reports and the
+jobs themselves never do. ``python -m dflash_pipeline.core.lease show|break --run-url URL``
+inspects it or removes one whose holder is known to be gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.storage import Storage, StorageError, open_storage
+
+LEASE_KEY = layout.RUN_LEASE
+DEFAULT_TTL_S = 300.0
+BREAK_COMMAND = "python -m dflash_pipeline.core.lease break --run-url {run_url}"
+
+
+class LeaseHeld(RuntimeError):
+    """Another driver holds the run's lease; the message names it."""
+
+
+class LeaseLost(RuntimeError):
+    """This driver's lease was taken over (it missed heartbeats past the expiry)."""
+
+
+def process_start(pid: int) -> str | None:
+    """An identifier of when process ``pid`` started (Linux: its start time in clock ticks), so
+    a reused pid is not mistaken for the holder; None where it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22 (starttime) counted after the command name, which may itself hold spaces.
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def process_alive(pid: int, started: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    now_started = process_start(pid)
+    return started is None or now_started is None or now_started == started
+
+
+def is_stale(record: dict, now: float, host: str | None = None) -> bool:
+    """Whether a lease record may be taken over: expired, or held by a dead local process."""
+    host = socket.gethostname() if host is None else host
+    try:
+        if float(record["expires_at"]) <= now:
+            return True
+        owner = record["owner"]
+        if owner["host"] == host and not process_alive(int(owner["pid"]), owner.get("process_start")):
+            return True
+    except (KeyError, TypeError, ValueError):
+        return True  # not a lease this code wrote (objects are written whole): not a holder
+    return False
+
+
+def describe_holder(record: dict) -> str:
+    owner = record.get("owner") or {}
+
+    def utc(t):
+        try:
+            return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(t)))
+        except (TypeError, ValueError):
+            return "?"
+
+    return (
+        f"host {owner.get('host', '?')} pid {owner.get('pid', '?')} "
+        f"(working directory {owner.get('cwd', '?')}, started {utc(owner.get('started_at'))}, "
+        f"last heartbeat {utc(record.get('heartbeat_at'))}, expires {utc(record.get('expires_at'))})"
+    )
+
+
+class RunLease:
+    """This process's claim on one run root."""
+
+    def __init__(self, storage: Storage, ttl_s: float = DEFAULT_TTL_S, *, host: str | None = None,
+                 pid: int | None = None, clock: Callable[[], float] = time.time):
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl_s must be positive, got {ttl_s}")
+        self.storage, self.ttl_s, self.clock = storage, float(ttl_s), clock
+        pid = os.getpid() if pid is None else pid
+        self.owner = {
+            "host": socket.gethostname() if host is None else host,
+            "pid": pid,
+            "process_start": process_start(pid),
+            "cwd": os.getcwd(),
+            "started_at": clock(),
+            "token": uuid.uuid4().hex,
+        }
+        self.tag: str | None = None  # version of the lease object this process last wrote
+        self.took_over: dict | None = None  # the stale record replaced by acquire(), if any
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return self.storage.join(LEASE_KEY)
+
+    def _record(self) -> bytes:
+        now = self.clock()
+        record = {"owner": self.owner, "heartbeat_at": now, "expires_at": now + self.ttl_s,
+                  "ttl_s": self.ttl_s}
+        return json.dumps(record, indent=1).encode("utf-8")
+
+    def acquire(self) -> RunLease:
+        """Take the lease, or raise LeaseHeld naming the live holder."""
+        for _ in range(5):  # each retry follows a change by another driver
+            tag = self.storage.create_if_absent(LEASE_KEY, self._record())
+            if tag is not None:
+                self.tag = tag
+                return self
+            current = self.storage.read_tagged(LEASE_KEY)
+            if current is None:
+                continue  # released between our two requests
+            data, current_tag = current
+            try:
+                record = json.loads(data)
+            except ValueError:
+                record = {}
+            if not isinstance(record, dict):
+                record = {}
+            if not is_stale(record, self.clock(), self.owner["host"]):
+                raise LeaseHeld(
+                    f"the run at {self.storage.url} is driven by another Snakemake: "
+                    f"{describe_holder(record)}. Two drivers on one run delete each other's "
+                    "in-flight work, so this one stops. Wait for it to finish; if that driver is "
+                    f"gone, its lease expires by itself, or remove it with: "
+                    + BREAK_COMMAND.format(run_url=self.storage.url)
+                )
+            tag = self.storage.replace_if_tag(LEASE_KEY, self._record(), current_tag)
+            if tag is not None:
+                self.tag, self.took_over = tag, record
+                return self
+        raise LeaseHeld(f"could not take the lease {self.url}: it kept changing under this driver")
+
+    def heartbeat(self) -> None:
+        """Push the expiry forward; LeaseLost if another driver took the lease over."""
+        if self.tag is None:
+            raise LeaseLost(f"{self.url}: this driver does not hold the lease")
+        tag = self.storage.replace_if_tag(LEASE_KEY, self._record(), self.tag)
+        if tag is None:
+            self.tag = None
+            current = self.storage.read_tagged(LEASE_KEY)
+            holder = describe_holder(json.loads(current[0])) if current else "nobody"
+            raise LeaseLost(f"the lease {self.url} was taken over; it is now held by {holder}")
+        self.tag = tag
+
+    def release(self) -> bool:
+        """Give the lease up (only the version this process wrote); whether it was deleted."""
+        self.stop_heartbeat()
+        if self.tag is None:
+            return False
+        deleted = self.storage.delete_if_tag(LEASE_KEY, self.tag)
+        self.tag = None
+        return deleted
+
+    def start_heartbeat(self, on_error: Callable[[Exception], None]) -> None:
+        """Heartbeat from a daemon thread. Storage trouble is retried until the next beat;
+        ``on_error`` gets a LeaseLost (and the beats end) or each storage error."""
+
+        def beat():
+            while not self._stop.wait(self.ttl_s / 4):
+                try:
+                    self.heartbeat()
+                except LeaseLost as err:
+                    on_error(err)
+                    return
+                except StorageError as err:
+                    on_error(err)
+
+        self._thread = threading.Thread(target=beat, name="run-lease", daemon=True)
+        self._thread.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        self._thread = None
+
+
+def read_lease(storage: Storage) -> dict | None:
+    current = storage.read_tagged(LEASE_KEY)
+    if current is None:
+        return None
+    try:
+        record = json.loads(current[0])
+    except ValueError:
+        return {"unreadable": current[0][:200].decode("utf-8", "replace")}
+    return record if isinstance(record, dict) else {"unreadable": repr(record)[:200]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.core.lease",
+                                     description="Show or break a run's lease.")
+    parser.add_argument("action", choices=["show", "break"])
+    parser.add_argument("--run-url", required=True, help="the run root (local folder or s3:// URL)")
+    args = parser.parse_args(argv)
+    storage = open_storage(args.run_url)
+    record = read_lease(storage)
+    if record is None:
+        print(f"{storage.join(LEASE_KEY)}: no lease (no driver runs this run)")
+        return 0
+    print(f"{storage.join(LEASE_KEY)}: held by {describe_holder(record)}")
+    if args.action == "break":
+        storage.delete(LEASE_KEY)
+        print("lease removed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

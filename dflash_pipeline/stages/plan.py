@@ -1,0 +1,418 @@
+"""What a run will cost, before it runs: prompts, shards, tokens, GPU-hours, bytes and wall time.
+
+    python -m dflash_pipeline.stages.plan --configfile config/examples/qwen3.6-27b.yaml --gpus 8
+
+Every figure says where it comes from, best source first:
+
+* counts: the run's ingest summary when the ingest has run, else ``plan.prompts``;
+* generated tokens per sample: finished generate shards' telemetry, else
+  ``plan.mean_response_tokens``, else ``generation.max_new_tokens`` (an upper bound);
+* generation throughput: finished generate shards' telemetry, else
+  ``plan.generation_tokens_per_s_per_gpu`` (an assumption: nothing here measures it yet);
+* training throughput: the run's own training telemetry, else ``plan.train_tokens_per_s_per_gpu``,
+  else the train_step benchmark in ``bench/results`` closest to the target and the context;
+* bytes: finished shards' objects in the run root, else per-token estimates; hidden states are
+  K taps x hidden size x bytes per element per token (stored in offline mode only).
+
+The logic is plain functions over the validated config and what was measured (``Measured``);
+the CLI only gathers those and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.config import validate_config
+from dflash_pipeline.core.storage import StorageError, open_storage
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_BENCH_DIR = REPO / "bench" / "results"
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+# Rough sizes of the stage objects per token when nothing is measured yet (compressed parquet:
+# text ~2 bytes per token; tokenized ids int32 + loss mask ~3 bytes per token).
+TEXT_BYTES_PER_TOKEN = 2.0
+TOKENIZED_BYTES_PER_TOKEN = 3.0
+# A training checkpoint: fp32 weights and AdamW's two moments.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+class PlanError(ValueError):
+    """The plan cannot be made; the message names the missing key or file."""
+
+
+@dataclass
+class Estimate:
+    value: float | None
+    source: str
+
+
+@dataclass
+class Measured:
+    """What the run root and the benchmark results say (all optional)."""
+
+    prompts: int | None = None  # from the ingest summary
+    dataset_lines: int | None = None  # lines of local JSONL dataset files (before validation)
+    train_prompts: int | None = None
+    generate_shards: int = 0  # finished generate shards with telemetry
+    generate_samples: int = 0
+    generate_tokens: int = 0
+    generate_gpu_seconds: float = 0.0
+    train_tokens_per_s_per_gpu: float | None = None
+    shard_bytes: dict[str, list[int]] = field(default_factory=dict)  # stage -> sizes of finished shards
+    bench_train: dict | None = None  # the matching train_step record
+    hidden_size: int | None = None  # from the target's config.json
+
+
+def merge_config(base: dict, override: dict) -> dict:
+    """``override`` over ``base``, nested dicts merged: what Snakemake does with --configfile."""
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_config(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_run_config(configfile: str | Path | None, workdir: Path = REPO) -> dict:
+    """The config a `snakemake [--configfile X]` run in ``workdir`` would see, validated."""
+    base_path = workdir / "config.yaml"
+    config = (yaml.safe_load(base_path.read_text()) or {}) if base_path.is_file() else {}
+    if configfile is not None:
+        path = Path(configfile)
+        if not path.is_file():
+            raise PlanError(f"config file {path} not found")
+        config = merge_config(config, yaml.safe_load(path.read_text()) or {})
+    return validate_config(config)
+
+
+def model_case(model: str) -> str:
+    """``/models/Qwen3.6-27B`` -> ``qwen3.6-27b``: how train_step benchmark cases are named."""
+    return Path(str(model).rstrip("/")).name.lower()
+
+
+def pick_train_benchmark(records: list[dict], case: str, mode: str, seq_len: int) -> dict | None:
+    """The train_step record of this target in this mode, closest in context (None: no record
+    of this target; another model's throughput would say nothing about this one)."""
+    bench_mode = "online" if mode == "online" else "drafter"  # offline: drafter step alone
+    pool = [r for r in records if r.get("mode") == bench_mode and r.get("tokens_per_s") and r.get("case") == case]
+    if not pool:
+        return None
+    return min(pool, key=lambda r: abs(int(r.get("seq_len", 0)) - seq_len))
+
+
+# Result files kept as the record of an earlier state (before an optimization), not current.
+HISTORICAL_SUFFIXES = ("-first", "-before")
+
+
+def read_train_benchmarks(bench_dir: Path) -> list[dict]:
+    records = []
+    for path in sorted(bench_dir.glob("train_step*.json")):
+        if path.stem.endswith(HISTORICAL_SUFFIXES):
+            continue
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise PlanError(f"{path}: unreadable benchmark result ({err})") from err
+        for record in doc.get("results", []):
+            records.append({**record, "file": path.name, "device": doc.get("device")})
+    return records
+
+
+def read_hidden_size(model: str) -> int | None:
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    size = text.get("hidden_size")
+    return int(size) if isinstance(size, int) else None
+
+
+def count_dataset_lines(paths: list[str], workdir: Path = REPO) -> int | None:
+    """Non-empty lines of the dataset's local JSONL files; None if any is remote or missing."""
+    total = 0
+    for name in paths:
+        path = Path(name) if Path(name).is_absolute() else workdir / name
+        if str(name).startswith("s3://") or not path.is_file() or path.suffix != ".jsonl":
+            return None
+        with open(path, "rb") as fh:
+            total += sum(1 for line in fh if line.strip())
+    return total
+
+
+def measure_run(run_url: str, config: dict) -> Measured:
+    """What a run root already holds: the ingest summary, finished shards' sizes, telemetry."""
+    storage = open_storage(run_url)
+    measured = Measured()
+    try:
+        summary = json.loads(storage.read_text(layout.INGEST_SUMMARY))
+        measured.prompts = int(summary["samples"]) or None
+        measured.train_prompts = measured.prompts - int(summary.get("heldout_samples", 0))
+    except (StorageError, ValueError, TypeError, KeyError):
+        pass  # not ingested yet
+    for obj in storage.list(layout.OUTPUTS_DIR + "/"):
+        match = layout.SHARD_OBJECT.match(obj.key)
+        if match and match["ext"] == layout.SHARD_STAGES.get(match["stage"]):
+            measured.shard_bytes.setdefault(match["stage"], []).append(obj.size)
+    gpus_per_job = config["generation"]["gpus_per_job"] or 1
+    for obj in storage.list(f"{layout.PROGRESS_DIR}/generate/"):
+        if not obj.key.endswith("/telemetry.json"):
+            continue
+        try:
+            tele = json.loads(storage.read_text(obj.key))
+        except (StorageError, ValueError):
+            continue
+        if tele.get("state") != "done" or not tele.get("elapsed_s"):
+            continue
+        done = int(tele.get("samples_done", 0)) - int(tele.get("samples_resumed", 0))
+        if done <= 0:
+            continue
+        measured.generate_shards += 1
+        measured.generate_samples += done
+        measured.generate_tokens += int(tele.get("tokens_generated", 0))
+        measured.generate_gpu_seconds += float(tele["elapsed_s"]) * gpus_per_job
+    rates = []
+    for obj in storage.list(f"{layout.PROGRESS_DIR}/train/"):
+        if obj.key.endswith("/telemetry.json"):
+            try:
+                rate = json.loads(storage.read_text(obj.key)).get("tokens_per_s")
+            except (StorageError, ValueError):
+                continue
+            if rate:
+                rates.append(float(rate))
+    if rates:
+        measured.train_tokens_per_s_per_gpu = sum(rates) / len(rates) / (config["train"]["gpus_per_job"] or 1)
+    return measured
+
+
+def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
+    """Every figure of the plan with its source (see the module's docstring)."""
+    plan_cfg, gen, tok, train = config["plan"], config["generation"], config["tokenize"], config["train"]
+    if gpus < 1:
+        raise PlanError(f"--gpus must be at least 1, got {gpus}")
+
+    if measured.prompts:
+        prompts = Estimate(measured.prompts, "the run's ingest summary")
+    elif plan_cfg["prompts"]:
+        prompts = Estimate(plan_cfg["prompts"], "config plan.prompts")
+    elif measured.dataset_lines:
+        prompts = Estimate(measured.dataset_lines, "lines of the dataset files, before validation")
+    else:
+        raise PlanError("config key 'plan.prompts' is needed before the ingest has run "
+                        "(the expected number of prompts in the dataset)")
+    heldout = config["dataset"]["heldout_fraction"]
+    train_rows = measured.train_prompts or round(prompts.value * (1 - heldout))
+    shards = config["num_shards"]
+
+    if measured.generate_samples:
+        response = Estimate(measured.generate_tokens / measured.generate_samples,
+                            f"{measured.generate_shards} finished generate shards' telemetry")
+    elif plan_cfg["mean_response_tokens"]:
+        response = Estimate(plan_cfg["mean_response_tokens"], "config plan.mean_response_tokens")
+    else:
+        response = Estimate(gen["max_new_tokens"], "generation.max_new_tokens (an upper bound)")
+    generated_tokens = prompts.value * response.value
+
+    if measured.generate_gpu_seconds:
+        gen_rate = Estimate(measured.generate_tokens / measured.generate_gpu_seconds,
+                            "finished generate shards' telemetry")
+    elif plan_cfg["generation_tokens_per_s_per_gpu"]:
+        gen_rate = Estimate(plan_cfg["generation_tokens_per_s_per_gpu"],
+                            "config plan.generation_tokens_per_s_per_gpu (assumed, not measured)")
+    else:
+        gen_rate = Estimate(None, "unknown: set plan.generation_tokens_per_s_per_gpu")
+    gen_gpu_h = generated_tokens / gen_rate.value / 3600 if gen_rate.value else None
+
+    # Training sequences: prompt + response, cut at the training context.
+    seq_tokens = min(plan_cfg["mean_prompt_tokens"] + response.value, tok["max_length"])
+    epoch_tokens = train_rows * seq_tokens
+    if measured.train_tokens_per_s_per_gpu:
+        train_rate = Estimate(measured.train_tokens_per_s_per_gpu, "the run's training telemetry")
+    elif plan_cfg["train_tokens_per_s_per_gpu"]:
+        train_rate = Estimate(plan_cfg["train_tokens_per_s_per_gpu"], "config plan.train_tokens_per_s_per_gpu")
+    elif measured.bench_train:
+        b = measured.bench_train
+        train_rate = Estimate(float(b["tokens_per_s"]),
+                              f"bench/results/{b['file']}: {b['case']} {b['mode']} at {b['seq_len']} tokens on {b['device']}")
+    else:
+        train_rate = Estimate(None, "unknown: set plan.train_tokens_per_s_per_gpu")
+    train_gpus = max(1, train["gpus_per_job"])  # 0: one CPU process
+    steps = train["segments"] * train["steps_per_segment"]
+    sequences = steps * train["batch_size"] * train_gpus
+    epochs = sequences / train_rows if train_rows else None
+    train_tokens = sequences * seq_tokens
+    epoch_gpu_h = epoch_tokens / train_rate.value / 3600 if train_rate.value else None
+    train_gpu_h = train_tokens / train_rate.value / 3600 if train_rate.value else None
+
+    # Bytes per stage: finished shards' mean size x shards, else per-token estimates.
+    # The default taps are one target layer per drafter layer (model.config.default_target_layer_ids).
+    k_taps = len(train["target_layer_ids"] or [None] * train["num_layers"])
+    hidden = measured.hidden_size or plan_cfg["hidden_size"]
+    tap_bytes = DTYPE_BYTES[train["hidden_dtype"]]
+    per_token_hidden = k_taps * hidden * tap_bytes if hidden else None
+    hidden_bytes = per_token_hidden * epoch_tokens if per_token_hidden else None
+    estimates = {
+        "prepare": prompts.value * plan_cfg["mean_prompt_tokens"] * TEXT_BYTES_PER_TOKEN,
+        "generate": prompts.value * (plan_cfg["mean_prompt_tokens"] + response.value) * TEXT_BYTES_PER_TOKEN,
+        "tokenize": prompts.value * seq_tokens * TOKENIZED_BYTES_PER_TOKEN,
+    }
+    stage_bytes = {}
+    for stage, estimate in estimates.items():
+        sizes = measured.shard_bytes.get(stage)
+        if sizes:
+            stage_bytes[stage] = Estimate(sum(sizes) / len(sizes) * shards, f"{len(sizes)} finished shards")
+        else:
+            stage_bytes[stage] = Estimate(estimate, "estimate per token")
+    offline = train["mode"] == "offline"
+    stage_bytes["extract"] = Estimate(
+        hidden_bytes if offline else 0,
+        (f"{k_taps} taps x hidden {hidden} x {tap_bytes} B = {per_token_hidden} B per token"
+         + ("" if offline else f"; online mode stores none (offline would store {_bytes(hidden_bytes)})"))
+        if hidden else "unknown: the target's config.json or plan.hidden_size gives the hidden size",
+    )
+    params = measured.bench_train.get("drafter_params") if measured.bench_train else None
+    if params:
+        stage_bytes["checkpoints"] = Estimate(
+            params * CHECKPOINT_BYTES_PER_PARAM,
+            f"one checkpoint: {params / 1e9:.2f}B drafter params x {CHECKPOINT_BYTES_PER_PARAM} B (kept per segment)")
+
+    # Wall time: generation runs a shard per job (gpus_per_job each) on the given GPUs; training
+    # runs one job of train.gpus_per_job GPUs.
+    gen_parallel = max(1, min(shards, gpus // max(1, gen["gpus_per_job"])) * gen["gpus_per_job"])
+    wall = {
+        "generate_h": gen_gpu_h / gen_parallel if gen_gpu_h else None,
+        "train_h": train_gpu_h / train_gpus if train_gpu_h else None,
+    }
+    if wall["generate_h"] is not None and wall["train_h"] is not None:
+        wall["total_days"] = (wall["generate_h"] + wall["train_h"]) / 24
+    return {
+        "run": config["run"],
+        "gpus": gpus,
+        "prompts": _asdict(prompts),
+        "train_rows": train_rows,
+        "shards": shards,
+        "samples_per_shard": math.ceil(prompts.value / shards),
+        "mean_response_tokens": _asdict(response),
+        "generated_tokens": generated_tokens,
+        "generation": {"tokens_per_s_per_gpu": _asdict(gen_rate), "gpu_hours": gen_gpu_h},
+        "train": {
+            "mode": train["mode"],
+            "tokens_per_s_per_gpu": _asdict(train_rate),
+            "sequence_tokens": seq_tokens,
+            "epoch_tokens": epoch_tokens,
+            "gpu_hours_per_epoch": epoch_gpu_h,
+            "steps": steps,
+            "sequences": sequences,
+            "epochs": epochs,
+            "gpu_hours": train_gpu_h,
+            "gpus_per_job": train_gpus,
+        },
+        "bytes": {stage: _asdict(e) for stage, e in stage_bytes.items()},
+        "hidden_bytes_per_token": per_token_hidden,
+        "wall": wall,
+    }
+
+
+def _asdict(estimate: Estimate) -> dict:
+    return {"value": estimate.value, "source": estimate.source}
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _num(x: float | None, digits: int = 1) -> str:
+    if x is None:
+        return "?"
+    return f"{x:,.{digits}f}" if abs(x) < 1e4 else f"{x:,.0f}"
+
+
+def format_plan(plan: dict) -> str:
+    t, g, w = plan["train"], plan["generation"], plan["wall"]
+    lines = [
+        f"Plan of run {plan['run']!r} on {plan['gpus']} GPUs",
+        f"  prompts            {plan['prompts']['value']:,}  ({plan['prompts']['source']}); "
+        f"{plan['train_rows']:,} for training",
+        f"  shards             {plan['shards']}  (~{plan['samples_per_shard']:,} samples each)",
+        f"  generated tokens   {_count(plan['generated_tokens'])}  "
+        f"({_num(plan['mean_response_tokens']['value'], 0)} per sample: {plan['mean_response_tokens']['source']})",
+        "GPU-hours",
+        f"  generate           {_num(g['gpu_hours'])}  at {_num(g['tokens_per_s_per_gpu']['value'], 0)} tok/s per GPU "
+        f"({g['tokens_per_s_per_gpu']['source']})",
+        f"  train ({t['mode']})    {_num(t['gpu_hours_per_epoch'])} per epoch of {_count(t['epoch_tokens'])} tokens "
+        f"at {_num(t['tokens_per_s_per_gpu']['value'], 0)} tok/s per GPU ({t['tokens_per_s_per_gpu']['source']})",
+        f"                     {_num(t['gpu_hours'])} for the configured {t['steps']:,} steps "
+        f"({t['sequences']:,} sequences of ~{_num(t['sequence_tokens'], 0)} tokens = {_num(t['epochs'], 2)} epochs)",
+        "Bytes",
+    ]
+    for stage, estimate in plan["bytes"].items():
+        lines.append(f"  {stage:<18} {_bytes(estimate['value']):>10}  ({estimate['source']})")
+    lines += [
+        f"Wall time on {plan['gpus']} GPUs",
+        f"  generate           {_num(w['generate_h'])} h",
+        f"  train              {_num(w['train_h'])} h on {t['gpus_per_job']} GPUs",
+    ]
+    if "total_days" in w:
+        lines.append(f"  total              {_num(w['total_days'], 2)} days (plus tokenize, evaluate and report)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--configfile", default=None, help="layered over config.yaml, as snakemake --configfile does")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs for the wall time (default: config gpus, else 8)")
+    parser.add_argument("--run-url", default=None, help="the run root to measure (default: the config's, if it exists)")
+    parser.add_argument("--default-storage-prefix", default=None, help="an S3 run's prefix (as given to snakemake)")
+    parser.add_argument("--bench-dir", default=str(DEFAULT_BENCH_DIR))
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    try:
+        config = load_run_config(args.configfile)
+        run_url = args.run_url
+        if run_url is None:
+            root = layout.run_root(config["results_dir"], config["run"])
+            provider = "s3" if args.default_storage_prefix else None
+            run_url = layout.run_url(root, provider, args.default_storage_prefix)
+        measured = Measured()
+        if run_url.startswith("s3://") or Path(run_url).is_dir():
+            measured = measure_run(run_url, config)
+        case = model_case(config["target"]["model"])
+        measured.bench_train = pick_train_benchmark(
+            read_train_benchmarks(Path(args.bench_dir)), case, config["train"]["mode"], config["tokenize"]["max_length"])
+        measured.hidden_size = read_hidden_size(config["target"]["model"])
+        measured.dataset_lines = count_dataset_lines(config["dataset"]["paths"])
+        gpus = args.gpus or config["gpus"] or 8
+        plan = make_plan(config, measured, gpus)
+    except (PlanError, ValueError) as err:
+        print(f"plan: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Planning against S3 reads absence from folder listings (a real SeaweedFS, real snakemake -n):
+missing objects cost no request of their own, and the plan names exactly their chains."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dflash_pipeline.core.s3_inventory import folder_prefix
+from dflash_pipeline.core.storage import S3Storage
+from tests.conftest import parse_job_table
+
+pytestmark = pytest.mark.s3
+
+REPO = Path(__file__).resolve().parent.parent
+SHARDS = 40
+
+SNAKEFILE = f"""
+import sys
+
+sys.path.insert(0, {str(REPO)!r})
+from dflash_pipeline.core.s3_inventory import install_folder_inventory
+
+install_folder_inventory()
+
+
+rule all:
+    input:
+        expand("run/outputs/tokenize-{{shard}}.txt", shard=range({SHARDS})),
+
+
+rule generate:
+    output:
+        "run/outputs/generate-{{shard}}.txt",
+    shell:
+        "echo generated > {{output}}"
+
+
+rule tokenize:
+    input:
+        "run/outputs/generate-{{shard}}.txt",
+    output:
+        "run/outputs/tokenize-{{shard}}.txt",
+    shell:
+        "cat {{input}} > {{output}}"
+"""
+
+
+@pytest.fixture
+def finished_run(s3_server, s3_env, tmp_path):
+    """Every output of a finished run of 40 shards in one S3 folder (tokenize written after
+    generate: S3 mtimes have a resolution of one second)."""
+    prefix = f"s3://{s3_server.bucket}/inventory-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ)
+    store = S3Storage(prefix)
+    for stage in ("generate", "tokenize"):
+        for shard in range(SHARDS):
+            store.write_bytes(f"run/outputs/{stage}-{shard}.txt", b"x")
+        time.sleep(1.1)
+    (tmp_path / "Snakefile").write_text(SNAKEFILE)
+    return tmp_path, prefix, store, env
+
+
+def dry_run(workdir: Path, prefix: str, env: dict, **extra_env) -> tuple[dict, dict]:
+    log = workdir / f"requests-{uuid.uuid4().hex[:6]}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--quiet", "rules", "--cores", "1",
+         "--default-storage-provider", "s3", "--default-storage-prefix", prefix,
+         "--rerun-triggers", "mtime"],
+        cwd=workdir, capture_output=True, text=True,
+        env={**env, "DFLASH_S3_REQUEST_LOG": str(log), **extra_env},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return parse_job_table(proc.stdout + proc.stderr), json.loads(log.read_text())
+
+
+def test_missing_objects_cost_no_requests_and_the_plan_names_their_chains(finished_run):
+    workdir, prefix, store, env = finished_run
+    jobs, requests = dry_run(workdir, prefix, env)
+    assert jobs == {}, jobs
+    assert requests.get("HeadObject", 0) == 0
+    for shard in (3, 5, 7):
+        store.delete(f"run/outputs/tokenize-{shard}.txt")
+    store.delete("run/outputs/generate-7.txt")  # shard 7's whole chain is gone
+    jobs, requests = dry_run(workdir, prefix, env)
+    assert jobs == {"generate": 1, "tokenize": 3, "all": 1}
+    # One folder listing (40 objects fit one page) and one bucket check: nothing per object.
+    assert requests.get("HeadObject", 0) == 0
+    assert requests.get("ListObjectsV2", 0) + requests.get("ListObjects", 0) <= 2, requests
+    # The plugin alone: HeadObject, HeadBucket and a listing for every missing object.
+    plain_jobs, plain = dry_run(workdir, prefix, env, DFLASH_S3_FOLDER_INVENTORY="0")
+    assert plain_jobs == jobs
+    assert plain.get("HeadObject", 0) >= 3, plain
+
+
+def test_folder_prefix():
+    assert folder_prefix("a/b/c.txt") == "a/b/"
+    assert folder_prefix("c.txt") == ""
