@@ -9,6 +9,11 @@ Cases (design.md §6 and dflash-spec.md §1.3):
   Qwen3.5-style hybrid (3 Gated-DeltaNet : 1 attention, 64 layers) of the 27B shape.
 
     python bench/train_step.py --case qwen3-8b --out bench/results/train_step-qwen3-8b.json
+    python bench/train_step.py --algorithm dflash dflash2 --out bench/results/train_step-dflash2-h200.json
+
+``--algorithm dflash2`` builds the DFlash2 drafter of the same shape with the schema's DFlash2
+defaults (conv kernel/group, selector rank and top-K) and trains it with the selector term at
+its full weight (the step after the warm-up).
 
 Runs exactly the training job's ``optimizer_step`` (dflash_pipeline.training.step).
 """
@@ -29,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from benchlib import commit as bench_commit  # noqa: E402
 
-from dflash_pipeline.model.config import FULL, SLIDING, DrafterConfig  # noqa: E402
+from dflash_pipeline.model.config import DFLASH, DFLASH2, DFLASH2_KEYS, FULL, SLIDING, DrafterConfig  # noqa: E402
 from dflash_pipeline.model.drafter import DFlashDrafter  # noqa: E402
 from dflash_pipeline.training.step import optimizer_step  # noqa: E402
 from dflash_pipeline.training.trainer import make_optimizer  # noqa: E402
@@ -121,13 +126,17 @@ def random_target(spec: dict, device):
     return model
 
 
-def run_case(name: str, mode: str, steps: int, warmup: int, attention: str, anchors: int, profile: bool = False) -> dict:
+def run_case(
+    name: str, mode: str, steps: int, warmup: int, attention: str, anchors: int,
+    profile: bool = False, algorithm: str = DFLASH,
+) -> dict:  # fmt: skip
     case = CASES[name]
     device = torch.device("cuda")
     torch.manual_seed(0)
-    config = DrafterConfig(**case["drafter"], dtype="bfloat16")
+    settings = {**train_defaults(), "num_anchors": anchors, "algorithm": algorithm}
+    dflash2 = {key: settings[key] for key in DFLASH2_KEYS} if algorithm == DFLASH2 else {}
+    config = DrafterConfig(**case["drafter"], dtype="bfloat16", algorithm=algorithm, **dflash2)
     seq_len = case["seq_len"]
-    settings = {**train_defaults(), "num_anchors": anchors}
     target = taps_fn = None
     if mode == "online":
         from dflash_pipeline.model.taps import TargetTaps
@@ -187,6 +196,8 @@ def run_case(name: str, mode: str, steps: int, warmup: int, attention: str, anch
     drafter_s = step_s - (sum(target_times[warmup:]) / steps if target_times else 0.0)
     result = {
         "case": name,
+        "algorithm": algorithm,
+        **dflash2,
         "mode": mode,
         "attention": attention,
         "seq_len": seq_len,
@@ -202,6 +213,8 @@ def run_case(name: str, mode: str, steps: int, warmup: int, attention: str, anch
         "loss": round(out.loss.loss.item(), 4),
         "reference": case["reference"],
     }
+    if out.selector is not None:
+        result["selector_loss"] = round(float(out.selector.loss), 4)
     if target_times:
         target_s = sum(target_times[warmup:]) / steps
         result["target_forward_s"] = round(target_s, 4)
@@ -215,6 +228,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=sorted(CASES), nargs="+", default=sorted(CASES))
     parser.add_argument("--mode", choices=["drafter", "online"], nargs="+", default=["drafter", "online"])
+    parser.add_argument("--algorithm", choices=[DFLASH, DFLASH2], nargs="+", default=[DFLASH])
     parser.add_argument("--attention", choices=["flex", "sdpa"], default="flex")
     parser.add_argument("--anchors", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
@@ -225,15 +239,20 @@ def main() -> None:
     commit = bench_commit()
     records = []
     for case in args.case:
-        for mode in args.mode:
-            try:
-                record = run_case(case, mode, args.steps, args.warmup, args.attention, args.anchors, args.profile)
-            except Exception as err:  # record it and go on with the other cases
-                record = {"case": case, "mode": mode, "error": f"{type(err).__name__}: {err}"[:2000]}
-                torch.cuda.empty_cache()
-            print(json.dumps(record), flush=True)
-            records.append(record)
-            write_summary(args.out, commit, records)
+        for algorithm in args.algorithm:
+            for mode in args.mode:
+                try:
+                    record = run_case(
+                        case, mode, args.steps, args.warmup, args.attention, args.anchors,
+                        args.profile, algorithm,
+                    )  # fmt: skip
+                except Exception as err:  # record it and go on with the other cases
+                    record = {"case": case, "algorithm": algorithm, "mode": mode,
+                              "error": f"{type(err).__name__}: {err}"[:2000]}
+                    torch.cuda.empty_cache()
+                print(json.dumps(record), flush=True)
+                records.append(record)
+                write_summary(args.out, commit, records)
 
 
 def write_summary(out, commit, records) -> None:
