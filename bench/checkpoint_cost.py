@@ -22,6 +22,7 @@ ranks write their real shares together.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -180,7 +181,10 @@ def main() -> None:
     group = dist if dist.world > 1 else (ShareOf(args.share_of) if args.share_of > 1 else dist)
     with tempfile.TemporaryDirectory(prefix="dflash-ckpt-bench-") as tmp:
         storage = open_storage(args.run_url or tmp)
-        results = [run_window(mode, args, case_spec(args.case), device, group, storage) for mode in args.modes]
+        results = []
+        for mode in args.modes:
+            results.append(run_window(mode, args, case_spec(args.case), device, group, storage))
+            print(json.dumps(results[-1]), flush=True)  # each window as it ends (a long GPU case)
     base = next((r for r in results if r["mode"] == "none"), None)
     for r in results:
         if base:

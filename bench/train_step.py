@@ -214,7 +214,7 @@ def run_case(
         "reference": case["reference"],
     }
     if out.selector is not None:
-        result["selector_loss"] = round(float(out.selector.loss), 4)
+        result["selector_loss"] = round(out.selector.loss.item(), 4)
     if target_times:
         target_s = sum(target_times[warmup:]) / steps
         result["target_forward_s"] = round(target_s, 4)

@@ -73,6 +73,15 @@ class Storage(ABC):
     def upload_file(self, key: str, local_path: str | os.PathLike) -> None:
         """Copy a finished local file to ``key`` atomically."""
 
+    @contextlib.contextmanager
+    def staged_file(self, key: str) -> Iterator[Path]:
+        """A local path to write ``key``'s content into; when the block succeeds it becomes the
+        object at once (one upload here; local storage renames it in place, with no copy)."""
+        with tempfile.TemporaryDirectory(prefix="dflash-up-") as tmpdir:
+            tmp = Path(tmpdir) / Path(key).name
+            yield tmp
+            self.upload_file(key, tmp)
+
     @abstractmethod
     def download_file(self, key: str, local_path: str | os.PathLike) -> None: ...
 
@@ -164,6 +173,11 @@ class LocalStorage(Storage):
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def staged_file(self, key: str) -> contextlib.AbstractContextManager[Path]:
+        # Written beside its destination and renamed: a multi-GB checkpoint or hidden-state
+        # shard is written once, not written to /tmp and then copied.
+        return self.atomic_path(key)
 
     def write_bytes(self, key: str, data: bytes) -> None:
         with self.atomic_path(key) as tmp, open(tmp, "wb") as fh:
@@ -500,14 +514,8 @@ def write_atomically(url: str | os.PathLike) -> Iterator[Path]:
     for S3 it is uploaded in one (multipart) upload. On error nothing is written.
     """
     storage, key = open_object(url)
-    if isinstance(storage, LocalStorage):
-        with storage.atomic_path(key) as tmp:
-            yield tmp
-        return
-    with tempfile.TemporaryDirectory(prefix="dflash-up-") as tmpdir:
-        tmp = Path(tmpdir) / key
+    with storage.staged_file(key) as tmp:
         yield tmp
-        storage.upload_file(key, tmp)
 
 
 def is_s3_url(url: str | os.PathLike) -> bool:

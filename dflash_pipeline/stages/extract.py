@@ -13,8 +13,6 @@ import argparse
 import json
 import logging
 import sys
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -61,8 +59,7 @@ def extract_shard(
     tensors["rows"] = (torch.int64, (len(rows),))
     metadata = {"layer_ids": json.dumps(layer_ids), "hidden_dtype": hidden_dtype, "shard": shard}
     storage = open_storage(run_url)
-    with tempfile.TemporaryDirectory(prefix="dflash-hidden-") as tmp:
-        path = Path(tmp) / "hidden.safetensors"
+    with storage.staged_file(layout.hidden_states_key(shard)) as path:
         writer = StreamingSafetensors(path, tensors, metadata)
         scales = []
         # Rows in order, several per forward (right-padded) up to max_batch_tokens.
@@ -101,7 +98,6 @@ def extract_shard(
             "layer_ids": list(layer_ids),
             "width": width,
         }
-        storage.upload_file(layout.hidden_states_key(shard), path)
     with write_atomically(manifest_out) as tmp_out:
         tmp_out.write_text(json.dumps(manifest, indent=1))
     return manifest

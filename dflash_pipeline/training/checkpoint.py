@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import json
 import random
-import tempfile
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -162,11 +160,9 @@ def stage_shard(state: dict, rng: dict, rank: int, world: int, copy: bool) -> di
 def write_shard(storage: Storage, prefix: str, payload: dict) -> dict:
     """Serialize, hash and upload one rank's shard; returns its index entry."""
     name = shard_name(payload["rank"], payload["world"])
-    with tempfile.TemporaryDirectory(prefix="dflash-ckpt-") as tmp:
-        path = Path(tmp) / name
+    with storage.staged_file(prefix + name) as path:
         torch.save(payload, path)
         entry = {"name": name, "size": path.stat().st_size, "sha256": sha256_file(path)}
-        storage.upload_file(prefix + name, path)
     return entry
 
 
