@@ -20,7 +20,7 @@ from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.stages.export import expected_tensor_shapes, export_drafter
 from dflash_pipeline.training.checkpoint import load_checkpoint
-from dflash_pipeline.training.trainer import PREEMPTED_EXIT_CODE, SegmentJob, lr_factor
+from dflash_pipeline.training.trainer import PREEMPTED_EXIT_CODE, SegmentJob, TrainingError, check_replicas, lr_factor
 from tests.support.train_data import write_tokenized_shard
 
 STEPS = 8
@@ -325,3 +325,43 @@ def test_a_dflash2_segment_logs_selector_metrics_and_exports_the_authors_format(
                    str(out / "config.json"), str(out / "model.safetensors"), "bfloat16")
     tensors = load_file(out / "model.safetensors")
     assert len(tensors) == 15 * 2 + 6 and "candidate_selector.successor_codebook" in tensors
+
+
+class _Ranks:
+    """Two ranks as a collective: this one, and a copy of it whose weights the test may change."""
+
+    rank, world = 0, 2
+
+    def __init__(self, other: dict):
+        self.other = other
+
+    def gather_objects(self, obj):
+        return [obj, {**obj, **self.other}]
+
+
+def test_diverged_replicas_are_refused_naming_the_parameters():
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    check_replicas(module, _Ranks({}))  # the same weights: nothing to say
+    with pytest.raises(TrainingError, match=r"different weights in 1 parameters \(first: 1.bias\)"):
+        check_replicas(module, _Ranks({"1.bias": 123.0}))
+
+
+def test_ddp_trains_dflash2_with_the_selector_reduced_across_ranks(demo_model, tokenized, tmp_path):
+    """The selector's loss is computed outside the DDP-wrapped block forward; its gradients must
+    still be all-reduced, or the ranks' weights drift apart (check_replicas fails the segment)."""
+    from dflash_pipeline.stages.train import segment_args, torchrun_command
+
+    s = settings(algorithm="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4,
+                 steps_per_segment=4, checkpoint_every_steps=100, batch_size=1)
+    settings_file = tmp_path / "settings.json"
+    settings_file.write_text(json.dumps(s))
+    job = SegmentJob(
+        run_url=str(tmp_path), segment=0, settings=s, target_dir=str(demo_model), tokenized=tokenized,
+        manifest_path=str(tmp_path / layout.segment_manifest_key(0)), device="cpu",
+    )
+    command = torchrun_command(2, [*segment_args(job, str(settings_file)), "--device", "cpu"])
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=PATIENCE_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    manifest = json.loads((tmp_path / layout.segment_manifest_key(0)).read_text())
+    assert manifest["processes"] == 2 and manifest["algorithm"] == "dflash2"
+    assert manifest["steps"] == [0, 4]

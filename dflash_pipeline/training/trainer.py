@@ -49,6 +49,23 @@ class TrainingError(RuntimeError):
     pass
 
 
+def check_replicas(module: torch.nn.Module, group) -> None:
+    """Every rank must hold the same weights: each writes only its share of the checkpoint
+    (training.checkpoint), so diverged replicas would be saved mixed. A float64 sum per
+    parameter, gathered; DDP's all-reduced updates keep them bitwise equal. Raises naming the
+    first parameters that differ, so a gradient path outside DDP's reduction is found loudly."""
+    if group.world == 1:
+        return
+    sums = {name: float(p.detach().double().sum()) for name, p in module.named_parameters()}
+    ranks = group.gather_objects(sums)
+    differ = sorted({name for other in ranks[1:] for name in sums if other.get(name) != ranks[0].get(name)})
+    if differ:
+        raise TrainingError(
+            f"the {group.world} ranks hold different weights in {len(differ)} parameters "
+            f"(first: {', '.join(differ[:3])}); their checkpoint shards would not fit together"
+        )
+
+
 def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
     """Linear warmup, then cosine decay to ``min_lr_ratio`` at the last step."""
     warmup = int(total_steps * warmup_ratio)
@@ -470,6 +487,7 @@ class _SegmentRun:
     def _finish(self, metrics: MetricsLog) -> dict:
         manifest = None
         prefix = layout.checkpoint_prefix(self.job.segment)
+        check_replicas(self.drafter, self.dist)
         # Every rank writes its shard; rank 0 the index, then the manifest Snakemake waits for.
         index = save_checkpoint(self.storage, prefix, self._state(), capture_rng(self.device), self.dist)
         if self.dist.is_main:
