@@ -15,7 +15,10 @@ rule evaluate:
     output:
         metrics=run_path(layout.EVAL_METRICS),
     log:
-        log_path("evaluate", per_shard=False),
+        job=log_path("evaluate", per_shard=False),
+        # The serving engine's logs and captured /metrics, bundled into one declared log so an
+        # S3 run keeps them (a failed parity gate is read there).
+        engine=run_path(f"{layout.LOGS_DIR}/evaluate-engine.log"),
     benchmark:
         benchmark_path("evaluate", per_shard=False)
     conda:

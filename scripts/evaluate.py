@@ -6,12 +6,21 @@ import torch
 
 from dflash_pipeline.core.config import job_settings
 from dflash_pipeline.core.gpu_slots import job_devices, pool_from_config
-from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.core.joblog import bundle_logs, job_logging
 from dflash_pipeline.stages.evaluate import evaluate_job
 
 
 def run(smk) -> None:
-    with job_logging(smk.log[0]):
+    engine_dir = Path(smk.log.job).parent / "evaluate-engine"
+    try:
+        evaluate(smk, engine_dir)
+    finally:
+        bundle_logs(engine_dir, smk.log.engine, f"no serving engine was launched (evaluate.engine: "
+                    f"{smk.params.settings['engine']})")
+
+
+def evaluate(smk, engine_dir: Path) -> None:
+    with job_logging(smk.log.job):
         # Token-by-token decoding of a small model on a CPU is latency-bound: one thread was
         # faster than two on the 2-core test machine (oversubscribed threads wait on each other).
         torch.set_num_threads(1 if not smk.resources.gpu else smk.threads)
@@ -26,8 +35,8 @@ def run(smk) -> None:
                 smk.output.metrics,
                 settings,
                 smk.params.thinking,
-                Path(smk.log[0]).with_suffix(".failed-metrics.json"),
-                Path(smk.log[0]).parent / "evaluate-engine",
+                Path(smk.log.job).with_suffix(".failed-metrics.json"),
+                engine_dir,
             )
 
 

@@ -57,6 +57,23 @@ def reference_visible(anchors, keep, S, B, W, b, q, kv):
 
 
 @pytest.mark.parametrize("window", [None, 1, 3, 6])
+def worst_gap_to_inference(drafter, embed, head, taps, input_ids, blocks, trained, infer) -> float:
+    """Largest gap between the training forward's per-block output ``trained`` (slots 1..B-1 of
+    each kept block) and ``infer(proposer, anchor_token, anchor)`` of a fresh inference proposer
+    that saw the context before the anchor."""
+    B, worst = drafter.config.block_size, 0.0
+    for row in range(taps.shape[0]):
+        for n in range(blocks.num_blocks):
+            if not blocks.keep[row, n]:
+                continue
+            a = int(blocks.anchors[row, n])
+            proposer = DFlashProposer(drafter, embed, head)
+            proposer.extend_context(taps[row, :a])
+            expected = infer(proposer, int(input_ids[row, a]), a)
+            worst = max(worst, (trained[row, n * B + 1 : (n + 1) * B] - expected).abs().max().item())
+    return worst
+
+
 def test_mask_equals_element_by_element_reference(window):
     anchors = torch.tensor([[0, 3, 7], [2, 5, 0]])
     keep = torch.tensor([[True, True, True], [True, True, False]])
@@ -135,18 +152,8 @@ def test_training_logits_equal_inference_block_forward(layer_types, backend):
     with torch.no_grad():
         hidden = blocks_forward(drafter, taps, embed, blocks, backend=backend)
     logits = hidden @ head.t()
-    B = config.block_size
-    worst = 0.0
-    for row in range(2):
-        for n in range(blocks.num_blocks):
-            if not blocks.keep[row, n]:
-                continue
-            a = int(blocks.anchors[row, n])
-            proposer = DFlashProposer(drafter, embed, head)
-            proposer.extend_context(taps[row, :a])
-            expected = proposer.block_logits(int(input_ids[row, a]), a)
-            got = logits[row, n * B + 1 : (n + 1) * B]
-            worst = max(worst, (got - expected).abs().max().item())
+    worst = worst_gap_to_inference(drafter, embed, head, taps, input_ids, blocks, logits,
+                                   lambda proposer, token, anchor: proposer.block_logits(token, anchor))
     assert worst < 1e-5, worst
 
 
@@ -373,16 +380,8 @@ def test_dflash2_training_forward_equals_inference_block_forward(layer_types, ba
     blocks = build(config, input_ids, loss_mask)
     with torch.no_grad():
         hidden = blocks_forward(drafter, taps, embed, blocks, backend=backend)
-    B, worst = config.block_size, 0.0
-    for row in range(2):
-        for n in range(blocks.num_blocks):
-            if not blocks.keep[row, n]:
-                continue
-            a = int(blocks.anchors[row, n])
-            proposer = DFlashProposer(drafter, embed, head)
-            proposer.extend_context(taps[row, :a])
-            expected = proposer.block_hidden(int(input_ids[row, a]), a)
-            worst = max(worst, (hidden[row, n * B + 1 : (n + 1) * B] - expected).abs().max().item())
+    worst = worst_gap_to_inference(drafter, embed, head, taps, input_ids, blocks, hidden,
+                                   lambda proposer, token, anchor: proposer.block_hidden(token, anchor))
     assert worst < 1e-5, worst
 
 

@@ -257,6 +257,19 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
     assert drift < (1e-3 if hidden_dtype == "float32" else 0.05), drift
 
 
+def two_rank_segment(tmp_path, s, demo_model, tokenized):
+    """Segment 0 of a run in ``tmp_path`` as a torchrun command of two CPU ranks (gloo)."""
+    from dflash_pipeline.stages.train import segment_args, torchrun_command
+
+    settings_file = tmp_path / "settings.json"
+    settings_file.write_text(json.dumps(s))
+    job = SegmentJob(
+        run_url=str(tmp_path), segment=0, settings=s, target_dir=str(demo_model), tokenized=tokenized,
+        manifest_path=str(tmp_path / layout.segment_manifest_key(0)), device="cpu",
+    )
+    return job, settings_file, torchrun_command(2, [*segment_args(job, str(settings_file)), "--device", "cpu"])
+
+
 def test_ddp_over_two_processes_trains_and_resumes_after_sigterm(demo_model, tokenized, tmp_path):
     """torchrun with two CPU ranks (gloo): both ranks stop at the same step on SIGTERM, each
     writes its shard of the checkpoint, and a rerun resumes from there to the end of the segment,
@@ -264,13 +277,7 @@ def test_ddp_over_two_processes_trains_and_resumes_after_sigterm(demo_model, tok
     from dflash_pipeline.stages.train import segment_args, torchrun_command
 
     s = settings(steps_per_segment=12, checkpoint_every_steps=100, batch_size=1)
-    settings_file = tmp_path / "settings.json"
-    settings_file.write_text(json.dumps(s))
-    job = SegmentJob(
-        run_url=str(tmp_path), segment=0, settings=s, target_dir=str(demo_model), tokenized=tokenized,
-        manifest_path=str(tmp_path / layout.segment_manifest_key(0)), device="cpu",
-    )
-    command = torchrun_command(2, [*segment_args(job, str(settings_file)), "--device", "cpu"])
+    job, settings_file, command = two_rank_segment(tmp_path, s, demo_model, tokenized)
     metrics = tmp_path / layout.train_progress_prefix(0) / layout.TRAIN_METRICS
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -349,17 +356,9 @@ def test_diverged_replicas_are_refused_naming_the_parameters():
 def test_ddp_trains_dflash2_with_the_selector_reduced_across_ranks(demo_model, tokenized, tmp_path):
     """The selector's loss is computed outside the DDP-wrapped block forward; its gradients must
     still be all-reduced, or the ranks' weights drift apart (check_replicas fails the segment)."""
-    from dflash_pipeline.stages.train import segment_args, torchrun_command
-
     s = settings(algorithm="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4,
                  steps_per_segment=4, checkpoint_every_steps=100, batch_size=1)
-    settings_file = tmp_path / "settings.json"
-    settings_file.write_text(json.dumps(s))
-    job = SegmentJob(
-        run_url=str(tmp_path), segment=0, settings=s, target_dir=str(demo_model), tokenized=tokenized,
-        manifest_path=str(tmp_path / layout.segment_manifest_key(0)), device="cpu",
-    )
-    command = torchrun_command(2, [*segment_args(job, str(settings_file)), "--device", "cpu"])
+    _, _, command = two_rank_segment(tmp_path, s, demo_model, tokenized)
     proc = subprocess.run(command, capture_output=True, text=True, timeout=PATIENCE_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     manifest = json.loads((tmp_path / layout.segment_manifest_key(0)).read_text())

@@ -53,6 +53,8 @@ def test_demo_trains_a_drafter_that_the_real_loop_accepts(workflow, demo_model):
     assert evaluation["parity"]["passed"]
     assert {p["prompt_set"] for p in evaluation["per_prompt"]} and evaluation["overall"]["verify_steps"] > 0
     assert (root / "drafter/model.safetensors").exists()
+    engine_log = (root / "logs/evaluate-engine.log").read_text()
+    assert engine_log.startswith("no serving engine was launched (evaluate.engine: transformers)")
     assert workflow.planned_jobs() == {}
     # A crash in the last segment: it is retrained from the one before it, and what depends on
     # it follows (a lost manifest alone is not rebuilt while its products exist).

@@ -39,3 +39,19 @@ def job_logging(log_file: str | Path | None, level: int = logging.INFO) -> Itera
             root.removeHandler(handler)
             handler.close()
         root.setLevel(old_level)
+
+
+def bundle_logs(folder: str | Path, out: str | Path, absent: str) -> None:
+    """Every file of ``folder`` (an engine's server logs, its captured metrics) into the one log
+    file ``out``, each under a header: a rule can declare only files as logs, and only declared
+    logs reach the run root of an S3 run (the logs of failed jobs too). ``absent`` is written when
+    the folder holds nothing."""
+    files = sorted(p for p in Path(folder).glob("*") if p.is_file()) if Path(folder).is_dir() else []
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as fh:
+        if not files:
+            fh.write(absent.rstrip("\n") + "\n")
+        for path in files:
+            fh.write(f"===== {path.name} =====\n")
+            text = path.read_text(encoding="utf-8", errors="replace")
+            fh.write(text if text.endswith("\n") or not text else text + "\n")
