@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -176,3 +177,20 @@ def test_the_status_page_shows_the_halt(tmp_path):
     assert halt["halted_at_utc"] and "message" not in halt
     clear_halt(run)
     assert builder.build()["halt"] is None
+
+
+def test_the_status_page_names_the_driver_holding_the_lease(tmp_path):
+    from dflash_pipeline.core.lease import RunLease
+    from dflash_pipeline.core.storage import ReadOnlyStorage
+    from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
+
+    run = open_storage(tmp_path)
+    run.write_bytes("outputs/prepare-00000.parquet", b"x")
+    builder = SnapshotBuilder(RunSource(ReadOnlyStorage(run), num_shards=1, until="tokenize"))
+    assert builder.build()["lease"] is None
+    lease = RunLease(run, ttl_s=300).acquire()
+    shown = builder.build()["lease"]
+    assert shown["expired"] is False and f"pid {os.getpid()}" in shown["holder"]
+    assert "last heartbeat" in shown["holder"]
+    lease.release()
+    assert builder.build()["lease"] is None

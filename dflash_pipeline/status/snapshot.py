@@ -30,6 +30,7 @@ from pathlib import Path
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import read_train_metrics
+from dflash_pipeline.core.lease import describe_holder
 from dflash_pipeline.core.storage import ObjectInfo, ReadOnlyStorage, StorageError
 from dflash_pipeline.status.events import JobBoard, RunEvents
 
@@ -52,6 +53,7 @@ SETTLED_BLOCK = 100
 LIVE_PREFIXES = (
     f"{layout.PROGRESS_DIR}/train/",
     layout.HALT,
+    layout.RUN_LEASE,
     f"{layout.OUTPUTS_DIR}/train-segment-",
     f"{layout.OUTPUTS_DIR}/evaluate-",
     f"{layout.OUTPUTS_DIR}/ingest-",
@@ -213,7 +215,7 @@ class SnapshotBuilder:
         telemetry: dict[tuple[str, int], dict] = {}
         segments: dict[int, dict] = {}
         eval_metrics = None
-        halt = None
+        halt = lease = None
         for obj in objects:
             use = storage_use.setdefault(layout.storage_category(obj.key), {"bytes": 0, "objects": 0})
             use["bytes"] += obj.size
@@ -237,6 +239,8 @@ class SnapshotBuilder:
                 eval_metrics = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
             elif obj.key == layout.HALT:
                 halt = self._read_cached(obj.key, obj.size, obj.mtime, json.loads) or {"cause": "unreadable halt object"}
+            elif obj.key == layout.RUN_LEASE:
+                lease = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
 
         self._settle(done)
         jobs_by_stage_shard: dict[tuple[str, int], object] = {}
@@ -324,6 +328,8 @@ class SnapshotBuilder:
             },
             # A tokenize shard failed the quality gate: generation is stopped until it is cleared.
             "halt": _halt_summary(halt),
+            # Which driver runs this run root (core/lease.py): where to look, whom to stop.
+            "lease": _lease_summary(lease, now),
             "stages": stages,
             "running": running,
             "failed": failed,
@@ -524,7 +530,7 @@ def _parser_for(key: str):
         return json.loads
     if m := SEGMENT_KEY.match(key):
         return read_train_metrics if m["name"] == layout.TRAIN_METRICS else json.loads
-    if key in (layout.EVAL_METRICS, layout.HALT):
+    if key in (layout.EVAL_METRICS, layout.HALT, layout.RUN_LEASE):
         return json.loads
     return None
 
@@ -536,3 +542,17 @@ def _halt_summary(halt) -> dict | None:
     if not isinstance(halt, dict):
         halt = {"cause": "unreadable halt object"}
     return {k: halt.get(k) for k in ("stage", "shard", "cause", "halted_at_utc")}
+
+
+def _lease_summary(lease, now: float) -> dict | None:
+    """What the page shows of the run lease (``_progress/LEASE.json``): its holder, and whether
+    it has expired (a driver that stopped without releasing it; the next one takes it over)."""
+    if lease is None:
+        return None
+    if not isinstance(lease, dict):
+        return {"holder": "unreadable lease object", "expired": True}
+    try:
+        expired = float(lease["expires_at"]) <= now
+    except (KeyError, TypeError, ValueError):
+        expired = True
+    return {"holder": describe_holder(lease), "expired": expired}

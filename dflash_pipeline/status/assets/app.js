@@ -198,6 +198,12 @@ function render(status) {
       `${status.halt.shard} ${status.halt.cause}. Fix the cause, then clear it: ` +
       `python -m dflash_pipeline.stages.tokenize clear-halt --run-url ${status.run}`
     : "";
+  const lease = document.getElementById("lease");
+  lease.hidden = !status.lease;
+  lease.textContent = status.lease
+    ? (status.lease.expired ? "Driver lease expired (the next driver takes it over): " : "Driven by ") +
+      status.lease.holder
+    : "";
   const wf = status.workflow;
   document.getElementById("workflow-state").textContent = wf.state;
   document.getElementById("workflow-steps").textContent = wf.steps_total ? `${wf.steps_done} / ${wf.steps_total}` : "–";
