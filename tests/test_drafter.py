@@ -56,7 +56,6 @@ def reference_visible(anchors, keep, S, B, W, b, q, kv):
     return n2 == n and (W is None or k2 <= k)
 
 
-@pytest.mark.parametrize("window", [None, 1, 3, 6])
 def worst_gap_to_inference(drafter, embed, head, taps, input_ids, blocks, trained, infer) -> float:
     """Largest gap between the training forward's per-block output ``trained`` (slots 1..B-1 of
     each kept block) and ``infer(proposer, anchor_token, anchor)`` of a fresh inference proposer
@@ -74,6 +73,7 @@ def worst_gap_to_inference(drafter, embed, head, taps, input_ids, blocks, traine
     return worst
 
 
+@pytest.mark.parametrize("window", [None, 1, 3, 6])
 def test_mask_equals_element_by_element_reference(window):
     anchors = torch.tensor([[0, 3, 7], [2, 5, 0]])
     keep = torch.tensor([[True, True, True], [True, True, False]])

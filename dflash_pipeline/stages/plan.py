@@ -100,14 +100,29 @@ def model_case(model: str) -> str:
     return Path(str(model).rstrip("/")).name.lower()
 
 
-def pick_train_benchmark(records: list[dict], case: str, mode: str, seq_len: int) -> dict | None:
-    """The train_step record of this target in this mode, closest in context (None: no record
-    of this target; another model's throughput would say nothing about this one)."""
+def pick_train_benchmark(
+    records: list[dict], case: str, mode: str, seq_len: int, algorithm: str = "dflash"
+) -> dict | None:
+    """The train_step measurement of this target, mode and drafter algorithm, closest in context
+    (None: no record of this target; another model's throughput would say nothing about this
+    one). Records of one context from several result files are averaged, and all are named.
+    Records older than the algorithm key are DFlash's."""
     bench_mode = "online" if mode == "online" else "drafter"  # offline: drafter step alone
-    pool = [r for r in records if r.get("mode") == bench_mode and r.get("tokens_per_s") and r.get("case") == case]
+    pool = [
+        r for r in records
+        if r.get("mode") == bench_mode and r.get("tokens_per_s") and r.get("case") == case
+        and r.get("algorithm", "dflash") == algorithm
+    ]  # fmt: skip
     if not pool:
         return None
-    return min(pool, key=lambda r: abs(int(r.get("seq_len", 0)) - seq_len))
+    closest = min(abs(int(r.get("seq_len", 0)) - seq_len) for r in pool)
+    chosen = [r for r in pool if abs(int(r.get("seq_len", 0)) - seq_len) == closest]
+    return {
+        **chosen[0],
+        "tokens_per_s": round(sum(float(r["tokens_per_s"]) for r in chosen) / len(chosen), 1),
+        "file": ", ".join(sorted({r["file"] for r in chosen})),
+        "algorithm": algorithm,
+    }
 
 
 # Result files kept as the record of an earlier state (before an optimization), not current.
@@ -244,7 +259,8 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
     elif measured.bench_train:
         b = measured.bench_train
         train_rate = Estimate(float(b["tokens_per_s"]),
-                              f"bench/results/{b['file']}: {b['case']} {b['mode']} at {b['seq_len']} tokens on {b['device']}")
+                              f"{', '.join('bench/results/' + f for f in b['file'].split(', '))}: {b['case']} "
+                              f"{b.get('algorithm', 'dflash')} {b['mode']} at {b['seq_len']} tokens on {b['device']}")
     else:
         train_rate = Estimate(None, "unknown: set plan.train_tokens_per_s_per_gpu")
     train_gpus = max(1, train["gpus_per_job"])  # 0: one CPU process
@@ -402,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
             measured = measure_run(run_url, config)
         case = model_case(config["target"]["model"])
         measured.bench_train = pick_train_benchmark(
-            read_train_benchmarks(Path(args.bench_dir)), case, config["train"]["mode"], config["tokenize"]["max_length"])
+            read_train_benchmarks(Path(args.bench_dir)), case, config["train"]["mode"], config["tokenize"]["max_length"],
+            config["train"]["algorithm"])
         measured.hidden_size = read_hidden_size(config["target"]["model"])
         measured.dataset_lines = count_dataset_lines(config["dataset"]["paths"])
         gpus = args.gpus or config["gpus"] or 8
