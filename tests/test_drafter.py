@@ -56,6 +56,20 @@ def reference_visible(anchors, keep, S, B, W, b, q, kv):
     return n2 == n and (W is None or k2 <= k)
 
 
+def supervised_slots(blocks, loss_mask, block_size, gamma):
+    """(row, slot index in the packed blocks, target position, loss weight) of every supervised
+    slot k >= 1 of every kept block, element by element (the references' loop)."""
+    seq_len = loss_mask.shape[1]
+    for row in range(loss_mask.shape[0]):
+        for n in range(blocks.num_blocks):
+            if not blocks.keep[row, n]:
+                continue
+            a = int(blocks.anchors[row, n])
+            for k in range(1, block_size):
+                if a + k < seq_len and loss_mask[row, a + k]:
+                    yield row, n * block_size + k, a + k, math.exp(-(k - 1) / gamma)
+
+
 def worst_gap_to_inference(drafter, embed, head, taps, input_ids, blocks, trained, infer) -> float:
     """Largest gap between the training forward's per-block output ``trained`` (slots 1..B-1 of
     each kept block) and ``infer(proposer, anchor_token, anchor)`` of a fresh inference proposer
@@ -167,21 +181,12 @@ def test_loss_equals_hand_computed_weighted_mean():
     blocks = build(config, input_ids, loss_mask, gamma=gamma)
     hidden = blocks_forward(drafter, taps, embed, blocks)
     result = block_loss(hidden, head, blocks, chunk_rows=5)
-    B, S = config.block_size, input_ids.shape[1]
     num, den = 0.0, 0.0
-    for row in range(2):
-        for n in range(blocks.num_blocks):
-            if not blocks.keep[row, n]:
-                continue
-            a = int(blocks.anchors[row, n])
-            for k in range(1, B):
-                if a + k >= S or not loss_mask[row, a + k]:
-                    continue
-                w = math.exp(-(k - 1) / gamma)
-                logit = (hidden[row, n * B + k] @ head.t()).double()
-                ce = -torch.log_softmax(logit, -1)[input_ids[row, a + k]].item()
-                num += w * ce
-                den += w
+    for row, slot, target, w in supervised_slots(blocks, loss_mask, config.block_size, gamma):
+        logit = (hidden[row, slot] @ head.t()).double()
+        ce = -torch.log_softmax(logit, -1)[input_ids[row, target]].item()
+        num += w * ce
+        den += w
     assert result.loss.item() == pytest.approx(num / den, rel=1e-5)
     result.loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in drafter.parameters())
@@ -204,7 +209,6 @@ def test_padding_blocks_produce_no_nan_and_metrics_count_real_blocks():
 
 
 def test_simulated_acceptance_counts_leading_hits():
-    config = tiny_config((FULL,), block=4)
     input_ids = torch.arange(10)[None] % (VOCAB - 1)
     loss_mask = torch.ones(1, 10, dtype=torch.long)
     anchors, keep = torch.tensor([[0, 4]]), torch.tensor([[True, True]])
@@ -451,38 +455,30 @@ def test_selector_loss_equals_hand_computed(policy, normalization):
     base = block_loss(hidden, head, blocks, chunk_rows=5, top_k=TOP_K)
     result = selector_loss(selector, hidden, head, blocks, base.rows, base.top_ids,
                            gold_policy=policy, normalization=normalization)
-    B, S = config.block_size, input_ids.shape[1]
+    B = config.block_size
     num = den_all = den_in = 0.0
     covered = hits = total = 0
     P, Sc = selector.predecessor_codebook.double(), selector.successor_codebook.double()
-    for row in range(2):
-        for n in range(blocks.num_blocks):
-            if not blocks.keep[row, n]:
-                continue
-            a = int(blocks.anchors[row, n])
-            for k in range(1, B):
-                if a + k >= S or not loss_mask[row, a + k]:
-                    continue
-                w = math.exp(-(k - 1) / 2.0)
-                h = hidden[row, n * B + k].double()
-                logits = h @ head.double().t()
-                ids = logits.topk(TOP_K).indices.tolist()
-                gold, prev = int(input_ids[row, a + k]), int(input_ids[row, a + k - 1])
-                total += 1
-                den_all += w
-                gate = h @ selector.hidden_projection.weight.double().t()
-                score = lambda c: logits[c] + (P[prev] * gate * Sc[c]).sum()  # noqa: E731
-                best = max(ids, key=lambda c: float(score(c)))
-                if gold in ids:
-                    covered += 1
-                    hits += best == gold
-                elif policy == "strict":
-                    continue
-                else:
-                    ids = ids[:-1] + [gold]
-                scores = torch.stack([score(c) for c in ids])
-                num += w * float(torch.logsumexp(scores, 0) - scores[ids.index(gold)])
-                den_in += w
+    for row, slot, target, w in supervised_slots(blocks, loss_mask, B, 2.0):
+        h = hidden[row, slot].double()
+        logits = h @ head.double().t()
+        ids = logits.topk(TOP_K).indices.tolist()
+        gold, prev = int(input_ids[row, target]), int(input_ids[row, target - 1])
+        total += 1
+        den_all += w
+        gate = h @ selector.hidden_projection.weight.double().t()
+        score = lambda c: logits[c] + (P[prev] * gate * Sc[c]).sum()  # noqa: E731
+        best = max(ids, key=lambda c: float(score(c)))
+        if gold in ids:
+            covered += 1
+            hits += best == gold
+        elif policy == "strict":
+            continue
+        else:
+            ids = ids[:-1] + [gold]
+        scores = torch.stack([score(c) for c in ids])
+        num += w * float(torch.logsumexp(scores, 0) - scores[ids.index(gold)])
+        den_in += w
     expected = num / (den_all if normalization == "base" else den_in)
     assert result.loss.item() == pytest.approx(expected, rel=1e-5)
     metrics = selector_metrics(result, blocks)
