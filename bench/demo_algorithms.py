@@ -28,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchlib import REPO, cpu_model, emit, provenance  # noqa: E402
 
 from dflash_pipeline.core import layout  # noqa: E402
+from tests.conftest import WORKFLOW_FILES  # noqa: E402
 
-# What the copy needs: the workflow and the package; results, caches and venvs stay behind.
-COPIED = ("Snakefile", "config.yaml", "config", "rules", "scripts", "report", "data", "envs",
-          "dflash_pipeline", "snakemake_logger_plugin_dflash", "resources", "pyproject.toml")  # fmt: skip
+# The workflow files the tests copy, and the built demo target where it exists; the package is
+# imported from this checkout (PYTHONPATH), as in the workflow tests.
+COPIED = (*WORKFLOW_FILES, "resources")
 
 
 def copy_checkout(workdir: Path) -> None:
@@ -45,7 +46,7 @@ def copy_checkout(workdir: Path) -> None:
 
 def run_workflow(workdir: Path, algorithm: str, cores: str, log: Path) -> float:
     command = [sys.executable, "-m", "snakemake", "--cores", cores, "--config", f"train={{algorithm: {algorithm}}}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
     with log.open("w") as out:
         proc = subprocess.run(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
