@@ -448,7 +448,7 @@ class _SegmentRun:
                 periodic = (self.step - self.start_step) % s["checkpoint_every_steps"] == 0
                 if stop and self.step < self.end_step:
                     self._commit_pending(metrics)
-                    self.rolling.save(self._state(), capture_rng(self.device), self.dist)
+                    self.rolling.save(self._shared_state(), capture_rng(self.device), self.dist)
                     self._flush(metrics)
                 elif periodic and self.step < self.end_step:
                     self._save_rolling(metrics)
@@ -460,15 +460,21 @@ class _SegmentRun:
         finally:
             signal.signal(signal.SIGTERM, previous)
 
+    def _shared_state(self) -> dict:
+        """The state every rank saves a share of: refused if the replicas differ (every
+        checkpoint, periodic, on SIGTERM and at the end, goes through here)."""
+        check_replicas(self.drafter, self.dist)
+        return self._state()
+
     def _save_rolling(self, metrics: MetricsLog) -> None:
         """A periodic checkpoint. Async (train.checkpoint_async): this rank's share of the state
         is copied to the CPU here and written by a background thread while training goes on; it
         becomes the latest checkpoint at the first step boundary where every rank finished."""
         self._commit_pending(metrics)  # at most one save in flight
         if self.settings["checkpoint_async"]:
-            self.pending = self.rolling.begin(self._state(), capture_rng(self.device), self.dist)
+            self.pending = self.rolling.begin(self._shared_state(), capture_rng(self.device), self.dist)
         else:
-            self.rolling.save(self._state(), capture_rng(self.device), self.dist)
+            self.rolling.save(self._shared_state(), capture_rng(self.device), self.dist)
             self._flush(metrics)
 
     def _commit_pending(self, metrics: MetricsLog) -> None:
@@ -487,9 +493,8 @@ class _SegmentRun:
     def _finish(self, metrics: MetricsLog) -> dict:
         manifest = None
         prefix = layout.checkpoint_prefix(self.job.segment)
-        check_replicas(self.drafter, self.dist)
         # Every rank writes its shard; rank 0 the index, then the manifest Snakemake waits for.
-        index = save_checkpoint(self.storage, prefix, self._state(), capture_rng(self.device), self.dist)
+        index = save_checkpoint(self.storage, prefix, self._shared_state(), capture_rng(self.device), self.dist)
         if self.dist.is_main:
             metrics.flush("done")
             last = metrics.records[-1] if metrics.records else {}
