@@ -1,5 +1,6 @@
 """Snakemake glue for rule `evaluate`: dflash_pipeline.stages.evaluate.evaluate_job."""
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -12,6 +13,8 @@ from dflash_pipeline.stages.evaluate import evaluate_job
 
 def run(smk) -> None:
     engine_dir = Path(smk.log.job).parent / "evaluate-engine"
+    # A rerun's bundle holds this attempt's engine logs only.
+    shutil.rmtree(engine_dir, ignore_errors=True)
     try:
         evaluate(smk, engine_dir)
     finally:
