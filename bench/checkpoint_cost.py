@@ -115,13 +115,14 @@ def run_window(mode: str, args, spec: dict, device, group, storage) -> dict:
     for step in range(args.warmup):
         step_once(step)
     sync()
-    times, checkpoint_steps, waits = [], [], []
+    times, checkpoint_steps, waits, stage_s, write_s = [], [], [], [], []
     window_start = time.perf_counter()
     for i in range(1, args.steps + 1):
         started = time.perf_counter()
         step_once(args.warmup + i)
         sync()
         if pending is not None and pending.done():
+            write_s.append(pending.write_s)
             rolling.commit(pending, group)
             pending = None
         if mode != "none" and i % args.every == 0:
@@ -130,17 +131,23 @@ def run_window(mode: str, args, spec: dict, device, group, storage) -> dict:
                 wait_start = time.perf_counter()
                 rolling.commit(pending, group)
                 waits.append(time.perf_counter() - wait_start)
+                write_s.append(pending.write_s)
                 pending = None
+            stage_start = time.perf_counter()
             if mode == "sync":
                 rolling.save(state(i), capture_rng(device), group)
             else:
                 pending = rolling.begin(state(i), capture_rng(device), group)
+            stage_s.append(time.perf_counter() - stage_start)  # sync: the whole save
         times.append(time.perf_counter() - started)
+        if i % args.every == 0:  # progress of a long GPU window
+            print(f"{mode} step {i}/{args.steps} {time.perf_counter() - window_start:.1f} s", flush=True)
     end_wait = 0.0
     if pending is not None:  # the window ends when its last checkpoint is committed
         wait_start = time.perf_counter()
         rolling.commit(pending, group)
         end_wait = time.perf_counter() - wait_start
+        write_s.append(pending.write_s)
     window_s = time.perf_counter() - window_start
     plain = [t for i, t in enumerate(times, 1) if i not in checkpoint_steps]
     on_checkpoint = [t for i, t in enumerate(times, 1) if i in checkpoint_steps]
@@ -154,6 +161,10 @@ def run_window(mode: str, args, spec: dict, device, group, storage) -> dict:
         "median_checkpoint_step_s": round(statistics.median(on_checkpoint), 5) if on_checkpoint else None,
         "waits_for_previous_s": [round(w, 3) for w in waits],
         "final_wait_s": round(end_wait, 3),
+        # On the training thread: copying this rank's share off the GPU (async) or the whole
+        # save (sync); in the background: serializing, hashing and storing it.
+        "stage_s": [round(t, 3) for t in stage_s],
+        "background_write_s": [round(t, 3) for t in write_s],
         "checkpoints": len(checkpoint_steps),
         "bytes_per_checkpoint_this_rank": shard_bytes,
         "state_params": sum(p.numel() for p in drafter.parameters()),

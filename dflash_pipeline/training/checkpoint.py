@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -215,6 +216,7 @@ class PendingSave:
     def __init__(self, storage: Storage, prefix: str, payload: dict):
         self.prefix = prefix
         self.step = None
+        self.write_s: float | None = None  # the thread's serialize + hash + store time, once done
         self._result: dict | BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(storage, prefix, payload), name="checkpoint-writer", daemon=True
@@ -222,10 +224,12 @@ class PendingSave:
         self._thread.start()
 
     def _run(self, storage, prefix, payload):
+        started = time.perf_counter()
         try:
             self._result = write_shard(storage, prefix, payload)
         except BaseException as err:  # handed to the main thread by result()
             self._result = err
+        self.write_s = time.perf_counter() - started
 
     def done(self) -> bool:
         return not self._thread.is_alive()
