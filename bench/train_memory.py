@@ -34,6 +34,13 @@ sys.path.insert(0, str(REPO / "bench"))
 from benchlib import cpu_model, emit, provenance  # noqa: E402
 
 GIB = 2**30
+CASES = {  # name: (reader, which set)
+    "model_only": ("mapped", "tiny"),  # the job with (almost) no data: the model and runtime
+    "in_memory_small": ("in-memory", "small"),
+    "mapped_small": ("mapped", "small"),
+    "mapped_full_cold": ("mapped", "full"),  # converts every shard first
+    "mapped_full_warm": ("mapped", "full"),  # the next segment: the copies exist
+}
 
 
 # --- the synthetic set --------------------------------------------------------------------------
@@ -205,6 +212,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--workers", type=int, default=2, help="processes writing the synthetic set")
     parser.add_argument("--skip-in-memory", action="store_true", help="measure the mapped reader only")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
+                        help="the cases to run now; each case's figures are kept under --data, and the "
+                             "record holds every case measured there (a long run in several parts)")
     parser.add_argument("--out")
     # One rank of a case (started by torchrun).
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -224,28 +234,34 @@ def main() -> None:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     started = time.perf_counter()
     paths = synthetic_set(data / "set", args.rows, args.tokens, args.shards, vocab, args.workers)
-    generate_s = time.perf_counter() - started
+    made = data / "set.json"  # when the set was made: a later part of the run finds it made
+    if not made.exists():
+        made.write_text(json.dumps({"generate_s": round(time.perf_counter() - started, 1)}))
+    generate_s = json.loads(made.read_text())["generate_s"]
     per_shard = -(-args.rows // args.shards)
     small = dict(sorted(paths.items())[: max(1, args.legacy_rows // per_shard)])
     tiny = synthetic_set(data / "tiny", 64, args.tokens, 1, vocab, 1)
     cache = data / "cache"
-    subprocess.run(["rm", "-rf", str(cache)], check=True)
+    if "mapped_full_cold" in args.cases:  # cold: no mapped copy exists yet
+        subprocess.run(["rm", "-rf", str(cache)], check=True)
     work = data / "cases"
-    plan = [
-        ("model_only", "mapped", tiny),  # the job with (almost) no data: the model and runtime
-        ("in_memory_small", "in-memory", small),
-        ("mapped_small", "mapped", small),
-        ("mapped_full_cold", "mapped", paths),  # converts every shard first
-        ("mapped_full_warm", "mapped", paths),  # the next segment: the copies exist
-    ]
-    cases = {}
-    for name, reader, subset in plan:
-        if name.startswith("in_memory") and args.skip_in_memory:
+    subsets = {"tiny": tiny, "small": small, "full": paths}
+    kept = data / "results"
+    kept.mkdir(exist_ok=True)
+    for name in args.cases:
+        reader, subset = CASES[name]
+        if reader == "in-memory" and args.skip_in_memory:
             continue
-        cases[name] = case = run_case(name, reader, subset, str(model), work, cache, args.steps)
-        case["rows"] = sum(_rows(p) for p in subset.values())
-        case["shards"] = len(subset)
+        case = run_case(name, reader, subsets[subset], str(model), work, cache, args.steps)
+        case["rows"] = sum(_rows(p) for p in subsets[subset].values())
+        case["shards"] = len(subsets[subset])
+        (kept / f"{name}.json").write_text(json.dumps(case))
         print(name, json.dumps(case), flush=True)
+    cases = {name: json.loads((kept / f"{name}.json").read_text())
+             for name in CASES if (kept / f"{name}.json").exists()}
+    if "model_only" not in cases or not any(n.startswith("mapped_full") for n in cases):
+        print("partial: run the remaining cases with the same --data", flush=True)
+        return
     baseline = max(r["peak_rss_bytes"] for r in cases["model_only"]["ranks"])
     for case in cases.values():
         case["peak_rss_gib_per_rank"] = [round(r["peak_rss_bytes"] / GIB, 3) for r in case["ranks"]]
@@ -257,7 +273,7 @@ def main() -> None:
         "bench": "train_memory",
         "set": {"rows": args.rows, "mean_tokens": args.tokens, "shards": args.shards,
                 "parquet_bytes": sum(Path(p).stat().st_size for p in paths.values()),
-                "mapped_copy_bytes": token_bytes, "generate_s": round(generate_s, 1)},
+                "mapped_copy_bytes": token_bytes, "generate_s": generate_s},
         "steps": args.steps,
         "ranks": 2,
         "cases": cases,
