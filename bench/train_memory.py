@@ -212,7 +212,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--workers", type=int, default=2, help="processes writing the synthetic set")
     parser.add_argument("--skip-in-memory", action="store_true", help="measure the mapped reader only")
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
+    parser.add_argument("--cases", nargs="*", choices=CASES, default=list(CASES),
                         help="the cases to run now; each case's figures are kept under --data, and the "
                              "record holds every case measured there (a long run in several parts)")
     parser.add_argument("--out")

@@ -139,31 +139,76 @@ def restore_rng(state: dict, device: torch.device | str | None = None) -> None:
 
 
 # --- writing -------------------------------------------------------------------------------
-def stage_shard(state: dict, rng: dict, rank: int, world: int, copy: bool) -> dict:
+def stage_shard(
+    state: dict, rng: dict, rank: int, world: int, copy: bool, pinned: dict[str, torch.Tensor] | None = None
+) -> dict:
     """What rank ``rank`` writes: its part of the tensors (on the CPU; copied when ``copy``, so
     training can go on changing the live tensors while a background thread writes), its RNG
-    state and, on rank 0, the skeleton of the state."""
+    state and, on rank 0, the skeleton of the state.
+
+    With ``pinned`` (a rank's reusable page-locked buffers, by tensor path), GPU tensors are
+    copied into them without blocking: the copies are queued on the current stream, so they see
+    the state as of now and the next step's updates wait for them, and the training thread does
+    not wait for ~GBs to cross PCIe (measured on an H200: 1.5 s per 2.6 GB share into pageable
+    memory). ``wait_staged`` is the writer's barrier before it reads the buffers."""
     skeleton, tensors = split_tensors(state)
     sizes = {p: t.numel() * t.element_size() for p, t in tensors.items()}
     mine = assign_tensors(sizes, world)[rank]
-    payload = {
-        "format": FORMAT,
-        "rank": rank,
-        "world": world,
-        "tensors": {p: tensors[p].detach().to("cpu", copy=copy) for p in mine},
-        "rng": rng,
-    }
+    staged = {}
+    for p in mine:
+        t = tensors[p].detach()
+        if copy and pinned is not None and t.is_cuda:
+            buf = pinned.get(p)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = pinned[p] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            staged[p] = buf.copy_(t, non_blocking=True)
+        else:
+            staged[p] = t.to("cpu", copy=copy)
+    payload = {"format": FORMAT, "rank": rank, "world": world, "tensors": staged, "rng": rng}
     if rank == 0:
         payload["skeleton"] = skeleton
     return payload
+
+
+def staged_event(payload: dict) -> Any:
+    """A CUDA event after the payload's queued copies (None when nothing is in flight)."""
+    if not torch.cuda.is_available() or not any(t.is_pinned() for t in payload["tensors"].values()):
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class _HashingWriter:
+    """A file that hashes what is written to it: one pass over a multi-GB shard, not a second
+    read of the file after ``torch.save``."""
+
+    def __init__(self, fh):
+        import hashlib
+
+        self._fh, self.digest, self.size = fh, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.digest.update(view)
+        self.size += view.nbytes
+        return self._fh.write(view)
+
+    def flush(self) -> None:
+        self._fh.flush()
 
 
 def write_shard(storage: Storage, prefix: str, payload: dict) -> dict:
     """Serialize, hash and upload one rank's shard; returns its index entry."""
     name = shard_name(payload["rank"], payload["world"])
     with storage.staged_file(prefix + name) as path:
-        torch.save(payload, path)
-        entry = {"name": name, "size": path.stat().st_size, "sha256": sha256_file(path)}
+        with open(path, "wb") as fh:
+            writer = _HashingWriter(fh)
+            torch.save(payload, writer)
+            fh.flush()
+        entry = {"name": name, "size": path.stat().st_size, "sha256": writer.digest.hexdigest()}
+        if entry["size"] != writer.size:
+            raise CheckpointError(f"shard {name}: wrote {writer.size} bytes, the file holds {entry['size']}")
     return entry
 
 
@@ -213,19 +258,21 @@ def save_checkpoint(
 class PendingSave:
     """One rank's shard being written by a background thread; ``done()`` never blocks."""
 
-    def __init__(self, storage: Storage, prefix: str, payload: dict):
+    def __init__(self, storage: Storage, prefix: str, payload: dict, staged: Any = None):
         self.prefix = prefix
         self.step = None
         self.write_s: float | None = None  # the thread's serialize + hash + store time, once done
         self._result: dict | BaseException | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(storage, prefix, payload), name="checkpoint-writer", daemon=True
+            target=self._run, args=(storage, prefix, payload, staged), name="checkpoint-writer", daemon=True
         )
         self._thread.start()
 
-    def _run(self, storage, prefix, payload):
+    def _run(self, storage, prefix, payload, staged):
         started = time.perf_counter()
         try:
+            if staged is not None:  # the queued copies into the pinned buffers
+                staged.synchronize()
             self._result = write_shard(storage, prefix, payload)
         except BaseException as err:  # handed to the main thread by result()
             self._result = err
@@ -318,6 +365,9 @@ class RollingCheckpoints:
     def __init__(self, storage: Storage, prefix: str):
         self.storage = storage
         self.prefix = prefix
+        # Reused by every background save of this rank: at most one is in flight (the trainer
+        # commits one before it begins the next), so the buffers are free again by then.
+        self._pinned: dict[str, torch.Tensor] = {}
 
     def step_prefix(self, step: int) -> str:
         return f"{self.prefix}step-{step:08d}/"
@@ -333,7 +383,8 @@ class RollingCheckpoints:
         """Start writing this rank's shard in the background (the tensors are copied first);
         ``commit`` it once every rank's ``done()``."""
         step_prefix = self.step_prefix(int(state["step"]))
-        pending = PendingSave(self.storage, step_prefix, stage_shard(state, rng, group.rank, group.world, copy=True))
+        payload = stage_shard(state, rng, group.rank, group.world, copy=True, pinned=self._pinned)
+        pending = PendingSave(self.storage, step_prefix, payload, staged_event(payload))
         pending.step = int(state["step"])
         return pending
 
