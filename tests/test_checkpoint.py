@@ -210,6 +210,29 @@ def test_async_save_writes_the_state_of_its_step_while_training_changes_it(store
     assert {o.key.split("/")[1] for o in store.list("roll/step-")} == {"step-00000005"}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_async_save_of_gpu_state_goes_through_reused_pinned_buffers(store):
+    # The copies to the pinned buffers are queued, not waited for: training's next in-place
+    # update (same stream) must not reach the checkpoint, and the second save reuses the buffers.
+    device = torch.device("cuda", torch.cuda.current_device())
+    rolling = RollingCheckpoints(store, "roll/")
+    group = SingleProcess()
+    for step in (3, 5):
+        state = trained_state(step)
+        state["model"] = {k: v.to(device) for k, v in state["model"].items()}
+        snapshot = {k: v.cpu() for k, v in state["model"].items()}
+        pending = rolling.begin(state, capture_rng(device), group)
+        for tensor in state["model"].values():
+            tensor.mul_(3.0).add_(1.0)
+        rolling.commit(pending, group)
+        assert_equal_states(rolling.load_latest().state["model"], snapshot)
+        buffers = {k: v.data_ptr() for k, v in rolling._pinned.items()}
+        assert buffers and all(t.is_pinned() for t in rolling._pinned.values())
+        if step == 3:
+            first = buffers
+    assert buffers == first
+
+
 def test_a_failed_background_write_fails_the_commit(tmp_path):
     store = open_storage(tmp_path)
     (tmp_path / "roll").write_text("a file where the folder should be")
