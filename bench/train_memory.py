@@ -178,7 +178,8 @@ def run_case(name: str, reader: str, paths: dict[str, str], model: str, work: Pa
     ]  # fmt: skip
     started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                               "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})  # CPU ranks: gloo
     if proc.returncode != 0:
         raise SystemExit(f"case {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     ranks = [json.loads((case / "report" / f"rank-{r}.json").read_text()) for r in range(2)]
