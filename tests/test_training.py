@@ -20,7 +20,14 @@ from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.stages.export import expected_tensor_shapes, export_drafter
 from dflash_pipeline.training.checkpoint import load_checkpoint
-from dflash_pipeline.training.trainer import PREEMPTED_EXIT_CODE, SegmentJob, TrainingError, check_replicas, lr_factor
+from dflash_pipeline.training.trainer import (
+    PREEMPTED_EXIT_CODE,
+    Distributed,
+    SegmentJob,
+    TrainingError,
+    check_replicas,
+    lr_factor,
+)
 from tests.support.train_data import write_tokenized_shard
 
 STEPS = 8
@@ -364,3 +371,16 @@ def test_ddp_trains_dflash2_with_the_selector_reduced_across_ranks(demo_model, t
     manifest = json.loads((tmp_path / layout.segment_manifest_key(0)).read_text())
     assert manifest["processes"] == 2 and manifest["algorithm"] == "dflash2"
     assert manifest["steps"] == [0, 4]
+
+
+@pytest.mark.parametrize(("device_type", "backend"), [("cpu", "gloo"), ("cuda", "nccl"), (None, "nccl")])
+def test_the_rank_group_backend_follows_the_job_device_on_a_gpu_host(monkeypatch, device_type, backend):
+    # CPU ranks on a GPU machine (a CPU benchmark or gpus_per_job 0 there) must not get NCCL,
+    # which has no CPU tensors: their first collective would fail.
+    chosen = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda b: chosen.append(b))
+    assert Distributed.from_env(device_type).world == 2
+    assert chosen == [backend]

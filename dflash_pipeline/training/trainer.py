@@ -128,11 +128,13 @@ class Distributed:
     local_rank: int = 0
 
     @classmethod
-    def from_env(cls) -> Distributed:
+    def from_env(cls, device_type: str | None = None) -> Distributed:
+        """The torchrun group; its backend follows the job's device (``device_type``, default:
+        CUDA when there is one), so CPU ranks on a GPU host use gloo, not NCCL."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and not torch.distributed.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            torch.distributed.init_process_group(backend)
+            on_gpu = (device_type or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+            torch.distributed.init_process_group("nccl" if on_gpu else "gloo")
         return cls(
             rank=int(os.environ.get("RANK", "0")),
             world=world,
@@ -239,7 +241,7 @@ class _SegmentRun:
     def __init__(self, job: SegmentJob):
         self.job = job
         s = self.settings = job.settings
-        self.dist = Distributed.from_env()
+        self.dist = Distributed.from_env(torch.device(job.device).type if job.device else None)
         if job.device:
             self.device = torch.device(job.device)
         elif torch.cuda.is_available():
