@@ -233,6 +233,31 @@ def test_async_save_of_gpu_state_goes_through_reused_pinned_buffers(store):
     assert buffers == first
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reserved_pinned_buffers_are_the_ones_the_first_save_fills(store):
+    # reserve() allocates the rank's buffers beside training (a background thread); the first
+    # save then only queues its copies into them.
+    device = torch.device("cuda", torch.cuda.current_device())
+    rolling = RollingCheckpoints(store, "roll/")
+    group = SingleProcess()
+    state = trained_state(3)
+    state["model"] = {k: v.to(device) for k, v in state["model"].items()}
+    rolling.reserve(state, group)
+    rolling._reserving.join()
+    reserved = {k: v.data_ptr() for k, v in rolling._pinned.items()}
+    assert set(reserved) == {f"/model/{k}" for k in state["model"]}  # the GPU tensors only
+    snapshot = {k: v.cpu() for k, v in state["model"].items()}
+    rolling.commit(rolling.begin(state, capture_rng(device), group), group)
+    assert {k: v.data_ptr() for k, v in rolling._pinned.items()} == reserved
+    assert_equal_states(rolling.load_latest().state["model"], snapshot)
+
+
+def test_reserving_buffers_for_a_cpu_state_starts_nothing(store):
+    rolling = RollingCheckpoints(store, "roll/")
+    rolling.reserve(trained_state(3), SingleProcess())
+    assert rolling._reserving is None and rolling._pinned == {}
+
+
 def test_a_failed_background_write_fails_the_commit(tmp_path):
     store = open_storage(tmp_path)
     (tmp_path / "roll").write_text("a file where the folder should be")

@@ -139,6 +139,20 @@ def restore_rng(state: dict, device: torch.device | str | None = None) -> None:
 
 
 # --- writing -------------------------------------------------------------------------------
+def rank_share(tensors: dict[str, torch.Tensor], rank: int, world: int) -> list[str]:
+    """The tensor paths rank ``rank`` writes (``assign_tensors`` over the tensors' byte sizes)."""
+    sizes = {p: t.numel() * t.element_size() for p, t in tensors.items()}
+    return assign_tensors(sizes, world)[rank]
+
+
+def pinned_buffer(pinned: dict[str, torch.Tensor], path: str, like: torch.Tensor) -> torch.Tensor:
+    """The page-locked buffer kept for ``path``, (re)allocated when it does not fit ``like``."""
+    buf = pinned.get(path)
+    if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+        buf = pinned[path] = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+    return buf
+
+
 def stage_shard(
     state: dict, rng: dict, rank: int, world: int, copy: bool, pinned: dict[str, torch.Tensor] | None = None
 ) -> dict:
@@ -152,16 +166,11 @@ def stage_shard(
     not wait for ~GBs to cross PCIe (measured on an H200: 1.5 s per 2.6 GB share into pageable
     memory). ``wait_staged`` is the writer's barrier before it reads the buffers."""
     skeleton, tensors = split_tensors(state)
-    sizes = {p: t.numel() * t.element_size() for p, t in tensors.items()}
-    mine = assign_tensors(sizes, world)[rank]
     staged = {}
-    for p in mine:
+    for p in rank_share(tensors, rank, world):
         t = tensors[p].detach()
         if copy and pinned is not None and t.is_cuda:
-            buf = pinned.get(p)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = pinned[p] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            staged[p] = buf.copy_(t, non_blocking=True)
+            staged[p] = pinned_buffer(pinned, p, t).copy_(t, non_blocking=True)
         else:
             staged[p] = t.to("cpu", copy=copy)
     payload = {"format": FORMAT, "rank": rank, "world": world, "tensors": staged, "rng": rng}
@@ -368,6 +377,7 @@ class RollingCheckpoints:
         # Reused by every background save of this rank: at most one is in flight (the trainer
         # commits one before it begins the next), so the buffers are free again by then.
         self._pinned: dict[str, torch.Tensor] = {}
+        self._reserving: threading.Thread | None = None
 
     def step_prefix(self, step: int) -> str:
         return f"{self.prefix}step-{step:08d}/"
@@ -379,9 +389,31 @@ class RollingCheckpoints:
         if group.rank == 0:
             self.point_to(step_prefix)
 
+    def reserve(self, state: dict, group: Collective) -> None:
+        """Allocate this rank's page-locked buffers for ``state``'s GPU tensors in a background
+        thread, so that the job's first background save does not allocate them on the training
+        thread (measured on an H200: 1.9 s for a 2.6 GB share, ~1.4 GB/s of pinning). Call it
+        once the state has every tensor it will have (after the first optimizer step); ``begin``
+        waits for it. Nothing to do for CPU tensors."""
+        _, tensors = split_tensors(state)
+        gpu = [p for p in rank_share(tensors, group.rank, group.world) if tensors[p].is_cuda]
+        # Only shapes and dtypes are read: meta tensors stand in for the live ones.
+        like = {p: torch.empty_like(tensors[p], device="meta") for p in gpu}
+        if not like:
+            return
+        self._reserving = threading.Thread(
+            target=lambda: [pinned_buffer(self._pinned, p, t) for p, t in like.items()],
+            name="checkpoint-pinned-buffers",
+            daemon=True,
+        )
+        self._reserving.start()
+
     def begin(self, state: dict, rng: dict, group: Collective) -> PendingSave:
         """Start writing this rank's shard in the background (the tensors are copied first);
         ``commit`` it once every rank's ``done()``."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
         step_prefix = self.step_prefix(int(state["step"]))
         payload = stage_shard(state, rng, group.rank, group.world, copy=True, pinned=self._pinned)
         pending = PendingSave(self.storage, step_prefix, payload, staged_event(payload))

@@ -433,10 +433,15 @@ class _SegmentRun:
             flush=True,
         )
         self.pending: PendingSave | None = None
+        resumed_at = self.step
         try:
             while self.step < self.end_step:
                 record = self._train_step(self.step)
                 self.step += 1
+                if s["checkpoint_async"] and self.step == resumed_at + 1:
+                    # Once per job, now that the optimizer state exists: the background saves'
+                    # page-locked buffers are allocated beside training, not on its first save.
+                    self.rolling.reserve(self._state(), self.dist)
                 if self.dist.is_main:
                     metrics.add(record)
                 # One all-reduce per step: a SIGTERM on any rank, and whether a background
