@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -76,14 +77,18 @@ def dry_run(wf: Path, bucket: str, env: dict, **extra) -> dict:
     log = wf / f"requests-{time.time_ns()}.json"
     cmd = [sys.executable, "-m", "snakemake", "-n", "--cores", "1",
            "--profile", "profiles/s3", "--default-storage-prefix", f"s3://{bucket}/bench"]
-    t0 = time.time()
+    t0, cpu0 = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=wf, capture_output=True, text=True,
                           env={**env, "DFLASH_S3_REQUEST_LOG": str(log), **extra})
     seconds = time.time() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode or os.environ.get("BENCH_VERBOSE"):
         print(proc.stdout, proc.stderr, file=sys.stderr)
     return {
         "seconds": round(seconds, 2),
+        # The snakemake process's own CPU time: on a shared machine the steadier figure, and
+        # close to the wall time of the same plan on an idle one (planning is one thread).
+        "cpu_seconds": round(cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime, 2),
         "jobs": parse_job_table(proc.stdout + proc.stderr),
         "nothing_to_do": "Nothing to be done" in proc.stdout + proc.stderr,
         "requests": json.loads(log.read_text()) if log.exists() else None,

@@ -13,6 +13,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, settings
+
+# Property tests never depend on the machine's speed: no per-example deadline, no "too slow"
+# health check (a loaded 2-core machine ran a first example, with its imports, past 200 ms).
+settings.register_profile("project", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("project")
 
 from tests.support.seaweed import start_seaweed
 

@@ -10,10 +10,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dflash_pipeline.core.s3_inventory import folder_prefix
+from dflash_pipeline.core.s3_inventory import folder_prefix, install_folder_inventory, parse_query, parse_timestamp
 from dflash_pipeline.core.storage import S3Storage
 from tests.conftest import parse_job_table
 
@@ -103,3 +106,64 @@ def test_missing_objects_cost_no_requests_and_the_plan_names_their_chains(finish
 def test_folder_prefix():
     assert folder_prefix("a/b/c.txt") == "a/b/"
     assert folder_prefix("c.txt") == ""
+
+
+def plugin_split(query: str) -> tuple[str, str] | None:
+    """(bucket, key) as the S3 plugin's own __post_init__ derives them (None: invalid query)."""
+    import posixpath
+    from urllib.parse import urlparse
+
+    from snakemake_storage_plugin_s3 import StorageProvider
+
+    if not StorageProvider.is_valid_query(query):
+        return None
+    parsed = urlparse(query)
+    return parsed.netloc, posixpath.normpath(parsed.path.lstrip("/"))
+
+
+QUERY_TEXT = st.text(alphabet="ab/.?#;:@%[] \\-_0", max_size=24)
+
+
+@settings(max_examples=500)
+@given(st.one_of(QUERY_TEXT.map(lambda t: "s3://" + t), QUERY_TEXT.map(lambda t: "s3://bkt/" + t), QUERY_TEXT))
+def test_the_fast_query_split_agrees_with_the_plugin_or_declines(query):
+    fast = parse_query(query)
+    if fast is not None:
+        assert fast == plugin_split(query)
+
+
+def test_plain_run_keys_take_the_fast_split():
+    query = "s3://bucket/prefix/results/demo/outputs/tokenize-00012.stats.json"
+    assert parse_query(query) == ("bucket", "prefix/results/demo/outputs/tokenize-00012.stats.json")
+    assert parse_query(query) == plugin_split(query)
+    for odd in ("s3://bucket/a//b", "s3://bucket/a/../b", "s3://bucket/a/", "s3://bucket/a?x=1", "s3://b/./a"):
+        assert parse_query(odd) is None, odd
+
+
+def test_memoized_storage_objects_match_the_plugin(monkeypatch):
+    # The patched plugin (install_folder_inventory, as the Snakefile installs it) builds objects
+    # with the same bucket, key, local suffix, cache key and local path as the plugin's own code.
+    from snakemake_storage_plugin_s3 import StorageObject
+
+    assert install_folder_inventory()
+    from snakemake_storage_plugin_s3 import StorageProvider
+
+    provider = SimpleNamespace(
+        local_prefix=Path(".snakemake/storage/s3"), safe_print=lambda q: q, is_valid_query=StorageProvider.is_valid_query
+    )
+    queries = ["s3://bkt/run/outputs/generate-00001.parquet", "s3://bkt/a//b/../c.txt", "s3://bkt/x"]
+    for query in queries * 2:  # the second round comes from the memo
+        obj = StorageObject(query=query, keep_local=False, retrieve=True, provider=provider)
+        bucket, key = plugin_split(query)
+        assert (obj.bucket, obj.key, obj.local_suffix()) == (bucket, key, f"{bucket}/{key}")
+        assert obj.cache_key() == str(provider.local_prefix / f"{bucket}/{key}")
+        assert obj.local_path() == provider.local_prefix / f"{bucket}/{key}"
+
+
+@pytest.mark.parametrize(
+    "value", ["2026-12-04T17:30:05.000Z", "2026-12-04T17:30:05Z", "Fri, 04 Dec 2026 17:30:05 GMT", "1764869405"]
+)
+def test_listing_timestamps_parse_to_botocores_datetimes(value):
+    from botocore.utils import parse_timestamp as botocore_parse_timestamp
+
+    assert parse_timestamp(value).timestamp() == botocore_parse_timestamp(value).timestamp()
