@@ -384,3 +384,21 @@ def test_the_rank_group_backend_follows_the_job_device_on_a_gpu_host(monkeypatch
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda b: chosen.append(b))
     assert Distributed.from_env(device_type).world == 2
     assert chosen == [backend]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_segment_with_background_checkpoints_ends_with_its_checkpoint_on_the_device(
+    demo_model, tokenized, tmp_path
+):
+    # The trainer's GPU path: buffers reserved after the first step, background saves staged
+    # into them every 2 steps and committed, the final checkpoint loading onto the device.
+    s = settings(checkpoint_every_steps=2, checkpoint_async=True, attention="sdpa")
+    manifest = SegmentJob(
+        run_url=str(tmp_path), segment=0, settings=s, target_dir=str(demo_model), tokenized=tokenized,
+        manifest_path=str(tmp_path / layout.segment_manifest_key(0)), device="cuda",
+    ).run()  # fmt: skip
+    assert manifest["steps"] == [0, STEPS]
+    device = torch.device("cuda", torch.cuda.current_device())
+    loaded = load_checkpoint(open_storage(str(tmp_path)), layout.checkpoint_prefix(0), map_location=device)
+    assert loaded.state["step"] == STEPS
+    assert all(t.device == device for t in loaded.state["model"].values())
