@@ -22,9 +22,9 @@ objects were the larger part of what planning against S3 cost beyond planning on
 anew (``__post_init__``), builds ``pathlib`` paths for every cache lookup (``cache_key``,
 ``local_path``), and botocore parses every listed timestamp with dateutil. The same patch
 memoizes those and the provider's query check (pure functions of the query, or of the local
-prefix and suffix) and
-parses S3's ISO 8601 timestamps with ``datetime.fromisoformat``, falling back to botocore's
-parser for any other form; ``bench/dryrun_s3.py`` records the effect.
+prefix and suffix), splits plain ``s3://bucket/key`` queries without ``urlparse``, and parses S3's
+ISO 8601 timestamps with ``datetime.fromisoformat``, falling back to botocore's parser for any
+other form; ``bench/dryrun_s3.py`` records the effect.
 
 It is a patch of a few methods rather than a storage plugin of its own because a separate plugin
 would have its own name, so its own ``SNAKEMAKE_STORAGE_<NAME>_*`` settings and profile keys,

@@ -397,15 +397,20 @@ class RollingCheckpoints:
         waits for it. Nothing to do for CPU tensors."""
         _, tensors = split_tensors(state)
         gpu = [p for p in rank_share(tensors, group.rank, group.world) if tensors[p].is_cuda]
+        if not gpu:
+            return
         # Only shapes and dtypes are read: meta tensors stand in for the live ones.
         like = {p: torch.empty_like(tensors[p], device="meta") for p in gpu}
-        if not like:
-            return
-        self._reserving = threading.Thread(
-            target=lambda: [pinned_buffer(self._pinned, p, t) for p, t in like.items()],
-            name="checkpoint-pinned-buffers",
-            daemon=True,
-        )
+        device = tensors[gpu[0]].device
+
+        def allocate() -> None:
+            # On the rank's own device: a new thread starts on device 0, where another rank's
+            # pinning must not create a CUDA context.
+            with torch.cuda.device(device):
+                for p, t in like.items():
+                    pinned_buffer(self._pinned, p, t)
+
+        self._reserving = threading.Thread(target=allocate, name="checkpoint-pinned-buffers", daemon=True)
         self._reserving.start()
 
     def begin(self, state: dict, rng: dict, group: Collective) -> PendingSave:
