@@ -252,8 +252,8 @@ def test_reserved_pinned_buffers_are_the_ones_the_first_save_fills(store):
     assert_equal_states(rolling.load_latest().state["model"], snapshot)
 
 
-def test_reserving_buffers_for_a_cpu_state_starts_nothing(store):
-    rolling = RollingCheckpoints(store, "roll/")
+def test_reserving_buffers_for_a_cpu_state_starts_nothing(tmp_path):
+    rolling = RollingCheckpoints(open_storage(tmp_path), "roll/")  # storage plays no part here
     rolling.reserve(trained_state(3), SingleProcess())
     assert rolling._reserving is None and rolling._pinned == {}
 
