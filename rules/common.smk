@@ -9,12 +9,21 @@ from dflash_pipeline.core.config import ConfigError, rule_params, validate_confi
 from dflash_pipeline.core.gpu_slots import pool_from_config
 from dflash_pipeline.core.jobstate import describe_halt, read_halt
 from dflash_pipeline.core.lease import LeaseHeld, LeaseLost, RunLease
+from dflash_pipeline.core.planning import (
+    collect_as_usual,
+    collect_rarely,
+    install_dag_checks,
+)
 from dflash_pipeline.core.s3_inventory import install_folder_inventory
 from dflash_pipeline.core.storage import S3Storage, is_s3_url, open_storage
 
 # Planning against S3 reads absence from folder listings (one request per 1,000 objects, not
 # three per missing object); see dflash_pipeline/core/s3_inventory.py.
 install_folder_inventory()
+# Planning 10,000s of jobs: Snakemake's per-job checks without repeats, and the garbage collector
+# held back until the plan is built (dflash_pipeline.core.planning).
+install_dag_checks()
+collect_rarely()
 
 try:
     config.update(validate_config(config))
@@ -275,6 +284,8 @@ def release_run_lease():
 
 
 onstart:
+    # The plan is built: the driver collects garbage as usual for the days of the run.
+    collect_as_usual()
     if DEFAULT_STORAGE == "s3":
         # The S3 plugin deletes a bucket once it is empty; keep one object in it for good.
         S3Storage(RUN_URL).ensure_bucket()

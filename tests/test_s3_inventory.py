@@ -132,6 +132,18 @@ def test_the_fast_query_split_agrees_with_the_plugin_or_declines(query):
         assert fast == plugin_split(query)
 
 
+@settings(max_examples=500)
+@given(st.one_of(QUERY_TEXT.map(lambda t: "s3://" + t), QUERY_TEXT.map(lambda t: "s3://bkt/" + t), QUERY_TEXT))
+def test_the_patched_query_check_agrees_with_the_plugin(query):
+    # The patched check accepts plain queries without urlparse; every query gets the plugin's answer.
+    from snakemake_storage_plugin_s3 import StorageProvider
+
+    from dflash_pipeline.core import s3_inventory
+
+    assert install_folder_inventory()
+    assert bool(StorageProvider.is_valid_query(query)) == bool(s3_inventory._plugin_valid_query(query))
+
+
 def test_plain_run_keys_take_the_fast_split():
     query = "s3://bucket/prefix/results/demo/outputs/tokenize-00012.stats.json"
     assert parse_query(query) == ("bucket", "prefix/results/demo/outputs/tokenize-00012.stats.json")

@@ -78,12 +78,18 @@ _VALID_QUERIES: dict[str, object] = {}
 # The plugin's own methods, kept by install_folder_inventory.
 _plugin_post_init = None
 _plugin_valid_query = None
+_valid_query_result = None  # the storage interface's StorageQueryValidationResult
 
 
 def _memoized_valid_query(cls, query: str):
     result = _VALID_QUERIES.get(query)
     if result is None:
-        result = _VALID_QUERIES[query] = _plugin_valid_query(query)
+        # A plain s3://bucket/key query is one the plugin accepts (urlparse's scheme is "s3", and
+        # it has none of the characters that make urlparse raise); anything else, it judges.
+        if parse_query(query) is not None:
+            result = _VALID_QUERIES[query] = _valid_query_result(query=query, valid=True)
+        else:
+            result = _VALID_QUERIES[query] = _plugin_valid_query(query)
     return result
 
 
@@ -236,12 +242,13 @@ def install_folder_inventory() -> bool:
             PLUGIN_DIST, version, PLUGIN_VERSION,
         )
         return False
-    global _plugin_post_init, _plugin_valid_query
+    global _plugin_post_init, _plugin_valid_query, _valid_query_result
     objects = plugin.StorageObject
     if not getattr(objects, _MARK, False):
         objects.get_inventory_parent = _folder_parent
         objects.inventory = _folder_inventory
         _plugin_valid_query = plugin.StorageProvider.is_valid_query  # bound to the class
+        _valid_query_result = plugin.StorageQueryValidationResult
         plugin.StorageProvider.is_valid_query = classmethod(_memoized_valid_query)
         _plugin_post_init = objects.__post_init__
         objects.__post_init__ = _memoized_post_init
