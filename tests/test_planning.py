@@ -97,7 +97,7 @@ def test_a_fixed_script_is_checked_once_named_scripts_per_job_and_logs_expanded_
 
 
 def test_without_the_patch_every_job_is_checked(workflow):
-    proc = dry_run(workflow, DFLASH_DAG_CHECKS="0")
+    proc = dry_run(workflow, DFLASH_PLANNING_PATCHES="0")
     assert proc.returncode == 0, proc.stderr
     lookups = json.loads((workflow / "lookups.json").read_text())
     assert lookups.pop("log of fixed") == 2 * JOBS  # built into the plan, then checked again

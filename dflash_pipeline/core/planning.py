@@ -23,8 +23,7 @@ The same install makes ``is_valid`` read those two properties, which expand only
 expanded yet.
 
 Both patch methods of the pinned Snakemake (``pyproject.toml``), whose internals they rely on;
-with another version nothing is patched and a warning says so. ``DFLASH_DAG_CHECKS=0`` turns
-both off.
+with another version nothing is patched and a warning says so.
 
 The collector. Planning allocates millions of objects that all live until the plan is done (jobs,
 file objects, storage objects), and none of them is garbage; Python's cyclic collector, run every
@@ -34,6 +33,8 @@ frozen out of its reach, collections ~300 times rarer), peak memory the same (78
 is a driver that lives for days, so ``collect_as_usual`` restores the usual collection once the
 plan is built, after freezing the plan, which lives as long as the run. Jobs run in processes of
 their own and are not affected.
+
+``DFLASH_PLANNING_PATCHES=0`` turns all of this off: Snakemake plans as it ships.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import os
 log = logging.getLogger(__name__)
 
 SNAKEMAKE_VERSION = "9.27.1"
-DISABLE_ENV = "DFLASH_DAG_CHECKS"
+DISABLE_ENV = "DFLASH_PLANNING_PATCHES"
 _MARK = "_dflash_dag_checks"
 # While planning: a young-generation collection every 200,000 net allocations (not 700), and the
 # older generations correspondingly rarely.
@@ -80,7 +81,7 @@ def _is_valid_from_kept_expansions(self) -> None:
 def install_dag_checks() -> bool:
     """Check each rule's fixed script path once, not once per job, and each job's log and
     benchmark paths once, not twice (module docstring); True when in place. Idempotent; a no-op
-    with another Snakemake version or ``DFLASH_DAG_CHECKS=0``."""
+    with another Snakemake version or ``DFLASH_PLANNING_PATCHES=0``."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
     version = importlib.metadata.version("snakemake")
@@ -101,8 +102,11 @@ def install_dag_checks() -> bool:
 
 
 def collect_rarely() -> None:
-    """Hold the cyclic collector back while the plan is built (module docstring)."""
+    """Hold the cyclic collector back while the plan is built (module docstring); a no-op with
+    ``DFLASH_PLANNING_PATCHES=0``."""
     global _usual_gc_thresholds
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return
     if _usual_gc_thresholds is None:
         _usual_gc_thresholds = gc.get_threshold()
     gc.freeze()
