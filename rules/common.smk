@@ -12,7 +12,7 @@ from dflash_pipeline.core.lease import LeaseHeld, LeaseLost, RunLease
 from dflash_pipeline.core.planning import (
     collect_as_usual,
     collect_rarely,
-    install_dag_checks,
+    install_planning_patches,
 )
 from dflash_pipeline.core.s3_inventory import install_folder_inventory
 from dflash_pipeline.core.storage import S3Storage, is_s3_url, open_storage
@@ -22,7 +22,7 @@ from dflash_pipeline.core.storage import S3Storage, is_s3_url, open_storage
 install_folder_inventory()
 # Planning 10,000s of jobs: Snakemake's per-job checks without repeats, and the garbage collector
 # held back until the plan is built (dflash_pipeline.core.planning).
-install_dag_checks()
+install_planning_patches()
 collect_rarely()
 
 try:

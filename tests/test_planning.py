@@ -1,53 +1,73 @@
-"""Snakemake's per-job checks without repeats (real snakemake -n runs): each rule's fixed script is
-checked once per plan, scripts named by wildcards job by job, a missing script is still refused,
-and each job's log paths are expanded once."""
+"""The driver's planning without repeated work (real snakemake -n runs, counted with Snakemake's
+own functions): each rule's fixed script is checked once per plan, scripts named by wildcards job
+by job, a missing script is still refused; each job's log paths are expanded once; a rule's fixed
+conda environment is expanded once and costs no job its params, while an environment that is a
+function is still asked per job; function signatures are read once. And the garbage collector is
+held back while planning, as usual after."""
 
 from __future__ import annotations
 
+import gc
+import inspect
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_pipeline.core.planning import (
+    PLANNING_GC_THRESHOLDS,
+    _absolute_parts,
+    collect_as_usual,
+    collect_rarely,
+    install_planning_patches,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = 20
 
-# Counts the script lookups of Snakemake's own check (snakemake.script.get_source), by script, and
-# the expansions of each rule's log paths (Rule.expand_log).
+# Counts calls of Snakemake's own functions: script lookups (snakemake.script.get_source) by
+# script; log, params and conda environment expansions by rule.
 SNAKEFILE = f"""
 import atexit, json, sys
 from collections import Counter
 
 sys.path.insert(0, {str(REPO)!r})
-from dflash_pipeline.core.planning import install_dag_checks
+from dflash_pipeline.core.planning import install_planning_patches
 
 import snakemake.rules
 import snakemake.script
 
-install_dag_checks()
-LOOKUPS = Counter()
+install_planning_patches()
+CALLS = Counter()
 _get_source = snakemake.script.get_source
 
 
 def counted_get_source(path, *args, **kwargs):
-    LOOKUPS[str(path)] += 1
+    CALLS[str(path)] += 1
     return _get_source(path, *args, **kwargs)
 
 
 snakemake.script.get_source = counted_get_source
-_expand_log = snakemake.rules.Rule.expand_log
 
 
-def counted_expand_log(rule, *args, **kwargs):
-    LOOKUPS[f"log of {{rule.name}}"] += 1
-    return _expand_log(rule, *args, **kwargs)
+def count_rule_method(name):
+    method = getattr(snakemake.rules.Rule, name)
+
+    def counted(rule, *args, **kwargs):
+        CALLS[f"{{name}} of {{rule.name}}"] += 1
+        return method(rule, *args, **kwargs)
+
+    setattr(snakemake.rules.Rule, name, counted)
 
 
-snakemake.rules.Rule.expand_log = counted_expand_log
-atexit.register(lambda: open("lookups.json", "w").write(json.dumps(LOOKUPS)))
+for name in ("expand_log", "expand_params", "expand_conda_env"):
+    count_rule_method(name)
+atexit.register(lambda: open("calls.json", "w").write(json.dumps(CALLS)))
 
 
 rule all:
@@ -61,6 +81,10 @@ rule fixed:
         "out/fixed-{{i}}.txt",
     log:
         "logs/fixed-{{i}}.log",
+    params:
+        shard=lambda wildcards: int(wildcards.i),
+    conda:
+        "envs/fixed.yaml"
     script:
         "scripts/fixed.py"
 
@@ -68,6 +92,8 @@ rule fixed:
 rule named:
     output:
         "out/named-{{kind}}.txt",
+    conda:
+        lambda wildcards: f"envs/{{wildcards.kind}}.yaml"
     script:
         "scripts/{{wildcards.kind}}.py"
 """
@@ -75,33 +101,47 @@ rule named:
 
 def dry_run(workdir: Path, **extra_env) -> subprocess.CompletedProcess:
     env = {**os.environ, **extra_env}
-    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1"],
+    # mtime alone, as the S3 profile plans: no rerun trigger reads params.
+    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--rerun-triggers", "mtime"],
                           cwd=workdir, capture_output=True, text=True, env=env)
 
 
 @pytest.fixture
 def workflow(tmp_path):
     (tmp_path / "Snakefile").write_text(SNAKEFILE)
-    (tmp_path / "scripts").mkdir()
+    for folder in ("scripts", "envs"):
+        (tmp_path / folder).mkdir()
     for name in ("fixed", "x", "y"):
         (tmp_path / "scripts" / f"{name}.py").write_text("pass\n")
+        (tmp_path / "envs" / f"{name}.yaml").write_text("dependencies: [python]\n")
     return tmp_path
 
 
-def test_a_fixed_script_is_checked_once_named_scripts_per_job_and_logs_expanded_once(workflow):
-    proc = dry_run(workflow)
-    assert proc.returncode == 0, proc.stderr
-    lookups = json.loads((workflow / "lookups.json").read_text())
-    assert lookups.pop("log of fixed") == JOBS
-    assert lookups == {"scripts/fixed.py": 1, "scripts/{wildcards.kind}.py": 2, "log of named": 2, "log of all": 1}
+def planning_calls(workflow, **extra_env) -> dict:
+    proc = dry_run(workflow, **extra_env)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return json.loads((workflow / "calls.json").read_text())
 
 
-def test_without_the_patch_every_job_is_checked(workflow):
-    proc = dry_run(workflow, DFLASH_PLANNING_PATCHES="0")
-    assert proc.returncode == 0, proc.stderr
-    lookups = json.loads((workflow / "lookups.json").read_text())
-    assert lookups.pop("log of fixed") == 2 * JOBS  # built into the plan, then checked again
-    assert lookups == {"scripts/fixed.py": JOBS, "scripts/{wildcards.kind}.py": 2, "log of named": 4, "log of all": 2}
+def test_planning_does_each_rule_level_thing_once(workflow):
+    calls = planning_calls(workflow)
+    assert calls.pop("scripts/fixed.py") == 1
+    assert calls.pop("scripts/{wildcards.kind}.py") == 2  # a script named per job: checked per job
+    assert calls.pop("expand_log of fixed") == JOBS  # once per job: building it into the plan
+    assert calls.pop("expand_conda_env of fixed") == 1  # then kept by the rule
+    # A job's for that expansion, and the (maybe other) job whose script check formats the path.
+    assert calls.pop("expand_params of fixed") <= 2
+    assert calls.pop("expand_conda_env of named") == 2  # a function of wildcards: asked per job
+    assert calls.pop("expand_params of named") == 2
+    assert set(calls) <= {"expand_log of named", "expand_log of all", "expand_params of all",
+                          "expand_conda_env of all"}
+
+
+def test_snakemake_as_it_ships_repeats_them(workflow):
+    calls = planning_calls(workflow, DFLASH_PLANNING_PATCHES="0")
+    assert calls["scripts/fixed.py"] == JOBS
+    assert calls["expand_log of fixed"] == 2 * JOBS  # built into the plan, then checked again
+    assert calls["expand_params of fixed"] == JOBS
 
 
 @pytest.mark.parametrize("missing", ["fixed", "y"])
@@ -113,11 +153,23 @@ def test_a_missing_script_is_still_refused(workflow, missing):
     assert f"No such file or directory: '{workflow / 'scripts' / missing}.py'" in proc.stderr + proc.stdout
 
 
+def test_function_parameters_are_read_once_and_are_snakemakes():
+    import snakemake.common
+    import snakemake.rules
+
+    assert install_planning_patches()
+
+    def input_function(wildcards, input, threads=1):
+        return []
+
+    params = snakemake.common.get_function_params(input_function)
+    assert params is snakemake.rules.get_function_params(input_function)  # the memo's
+    assert list(params.items()) == list(inspect.signature(input_function).parameters.items())
+    # Neither hashable nor weakly referenceable (a builtin): answered each time, the same.
+    assert list(snakemake.common.get_function_params(divmod)) == list(inspect.signature(divmod).parameters)
+
+
 def test_the_collector_is_held_back_while_planning_and_as_usual_after():
-    import gc
-
-    from dflash_pipeline.core.planning import PLANNING_GC_THRESHOLDS, collect_as_usual, collect_rarely
-
     usual = gc.get_threshold()
     try:
         collect_rarely()
@@ -131,3 +183,45 @@ def test_the_collector_is_held_back_while_planning_and_as_usual_after():
     finally:
         gc.set_threshold(*usual)
         gc.unfreeze()
+
+
+@settings(max_examples=300)
+@given(st.text(alphabet="ab/.", max_size=12))
+def test_path_parts_are_pathlibs(path):
+    cwd = "/work/run"
+    assert _absolute_parts(path, cwd) == PurePosixPath(cwd, path).parts
+
+
+NESTED = """
+rule all:
+    input:
+        "out/x",
+        "out/x/y",
+
+
+rule parent:
+    output:
+        "out/x",
+    shell:
+        "touch {output}"
+
+
+rule child:
+    output:
+        "out/x/y",
+    shell:
+        "touch {output}"
+"""
+
+
+def test_an_output_inside_another_is_refused_as_snakemake_refuses_it(tmp_path):
+    (tmp_path / "Snakefile").write_text(
+        f"import sys\nsys.path.insert(0, {str(REPO)!r})\n"
+        "from dflash_pipeline.core.planning import install_planning_patches\n\n"
+        "install_planning_patches()\n" + NESTED)
+    patched, shipped = dry_run(tmp_path), dry_run(tmp_path, DFLASH_PLANNING_PATCHES="0")
+    assert patched.returncode != 0 and shipped.returncode != 0
+    refusal = (f"File/directory is a child to another output:\n({tmp_path / 'out/x'!r}, parent)\n"
+               f"({tmp_path / 'out/x/y'!r}, child)")
+    for proc in (patched, shipped):
+        assert refusal in proc.stdout + proc.stderr, proc.stdout + proc.stderr

@@ -1,8 +1,8 @@
 """The driver's planning work at 10,000s of jobs: Snakemake's checks without repeats, and the
 cyclic garbage collector kept out of the way while the plan is built.
 
-Measured on this repository's 2-core machine with a 10,000-shard plan up to tokenize (30,000
-jobs; ``bench/dryrun_s3.py``). The rules call ``install_dag_checks`` and ``collect_rarely`` at
+Measured on this repository's 2-core machine with 10,000-shard plans (30,000-40,000 jobs;
+``bench/dryrun_s3.py``). The rules call ``install_planning_patches`` and ``collect_rarely`` at
 load, and ``collect_as_usual`` in ``onstart``, which only a real run reaches, after planning.
 
 The script check. After planning, Snakemake checks that the script of every job of the plan
@@ -10,10 +10,11 @@ exists (``snakemake.dag.ScriptProcessor``; the notebook check is its subclass): 
 formats the script path with the job's wildcards and params, opens and reads the script through
 its source cache and asks the cache again whether it exists. Every per-shard rule here is a
 ``script:`` rule with a fixed path, so the same few files were read 30,000 times: 16.8 s of a
-76.6 s planning under cProfile (local files). ``install_dag_checks`` keeps the check but makes it
-once per (rule, script path) when the path holds no ``{`` (nothing to format, so every job of the
-rule names the same file); a path with wildcards or params is still checked job by job. A
-missing script is refused as before, by Snakemake's own check, at the first job of its rule.
+76.6 s planning under cProfile (local files). ``install_planning_patches`` keeps the check but
+makes it once per (rule, script path) when the path holds no ``{`` (nothing to format, so every
+job of the rule names the same file); a path with wildcards or params is still checked job by
+job. A missing script is refused as before, by Snakemake's own check, at the first job of its
+rule.
 
 The log and benchmark check. ``Job.is_valid`` expands every job's log and benchmark paths again
 to see that they expand, though building the job into the plan has already expanded (and
@@ -22,8 +23,27 @@ against S3 under cProfile (80,000 log and 30,000 benchmark paths, each a new sto
 The same install makes ``is_valid`` read those two properties, which expand only what was not
 expanded yet.
 
-Both patch methods of the pinned Snakemake (``pyproject.toml``), whose internals they rely on;
-with another version nothing is patched and a warning says so.
+The function signatures. For every job, Snakemake reads the signature of each input function and
+callable param (``inspect.signature``, several times per job): 150,000 reads, 3.1 s of a 62 s
+planning of 40,000 jobs under cProfile, though a function's parameters never change. The same
+install memoizes ``snakemake.common.get_function_params`` per function (a weak-keyed memo: a
+function that goes away leaves it).
+
+The conda environment. Before checking anything, Snakemake asks every job for its conda
+environment, and ``Job.conda_env_spec`` expands the job's params to pass them along, even when
+the rule's environment is a fixed file that Snakemake has already expanded once and kept for the
+rule (every rule here): 5.6 s of the same planning, for params that a plan with ``mtime`` rerun
+triggers (the S3 profile) never reads. The same install takes the rule's kept environment when
+there is one, and asks Snakemake as before when there is none.
+
+The nested-output check. ``DAG.check_directory_outputs`` builds a ``pathlib`` path of every
+output of the plan, sorts them and compares neighbours (one path inside another's folder is an
+error): 5.8 s of a 66 s planning of 40,000 jobs against S3 under cProfile, most of it building and
+comparing ``pathlib`` objects. The same install makes the same comparison on tuples of path parts,
+which is what POSIX ``pathlib`` paths sort and compare by, and raises the same error.
+
+All five patch functions of the pinned Snakemake (``pyproject.toml``), whose internals they rely
+on; with another version nothing is patched and a warning says so.
 
 The collector. Planning allocates millions of objects that all live until the plan is done (jobs,
 file objects, storage objects), and none of them is garbage; Python's cyclic collector, run every
@@ -31,8 +51,8 @@ file objects, storage objects), and none of them is garbage; Python's cyclic col
 CPU as it is and 16.0 s with the collector held back (``collect_rarely``: what is loaded so far
 frozen out of its reach, collections ~300 times rarer), peak memory the same (782 MB). A real run
 is a driver that lives for days, so ``collect_as_usual`` restores the usual collection once the
-plan is built, after freezing the plan, which lives as long as the run. Jobs run in processes of
-their own and are not affected.
+plan is built, after freezing the plan, which lives as long as the run. A job's own code runs in
+a process of its own and is not affected.
 
 ``DFLASH_PLANNING_PATCHES=0`` turns all of this off: Snakemake plans as it ships.
 """
@@ -43,6 +63,7 @@ import gc
 import importlib.metadata
 import logging
 import os
+import weakref
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +74,13 @@ _MARK = "_dflash_dag_checks"
 # older generations correspondingly rarely.
 PLANNING_GC_THRESHOLDS = (200_000, 50, 1000)
 
-# Snakemake's own ScriptProcessor.process_job, kept by install_dag_checks.
+# Snakemake's own ScriptProcessor.process_job, kept by install_planning_patches.
 _snakemake_process_job = None
+# Snakemake's marker of a rule whose conda environment is not expanded yet.
+_snakemake_not_cached = None
+# Snakemake's own get_function_params, kept by install_planning_patches, and its memo.
+_snakemake_function_params = None
+_FUNCTION_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # The collector's thresholds before collect_rarely.
 _usual_gc_thresholds: tuple[int, int, int] | None = None
 
@@ -78,9 +104,53 @@ def _is_valid_from_kept_expansions(self) -> None:
     self.log
 
 
-def install_dag_checks() -> bool:
-    """Check each rule's fixed script path once, not once per job, and each job's log and
-    benchmark paths once, not twice (module docstring); True when in place. Idempotent; a no-op
+def _conda_env_spec_from_the_rule(self):
+    if self._conda_env_spec is None:
+        kept = self.rule._expanded_conda_env
+        if kept is _snakemake_not_cached:
+            # Snakemake's own: the rule's environment may be a function of params or input.
+            kept = self.rule.expand_conda_env(self.wildcards_dict, self.params, self.input)
+        self._conda_env_spec = kept
+    return self._conda_env_spec
+
+
+def _absolute_parts(path: str, cwd: str) -> tuple[str, ...]:
+    """``pathlib.PurePosixPath(path).absolute()``'s parts (root first), from the string alone."""
+    if not path.startswith("/"):
+        path = f"{cwd}/{path}"
+    # POSIX keeps exactly two leading slashes as a root of its own.
+    root = "//" if path.startswith("//") and not path.startswith("///") else "/"
+    return (root, *(part for part in path.split("/") if part and part != "."))
+
+
+def _check_nested_outputs_by_parts(self) -> None:
+    # DAG.check_directory_outputs, comparing tuples of parts where it compares pathlib paths.
+    from pathlib import Path
+
+    from snakemake.exceptions import ChildIOException
+
+    cwd = os.getcwd()
+    outputs = sorted({(_absolute_parts(f, cwd), job) for job in self.jobs for f in job.output})
+    for (a, job_a), (b, job_b) in zip(outputs, outputs[1:]):
+        if a != b and b[: len(a)] == a and job_a != job_b:
+            raise ChildIOException(parent=(Path(*a), job_a), child=(Path(*b), job_b))
+
+
+def _memoized_function_params(func):
+    try:
+        return _FUNCTION_PARAMS[func]
+    except KeyError:
+        params = _FUNCTION_PARAMS[func] = _snakemake_function_params(func)
+        return params
+    except TypeError:  # neither hashable nor weakly referenceable: ask each time
+        return _snakemake_function_params(func)
+
+
+def install_planning_patches() -> bool:
+    """Check each rule's fixed script path once, not once per job, each job's log and benchmark
+    paths once, not twice, read each function's parameters once, take a rule's kept conda
+    environment without expanding params, and compare outputs for nesting without pathlib
+    (module docstring); True when in place. Idempotent; a no-op
     with another Snakemake version or ``DFLASH_PLANNING_PATCHES=0``."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
@@ -89,14 +159,25 @@ def install_dag_checks() -> bool:
         log.warning("snakemake %s is not %s: each job's script and log paths are checked as "
                     "Snakemake does", version, SNAKEMAKE_VERSION)
         return False
-    global _snakemake_process_job
-    from snakemake.dag import ScriptProcessor
+    global _snakemake_process_job, _snakemake_function_params, _snakemake_not_cached
+    import snakemake.api  # first: it imports the modules below in the order they need
+
+    import snakemake.common
+    import snakemake.rules
+    from snakemake.dag import DAG, ScriptProcessor
     from snakemake.jobs import Job
 
     if not getattr(ScriptProcessor, _MARK, False):
         _snakemake_process_job = ScriptProcessor.process_job
         ScriptProcessor.process_job = _process_job_once_per_rule
         Job.is_valid = _is_valid_from_kept_expansions
+        _snakemake_not_cached = snakemake.rules._NOT_CACHED
+        Job.conda_env_spec = property(_conda_env_spec_from_the_rule)
+        DAG.check_directory_outputs = _check_nested_outputs_by_parts
+        _snakemake_function_params = snakemake.common.get_function_params
+        # The module that defines it and the one that calls it by its imported name.
+        for module in (snakemake.common, snakemake.rules):
+            module.get_function_params = _memoized_function_params
         setattr(ScriptProcessor, _MARK, True)
     return True
 

@@ -21,10 +21,11 @@ objects were the larger part of what planning against S3 cost beyond planning on
 (2,000 shards on a loaded 2-core machine: 10.6 s of CPU against 5.3 s): each object parses its URL
 anew (``__post_init__``), builds ``pathlib`` paths for every cache lookup (``cache_key``,
 ``local_path``), and botocore parses every listed timestamp with dateutil. The same patch
-memoizes those and the provider's query check (pure functions of the query, or of the local
-prefix and suffix), splits plain ``s3://bucket/key`` queries without ``urlparse``, and parses S3's
-ISO 8601 timestamps with ``datetime.fromisoformat``, falling back to botocore's parser for any
-other form; ``bench/dryrun_s3.py`` records the effect.
+memoizes those, each object's folder (its inventory parent, asked for ~4 times per object) and
+the provider's query check (pure functions of the query, or of the local prefix and suffix),
+splits plain ``s3://bucket/key`` queries without ``urlparse`` (and accepts them as valid without
+it), and parses S3's ISO 8601 timestamps with ``datetime.fromisoformat``, falling back to
+botocore's parser for any other form; ``bench/dryrun_s3.py`` records the effect.
 
 It is a patch of a few methods rather than a storage plugin of its own because a separate plugin
 would have its own name, so its own ``SNAKEMAKE_STORAGE_<NAME>_*`` settings and profile keys,
@@ -67,7 +68,12 @@ def folder_prefix(key: str) -> str:
 
 
 def _folder_parent(self) -> str:
-    return self.cache_key(self._local_suffix_from_key(posixpath.dirname(self.key)))
+    memo = (self.provider.local_prefix, self.query)
+    parent = _FOLDER_PARENTS.get(memo)
+    if parent is None:
+        parent = _FOLDER_PARENTS[memo] = self.cache_key(
+            self._local_suffix_from_key(posixpath.dirname(self.key)))
+    return parent
 
 
 # Memos of pure functions, for the process that plans (see the module docstring).
@@ -75,6 +81,7 @@ _PARSED_QUERIES: dict[str, tuple[str, str, str]] = {}
 _LOCAL_PATHS: dict[tuple, object] = {}
 _CACHE_KEYS: dict[tuple, str] = {}
 _VALID_QUERIES: dict[str, object] = {}
+_FOLDER_PARENTS: dict[tuple, str] = {}
 # The plugin's own methods, kept by install_folder_inventory.
 _plugin_post_init = None
 _plugin_valid_query = None
