@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 SNAKEMAKE_VERSION = "9.27.1"
 DISABLE_ENV = "DFLASH_PLANNING_PATCHES"
-_MARK = "_dflash_dag_checks"
+_MARK = "_dflash_planning_patches"
 # While planning: a young-generation collection every 200,000 net allocations (not 700), and the
 # older generations correspondingly rarely.
 PLANNING_GC_THRESHOLDS = (200_000, 50, 1000)
@@ -86,7 +86,9 @@ _usual_gc_thresholds: tuple[int, int, int] | None = None
 
 
 def _process_job_once_per_rule(self, job) -> None:
-    entry = getattr(job.rule, self.script_type, None) if getattr(job, f"is_{self.script_type}") else None
+    entry = None
+    if getattr(job, f"is_{self.script_type}"):
+        entry = getattr(job.rule, self.script_type, None)
     if entry is None or "{" in str(entry):
         _snakemake_process_job(self, job)
         return
@@ -150,14 +152,14 @@ def install_planning_patches() -> bool:
     """Check each rule's fixed script path once, not once per job, each job's log and benchmark
     paths once, not twice, read each function's parameters once, take a rule's kept conda
     environment without expanding params, and compare outputs for nesting without pathlib
-    (module docstring); True when in place. Idempotent; a no-op
-    with another Snakemake version or ``DFLASH_PLANNING_PATCHES=0``."""
+    (module docstring); True when in place. Idempotent; a no-op with another Snakemake version
+    or ``DFLASH_PLANNING_PATCHES=0``."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
     version = importlib.metadata.version("snakemake")
     if version != SNAKEMAKE_VERSION:
-        log.warning("snakemake %s is not %s: each job's script and log paths are checked as "
-                    "Snakemake does", version, SNAKEMAKE_VERSION)
+        log.warning("snakemake %s is not %s: the plan is made as Snakemake makes it, with its "
+                    "per-job repeats", version, SNAKEMAKE_VERSION)
         return False
     global _snakemake_process_job, _snakemake_function_params, _snakemake_not_cached
     import snakemake.api  # first: it imports the modules below in the order they need
