@@ -170,6 +170,9 @@ def test_memoized_storage_objects_match_the_plugin(monkeypatch):
         assert (obj.bucket, obj.key, obj.local_suffix()) == (bucket, key, f"{bucket}/{key}")
         assert obj.cache_key() == str(provider.local_prefix / f"{bucket}/{key}")
         assert obj.local_path() == provider.local_prefix / f"{bucket}/{key}"
+        # Its inventory parent: the cache key of its folder.
+        folder = key.rpartition("/")[0]
+        assert obj.get_inventory_parent() == str(provider.local_prefix / bucket / folder)
 
 
 @pytest.mark.parametrize(
