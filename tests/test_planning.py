@@ -225,3 +225,12 @@ def test_an_output_inside_another_is_refused_as_snakemake_refuses_it(tmp_path):
                f"({tmp_path / 'out/x/y'!r}, child)")
     for proc in (patched, shipped):
         assert refusal in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_patches_apply_only_to_the_pinned_version(caplog):
+    from dflash_pipeline.core.planning import SNAKEMAKE_VERSION, installed_as_pinned
+
+    assert installed_as_pinned("snakemake", SNAKEMAKE_VERSION, "unused")
+    assert not installed_as_pinned("snakemake", "0.0.1", "the plan is made as Snakemake makes it")
+    assert f"snakemake {SNAKEMAKE_VERSION} is not 0.0.1: the plan is made as Snakemake makes it" in caplog.text
+    assert not installed_as_pinned("no-such-distribution", "1.0", "unused")

@@ -148,18 +148,31 @@ def _memoized_function_params(func):
         return _snakemake_function_params(func)
 
 
+def enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+def installed_as_pinned(dist: str, pinned: str, otherwise: str) -> bool:
+    """Whether ``dist`` is installed at the ``pinned`` version whose internals a patch relies
+    on; with another version, a warning says what happens ``otherwise``. Not installed: False."""
+    try:
+        version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    if version != pinned:
+        log.warning("%s %s is not %s: %s", dist, version, pinned, otherwise)
+    return version == pinned
+
+
 def install_planning_patches() -> bool:
     """Check each rule's fixed script path once, not once per job, each job's log and benchmark
     paths once, not twice, read each function's parameters once, take a rule's kept conda
     environment without expanding params, and compare outputs for nesting without pathlib
     (module docstring); True when in place. Idempotent; a no-op with another Snakemake version
     or ``DFLASH_PLANNING_PATCHES=0``."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return False
-    version = importlib.metadata.version("snakemake")
-    if version != SNAKEMAKE_VERSION:
-        log.warning("snakemake %s is not %s: the plan is made as Snakemake makes it, with its "
-                    "per-job repeats", version, SNAKEMAKE_VERSION)
+    if not enabled() or not installed_as_pinned(
+        "snakemake", SNAKEMAKE_VERSION, "the plan is made as Snakemake makes it, with its per-job repeats"
+    ):
         return False
     global _snakemake_process_job, _snakemake_function_params, _snakemake_not_cached
     import snakemake.api  # first: it imports the modules below in the order they need
@@ -188,7 +201,7 @@ def collect_rarely() -> None:
     """Hold the cyclic collector back while the plan is built (module docstring); a no-op with
     ``DFLASH_PLANNING_PATCHES=0``."""
     global _usual_gc_thresholds
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if not enabled():
         return
     if _usual_gc_thresholds is None:
         _usual_gc_thresholds = gc.get_threshold()

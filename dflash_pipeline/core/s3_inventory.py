@@ -41,15 +41,14 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import importlib.metadata
+import functools
 import json
-import logging
 import os
 import posixpath
 import re
 from collections import Counter
 
-log = logging.getLogger(__name__)
+from dflash_pipeline.core.planning import installed_as_pinned
 
 PLUGIN_DIST = "snakemake-storage-plugin-s3"
 # The plugin version whose StorageObject internals (key, bucket, _local_suffix_from_key,
@@ -68,36 +67,36 @@ def folder_prefix(key: str) -> str:
 
 
 def _folder_parent(self) -> str:
-    memo = (self.provider.local_prefix, self.query)
-    parent = _FOLDER_PARENTS.get(memo)
-    if parent is None:
-        parent = _FOLDER_PARENTS[memo] = self.cache_key(
-            self._local_suffix_from_key(posixpath.dirname(self.key)))
-    return parent
+    return self.cache_key(self._local_suffix_from_key(_folder_of(self.key)))
 
 
-# Memos of pure functions, for the process that plans (see the module docstring).
-_PARSED_QUERIES: dict[str, tuple[str, str, str]] = {}
-_LOCAL_PATHS: dict[tuple, object] = {}
-_CACHE_KEYS: dict[tuple, str] = {}
-_VALID_QUERIES: dict[str, object] = {}
-_FOLDER_PARENTS: dict[tuple, str] = {}
+# Pure functions of their arguments, memoized for the process that plans (module docstring).
+_folder_of = functools.cache(posixpath.dirname)
+
+
+@functools.cache
+def _under(local_prefix, local_suffix: str):
+    """``local_prefix / local_suffix``: an object's local path, and as a string its cache key."""
+    return local_prefix / local_suffix
+
+
 # The plugin's own methods, kept by install_folder_inventory.
 _plugin_post_init = None
 _plugin_valid_query = None
 _valid_query_result = None  # the storage interface's StorageQueryValidationResult
 
 
+@functools.cache
+def _query_check(query: str):
+    # A plain s3://bucket/key query is one the plugin accepts (urlparse's scheme is "s3", and it
+    # has none of the characters that make urlparse raise); anything else, it judges.
+    if parse_query(query) is not None:
+        return _valid_query_result(query=query, valid=True)
+    return _plugin_valid_query(query)
+
+
 def _memoized_valid_query(cls, query: str):
-    result = _VALID_QUERIES.get(query)
-    if result is None:
-        # A plain s3://bucket/key query is one the plugin accepts (urlparse's scheme is "s3", and
-        # it has none of the characters that make urlparse raise); anything else, it judges.
-        if parse_query(query) is not None:
-            result = _VALID_QUERIES[query] = _valid_query_result(query=query, valid=True)
-        else:
-            result = _VALID_QUERIES[query] = _plugin_valid_query(query)
-    return result
+    return _query_check(query)
 
 
 # An ``s3://bucket/key`` query that ``urlparse`` and ``posixpath.normpath`` leave as it is: no
@@ -106,6 +105,7 @@ _PLAIN_QUERY = re.compile(r"s3://([^/?#;@:\[\]%\\\s]+)/((?:[^/?#;%\s]+/)*[^/?#;%
 _SPECIAL_SEGMENT = re.compile(r"(?:^|/)\.\.?(?:/|$)")
 
 
+@functools.cache
 def parse_query(query: str) -> tuple[str, str] | None:
     """(bucket, key) of a plain ``s3://bucket/key`` query, split as the plugin's ``__post_init__``
     would (``urlparse``, then ``normpath``); None for anything else, which the plugin parses."""
@@ -115,38 +115,25 @@ def parse_query(query: str) -> tuple[str, str] | None:
     return match.group(1), match.group(2)
 
 
-def _memoized_post_init(self) -> None:
-    parsed = _PARSED_QUERIES.get(self.query)
-    if parsed is None:
-        plain = parse_query(self.query)
-        if plain is None:
-            _plugin_post_init(self)
-            if hasattr(self, "key"):  # a valid query
-                _PARSED_QUERIES[self.query] = (self.bucket, self.key, self._local_suffix)
-            return
-        self.bucket, self.key = plain
-        parsed = _PARSED_QUERIES[self.query] = (*plain, self._local_suffix_from_key(plain[1]))
-    self.bucket, self.key, self._local_suffix = parsed
+def _post_init_from_plain_query(self) -> None:
+    plain = parse_query(self.query)
+    if plain is None:
+        _plugin_post_init(self)
+        return
+    self.bucket, self.key = plain
+    self._local_suffix = self._local_suffix_from_key(self.key)
     self._is_dir = None
 
 
 def _memoized_local_path(self):
     if self._overwrite_local_path:
         return self._overwrite_local_path
-    memo = (self.provider.local_prefix, self.local_suffix())
-    path = _LOCAL_PATHS.get(memo)
-    if path is None:
-        path = _LOCAL_PATHS[memo] = memo[0] / memo[1]
-    return path
+    return _under(self.provider.local_prefix, self.local_suffix())
 
 
 def _memoized_cache_key(self, local_suffix: str | None = None) -> str:
     assert self._overwrite_local_path is None, "no cache key applies to an overwritten local path"
-    memo = (self.provider.local_prefix, local_suffix or self.local_suffix())
-    key = _CACHE_KEYS.get(memo)
-    if key is None:
-        key = _CACHE_KEYS[memo] = str(memo[0] / memo[1])
-    return key
+    return str(_under(self.provider.local_prefix, local_suffix or self.local_suffix()))
 
 
 def parse_timestamp(value):
@@ -238,17 +225,11 @@ def install_folder_inventory() -> bool:
         count_requests(os.environ[REQUEST_LOG_ENV])
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
-    try:
-        version = importlib.metadata.version(PLUGIN_DIST)
-        import snakemake_storage_plugin_s3 as plugin
-    except (importlib.metadata.PackageNotFoundError, ImportError):
+    if not installed_as_pinned(
+        PLUGIN_DIST, PLUGIN_VERSION, "planning asks S3 about every missing object (3 requests each)"
+    ):
         return False
-    if version != PLUGIN_VERSION:
-        log.warning(
-            "%s %s is not %s: planning asks S3 about every missing object (3 requests each)",
-            PLUGIN_DIST, version, PLUGIN_VERSION,
-        )
-        return False
+    import snakemake_storage_plugin_s3 as plugin
     global _plugin_post_init, _plugin_valid_query, _valid_query_result
     objects = plugin.StorageObject
     if not getattr(objects, _MARK, False):
@@ -258,7 +239,7 @@ def install_folder_inventory() -> bool:
         _valid_query_result = plugin.StorageQueryValidationResult
         plugin.StorageProvider.is_valid_query = classmethod(_memoized_valid_query)
         _plugin_post_init = objects.__post_init__
-        objects.__post_init__ = _memoized_post_init
+        objects.__post_init__ = _post_init_from_plain_query
         objects.local_path = _memoized_local_path
         objects.cache_key = _memoized_cache_key
         setattr(objects, _MARK, True)
