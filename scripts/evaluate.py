@@ -40,6 +40,7 @@ def evaluate(smk, engine_dir: Path) -> None:
                 smk.params.thinking,
                 Path(smk.log.job).with_suffix(".failed-metrics.json"),
                 engine_dir,
+                smk.config["engines"],
             )
 
 

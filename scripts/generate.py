@@ -22,6 +22,7 @@ def run(smk) -> None:
                 generation,
                 smk.log.engine,
                 lock_dir,
+                smk.config["engines"],
             )
 
 

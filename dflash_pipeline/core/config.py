@@ -69,14 +69,9 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
 
 def _cross_key_problems(config: dict) -> list[str]:
     """Rules that span keys, checked before any job starts rather than hours into a run."""
-    train, evaluate = config.get("train") or {}, config.get("evaluate") or {}
+    train = config.get("train") or {}
     problems = []
     if train.get("algorithm") == "dflash2":
-        if evaluate.get("engine", "transformers") != "transformers":
-            problems.append(
-                f"evaluate.engine: {evaluate['engine']} cannot serve a DFlash2 drafter "
-                "(train.algorithm: dflash2); the pinned engine versions load DFlash only, use transformers"
-            )
         if train.get("conv_kernel_size", 1) > train.get("block_size", 2):
             problems.append(
                 f"train.conv_kernel_size: {train['conv_kernel_size']} is larger than "
@@ -172,7 +167,7 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "engine", "engine_parity_tolerance", "max_prompts", "max_new_tokens", "temperature",
             "lossless_margin", "parity_tolerance", "simulated_rows", "benchmark_prompts",
         },
-        "operational": {"engine_mem_fraction", "engine_extra_args"},
+        "operational": {"engine_mem_fraction", "engine_extra_args", "engine_reference_url"},
     },
 }
 

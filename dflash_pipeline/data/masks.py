@@ -180,7 +180,11 @@ def conversation_pieces_many(
 
 def _pieces(turns: list[tuple[int, tuple[str, str]]], full: str | None) -> list[tuple[int, Pieces]]:
     """Rows of one conversation: one per turn (``full`` None; a single turn's row is the whole
-    conversation, index -1), or one for the whole ``full`` rendering with every turn supervised."""
+    conversation, index -1), or one for the whole ``full`` rendering with every turn supervised.
+
+    Every assistant turn keeps its supervised piece, even an empty one (a turn cut before it
+    wrote anything): the k-th supervised piece is the k-th assistant turn, which is how the
+    engine's ids of a turn find the piece they replace (``tokenized.engine_turns``)."""
     if full is None:
         single = len(turns) == 1
         return [(-1 if single else i, [(prompt, 0), (turn[len(prompt) :], 1)]) for i, (prompt, turn) in turns]
@@ -192,7 +196,7 @@ def _pieces(turns: list[tuple[int, tuple[str, str]]], full: str | None) -> list[
         pieces += [(prompt[pos:], 0), (turn[len(prompt) :], 1)]
         pos = len(turn)
     pieces.append((full[pos:], 0))
-    return [(-1, [p for p in pieces if p[0]])]
+    return [(-1, [p for p in pieces if p[0] or p[1]])]
 
 
 def tokenize_pieces(tokenizer, all_pieces: list[Pieces]) -> list[MaskedSequence]:

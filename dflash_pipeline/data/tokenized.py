@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from dflash_pipeline.data.masks import (
     MaskedSequence,
+    Pieces,
     conversation_pieces_many,
     encode_pieces,
     literal_backend,
@@ -96,12 +97,36 @@ def _messages(row: dict) -> list[dict]:
     return out
 
 
-def engine_turn(row: dict) -> dict | None:
-    """The turn of a row with one assistant turn whose engine returned its token ids (such a row
-    takes the engine's ids after the rendered prompt), else None."""
-    turns = row["turns"]
-    single = len(turns) == 1 and sum(m["role"] == "assistant" for m in row["messages"]) == 1
-    return turns[0] if single and turns[0].get("output_ids") else None
+def engine_turns(row: dict, found: list[tuple[int, Pieces]]) -> list[list[dict | None]]:
+    """For each sequence of a row (its ``conversation_pieces_many`` item): the turn of each
+    supervised piece, in order, whose engine returned its token ids, which take the place of the
+    piece's text; None where the text is tokenized (``transformers serve`` returns no ids). A
+    sequence of index -1 supervises every assistant turn of the row in order (its only one, or
+    all of a whole conversation's); a per-turn sequence, the turn of its index."""
+    with_ids = {turn["message_index"]: turn for turn in row["turns"] if turn.get("output_ids")}
+    assistant = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"]
+    out = []
+    for index, pieces in found:
+        indices = assistant if index == -1 else [index]
+        supervised = sum(1 for _, mask in pieces if mask)
+        # Every assistant turn has its piece (masks._pieces); were one missing, which ids
+        # belong where could not be told, and the text is tokenized instead.
+        out.append([with_ids.get(i) for i in indices] if supervised == len(indices) else [None] * supervised)
+    return out
+
+
+def text_checks(row: dict, special_texts: tuple[str, ...]) -> list[str]:
+    """``row_checks`` with special-token literals looked for only in the generated text of turns
+    tokenized from their text: a turn whose engine ids are used is those ids, however its text
+    reads. (Earlier turns' text in a per-turn row's history is tokenized as the engine's prompt
+    was, so a literal there is what the engine was given.)"""
+    text_turns = [turn for turn in row["turns"] if not turn.get("output_ids")]
+    if len(text_turns) == len(row["turns"]):
+        return row_checks(row, special_texts)
+    reasons = row_checks(row)
+    if text_turns and "generation_error" not in reasons:
+        reasons = sorted(set(reasons) | set(row_checks({**row, "turns": text_turns}, special_texts)))
+    return reasons
 
 
 def cut_fields(row: dict) -> dict[int, str]:
@@ -116,38 +141,61 @@ def cut_fields(row: dict) -> dict[int, str]:
     return out
 
 
-def _engine_sequences(tokenizer, requests: list[tuple[list[tuple[str, int]], dict]]) -> list[tuple[MaskedSequence, bool]]:
-    """(prompt ids + the engine's own generated ids, round trip ok) for each (rendered pieces,
-    turn) whose engine returned its ids; batched like the rest. The end-of-turn id is added
-    to a turn that stopped without it; a turn cut at the token limit keeps exactly its ids.
+def _turn_ids(turn: dict, end_of_turn: int) -> list[int]:
+    """A turn's engine ids as supervised: the end-of-turn id is added to a turn that stopped
+    without it; a turn cut at the token limit keeps exactly its ids."""
+    ids = list(turn["output_ids"])
+    if turn["finish_reason"] == "stop" and ids[-1] != end_of_turn:
+        ids.append(end_of_turn)
+    return ids
+
+
+def _engine_sequences(tokenizer, requests: list[tuple[Pieces, list[dict | None]]]) -> list[tuple[MaskedSequence, bool]]:
+    """(ids and loss mask, round trip ok) for each (pieces, turns of its supervised pieces as
+    ``engine_turns`` gives them) with at least one turn whose engine returned its ids: those ids
+    (``_turn_ids``) in place of the turn's text, every other piece tokenized apart, all of them
+    in one batched call. A per-turn sequence is the rendered prompt's ids + the turn's; a whole
+    conversation's, the text between turns (from a turn's end-of-turn token on, which its piece
+    holds, to the next turn's generation prompt) tokenized apart around the turns' ids.
 
     The round trip asks whether the ids are the tokenizer's own split of their text. When they
-    are exactly the tokens of the rendered prompt + turn, they decode to that text and the answer
+    are exactly the tokens of the rendered conversation, they decode to that text and the answer
     is yes without decoding; only the others are decoded and checked on their decoded text:
-    each run of ids between special-token ids, from the prompt's last special token on, must be
-    the tokenizer's split of its text with special-token literals read as plain text. Special
-    tokens are where the tokenizer splits a text first, so for text without such literals this
-    is the whole text's tokenization; a literal ``<|im_end|>`` the model spelled in ordinary
-    tokens stays those tokens."""
+    each run of ids between special-token ids that holds engine ids or crosses from one piece to
+    the next must be the tokenizer's split of its text with special-token literals read as plain
+    text (a run inside one piece tokenized apart is that split already). Special tokens are where
+    the tokenizer splits a text first, so for text without such literals this is the whole
+    text's tokenization; a literal ``<|im_end|>`` the model spelled in ordinary tokens stays
+    those tokens."""
     if not requests:
         return []
     backend = plain_backend(tokenizer)
+    eos = tokenizer.eos_token_id
+    texts, plans = [], []  # the pieces tokenized as text, of all sequences; (text index or ids, mask) per piece
+    for pieces, turns in requests:
+        supervised = iter(turns)
+        plan = []
+        for text, mask in pieces:
+            turn = next(supervised) if mask else None
+            if turn is None:
+                plan.append((len(texts), mask))
+                texts.append(text)
+            else:
+                plan.append((_turn_ids(turn, eos), 1))
+        plans.append(plan)
     rendered = ["".join(text for text, _ in pieces) for pieces, _ in requests]
-    prompts = backend.encode_batch_fast([pieces[0][0] for pieces, _ in requests], add_special_tokens=False)
+    apart = backend.encode_batch_fast(texts, add_special_tokens=False) if texts else []
     wholes = backend.encode_batch_fast(rendered, add_special_tokens=False)
     special = special_token_ids(tokenizer)
     seqs, runs, run_owner = [], [], []
-    for (pieces, turn), text, prompt, whole in zip(requests, rendered, prompts, wholes):
-        out = list(turn["output_ids"])
-        if turn["finish_reason"] == "stop" and out[-1] != tokenizer.eos_token_id:
-            out.append(tokenizer.eos_token_id)
-        ids = prompt.ids
-        seq = MaskedSequence(ids + out, [0] * len(ids) + [1] * len(out), text)
+    for plan, text, whole in zip(plans, rendered, wholes):
+        parts = [(apart[part].ids, mask, False) if isinstance(part, int) else (part, mask, True) for part, mask in plan]
+        seq = MaskedSequence(text=text)
+        for ids, mask, _ in parts:
+            seq.input_ids += ids
+            seq.loss_mask += [mask] * len(ids)
         if whole.ids != seq.input_ids:
-            start = len(ids)  # the prompt's ids up to its last special token are its own split
-            while start and ids[start - 1] not in special:
-                start -= 1
-            for run in _runs_between(seq.input_ids[start:], special):
+            for run in _runs_to_check(parts, special):
                 runs.append(run)
                 run_owner.append(len(seqs))
         seqs.append(seq)
@@ -162,17 +210,20 @@ def _engine_sequences(tokenizer, requests: list[tuple[list[tuple[str, int]], dic
     return [(seq, k not in failed) for k, seq in enumerate(seqs)]
 
 
-def _runs_between(ids: list[int], special: frozenset[int]) -> list[list[int]]:
-    """The runs of ids between special-token ids (which are dropped)."""
-    runs, run = [], []
-    for i in ids:
-        if i in special:
-            if run:
-                runs.append(run)
-            run = []
-        else:
+def _runs_to_check(parts: list[tuple[list[int], int, bool]], special: frozenset[int]) -> list[list[int]]:
+    """The runs of ids between special-token ids (which are dropped) over a sequence's pieces
+    (ids, mask, from the engine) that hold engine ids or cross from one piece to the next."""
+    runs, run, checked = [], [], False
+    for ids, _, from_engine in parts:
+        for k, i in enumerate(ids):
+            if i in special:
+                if checked:
+                    runs.append(run)
+                run, checked = [], False
+                continue
+            checked = checked or from_engine or (k == 0 and bool(run))
             run.append(i)
-    if run:
+    if checked:
         runs.append(run)
     return runs
 
@@ -215,35 +266,39 @@ class ShardTokenizer:
 
     def encode_rows(self, rows: list[dict]) -> list[list[TokenizedSequence] | str]:
         """Every sequence of each row, or the row's TemplateMismatch text: renderings and
-        tokenization batched over the rows. A row with one turn whose engine returned its ids
-        takes those ids after the rendered prompt."""
+        tokenization batched over the rows. A sequence with a turn whose engine returned its ids
+        takes those ids for that turn (``_engine_sequences``); the others are tokenized from
+        their text (``encode_pieces``)."""
         found = conversation_pieces_many(
             self.tokenizer, [_messages(r) for r in rows], self.thinking, self.per_turn, [cut_fields(r) for r in rows]
         )
+        turns_of = [None if isinstance(item, str) else engine_turns(row, item) for row, item in zip(rows, found)]
         text_pieces, engine_requests = [], []
-        for row, item in zip(rows, found):
+        for item, turns in zip(found, turns_of):
             if isinstance(item, str):
                 continue
-            if engine_turn(row):
-                engine_requests.append((item[0][1], engine_turn(row)))
-            else:
-                text_pieces += [pieces for _, pieces in item]
+            for (_, pieces), seq_turns in zip(item, turns):
+                if any(seq_turns):
+                    engine_requests.append((pieces, seq_turns))
+                else:
+                    text_pieces.append(pieces)
         encoded = iter(encode_pieces(self.tokenizer, text_pieces))
         engine = iter(_engine_sequences(self.tokenizer, engine_requests))
         out: list[list[TokenizedSequence] | str] = []
-        for row, item in zip(rows, found):
+        for item, turns in zip(found, turns_of):
             if isinstance(item, str):
                 out.append(item)
                 continue
-            if engine_turn(row):
-                seq, round_trip_ok = next(engine)
-                ids, mask = np.array(seq.input_ids, np.int32), np.array(seq.loss_mask, np.int8)
-                out.append([self._checked(item[0][0], ids, mask, round_trip_ok, False)])
-            else:
-                out.append([
-                    self._checked(turn, e.input_ids, e.loss_mask, e.round_trip_ok, e.fell_back)
-                    for (turn, _), e in zip(item, encoded)
-                ])
+            seqs = []
+            for (turn, _), seq_turns in zip(item, turns):
+                if any(seq_turns):
+                    seq, round_trip_ok = next(engine)
+                    ids, mask = np.array(seq.input_ids, np.int32), np.array(seq.loss_mask, np.int8)
+                    seqs.append(self._checked(turn, ids, mask, round_trip_ok, False))
+                else:
+                    e = next(encoded)
+                    seqs.append(self._checked(turn, e.input_ids, e.loss_mask, e.round_trip_ok, e.fell_back))
+            out.append(seqs)
         seqs = [seq for item in out if not isinstance(item, str) for seq in item]
         found = sequences_repetition([(s.input_ids, s.loss_mask) for s in seqs], self.cfg, *self.think_ids)
         for seq, repetition in zip(seqs, found):
@@ -304,7 +359,7 @@ class ShardTokenizer:
         chunks finish. Raises DegenerateShard."""
         rows = table.to_pylist()
         # Special-token literals in generated text matter only where the text must be tokenized.
-        checks = {r["id"]: row_checks(r, () if engine_turn(r) else self.special_texts) for r in rows}
+        checks = {r["id"]: text_checks(r, self.special_texts) for r in rows}
         to_render = [r for r in rows if "generation_error" not in checks[r["id"]]]
         skipped = len(rows) - len(to_render)  # error rows: done without tokenizing
         report = (lambda done, tokens: on_progress(skipped + done, tokens)) if on_progress else None

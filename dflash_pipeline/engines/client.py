@@ -53,16 +53,20 @@ class Completion:
 
 class CompletionsAdapter:
     """OpenAI ``/v1/completions``. ``strict`` sends only standard fields: transformers serve
-    rejects unknown ones; vLLM understands ``top_k``/``min_p``/``return_token_ids``."""
+    rejects unknown ones; vLLM understands ``top_k``/``min_p``/``return_token_ids``.
+    ``token_ids`` sends the rendered prompt's ids instead of its text (vLLM takes a list of ids
+    as the prompt): the engine decodes exactly the prompt the pipeline rendered and tokenized,
+    with no second tokenization of its own."""
 
-    def __init__(self, model: str, strict: bool = True):
+    def __init__(self, model: str, strict: bool = True, token_ids: bool = False):
         self.model = model
         self.strict = strict
+        self.token_ids = token_ids
 
     def request(self, prompt_text: str, prompt_ids: list[int], sampling: Sampling) -> tuple[str, dict]:
         body = {
             "model": self.model,
-            "prompt": prompt_text,
+            "prompt": list(prompt_ids) if self.token_ids else prompt_text,
             "max_tokens": sampling.max_new_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
@@ -122,6 +126,8 @@ class SglangAdapter:
 def make_adapter(engine: str, model: str):
     if engine == "sglang":
         return SglangAdapter()
+    if engine == "vllm":
+        return CompletionsAdapter(model, strict=False, token_ids=True)
     return CompletionsAdapter(model, strict=engine in ("transformers", "endpoint"))
 
 

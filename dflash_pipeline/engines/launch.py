@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from dflash_pipeline.engines.client import EngineError
+from dflash_pipeline.engines.environments import engine_env, engine_python, server_module_command
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +43,33 @@ class ServerSpec:
     reasoning_parser: str | None = None
     speculative: dict = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
+    # The engine's own interpreter (engines.<engine>.python) and its process environment
+    # (engines.<engine>.env over this process's, storage credentials withheld).
+    python: str | None = None
+    env: dict[str, str] | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     @classmethod
-    def from_config(cls, engine: str, model: str, port: int, server: dict) -> ServerSpec:
-        """From the `generation.server` config section."""
+    def from_config(
+        cls, engine: str, model: str, port: int, server: dict, engines: dict | None = None
+    ) -> ServerSpec:
+        """From the `generation.server` config section and the `engines` section."""
         keys = ("tp", "dp", "mem_fraction", "reasoning_parser", "speculative", "extra_args")
-        return cls(engine=engine, model=model, port=port, **{k: server[k] for k in keys})
+        return cls(
+            engine=engine,
+            model=model,
+            port=port,
+            python=engine_python(engine, engines),
+            env=engine_env(engine, engines),
+            **{k: server[k] for k in keys},
+        )
+
+    def interpreter(self) -> str:
+        """The Python that runs the engine: the spec's, else the configured default."""
+        return self.python or engine_python(self.engine, None)
 
     def speculative_settings(self) -> dict:
         """The speculative-decoding settings that are set, or {} when it is off."""
@@ -61,7 +78,7 @@ class ServerSpec:
 
 
 def sglang_command(spec: ServerSpec) -> list[str]:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model]
+    cmd = server_module_command(spec.interpreter(), "sglang") + ["--model-path", spec.model]
     cmd += ["--host", spec.host, "--port", str(spec.port)]
     cmd += ["--tp-size", str(spec.tp), "--dp-size", str(spec.dp)]
     if spec.mem_fraction is not None:
@@ -83,7 +100,8 @@ def sglang_command(spec: ServerSpec) -> list[str]:
 
 
 def vllm_command(spec: ServerSpec) -> list[str]:
-    cmd = ["vllm", "serve", spec.model, "--host", spec.host, "--port", str(spec.port)]
+    cmd = server_module_command(spec.interpreter(), "vllm")
+    cmd += ["--model", spec.model, "--host", spec.host, "--port", str(spec.port)]
     cmd += ["--tensor-parallel-size", str(spec.tp), "--data-parallel-size", str(spec.dp)]
     if spec.mem_fraction is not None:
         cmd += ["--gpu-memory-utilization", str(spec.mem_fraction)]
@@ -120,7 +138,8 @@ def vllm_speculative_config(spec_cfg: dict) -> dict:
 
 
 def transformers_command(spec: ServerSpec) -> list[str]:
-    cmd = ["transformers", "serve", "--host", spec.host, "--port", str(spec.port)]
+    cmd = server_module_command(spec.interpreter(), "transformers") + ["serve"]
+    cmd += ["--host", spec.host, "--port", str(spec.port)]
     cmd += ["--continuous-batching", "--device", "auto"]
     if spec.mem_fraction is not None:
         cmd += ["--cb-max-memory-percent", str(spec.mem_fraction)]
@@ -243,8 +262,7 @@ class ManagedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = server_command(self.spec)
         log.info("starting %s server: %s (log: %s)", self.spec.engine, " ".join(cmd), self.log_path)
-        env = dict(os.environ if self.env is None else self.env)
-        env.setdefault("HF_HUB_OFFLINE", "1")
+        env = engine_env(self.spec.engine, None, self.env if self.env is not None else self.spec.env)
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent

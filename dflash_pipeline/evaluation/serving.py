@@ -29,7 +29,6 @@ Where the counters come from:
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import json
 import logging
 import time
@@ -44,7 +43,9 @@ from dflash_pipeline.engines.client import (
     Sampling,
     SglangAdapter,
 )
+from dflash_pipeline.engines.environments import EngineInstall
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec
+from dflash_pipeline.engines.limits import DrafterShape, EngineUnsupportedError, notes, refusals
 from dflash_pipeline.evaluation.lossless import compare_greedy, lossless_summary
 from dflash_pipeline.evaluation.metrics import PromptResult
 from dflash_pipeline.evaluation.parity import relative_gap
@@ -114,35 +115,14 @@ CAUSES_ENGINE_ABOVE = (
 )
 
 
-# The newest vLLM whose DFlash drafter was read and found to run every layer as full attention:
-# its qwen3_dflash model passes no sliding window and no causal flag to the attention layer, so a
-# sliding_attention layer (windowed, causal in the block in training) attends to the whole context
-# and the whole block. Newer versions are not claimed either way.
-VLLM_DFLASH_FULL_ATTENTION_THROUGH = "0.20.1"
-
-
-def known_engine_limitations(engine: str, version: str | None, fields: dict) -> list[str]:
-    """What this engine version is known not to implement among the drafter's fields, each as a
-    sentence naming the fields, what the engine does instead and what to do; [] when none is
-    known (or the version is unknown)."""
-    if engine != "vllm" or not version:
-        return []
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        full_attention_only = Version(version) <= Version(VLLM_DFLASH_FULL_ATTENTION_THROUGH)
-    except InvalidVersion:
-        return []
-    sliding = sum(kind == "sliding_attention" for kind in fields.get("layer_types") or ())
-    if not full_attention_only or not (sliding or fields.get("dflash_config.use_swa")):
-        return []
-    return [
-        f"vllm {version} runs every DFlash drafter layer as full, bidirectional attention (no "
-        f"sliding window, no causal block): this drafter's {sliding} sliding_attention layer(s) "
-        f"(sliding_window {fields.get('sliding_window')}) see more in the engine than in "
-        "training. Serve it where sliding-window DFlash layers are implemented, or train it "
-        "with full attention only (train.layer_types: null) for this engine"
-    ]
+def known_engine_limitations(
+    engine: str, version: str | None, fields: dict, build: str = "gpu"
+) -> list[str]:
+    """What this engine version does not serve of the drafter whose config fields are given,
+    from the engine-limits table (``engines.limits``), plus its behaviours there; [] when none
+    is known (or the version is unknown)."""
+    shape = DrafterShape(layer_types=tuple(fields.get("layer_types") or ()))
+    return refusals(engine, version, build, shape) + notes(engine, version)
 
 
 class EngineResponseError(ValueError):
@@ -168,6 +148,8 @@ def serving_server_spec(
     tp: int = 1,
     mem_fraction: float | None = None,
     extra_args: list[str] | tuple[str, ...] = (),
+    python: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> ServerSpec:
     """The server a measurement launches: target + DFlash drafter with B - 1 drafts per step, or
     with ``speculative=False`` the same server without the drafter (the plain greedy reference).
@@ -201,6 +183,8 @@ def serving_server_spec(
         mem_fraction=mem_fraction,
         speculative=settings,
         extra_args=args + list(extra_args),
+        python=python,
+        env=env,
     )
 
 
@@ -442,12 +426,7 @@ class _VllmTokenIdsAdapter(CompletionsAdapter):
     re-tokenization) and the generated token ids asked back; the whole reply kept."""
 
     def __init__(self, model: str):
-        super().__init__(model, strict=False)
-
-    def request(self, prompt_text: str, prompt_ids: list[int], sampling: Sampling):
-        path, body = super().request(prompt_text, prompt_ids, sampling)
-        body["prompt"] = list(prompt_ids)
-        return path, body
+        super().__init__(model, strict=False, token_ids=True)
 
     def parse(self, data: dict) -> dict:
         return data
@@ -642,9 +621,9 @@ def request_plain(
     return outputs, {p[0]: r.seconds for p, r in zip(prompts, replies)}
 
 
-def engine_version(engine: str, url: str) -> str | None:
-    """The running server's version: vLLM ``/version``; SGLang ``/get_server_info`` (else the
-    installed package's). None when neither says."""
+def engine_version(engine: str, url: str, installed: str | None = None) -> str | None:
+    """The running server's version: vLLM ``/version``, SGLang ``/get_server_info``; else
+    ``installed`` (the version read from the engine's environment)."""
     path = "/version" if engine == "vllm" else "/get_server_info"
     try:
         resp = httpx.get(url + path, timeout=30)
@@ -653,10 +632,29 @@ def engine_version(engine: str, url: str) -> str | None:
             return str(version)
     except (httpx.HTTPError, ValueError):
         pass
+    return installed
+
+
+def check_served(engine: str, version: str | None, build: str, drafter: str | Path) -> None:
+    """EngineUnsupportedError (one line) when the engine-limits table says ``engine``
+    ``version`` cannot serve the exported drafter."""
+    config = json.loads((Path(drafter) / "config.json").read_text())
+    refused = refusals(engine, version, build, DrafterShape.from_exported_config(config))
+    if refused:
+        raise EngineUnsupportedError(f"{Path(drafter) / 'config.json'}: {refused[0]}")
+
+
+def reference_server_model(url: str) -> str:
+    """The model a running OpenAI-compatible server serves (``/v1/models``); raises
+    EngineResponseError when it does not answer."""
     try:
-        return importlib.metadata.version(engine)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+        resp = httpx.get(url.rstrip("/") + "/v1/models", timeout=30)
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as err:
+        raise EngineResponseError(
+            f"reference server {url}: no model list at /v1/models ({err})"
+        ) from None
 
 
 # --- lossless ------------------------------------------------------------------------------------
@@ -721,9 +719,14 @@ def measure_in_engine(
     mem_fraction: float | None = None,
     extra_args: list[str] | tuple[str, ...] = (),
     startup_timeout: float = 1800,
+    install: EngineInstall | None = None,
+    env: dict[str, str] | None = None,
+    reference_url: str | None = None,
 ) -> EngineMeasurement:
-    """Launch the speculative server, measure every prompt, stop it; in greedy mode launch the
-    plain server on the same port, decode the same prompts, stop it, and compare."""
+    """Launch the speculative server (``install``: the engine environment it runs from), check
+    that the version it reports serves the drafter, measure every prompt, stop it; in greedy mode
+    decode the same prompts on a plain server (``reference_url``: one already running with the
+    same target, else launched on the same port) and compare."""
     fields = drafter_fields(drafter)
     configured = fields["dflash_config.block_size"] or fields["block_size"]
     if configured and configured != block_size:
@@ -731,6 +734,7 @@ def measure_in_engine(
             "measuring with block size %d; the drafter was exported with %d", block_size, configured
         )
     log_dir = Path(log_dir)
+    build = install.build if install else "gpu"
 
     def spec(speculative: bool) -> ServerSpec:
         return serving_server_spec(
@@ -744,13 +748,16 @@ def measure_in_engine(
             tp=tp,
             mem_fraction=mem_fraction,
             extra_args=extra_args,
+            python=install.python if install else None,
+            env=env,
         )
 
     speculative = spec(True)
     with ManagedServer(
         speculative, log_dir / f"{engine}-speculative.log", log_dir, startup_timeout=startup_timeout
     ) as server:
-        version = engine_version(engine, speculative.url)
+        version = engine_version(engine, speculative.url, install.version if install else None)
+        check_served(engine, version, build, drafter)
         results, outputs = request_acceptance(
             engine,
             speculative.url,
@@ -771,20 +778,13 @@ def measure_in_engine(
             "token for token",
         }
     else:
-        plain = spec(False)
-        with ManagedServer(
-            plain, log_dir / f"{engine}-plain.log", log_dir, startup_timeout=startup_timeout
-        ) as server:
-            plain_outputs, plain_seconds = request_plain(
-                engine,
-                plain.url,
-                prompts,
-                model=str(target),
-                max_new_tokens=max_new_tokens,
-                seed=seed,
-                alive=server.alive,
-            )
+        plain_outputs, plain_seconds = _plain_reference(
+            engine, spec(False), prompts, target, max_new_tokens, seed, log_dir, startup_timeout,
+            reference_url,
+        )
         lossless, verdicts = engine_lossless(outputs, plain_outputs)
+        if reference_url:
+            lossless["reference"] = reference_url
         for result in results:
             result.plain_seconds = plain_seconds[result.id]
             result.plain_tokens = len(plain_outputs[result.id])
@@ -792,62 +792,29 @@ def measure_in_engine(
     return EngineMeasurement(engine, version, results, outputs, plain_outputs, lossless, fields)
 
 
-# --- kept for evaluate.py's SGLang mode until it calls measure_in_engine -------------------------
-
-
-def sglang_server_spec(
-    target: str | Path,
-    drafter: str | Path,
-    block_size: int,
-    port: int,
-    *,
-    hybrid: bool,
-    tp: int = 1,
-    mem_fraction: float | None = None,
-    extra_args: list[str] | tuple[str, ...] = (),
-) -> ServerSpec:
-    """``serving_server_spec("sglang", ...)`` under its former name."""
-    return serving_server_spec(
-        "sglang",
-        target,
-        drafter,
-        block_size,
-        port,
-        hybrid=hybrid,
-        tp=tp,
-        mem_fraction=mem_fraction,
-        extra_args=extra_args,
-    )
-
-
-def measure_with_sglang(
-    spec: ServerSpec,
-    prompts: list[tuple[str, str, list[int]]],
-    block_size: int,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    log_dir: str | Path,
-    concurrency: int = 1,
-    startup_timeout: float = 1800,
-) -> list[PromptResult]:
-    """Launch the SGLang server, measure every prompt, stop it (no plain reference)."""
-    log_dir = Path(log_dir)
-    with ManagedServer(
-        spec, log_dir / "sglang.log", log_dir, startup_timeout=startup_timeout
-    ) as server:
-        results, _ = request_acceptance(
-            "sglang",
-            spec.url,
-            prompts,
-            block_size,
-            model=spec.model,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            concurrency=concurrency,
-            alive=server.alive,
+def _plain_reference(
+    engine, plain: ServerSpec, prompts, target, max_new_tokens, seed, log_dir, startup_timeout,
+    reference_url,
+) -> tuple[dict[str, list[int]], dict[str, float]]:
+    """Greedy outputs of the target without the drafter: from the running server at
+    ``reference_url`` (it must serve the same target), else from a plain server launched here."""
+    if reference_url:
+        served = reference_server_model(reference_url)
+        if served != str(target):
+            raise EngineResponseError(
+                f"reference server {reference_url} serves {served!r}, not the target {str(target)!r}"
+            )
+        return request_plain(
+            engine, reference_url.rstrip("/"), prompts, model=str(target),
+            max_new_tokens=max_new_tokens, seed=seed,
         )
-    return results
+    with ManagedServer(
+        plain, log_dir / f"{engine}-plain.log", log_dir, startup_timeout=startup_timeout
+    ) as server:
+        return request_plain(
+            engine, plain.url, prompts, model=str(target), max_new_tokens=max_new_tokens,
+            seed=seed, alive=server.alive,
+        )
 
 
 # --- engine parity gate --------------------------------------------------------------------------

@@ -54,6 +54,10 @@ class EvalOptions:
     engine_mem_fraction: float | None = None
     engine_extra_args: tuple[str, ...] = ()
     runtime_dir: str | None = None  # the engine's log and pid files (default: beside --out)
+    # How the serving engine is launched: the `engines` config section ({engine: {python, env}}).
+    engines: dict | None = None
+    # A running plain server of the engine with the same target: the lossless reference.
+    engine_reference_url: str | None = None
 
 
 def resolve_device_dtype(options: EvalOptions):
@@ -133,7 +137,6 @@ def run_evaluation(
     options = options or EvalOptions()
     if options.engine not in ("transformers", *ENGINES):
         raise ValueError(f"unknown engine {options.engine!r} (transformers, {', '.join(ENGINES)})")
-    check_engine_serves(drafter, options.engine)
     out = Path(out)
     if options.engine in ENGINES and engine_section is None:
         engine_section = measure_engine(target, drafter, prompts_path, options, out)
@@ -186,44 +189,35 @@ def run_evaluation(
     return document
 
 
-def drafter_algorithm(drafter: str | Path) -> str:
-    """dflash or dflash2, from the exported config.json's architectures."""
-    from dflash_pipeline.model.config import ARCHITECTURES
+def check_engine_serves(drafter: str | Path, engine: str, engines: dict | None):
+    """The engine installed where ``engines`` says (``engines.environments``), or
+    EngineUnsupportedError (one line) when the engine-limits table says that version cannot serve
+    the exported drafter; None for the project's loop. Checked before any server starts."""
+    if engine not in ENGINES:
+        return None
+    from dflash_pipeline.engines.environments import configured_engine
+    from dflash_pipeline.evaluation.serving import check_served
 
-    config_path = Path(drafter) / "config.json"
-    architectures = json.loads(config_path.read_text()).get("architectures") or []
-    by_architecture = {arch: algo for algo, arch in ARCHITECTURES.items()}
-    if len(architectures) != 1 or architectures[0] not in by_architecture:
-        raise ValueError(f"{config_path}: architectures {architectures} is neither of {sorted(by_architecture)}")
-    return by_architecture[architectures[0]]
-
-
-class EngineUnsupportedError(ValueError):
-    """The chosen serving engine cannot load this drafter."""
-
-
-def check_engine_serves(drafter: str | Path, engine: str) -> None:
-    """The serving engines of the pinned versions (vLLM 0.20.1, SGLang 0.5.x) dispatch only
-    DFlashDraftModel: a DFlash2 drafter is evaluated in this package's loop alone."""
-    if engine in ENGINES and drafter_algorithm(drafter) == "dflash2":
-        raise EngineUnsupportedError(
-            f"{Path(drafter) / 'config.json'}: a DFlash2DraftModel drafter cannot be served by "
-            f"{engine} (the pinned engine versions load DFlash only); use evaluate.engine transformers"
-        )
+    install = configured_engine(engine, engines)
+    check_served(engine, install.version, install.build, drafter)
+    return install
 
 
 def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str | Path) -> dict:
     """The exported drafter inside vLLM or SGLang, on the same prompts as the loop: launched
     through the pipeline's own launch code, prompts sent as token ids, acceptance read per
     prompt, outputs compared with the same engine's plain greedy decoding. Returns the metrics
-    JSON's ``engine`` section (the loop's format: overall, prompt sets, per prompt)."""
+    JSON's ``engine`` section (the loop's format: overall, prompt sets, per prompt). The engine
+    environment and the drafter's shape are checked before anything is loaded."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from dflash_pipeline.engines.environments import engine_env
     from dflash_pipeline.engines.launch import free_port
     from dflash_pipeline.evaluation.metrics import metrics_document
     from dflash_pipeline.evaluation.prompts import read_eval_prompts
     from dflash_pipeline.evaluation.serving import drafter_block_size, measure_in_engine, target_is_hybrid
 
+    install = check_engine_serves(drafter, options.engine, options.engines)
     prompts = read_eval_prompts(prompts_path, options.limit, options.split)
     tokenizer = AutoTokenizer.from_pretrained(target)
     block_size = options.block_size or drafter_block_size(drafter)
@@ -243,11 +237,15 @@ def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str
         tp=options.engine_tp,
         mem_fraction=options.engine_mem_fraction,
         extra_args=options.engine_extra_args,
+        install=install,
+        env=engine_env(options.engine, options.engines),
+        reference_url=options.engine_reference_url,
     )
     document = metrics_document(measured.results, measured.settings(), lossless=measured.lossless)
     section = {
         "name": measured.engine,
         "version": measured.engine_version,
+        "distribution": install.distribution,
         "drafter_fields": measured.drafter_fields,
         **{k: document[k] for k in ("overall", "prompt_sets", "per_prompt", "lossless")},
         "settings": document.get("settings"),
@@ -345,7 +343,7 @@ def _run_transformers(target, drafter, prompts, options: EvalOptions, load_propo
 
 def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[str], out: str | Path,
                  settings: dict, thinking: bool, failed_copy: str | Path,
-                 runtime_dir: str | Path | None = None) -> dict:
+                 runtime_dir: str | Path | None = None, engines: dict | None = None) -> dict:
     """What the `evaluate` rule runs: the simulated tau on held-out tokenized rows, the loop on
     the held-out prompts (gated on losslessness and parity), then the extra prompt sets; one
     target load for all of it. A failed job's metrics are kept at ``failed_copy`` (Snakemake
@@ -357,7 +355,6 @@ def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[st
     from dflash_pipeline.model.target import load_target
 
     out = Path(out)
-    check_engine_serves(drafter_dir, settings["engine"])
     options = EvalOptions(
         max_new_tokens=settings["max_new_tokens"],
         temperature=settings["temperature"],
@@ -371,6 +368,8 @@ def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[st
         engine_mem_fraction=settings["engine_mem_fraction"],
         engine_extra_args=tuple(settings["engine_extra_args"]),
         runtime_dir=None if runtime_dir is None else str(runtime_dir),
+        engines=engines,
+        engine_reference_url=settings["engine_reference_url"],
     )
     # The engine first: it wants the GPU's memory, which the target loaded here would hold.
     engine_section = None
@@ -455,11 +454,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-arg", action="append", default=[], help="extra engine argument (repeatable)"
     )
     parser.add_argument("--runtime-dir", help="engine log/pid folder (default: beside --out)")
+    parser.add_argument(
+        "--engine-python",
+        help="the Python of the engine's own environment (vllm, sglang; default for transformers: this one)",
+    )
+    parser.add_argument(
+        "--engine-env", action="append", default=[], metavar="KEY=VALUE",
+        help="environment variable of the engine process (repeatable), e.g. VLLM_CPU_KVCACHE_SPACE=1",
+    )
+    parser.add_argument(
+        "--engine-reference-url",
+        help="a running plain server of the engine with the same target: the lossless reference",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    env = dict(item.partition("=")[::2] for item in args.engine_env)
+    if any(not key for key in env) or any("=" not in item for item in args.engine_env):
+        parser.error("--engine-env takes KEY=VALUE")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     options = EvalOptions(
         max_new_tokens=args.max_new_tokens,
@@ -482,7 +497,11 @@ def main(argv: list[str] | None = None) -> int:
         engine_mem_fraction=args.engine_mem_fraction,
         engine_extra_args=tuple(args.engine_arg),
         runtime_dir=args.runtime_dir,
+        engines={args.engine: {"python": args.engine_python, "env": env}},
+        engine_reference_url=args.engine_reference_url,
     )
+    from dflash_pipeline.engines.environments import EngineSetupError
+    from dflash_pipeline.engines.limits import EngineUnsupportedError
     from dflash_pipeline.evaluation.lossless import LosslessError
     from dflash_pipeline.evaluation.parity import ParityError
     from dflash_pipeline.evaluation.prompts import PromptFileError
@@ -490,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_evaluation(args.target, args.drafter, args.prompts, args.out, options)
-    except (LosslessError, ParityError, EngineParityError, PromptFileError, EngineUnsupportedError) as err:
+    except (LosslessError, ParityError, EngineParityError, PromptFileError, EngineUnsupportedError,
+            EngineSetupError) as err:
         log.error("%s", err)
         return 1
     return 0

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from dflash_pipeline.core.jobstate import RunHalted, ShardProgress, raise_if_halted
 from dflash_pipeline.core.storage import open_storage, write_atomically
 from dflash_pipeline.engines.client import EngineClient, EngineError, make_adapter
+from dflash_pipeline.engines.environments import EngineSetupError, configured_engine
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec, server_port
 from dflash_pipeline.engines.regenerate import (
     GenerationSettings,
@@ -36,14 +37,13 @@ from dflash_pipeline.engines.regenerate import (
 
 log = logging.getLogger(__name__)
 
-def engine_version(engine: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    package = {"transformers": "transformers", "sglang": "sglang", "vllm": "vllm"}.get(engine)
-    try:
-        return version(package) if package else "external"
-    except PackageNotFoundError:
-        return "unknown"
+def engine_version(engine: str, engines: dict | None) -> str:
+    """What the fingerprint records of the engine: its distribution and version, read from its
+    own environment; "external" for servers the run does not launch."""
+    if engine == "endpoint":
+        return "external"
+    install = configured_engine(engine, engines)
+    return f"{install.distribution} {install.version}" if install.distribution != engine else install.version
 
 
 def run_job(
@@ -55,6 +55,7 @@ def run_job(
     gen: dict,
     engine_log: str,
     runtime_dir: str,
+    engines: dict | None = None,
 ) -> None:
     """Everything one generate job does: start or reach the engine, generate, write the shard.
     A halted run (a tokenize shard failed the data-quality gate) is refused before anything
@@ -74,10 +75,10 @@ def run_job(
             raise EngineError("generation.engine is 'endpoint' but generation.endpoints is empty")
     else:
         srv = gen["server"]
-        spec = ServerSpec.from_config(engine, model, server_port(srv["port_base"]), srv)
+        spec = ServerSpec.from_config(engine, model, server_port(srv["port_base"]), srv, engines)
         server = ManagedServer(spec, engine_log, runtime_dir, startup_timeout=srv["startup_timeout_s"])
         urls = [spec.url]
-    fp = fingerprint(model, tokenizer.chat_template, settings, engine, engine_version(engine))
+    fp = fingerprint(model, tokenizer.chat_template, settings, engine, engine_version(engine, engines))
 
     def engine_info() -> dict:
         return {
@@ -126,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generation-json", required=True, help="the `generation` config as JSON")
     parser.add_argument("--engine-log", default="engine.log")
     parser.add_argument("--runtime-dir", default=".")
+    parser.add_argument("--engines-json", default="{}", help="the `engines` config as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         run_job(args.prompts, args.out, args.run_url, args.shard, args.model,
-                json.loads(args.generation_json), args.engine_log, args.runtime_dir)
-    except (EngineError, RunHalted) as err:
+                json.loads(args.generation_json), args.engine_log, args.runtime_dir,
+                json.loads(args.engines_json))
+    except (EngineError, EngineSetupError, RunHalted) as err:
         log.error("%s", err)
         return 1
     return 0

@@ -1,0 +1,50 @@
+"""The engines a run will launch, checked when the workflow is planned (``snakemake -n`` included),
+before any job: each is installed where ``engines.<engine>.python`` says, and the evaluation
+engine's installed version serves the drafter the config trains (``engines.limits``). A wrong
+setting fails the plan in one line per problem instead of a job days later.
+"""
+
+from __future__ import annotations
+
+from dflash_pipeline.engines.environments import EngineSetupError, configured_engine
+from dflash_pipeline.engines.limits import DrafterShape, refusals
+
+# Stages in order, as `until` names them: generation engines are launched from `generate` on,
+# the serving engine by `evaluate`.
+STAGES = ("prepare", "generate", "tokenize", "train", "evaluate")
+SERVING_ENGINES = ("vllm", "sglang")
+
+
+def engines_in_use(config: dict) -> dict[str, str]:
+    """{engine: the config key that uses it} for the engines the run up to ``until`` launches."""
+    until = STAGES.index(config["until"])
+    used: dict[str, str] = {}
+    generation = config["generation"]["engine"]
+    if until >= STAGES.index("generate") and generation != "endpoint":
+        used[generation] = "generation.engine"
+    evaluation = config["evaluate"]["engine"]
+    if until >= STAGES.index("evaluate") and evaluation in SERVING_ENGINES:
+        used.setdefault(evaluation, "evaluate.engine")
+    return used
+
+
+def check_engines(config: dict) -> tuple[list[str], list[str]]:
+    """(problems, one line each; the engines that are ready, one line each) for the engines of
+    a validated config."""
+    problems, ready = [], []
+    shape = DrafterShape.from_train_config(config["train"])
+    for engine, key in engines_in_use(config).items():
+        try:
+            install = configured_engine(engine, config["engines"])
+        except EngineSetupError as err:
+            problems.append(f"{key}: {err}")
+            continue
+        serves = config["until"] == "evaluate" and config["evaluate"]["engine"] == engine
+        refused = refusals(engine, install.version, install.build, shape) if serves else []
+        problems += [
+            f"evaluate.engine: {text} (engines.{engine}.python: {install.python})" for text in refused
+        ]
+        if not refused:
+            served = f", serves the {shape.describe()}" if serves else ""
+            ready.append(f"{key}: {install.describe()}{served}")
+    return problems, ready

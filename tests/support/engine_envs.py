@@ -1,0 +1,44 @@
+"""Engine environments for the tests: the real vLLM CPU environment (``make vllm-env``), and
+environments that hold only an engine's package metadata, for the checks that read a version
+and launch nothing (a real virtualenv whose site-packages has ``<name>-<version>.dist-info``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("DFLASH_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
+# vLLM's CPU build wants a bounded KV cache and host-memory share on a 24 GiB machine
+# (engines.md: the default 0.92 of host RAM refuses to start).
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+VLLM_CPU_MEM_FRACTION = 0.1
+
+
+def metadata_only_env(folder: Path, distribution: str, version: str) -> Path:
+    """A virtualenv (no pip) whose only package is ``distribution`` ``version``'s metadata;
+    returns its Python."""
+    if not (folder / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    site = next((folder / "lib").glob("python3*/site-packages"))
+    dist_info = site / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    dist_info.mkdir(exist_ok=True)
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n"
+    )
+    return folder / "bin" / "python"
+
+
+def vllm_python() -> Path:
+    """The vLLM CPU environment's Python; skipped with the reason where it is not built, failed
+    in CI (``CI=true``), where `make test` builds it."""
+    if VLLM_PYTHON.exists():
+        return VLLM_PYTHON
+    message = f"{VLLM_PYTHON} does not exist: `make vllm-env` builds vLLM's CPU build there"
+    if os.environ.get("CI", "").lower() in ("true", "1"):
+        pytest.fail(f"{message} (CI=true: the real-vLLM tests must run)")
+    pytest.skip(message)
