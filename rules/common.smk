@@ -64,12 +64,12 @@ def check_offline_budget():
 check_offline_budget()
 
 
-def check_engines():
-    """The engines this run launches are installed where `engines` says, and the evaluation
-    engine's version serves the configured drafter (dflash_pipeline.engines.preflight)."""
-    from dflash_pipeline.engines.preflight import check_engines as engine_check
+def preflight():
+    """What would fail the run days in, refused now, one line per problem: the target folder,
+    the dataset files, the storage, the engines (dflash_pipeline.stages.preflight)."""
+    from dflash_pipeline.stages.preflight import run_problems
 
-    problems, ready = engine_check(config)
+    problems, ready = run_problems(config, RUN_URL)
     if problems:
         raise ValueError(
             "\n".join(problems) + "\n(check config.yaml or the file given with --configfile)"
@@ -78,7 +78,7 @@ def check_engines():
         logger.info(line)
 
 
-check_engines()
+preflight()
 
 
 wildcard_constraints:

@@ -115,8 +115,9 @@ def test_engine_environment_problems_name_the_key_and_the_fix(tmp_path):
         installed_engine("vllm", str(empty))
 
 
-def test_an_engine_process_never_sees_the_storage_credentials():
+def test_an_engine_process_never_sees_the_storage_credentials_nor_the_jobs_thread_limits():
     base = {"AWS_SECRET_ACCESS_KEY": "s", "SNAKEMAKE_STORAGE_S3_SECRET_KEY": "k", "HOME": "/h"}
+    base |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "2"}
     env = engine_env("vllm", {"vllm": {"env": {"VLLM_CPU_KVCACHE_SPACE": 1}}}, base)
     assert env == {"HOME": "/h", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
@@ -124,10 +125,12 @@ def test_an_engine_process_never_sees_the_storage_credentials():
 # --- the plan-time check -------------------------------------------------------------------------
 
 
-def example_with_engines(workflow, tmp_path, vllm_version: str) -> str:
+def example_with_engines(workflow, tmp_path, vllm_version: str, model) -> str:
     """The 27B example, with its engine environments at versions of the test's choosing (their
-    package metadata only: planning launches nothing)."""
+    package metadata only: planning launches nothing) and a tiny model in its model folder's
+    place."""
     config = yaml.safe_load((REPO / "config/examples/qwen3.6-27b.yaml").read_text())
+    config["target"]["model"] = str(model)
     config["engines"] = {
         "sglang": {"python": str(metadata_only_env(tmp_path / "sglang", "sglang", "0.5.17"))},
         "vllm": {"python": str(metadata_only_env(tmp_path / f"vllm-{vllm_version}", "vllm", vllm_version))},
@@ -138,15 +141,17 @@ def example_with_engines(workflow, tmp_path, vllm_version: str) -> str:
 
 
 @pytest.mark.workflow
-def test_the_27b_example_plans_with_vllm_0_26_and_is_refused_with_0_20(workflow, tmp_path):
-    accepted = workflow.snakemake("-n", "--configfile", example_with_engines(workflow, tmp_path, "0.26.0"))
+def test_the_27b_example_plans_with_vllm_0_26_and_is_refused_with_0_20(workflow, tmp_path, demo_model):
+    accepted = workflow.snakemake(
+        "-n", "--configfile", example_with_engines(workflow, tmp_path, "0.26.0", demo_model)
+    )
     out = accepted.stdout + accepted.stderr
     served = [line for line in out.splitlines() if line.startswith("evaluate.engine: vllm 0.26.0")]
     assert len(served) == 1 and "serves the dflash drafter with layers [sliding, sliding" in served[0]
     assert "generation.engine: sglang 0.5.17" in out
 
     refused = workflow.snakemake(
-        "-n", "--configfile", example_with_engines(workflow, tmp_path, "0.20.1"), check=False
+        "-n", "--configfile", example_with_engines(workflow, tmp_path, "0.20.1", demo_model), check=False
     )
     assert refused.returncode != 0
     lines = (refused.stdout + refused.stderr).splitlines()

@@ -21,18 +21,20 @@ BLOCK = 4
 DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8)
 
 
-def export_untrained_drafter(target_dir, out_dir, block_size=BLOCK, algorithm="dflash"):
-    """A drafter in the exported z-lab layout with its initial weights (config + safetensors)."""
+def export_untrained_drafter(target_dir, out_dir, block_size=BLOCK, algorithm="dflash", **shape):
+    """A drafter in the exported z-lab layout with its initial weights (config + safetensors);
+    ``shape``: more drafter settings (layer_types, sliding_window)."""
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     config = drafter_config_for_target(
         AutoConfig.from_pretrained(target_dir),
-        num_layers=1,
+        num_layers=len(shape["layer_types"]) if shape.get("layer_types") else 1,
         block_size=block_size,
         mask_token_id=tokenizer.convert_tokens_to_ids(task.MASK),
         intermediate_size=128,
         dtype="float32",
         algorithm=algorithm,
         dflash2=DFLASH2,
+        **shape,
     )
     out_dir.mkdir(parents=True)
     config.save(out_dir / "config.json")

@@ -150,6 +150,7 @@ def serving_server_spec(
     extra_args: list[str] | tuple[str, ...] = (),
     python: str | None = None,
     env: dict[str, str] | None = None,
+    dtype: str | None = None,
 ) -> ServerSpec:
     """The server a measurement launches: target + DFlash drafter with B - 1 drafts per step, or
     with ``speculative=False`` the same server without the drafter (the plain greedy reference).
@@ -157,7 +158,10 @@ def serving_server_spec(
     Both engines get the same ``speculative`` settings (SGLang's names, B as num_draft_tokens);
     ``engines.launch`` maps them to each engine's flags (vLLM: num_speculative_tokens = B - 1).
     Hybrid targets only change SGLang (extra_buffer rollback of the GDN state after rejected
-    drafts); vLLM rolls hybrid state back on its own.
+    drafts); vLLM rolls hybrid state back on its own. ``dtype`` is the loop's (both engines take
+    ``--dtype``): vLLM's CPU build otherwise runs an fp32 checkpoint in bf16, whose greedy text
+    differs from the fp32 loop's, and the two taus then measure different outputs (measured on
+    the demo: 4.771 in bf16 against the loop's 4.500 in fp32, both lossless).
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown serving engine {engine!r} ({', '.join(ENGINES)})")
@@ -165,6 +169,8 @@ def serving_server_spec(
         raise ValueError(f"block size must be at least 2, got {block_size}")
     settings = {}
     args: list[str] = list(VLLM_MEASUREMENT_ARGS) if engine == "vllm" else []
+    if dtype:
+        args += ["--dtype", dtype]
     if speculative:
         settings = {
             "algorithm": "DFLASH",
@@ -722,6 +728,7 @@ def measure_in_engine(
     install: EngineInstall | None = None,
     env: dict[str, str] | None = None,
     reference_url: str | None = None,
+    dtype: str | None = None,
 ) -> EngineMeasurement:
     """Launch the speculative server (``install``: the engine environment it runs from), check
     that the version it reports serves the drafter, measure every prompt, stop it; in greedy mode
@@ -750,6 +757,7 @@ def measure_in_engine(
             extra_args=extra_args,
             python=install.python if install else None,
             env=env,
+            dtype=dtype,
         )
 
     speculative = spec(True)

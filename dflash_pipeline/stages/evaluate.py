@@ -218,6 +218,8 @@ def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str
     from dflash_pipeline.evaluation.serving import drafter_block_size, measure_in_engine, target_is_hybrid
 
     install = check_engine_serves(drafter, options.engine, options.engines)
+    # The loop's dtype: the engine decodes what the loop decodes.
+    dtype = str(resolve_device_dtype(options)[1]).removeprefix("torch.")
     prompts = read_eval_prompts(prompts_path, options.limit, options.split)
     tokenizer = AutoTokenizer.from_pretrained(target)
     block_size = options.block_size or drafter_block_size(drafter)
@@ -240,12 +242,14 @@ def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str
         install=install,
         env=engine_env(options.engine, options.engines),
         reference_url=options.engine_reference_url,
+        dtype=dtype,
     )
     document = metrics_document(measured.results, measured.settings(), lossless=measured.lossless)
     section = {
         "name": measured.engine,
         "version": measured.engine_version,
         "distribution": install.distribution,
+        "dtype": dtype,
         "drafter_fields": measured.drafter_fields,
         **{k: document[k] for k in ("overall", "prompt_sets", "per_prompt", "lossless")},
         "settings": document.get("settings"),

@@ -1,0 +1,192 @@
+"""Preflight: what would fail a run days in, refused when the workflow is planned, before any job.
+
+    python -m dflash_pipeline.stages.preflight [--configfile FILE ...] [--default-storage-prefix s3://...]
+
+The workflow runs the same checks while it parses (``rules/common.smk``), so ``snakemake -n``
+and every real run stop at once with one line per problem, naming the key or variable, the value
+and what to do:
+
+* the target model folder (unless the workflow builds the demo target into it): it exists and
+  holds ``config.json``, a tokenizer and weights; a hub id is refused (every node reads the model
+  from a local folder; nothing is downloaded at run time);
+* the dataset files: local files of a known format, neither folders nor empty;
+* the run's storage: S3 credentials present, the endpoint reachable, the bucket readable;
+* the engines the run launches (``engines.preflight``): installed where ``engines`` says, and the
+  evaluation engine's version serves the drafter the config trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from dflash_pipeline.core.storage import S3_ENV_PREFIX, is_s3_url, s3_settings_from_env, split_s3_url
+from dflash_pipeline.data.prompts import detect_format
+from dflash_pipeline.engines.preflight import check_engines
+
+# A Hugging Face hub id: "org/name" (or "name"), no path separators beyond the one slash.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
+
+
+def model_problems(model: str, workdir: Path = Path(".")) -> list[str]:
+    """``target.model`` as a local Hugging Face folder: [] when it holds a config, a tokenizer
+    and weights."""
+    folder = workdir / model
+    if not folder.exists():
+        if HUB_ID.match(model) and not model.startswith("."):
+            return [
+                f"target.model: {model!r} is not a folder here; it looks like a hub id. Every node "
+                "reads the target from a local folder (nothing is downloaded at run time): download "
+                f"it once (e.g. `hf download {model} --local-dir /models/{model.split('/')[-1]}`) "
+                "and set target.model to that folder"
+            ]
+        return [
+            f"target.model: {model} does not exist (set target.build_demo: true only for the demo "
+            "target, which the workflow builds into that folder)"
+        ]
+    if not folder.is_dir():
+        return [f"target.model: {model} is a file, not a model folder"]
+    missing = []
+    if not (folder / "config.json").is_file():
+        missing.append("config.json")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(f"a tokenizer ({', '.join(TOKENIZER_FILES)})")
+    if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if missing:
+        return [f"target.model: {model} lacks {', '.join(missing)}"]
+    return []
+
+
+def dataset_problems(paths: list[str], workdir: Path = Path(".")) -> list[str]:
+    """Each local ``dataset.paths`` entry: a readable file of a known format with rows in it.
+    ``s3://`` files are read by the ingest job through the storage layer."""
+    problems = []
+    for index, name in enumerate(paths):
+        if is_s3_url(name):
+            continue
+        key = f"dataset.paths[{index}]: {name}"
+        path = workdir / name
+        if not path.exists():
+            problems.append(f"{key} does not exist")
+            continue
+        if path.is_dir():
+            problems.append(f"{key} is a folder; list its files (.jsonl or .parquet) instead")
+            continue
+        try:
+            kind = detect_format(name)
+        except ValueError as err:
+            problems.append(f"{key}: {str(err).split(': ', 1)[1]}")
+            continue
+        if path.stat().st_size == 0:
+            problems.append(f"{key} is empty (0 bytes)")
+            continue
+        problem = _parquet_problem(path) if kind == "parquet" else _jsonl_problem(path)
+        if problem:
+            problems.append(f"{key} {problem}")
+    return problems
+
+
+def _parquet_problem(path: Path) -> str | None:
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_metadata(path).num_rows
+    except Exception as err:  # noqa: BLE001 (any unreadable file is the same refusal)
+        return f"is not a readable parquet file ({type(err).__name__}: {err})"
+    return "has no rows" if rows == 0 else None
+
+
+def _jsonl_problem(path: Path) -> str | None:
+    with open(path, "rb") as fh:
+        if not any(line.strip() for line in fh):
+            return "has no rows (only blank lines)"
+    return None
+
+
+def storage_problems(run_url: str) -> list[str]:
+    """An S3 run root: credentials present, endpoint reachable, bucket readable ([] for a local
+    root). A missing bucket is no problem: the run creates it when it starts."""
+    if not is_s3_url(run_url):
+        return []
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    settings = s3_settings_from_env()
+    bucket, _ = split_s3_url(run_url)
+    variables = f"{S3_ENV_PREFIX}ACCESS_KEY and {S3_ENV_PREFIX}SECRET_KEY"
+    if not (settings["access_key"] and settings["secret_key"]):
+        return [
+            f"storage {run_url}: no S3 credentials: set {variables} (and {S3_ENV_PREFIX}ENDPOINT_URL "
+            "for a server other than AWS), as the S3 plugin reads them"
+        ]
+    client = boto3.client(
+        "s3",
+        endpoint_url=settings["endpoint_url"],
+        aws_access_key_id=settings["access_key"],
+        aws_secret_access_key=settings["secret_key"],
+        aws_session_token=settings["token"],
+        region_name=settings["region"],
+        config=Config(retries={"max_attempts": 2, "mode": "standard"}, connect_timeout=10, read_timeout=30),
+    )
+    endpoint = settings["endpoint_url"] or "AWS S3"
+    try:
+        client.head_bucket(Bucket=bucket)
+    except NoCredentialsError:
+        return [f"storage {run_url}: no S3 credentials: set {variables}"]
+    except ClientError as err:
+        code = str(err.response.get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchBucket"):
+            return []
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            return [
+                f"storage {run_url}: access to bucket {bucket!r} at {endpoint} denied ({code}): check "
+                f"{variables}"
+            ]
+        return [f"storage {run_url}: bucket {bucket!r} at {endpoint}: {code or err}"]
+    except BotoCoreError as err:
+        return [
+            f"storage {run_url}: cannot reach {endpoint} ({type(err).__name__}); check "
+            f"{S3_ENV_PREFIX}ENDPOINT_URL and the network"
+        ]
+    return []
+
+
+def run_problems(config: dict, run_url: str, workdir: Path = Path(".")) -> tuple[list[str], list[str]]:
+    """(problems, what is ready) of a validated config whose run root is ``run_url``."""
+    problems = []
+    if not config["target"]["build_demo"]:
+        problems += model_problems(config["target"]["model"], workdir)
+    problems += dataset_problems(config["dataset"]["paths"], workdir)
+    problems += storage_problems(run_url)
+    engine_problems, ready = check_engines(config)
+    return problems + engine_problems, ready
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_pipeline.core import layout
+    from dflash_pipeline.stages.plan import load_run_config
+
+    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.preflight", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configfile", nargs="+", help="as snakemake's (default: config.yaml)")
+    parser.add_argument("--default-storage-prefix", help="as snakemake's, for an S3 run")
+    args = parser.parse_args(argv)
+    config = load_run_config(args.configfile)
+    root = layout.run_root(config["results_dir"], config["run"])
+    provider = "s3" if args.default_storage_prefix else None
+    run_url = layout.run_url(root, provider, args.default_storage_prefix)
+    problems, ready = run_problems(config, run_url)
+    for line in ready:
+        print(line)
+    for line in problems:
+        print(line, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Imported as a module by transformers' image processing utilities; nothing is called."""

@@ -1,0 +1,151 @@
+"""Preflight: a config that would fail days in is refused when the workflow is planned, in one
+line per problem naming the key or variable, within the first lines of `snakemake -n`."""
+
+from __future__ import annotations
+
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from dflash_pipeline.stages.preflight import dataset_problems, model_problems, storage_problems
+from tests.conftest import REPO
+from tests.support.engine_envs import metadata_only_env
+
+
+def test_a_model_folder_needs_config_tokenizer_and_weights(tmp_path, demo_model):
+    assert model_problems(str(demo_model)) == []
+    (line,) = model_problems(str(tmp_path / "nope"))
+    assert line.startswith(f"target.model: {tmp_path}/nope does not exist")
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
+    (line,) = model_problems(str(partial))
+    assert "lacks a tokenizer" in line and "weights" in line and "lacks config.json" not in line
+    (line,) = model_problems("Qwen/Qwen3.6-27B", tmp_path)
+    assert "looks like a hub id" in line and "hf download Qwen/Qwen3.6-27B" in line
+
+
+def test_dataset_files_are_files_of_a_known_format_with_rows(tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    (tmp_path / "notes.txt").write_text("hello\n")
+    (tmp_path / "garbage.parquet").write_bytes(b"not parquet at all")
+    pq.write_table(pa.table({"id": pa.array([], pa.string())}), tmp_path / "none.parquet")
+    (tmp_path / "good.jsonl").write_text('{"id": "a", "messages": []}\n')
+    names = ["folder", "empty.jsonl", "blank.jsonl", "notes.txt", "garbage.parquet", "none.parquet",
+             "good.jsonl", "missing.jsonl", "s3://bucket/data.jsonl"]  # fmt: skip
+    problems = dataset_problems(names, tmp_path)
+    assert problems == [
+        "dataset.paths[0]: folder is a folder; list its files (.jsonl or .parquet) instead",
+        "dataset.paths[1]: empty.jsonl is empty (0 bytes)",
+        "dataset.paths[2]: blank.jsonl has no rows (only blank lines)",
+        "dataset.paths[3]: notes.txt: unknown dataset format (expected .jsonl or .parquet)",
+        problems[4],
+        "dataset.paths[5]: none.parquet has no rows",
+        "dataset.paths[7]: missing.jsonl does not exist",
+    ]
+    assert problems[4].startswith("dataset.paths[4]: garbage.parquet is not a readable parquet file")
+
+
+def test_s3_without_credentials_or_with_wrong_ones_is_one_line(monkeypatch, s3_server, s3_env):
+    assert storage_problems(f"s3://{s3_server.bucket}/run") == []
+    assert storage_problems("s3://a-bucket-not-there-yet/run") == []  # created when the run starts
+    monkeypatch.delenv("SNAKEMAKE_STORAGE_S3_SECRET_KEY")
+    (line,) = storage_problems(f"s3://{s3_server.bucket}/run")
+    assert "no S3 credentials: set SNAKEMAKE_STORAGE_S3_ACCESS_KEY and SNAKEMAKE_STORAGE_S3_SECRET_KEY" in line
+    monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_SECRET_KEY", "wrong")
+    (line,) = storage_problems(f"s3://{s3_server.bucket}/run")
+    assert "denied" in line and "\n" not in line
+    monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_ENDPOINT_URL", "http://127.0.0.1:9")
+    (line,) = storage_problems(f"s3://{s3_server.bucket}/run")
+    assert "cannot reach http://127.0.0.1:9" in line
+
+
+# --- through `snakemake -n` ----------------------------------------------------------------------
+
+
+def refused(workflow, *args, env=None) -> list[str]:
+    proc = workflow.snakemake("-n", *args, env=env, check=False)
+    assert proc.returncode != 0
+    return (proc.stdout + proc.stderr).splitlines()
+
+
+def named_early(lines: list[str], text: str) -> str:
+    """The line holding ``text``, which must be among the first 30 of the output."""
+    found = [i for i, line in enumerate(lines) if text in line]
+    assert found, "\n".join(lines[:40])
+    assert found[0] < 30, "\n".join(lines[:40])
+    return lines[found[0]]
+
+
+@pytest.mark.workflow
+def test_a_missing_model_folder_without_build_demo_is_refused(workflow, tmp_path):
+    workflow.write_config(target={"model": str(tmp_path / "Qwen3.6-27B")})
+    # build_demo defaults to false: the folder is never filled with the demo target.
+    config = yaml.safe_load((workflow.root / "config.yaml").read_text())
+    del config["target"]["build_demo"]
+    (workflow.root / "config.yaml").write_text(yaml.safe_dump(config))
+    named_early(refused(workflow), f"target.model: {tmp_path}/Qwen3.6-27B does not exist")
+
+
+@pytest.mark.workflow
+def test_a_hub_id_is_refused(workflow):
+    workflow.write_config(target={"model": "Qwen/Qwen3.6-27B", "build_demo": False})
+    named_early(refused(workflow), "target.model: 'Qwen/Qwen3.6-27B' is not a folder here; it looks like a hub id")
+
+
+@pytest.mark.workflow
+def test_a_folder_as_dataset_is_refused(workflow):
+    workflow.write_config(dataset={"paths": ["data/demo"]})
+    named_early(refused(workflow), "dataset.paths[0]: data/demo is a folder")
+
+
+@pytest.mark.workflow
+def test_s3_without_credentials_is_refused_without_a_flood(workflow, s3_server):
+    env = {"SNAKEMAKE_STORAGE_S3_ACCESS_KEY": "", "SNAKEMAKE_STORAGE_S3_SECRET_KEY": ""}
+    prefix = f"s3://{s3_server.bucket}/preflight"
+    lines = refused(workflow, "--profile", "profiles/s3", "--default-storage-prefix", prefix, env=env)
+    named_early(lines, "no S3 credentials: set SNAKEMAKE_STORAGE_S3_ACCESS_KEY")
+    assert len(lines) < 40
+
+
+@pytest.mark.workflow
+def test_the_s3_profile_names_no_default_bucket(workflow, s3_env):
+    lines = refused(workflow, "--profile", "profiles/s3")
+    named_early(lines, "needs --default-storage-prefix")
+
+
+@pytest.mark.workflow
+def test_an_engine_that_cannot_serve_the_drafter_is_refused(workflow, tmp_path):
+    vllm = metadata_only_env(tmp_path / "vllm", "vllm", "0.24.0")
+    workflow.write_config(
+        engines={"vllm": {"python": str(vllm)}},
+        train={"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 16},
+        evaluate={"engine": "vllm"},
+    )
+    line = named_early(refused(workflow), "evaluate.engine: vllm 0.24.0 cannot serve this dflash drafter")
+    assert "It is served by vllm >= 0.25" in line
+
+
+@pytest.mark.workflow
+@pytest.mark.parametrize("example", sorted((REPO / "config/examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_the_example_configs_pass_their_own_preflight_where_their_folders_exist(
+    example, workflow, tmp_path, demo_model
+):
+    """The examples as written, with their model folder and engine environments faked where
+    they point (a tiny model; engine environments holding only the package metadata)."""
+    config = yaml.safe_load(example.read_text())
+    model = tmp_path / "models" / "target"
+    shutil.copytree(demo_model, model)
+    config["target"]["model"] = str(model)
+    for engine, section in config.get("engines", {}).items():
+        version = {"vllm": "0.26.0", "sglang": "0.5.17"}[engine]
+        section["python"] = str(metadata_only_env(tmp_path / engine, engine, version))
+    path = workflow.root / "example.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    proc = workflow.snakemake("-n", "--configfile", str(path))
+    assert "evaluate.engine: vllm 0.26.0" in proc.stdout + proc.stderr
