@@ -1,34 +1,31 @@
 """Copy a run's results to a local folder, e.g. from the S3 run root of a remote GPU machine to a
 laptop: ``python -m dflash_pipeline.stages.fetch --run-url s3://bucket/prefix/results/<run>
---to DIR`` (a local run folder works as ``--run-url`` too). Keys become paths below DIR.
+--to DIR`` (or a local run folder as ``--run-url``). Keys become relative paths below DIR.
 
-What is fetched (the selection follows ``dflash_pipeline.core.layout``): everything a person
-reads to judge a run, which is small: the exported drafter (``drafter/``), ``outputs/`` (metrics,
-report figures and tables, the ingest summary and quarantine, tokenize gate stats, benchmarks,
-the manifests of training segments and hidden-state shards), ``logs/``, and the live state under
-``_progress/`` that the status page and the report are drawn from (training ``metrics.jsonl``,
-telemetry, the halt, the lease), plus the checkpoints' JSON indexes, so one sees which
-checkpoints exist. Left out unless asked, because they are the bulk of a run's bytes and nothing
-to read: the checkpoint shards (``--with-checkpoints``: GBs per segment, wanted only to resume or
-re-export elsewhere) and the row data (``--with-shards``: ingested prompts, prepare / generate /
-tokenize parquet shards and held-out rows, in-flight generation parts and reuse copies, and the
-hidden states under ``extract/``).
+Fetched (selected by ``dflash_pipeline.core.layout``'s keys): what a person reads to judge a run,
+which is small: the exported drafter (``drafter/``), ``outputs/`` (metrics, report figures and
+tables, ingest summary and quarantine, tokenize gate stats, benchmarks, training-segment and
+hidden-state manifests), ``logs/``, the live state under ``_progress/`` that the status page and
+the report draw from (training ``metrics.jsonl``, telemetry, the halt, the lease), and the JSON
+indexes of the checkpoints, which say what checkpoints exist. Left out unless asked, being the
+bulk of a run's bytes and nothing to read: checkpoint shards (``--with-checkpoints``: GBs per
+segment, wanted only to resume or re-export) and row data (``--with-shards``: ingested prompts,
+prepare/generate/tokenize parquet shards and held-out rows, in-flight generation parts, reuse
+copies, the hidden states under ``extract/``).
 
-The run may still be going: fetch again to bring DIR up to date. Objects may appear during the
-listing and vanish before they are read (those are skipped with a note); every file lands in DIR
-by an atomic rename, so an interrupted fetch leaves old files or whole new ones. Nothing is
-deleted from DIR when it is deleted from the run.
+The run may still be going; fetch again to catch up. An object that vanishes between listing and
+reading is skipped with a note; each file lands in DIR by an atomic rename, so an interrupted
+fetch leaves old files or whole new ones. Deletions in the run are not mirrored.
 
-How "already there" is decided: S3 ETags are version stamps, not content hashes. A single PUT's
-ETag is the MD5 of its bytes, but a multipart upload's (every checkpoint and big shard; boto splits
-uploads above 8 MiB) is an MD5 of the parts' MD5s, which a local file cannot be checked against
-without knowing the part size. So DIR keeps ``.fetch-manifest.json``: per key, the size and tag
-(S3: ETag; a local run: mtime) the object was listed with when it was copied, and the sha256, size
-and mtime of the file written. An object is already there when its listed size and tag equal the
-recorded ones and the local file is the one written: same mtime, or else the same sha256 (a
-touched but unchanged file). Without a record (manifest deleted, files put there by hand) a
-single-part ETag is checked against the file's MD5; anything else is copied again. Copying too
-much is the safe way to be wrong; a wrong "same" would show stale results.
+"Already there": S3 ETags are version stamps, not content hashes. A single PUT's ETag is the MD5
+of its bytes, but a multipart upload's (every checkpoint and big shard: boto splits uploads above
+8 MiB) is an MD5 of part MD5s, which no local file can be checked against without the part size.
+So DIR keeps ``.fetch-manifest.json``: per key, the size and tag (S3: ETag; local run: mtime) the
+object was listed with when copied, and the sha256 and mtime of the file written. An object is
+there when its listed size and tag equal the record's and the local file is the one written (same
+mtime, else same sha256). With no record (manifest deleted, files put there by hand) a single-part
+ETag is checked against the file's MD5; anything else is copied again: copying too much is the
+safe way to be wrong, a wrong "same" would show stale results.
 """
 
 from __future__ import annotations
@@ -44,18 +41,15 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.storage import (
-    BUCKET_SENTINEL_KEY, LOCK_MARKER, PARTIAL_MARKER, S3Storage, Storage, StorageError,
-    open_storage, sha256_file, write_atomically,
-)
+from dflash_pipeline.core.storage import (BUCKET_SENTINEL_KEY, LOCK_MARKER, PARTIAL_MARKER, S3Storage,
+                                           Storage, StorageError, open_storage, sha256_file, write_atomically)
 
 MANIFEST = ".fetch-manifest.json"
 # Top folders and prefixes, derived from the layout's own key functions.
 CHECKPOINTS_DIR = layout.checkpoint_prefix(0).split("/", 1)[0] + "/"
 HIDDEN_STATES_DIR = layout.hidden_states_key(0).split("/", 1)[0] + "/"
 TRAIN_PROGRESS = layout.train_progress_prefix(0).rsplit("segment-", 1)[0]
-ROW_DATA_EXTS = {e for e in layout.SHARD_STAGES.values() if e.endswith("parquet")} | {
-    layout.TOKENIZE_HELDOUT_EXT}
+ROW_DATA_EXTS = {e for e in layout.SHARD_STAGES.values() if e.endswith("parquet")} | {layout.TOKENIZE_HELDOUT_EXT}
 MD5_ETAG = re.compile(r"[0-9a-f]{32}")
 
 
@@ -67,20 +61,16 @@ def kind(key: str) -> str:
     if key.startswith((CHECKPOINTS_DIR, TRAIN_PROGRESS)):
         # Checkpoint indexes, latest-pointers, metrics.jsonl and telemetry are JSON; shards are not.
         return "artifact" if key.endswith((".json", ".jsonl")) else "checkpoint"
-    if key.startswith(HIDDEN_STATES_DIR) or key == layout.INGESTED_PROMPTS:
-        return "shard"
     match = layout.SHARD_OBJECT.match(key)
-    if match and match["ext"] in ROW_DATA_EXTS:
-        return "shard"
-    if key.startswith(f"{layout.PROGRESS_DIR}/") and key.endswith(".parquet"):
-        return "shard"  # generation parts and reuse copies: rows of shards in flight
-    return "artifact"
+    rows = (key.startswith(HIDDEN_STATES_DIR) or key == layout.INGESTED_PROMPTS
+            or (match is not None and match["ext"] in ROW_DATA_EXTS)
+            # generation parts and reuse copies: the rows of shards in flight
+            or (key.startswith(f"{layout.PROGRESS_DIR}/") and key.endswith(".parquet")))
+    return "shard" if rows else "artifact"
 
 
 def selected(key: str, with_checkpoints: bool = False, with_shards: bool = False) -> bool:
-    wanted = {"artifact"} | ({"checkpoint"} if with_checkpoints else set()) | (
-        {"shard"} if with_shards else set())
-    return kind(key) in wanted
+    return kind(key) in {"artifact", "checkpoint" * with_checkpoints, "shard" * with_shards}
 
 
 @dataclass(frozen=True)
@@ -168,11 +158,10 @@ def local_path(dest: Path, key: str) -> Path | None:
 
 
 def human(size: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if size < 1000:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{size:.1f} TB"
+    unit = 0
+    while size >= 1000 and unit < 4:
+        size, unit = size / 1000, unit + 1
+    return f"{size:.0f} B" if unit == 0 else f"{size:.1f} {'kMGT'[unit - 1]}B"
 
 
 def note(text: str) -> None:
@@ -187,12 +176,6 @@ class Summary:
     skipped: int = 0
     failed: int = 0
     left_out: dict[str, list[int]] = field(default_factory=dict)  # kind -> [objects, bytes]
-
-    def line(self, dry_run: bool = False) -> str:
-        verb = "to copy" if dry_run else "copied"
-        text = (f"{'dry run: ' if dry_run else ''}{self.copied} {verb} ({human(self.copied_bytes)}), "
-                f"{self.there} already there, {self.skipped} skipped")
-        return text + (f", {self.failed} failed" if self.failed else "")
 
 
 def copy_one(storage: Storage, listed: Listed, path: Path) -> dict:
@@ -245,13 +228,10 @@ def fetch(run_url: str, to: str | os.PathLike, *, with_checkpoints: bool = False
             try:
                 records[listed.key] = future.result()
             except Exception as err:  # one object's trouble never stops the others
-                cause = describe(err)
-                if isinstance(err, FileNotFoundError) or "does not exist" in cause:
+                cause = describe(err)  # deleted since listed, or replaced while being read
+                if isinstance(err, FileNotFoundError) or any(w in cause for w in ("does not exist", "PreconditionFailed")):
                     summary.skipped += 1
-                    note(f"{counter} skipped {listed.key}: gone since it was listed")
-                elif "PreconditionFailed" in cause:
-                    summary.skipped += 1
-                    note(f"{counter} skipped {listed.key}: changed while it was copied")
+                    note(f"{counter} skipped {listed.key}: gone or changed since it was listed")
                 else:
                     summary.failed += 1
                     note(f"{counter} failed {listed.key}: {cause}")
@@ -274,12 +254,10 @@ FLAGS = {"checkpoint": "--with-checkpoints", "shard": "--with-shards"}
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.fetch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run-url", required=True,
-                        help="the run root: s3://bucket/prefix/<results_dir>/<run>, or a local run folder")
+    parser.add_argument("--run-url", required=True, help="s3://bucket/prefix/<results_dir>/<run> or a local run folder")
     parser.add_argument("--to", required=True, help="local folder to copy into (created if missing)")
     parser.add_argument("--with-checkpoints", action="store_true", help="also the checkpoint shards")
-    parser.add_argument("--with-shards", action="store_true",
-                        help="also the row data (parquet shards, parts) and hidden states")
+    parser.add_argument("--with-shards", action="store_true", help="also the row data and hidden states")
     parser.add_argument("--dry-run", action="store_true", help="list what would be copied; write nothing")
     parser.add_argument("--jobs", type=int, default=8, help="parallel downloads (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -292,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, (count, size) in sorted(summary.left_out.items()):
         if name in FLAGS:
             note(f"left out: {count} {name} objects ({human(size)}); {FLAGS[name]} adds them")
-    note(summary.line(args.dry_run))
+    note(f"{'dry run: ' if args.dry_run else ''}{summary.copied} {'to copy' if args.dry_run else 'copied'} "
+         f"({human(summary.copied_bytes)}), {summary.there} already there, {summary.skipped} skipped"
+         + (f", {summary.failed} failed" if summary.failed else ""))
     return 1 if summary.failed else 0
 
 
