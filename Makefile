@@ -3,10 +3,15 @@
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU build by default (the demo and the tests); on a GPU machine install the CUDA build of torch
-# into the venv first, or pass TORCH="torch==<version>" — an importable torch is never replaced.
-TORCH ?= torch==2.13.0
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+# The CPU build by default (the demo and the tests), named explicitly: a plain torch==2.13.0 may
+# resolve to a CUDA build. On a GPU machine pass the CUDA build, e.g.
+# TORCH="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130", or install it into the
+# venv first: an importable torch is never replaced.
+TORCH ?= torch==2.13.0+cpu
+# The run's config for every target that reads one (plan, dryrun, report, status, clear-halt).
+CONFIG ?= config.yaml
+CONFIG_ARGS := $(if $(filter-out config.yaml,$(CONFIG)),--configfile $(CONFIG))
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 SNAKEMAKE := $(PY) -m snakemake
 CORES ?= all
@@ -29,23 +34,30 @@ sglang_args_stamp = $(SGLANG_ARGS_DIR)/$(1)/.installed-$(shell cat envs/sglang-$
 SGLANG_ARGS_STAMPS := $(foreach v,$(SGLANG_ARGS_VERSIONS),$(call sglang_args_stamp,$(v)))
 
 .PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt plan vllm-env \
-	sglang-args-envs
+	sglang-args-envs fetch
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[model,test]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
+	# compat: the checkout on sys.path through a .pth file, so Snakemake's plugin discovery
+	# (pkgutil.iter_modules) finds the logger plugin: `snakemake --logger dflash` from any folder.
+	$(PY) -m pip install --quiet -e ".[model,test]" --config-settings editable_mode=compat
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 demo: setup
-	-$(STATUS) start --port $(STATUS_PORT)
+	@$(STATUS) start --port $(STATUS_PORT) && echo ok > .status-started || rm -f .status-started
 	$(SNAKEMAKE) --cores $(CORES) --logger dflash
 	@echo ""
-	@echo "Status page (still serving; make stop stops it): http://127.0.0.1:$(STATUS_PORT)/"
+	@if [ -f .status-started ]; then \
+		echo "Status page (still serving; make stop stops it): http://127.0.0.1:$(STATUS_PORT)/"; \
+	else \
+		echo "The status page did not start (see above); try: make status STATUS_PORT=8081"; \
+	fi
+	@rm -f .status-started
 	@echo "HTML report: make report"
 	@echo "Demo finished. Results: results/demo/ (shard outputs in results/demo/outputs/, live telemetry in results/demo/_progress/)"
 	@echo "Demo target model: resources/demo-target/"
@@ -101,23 +113,28 @@ lint: setup
 	$(VENV)/bin/snakefmt --check Snakefile rules/
 
 dryrun: setup
-	$(SNAKEMAKE) -n --quiet rules
+	$(SNAKEMAKE) -n --quiet rules $(CONFIG_ARGS)
 
-# The HTML report of config.yaml's run (figures of every stage; run the workflow first).
+# The HTML report of CONFIG's run (figures of every stage; run the workflow first).
 report: setup
-	$(SNAKEMAKE) --report report.html
+	$(SNAKEMAKE) --report report.html $(CONFIG_ARGS)
 	@echo "Report: report.html"
 
-# Serve the live status page of config.yaml's run in the background (see README).
+# Serve the live status page of CONFIG's run in the background (see README).
 status: setup
-	$(STATUS) start --port $(STATUS_PORT)
+	$(STATUS) start --port $(STATUS_PORT) --configfile $(CONFIG) $(if $(PREFIX),--default-storage-prefix $(PREFIX))
+
+# Copy a run's results (drafter, metrics, report figures, logs, checkpoint manifests) to a local
+# folder; again later to catch up with a running run (only new or changed objects are copied).
+#   make fetch RUN=s3://bucket/prefix/results/<run> TO=dir [FETCH_ARGS="--with-checkpoints"]
+fetch: setup
+	$(PY) -m dflash_pipeline.stages.fetch --run-url $(RUN) --to $(TO) $(FETCH_ARGS)
 
 stop:
 	$(STATUS) stop
 
 # Clear the run's halt once its cause is fixed (a tokenize shard failed the data-quality gate and
 # stopped generation; see README). An S3 run: make clear-halt PREFIX=s3://bucket/prefix
-CONFIG ?= config.yaml
 clear-halt: setup
 	$(PY) -m dflash_pipeline.stages.tokenize clear-halt --configfile $(CONFIG) \
 		$(if $(PREFIX),--default-storage-prefix $(PREFIX))
@@ -127,7 +144,7 @@ clear-halt: setup
 #   make plan CONFIG=config/examples/qwen3.6-27b.yaml GPUS=8 [PREFIX=s3://bucket/prefix]
 GPUS ?=
 plan: setup
-	$(PY) -m dflash_pipeline.stages.plan $(if $(filter-out config.yaml,$(CONFIG)),--configfile $(CONFIG)) \
+	$(PY) -m dflash_pipeline.stages.plan $(CONFIG_ARGS) \
 		$(if $(GPUS),--gpus $(GPUS)) $(if $(PREFIX),--default-storage-prefix $(PREFIX))
 
 # Headless Chromium and its driver for the status-page browser test (Debian packages).

@@ -138,8 +138,8 @@ def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
     if args.max_new_tokens:
         overrides["evaluate"]["max_new_tokens"] = args.max_new_tokens
     (work / f"bench-{variant}.yaml").write_text(yaml.safe_dump(overrides))
-    if reuse:
-        source = work / "results" / f"serving-{reuse}" / "outputs"
+    source = work / "results" / f"serving-{reuse}" / "outputs"
+    if reuse and source.is_dir():
         dest = work / "results" / run_name / "outputs"
         dest.mkdir(parents=True, exist_ok=True)
         for path in sorted(source.iterdir()):

@@ -72,7 +72,8 @@ def preflight():
     problems, ready = run_problems(config, RUN_URL)
     if problems:
         raise ValueError(
-            "\n".join(problems) + "\n(check config.yaml or the file given with --configfile)"
+            "\n".join(problems)
+            + "\n(check config.yaml or the file given with --configfile)"
         )
     for line in ready:
         logger.info(line)
@@ -128,21 +129,19 @@ if _gpu_limit is not None and int(_gpu_limit) > GPU_POOL:
     )
 
 
-def gpu_wrapper(n):
-    """Shell prefix that runs a command on n free devices of this machine."""
-    return (
-        f"python -m dflash_pipeline.core.gpu_slots --gpus {n} --pool {GPU_POOL} "
-        f"--lock-dir {GPU_LOCK_DIR} --"
-    )
-
-
-def partition(gpus):
-    """SLURM partition of a job that takes `gpus` GPUs (profiles/slurm; other executors ignore
-    the resource)."""
-    return config["slurm"]["gpu_partition" if gpus else "cpu_partition"]
-
-
-CPU_PARTITION = partition(0)
+def slurm(gpus):
+    """The SLURM resources of a job that takes `gpus` GPUs (profiles/slurm; other executors
+    ignore them): its partition, and the account, QoS and GPU node constraint of the config.
+    """
+    settings = config["slurm"]
+    found = {"slurm_partition": settings["gpu_partition" if gpus else "cpu_partition"]}
+    if settings["account"]:
+        found["slurm_account"] = settings["account"]
+    if settings["qos"]:
+        found["qos"] = settings["qos"]
+    if gpus and settings["gpu_constraint"]:
+        found["constraint"] = settings["gpu_constraint"]
+    return found
 
 
 def target_model_input(wildcards):

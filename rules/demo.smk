@@ -14,8 +14,8 @@ rule build_demo_model:
         "../envs/cpu.yaml"
     threads: 2
     resources:
+        **slurm(0),
         mem_mb=4000,
         runtime=120,
-        slurm_partition=CPU_PARTITION,
-    shell:
-        "python -m dflash_pipeline.demo.build_model --out {output.model} > {log} 2>&1"
+    script:
+        "../scripts/build_demo_model.py"

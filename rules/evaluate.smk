@@ -25,10 +25,10 @@ rule evaluate:
         "../envs/gpu-train.yaml"
     threads: 2
     resources:
+        **slurm(min(1, config["train"]["gpus_per_job"])),
         gpu=min(1, config["train"]["gpus_per_job"]),
         mem_mb=16000,
         runtime=240,
-        slurm_partition=partition(min(1, config["train"]["gpus_per_job"])),
     params:
         model=config["target"]["model"],
         thinking=config["generation"]["thinking"],

@@ -20,12 +20,12 @@ rule generate:
         "../envs/generate-sglang.yaml"
     threads: 2
     resources:
+        **slurm(config["generation"]["gpus_per_job"]),
         gpu=config["generation"]["gpus_per_job"],
         mem_mb=8000,
         # Minutes (a cluster's time limit): a shard is sized for ~1 GPU-hour; a job cut at
         # the limit resumes from its parts on retry.
         runtime=240,
-        slurm_partition=partition(config["generation"]["gpus_per_job"]),
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],

@@ -16,9 +16,9 @@ rule ingest:
         "../envs/cpu.yaml"
     threads: 1
     resources:
+        **slurm(0),
         mem_mb=4000,
         runtime=120,
-        slurm_partition=CPU_PARTITION,
     params:
         num_shards=config["num_shards"],
         # Sorted keys: the order of keys in the config file says nothing about the output.
@@ -40,8 +40,8 @@ rule prepare:
         "../envs/cpu.yaml"
     threads: 1
     resources:
+        **slurm(0),
         mem_mb=2000,
         runtime=30,
-        slurm_partition=CPU_PARTITION,
     script:
         "../scripts/prepare.py"

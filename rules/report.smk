@@ -36,9 +36,9 @@ rule report_prompts:
         "../envs/cpu.yaml"
     threads: 1
     resources:
+        **slurm(0),
         mem_mb=1000,
         runtime=30,
-        slurm_partition=CPU_PARTITION,
     script:
         "../scripts/report_prompts.py"
 
@@ -71,9 +71,9 @@ rule report_generation:
         "../envs/cpu.yaml"
     threads: 1
     resources:
+        **slurm(0),
         mem_mb=2000,
         runtime=30,
-        slurm_partition=CPU_PARTITION,
     params:
         run_url=lambda wildcards: RUN_URL,
     script:
@@ -107,9 +107,9 @@ rule report_tokenization:
         "../envs/cpu.yaml"
     threads: 1
     resources:
+        **slurm(0),
         mem_mb=1000,
         runtime=30,
-        slurm_partition=CPU_PARTITION,
     script:
         "../scripts/report_tokenization.py"
 
@@ -131,9 +131,9 @@ rule report_training:
         "../envs/cpu.yaml"
     threads: 1
     resources:
+        **slurm(0),
         mem_mb=2000,
         runtime=30,
-        slurm_partition=CPU_PARTITION,
     params:
         run_url=lambda wildcards: RUN_URL,
         segments=config["train"]["segments"],
@@ -158,9 +158,9 @@ rule report_evaluation:
         "../envs/cpu.yaml"
     threads: 1
     resources:
+        **slurm(0),
         mem_mb=1000,
         runtime=30,
-        slurm_partition=CPU_PARTITION,
     script:
         "../scripts/report_evaluation.py"
 
@@ -183,9 +183,9 @@ rule report_storage:
         "../envs/cpu.yaml"
     threads: 1
     resources:
+        **slurm(0),
         mem_mb=1000,
         runtime=30,
-        slurm_partition=CPU_PARTITION,
     params:
         run_url=lambda wildcards: RUN_URL,
     script:

@@ -22,9 +22,9 @@ rule tokenize:
     # Rendering and tokenizing run in this many worker processes (scaled down to --cores).
     threads: 4
     resources:
+        **slurm(0),
         mem_mb=4000,
         runtime=60,
-        slurm_partition=CPU_PARTITION,
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],

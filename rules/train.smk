@@ -17,10 +17,10 @@ rule extract:
         "../envs/gpu-train.yaml"
     threads: 2
     resources:
+        **slurm(min(1, config["train"]["gpus_per_job"])),
         gpu=min(1, config["train"]["gpus_per_job"]),
         mem_mb=16000,
         runtime=240,
-        slurm_partition=partition(min(1, config["train"]["gpus_per_job"])),
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],
@@ -45,12 +45,12 @@ rule train:
         "../envs/gpu-train.yaml"
     threads: 2
     resources:
+        **slurm(config["train"]["gpus_per_job"]),
         gpu=config["train"]["gpus_per_job"],
         mem_mb=16000,
         # Minutes per segment (a cluster's time limit); a segment cut at the limit resumes
         # from its last checkpoint on retry.
         runtime=720,
-        slurm_partition=partition(config["train"]["gpus_per_job"]),
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],
@@ -75,9 +75,9 @@ rule export:
         "../envs/gpu-train.yaml"
     threads: 1
     resources:
+        **slurm(0),
         mem_mb=8000,
         runtime=60,
-        slurm_partition=CPU_PARTITION,
     params:
         run_url=lambda wildcards: RUN_URL,
         dtype=config["train"]["export_dtype"],

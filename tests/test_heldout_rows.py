@@ -71,8 +71,8 @@ def test_simulated_tau_selects_the_same_rows_from_the_heldout_objects(demo_model
     assert after["rows"] == min(max_rows, 20) and len(after["row_ids"]) == after["rows"]
 
 
-def test_evaluate_plans_only_heldout_objects_as_its_inputs(workflow):
-    workflow.write_config(num_shards=3, target={"build_demo": False})
+def test_evaluate_plans_only_heldout_objects_as_its_inputs(workflow, demo_model):
+    workflow.write_config(num_shards=3, target={"model": str(demo_model), "build_demo": False})
     out = workflow.snakemake("-n").stdout
     evaluate = re.search(r"rule evaluate:\n    input: (.*)\n", out)
     tokenize = re.findall(r"rule tokenize:\n    input: .*\n    output: (.*)\n", out)

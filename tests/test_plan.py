@@ -8,18 +8,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.config import load_schema, validate_config
 from dflash_pipeline.core.jobstate import ShardProgress
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.stages.plan import (
     Measured,
     PlanError,
+    count_dataset_rows,
+    layered_config,
     load_run_config,
     make_plan,
     measure_run,
-    merge_config,
     model_case,
     pick_train_benchmark,
 )
@@ -29,7 +34,7 @@ EXAMPLE = REPO / "config/examples/qwen3.6-27b.yaml"
 
 
 def seeds_config(**plan):
-    config = load_run_config(EXAMPLE)
+    config = load_run_config([EXAMPLE])
     config["plan"].update(plan)
     return config
 
@@ -123,8 +128,123 @@ def test_missing_prompt_count_is_a_clear_error():
         make_plan(config, Measured(), gpus=8)
 
 
-def test_merge_config_is_snakemakes_layering():
-    assert merge_config({"a": {"b": 1, "c": 2}, "d": 1}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}, "d": 1}
+# --- the config: what Snakemake sees ------------------------------------------------------------
+
+
+def write_yaml(path: Path, doc: dict) -> Path:
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def test_a_configfile_is_a_complete_config_not_layered_over_config_yaml(tmp_path):
+    """The Snakefile reads config.yaml only without --configfile: a given file's missing keys
+    take the schema's defaults, never the demo's."""
+    mine = write_yaml(tmp_path / "mine.yaml", {"run": "mine", "tokenize": {"max_length": 2048}})
+    config = load_run_config([mine])
+    assert config == validate_config({"run": "mine", "tokenize": {"max_length": 2048}})
+    schema = load_schema()["properties"]
+    demo = yaml.safe_load((REPO / "config.yaml").read_text())
+    # Keys the demo sets to other values than the schema's defaults: the schema's here.
+    assert demo["train"]["intermediate_size"] != schema["train"]["properties"]["intermediate_size"]["default"]
+    assert config["train"]["intermediate_size"] == schema["train"]["properties"]["intermediate_size"]["default"]
+    default_tokens = schema["generation"]["properties"]["max_new_tokens"]["default"]
+    assert config["generation"]["max_new_tokens"] == default_tokens != demo["generation"]["max_new_tokens"]
+    # Without --configfile: config.yaml, as a plain `snakemake` run reads it.
+    assert layered_config(None) == yaml.safe_load((REPO / "config.yaml").read_text())
+    assert load_run_config(None)["run"] == "demo"
+    # A single path is the list of that one path.
+    assert load_run_config(mine) == config
+
+
+def test_several_configfiles_are_layered_by_snakemakes_own_update(tmp_path):
+    from snakemake.settings.types import ConfigSettings
+
+    base = write_yaml(tmp_path / "a.yaml", {
+        "run": "a", "num_shards": 4, "generation": {"max_new_tokens": 64, "sampling": {"temperature": 0.6, "top_p": 0.9}},
+        "dataset": {"paths": ["x.jsonl", "y.jsonl"]},
+    })
+    over = write_yaml(tmp_path / "b.yaml", {
+        "generation": {"sampling": {"temperature": 0}}, "dataset": {"paths": ["z.jsonl"]}, "plan": {"prompts": 5},
+    })
+    layered = layered_config([base, over])
+    assert layered == {
+        "run": "a", "num_shards": 4,
+        "generation": {"max_new_tokens": 64, "sampling": {"temperature": 0, "top_p": 0.9}},  # nested: merged
+        "dataset": {"paths": ["z.jsonl"]},  # lists: replaced
+        "plan": {"prompts": 5},
+    }
+    # What `snakemake --configfile a.yaml b.yaml` builds (snakemake.settings.types.ConfigSettings).
+    assert layered == ConfigSettings(configfiles=[base, over]).overwrite_config
+    assert layered_config([over, base])["generation"]["sampling"]["temperature"] == 0.6  # order matters
+    with pytest.raises(PlanError, match="nope.yaml not found"):
+        layered_config([base, tmp_path / "nope.yaml"])
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(PlanError, match="list.yaml"):
+        layered_config([tmp_path / "list.yaml"])
+
+
+CONFIG_DUMP = """\
+# Test only: what Snakemake has in `config` when rules/common.smk validates it, and that
+# validation, dumped; then the parse stops (nothing after this needs to run).
+import json as _json
+import os as _os
+
+from dflash_pipeline.core.config import validate_config as _validate
+
+with open(_os.environ["DFLASH_TEST_CONFIG_DUMP"], "w") as _fh:
+    _json.dump({"raw": config, "validated": _validate(config)}, _fh)
+raise SystemExit("config dumped for the test")
+"""
+
+
+def snakemakes_config(workflow, tmp_path, *configfiles) -> dict:
+    """The config `snakemake -n [--configfile ...]` sees in the workflow copy: the Snakefile
+    includes a dump of it right before rules/common.smk."""
+    snakefile = workflow.root / "Snakefile"
+    text = snakefile.read_text()
+    include = 'include: "rules/common.smk"\n'
+    assert text.count(include) == 1
+    if "dump_config.smk" not in text:
+        snakefile.write_text(text.replace(include, 'include: "dump_config.smk"\n' + include))
+        (workflow.root / "dump_config.smk").write_text(CONFIG_DUMP)
+    dump = tmp_path / f"dump-{len(list(tmp_path.glob('dump-*')))}.json"
+    args = ("--configfile", *map(str, configfiles)) if configfiles else ()
+    proc = workflow.snakemake("-n", *args, env={"DFLASH_TEST_CONFIG_DUMP": str(dump)}, check=False)
+    output = proc.stdout + proc.stderr
+    assert "config dumped for the test" in output and dump.is_file(), output[-3000:]
+    return json.loads(dump.read_text())
+
+
+def differences(got, want, key: str = "") -> list[str]:
+    """Dotted keys whose values differ (a key missing on one side included)."""
+    if isinstance(got, dict) and isinstance(want, dict):
+        return [d for k in sorted(set(got) | set(want), key=str)
+                for d in differences(got.get(k, "<missing>"), want.get(k, "<missing>"), f"{key}.{k}".lstrip("."))]
+    return [] if got == want and type(got) is type(want) else [f"{key}: plan {got!r}, snakemake {want!r}"]
+
+
+@pytest.mark.workflow
+def test_plan_reads_the_config_snakemake_reads(workflow, tmp_path):
+    example = workflow.root / "config/examples/qwen3.6-27b.yaml"
+    over = write_yaml(tmp_path / "over.yaml", {
+        "num_shards": 8, "generation": {"sampling": {"temperature": 0}}, "tokenize": {"max_length": 2048},
+    })
+    seen = {}
+    for name, files in (("example", [example]), ("layered", [example, over]), ("plain", [])):
+        seen[name] = snakemakes_config(workflow, tmp_path, *files)
+        raw = layered_config(files, workdir=workflow.root)
+        config = load_run_config(files, workdir=workflow.root)
+        assert differences(json.loads(json.dumps(raw)), seen[name]["raw"]) == [], name
+        assert differences(json.loads(json.dumps(config)), seen[name]["validated"]) == [], name
+        assert len(seen[name]["validated"]) > len(seen[name]["raw"])  # the schema's defaults filled in
+    # The example alone: its own values and the schema's defaults, nothing of the demo's.
+    example_config = seen["example"]["validated"]
+    assert example_config["run"] == "qwen36-27b" and example_config["target"]["build_demo"] is False
+    assert example_config["evaluate"]["simulated_rows"] == load_schema()["properties"]["evaluate"]["properties"][
+        "simulated_rows"]["default"] != seen["plain"]["validated"]["evaluate"]["simulated_rows"]
+    assert seen["layered"]["validated"]["generation"]["sampling"] == {
+        **example_config["generation"]["sampling"], "temperature": 0}
+    assert seen["plain"]["validated"]["run"] == "demo"
 
 
 def test_cli_prints_the_seeds_case():
@@ -148,3 +268,79 @@ def test_cli_names_a_missing_config_file():
     proc = subprocess.run([sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", "nope.yaml"],
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "nope.yaml" in proc.stderr
+
+
+def test_cli_names_an_invalid_config_key(tmp_path):
+    bad = write_yaml(tmp_path / "bad.yaml", {"tokenize": {"max_lenght": 100}})
+    proc = subprocess.run([sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", str(bad)],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "tokenize.max_lenght" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("gpus", ["0", "-3"])
+def test_cli_refuses_fewer_than_one_gpu_in_one_line(gpus):
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", str(EXAMPLE), "--gpus", gpus],
+        cwd=REPO, capture_output=True, text=True,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"plan: --gpus must be at least 1, got {gpus}\n"
+
+
+# --- prompts counted from the local dataset files ---------------------------------------------
+
+
+def prompt_rows(n: int, start: int = 0) -> list[dict]:
+    return [{"id": f"p{i}", "messages": [{"role": "user", "content": f"What is {i} + {i}?"}]}
+            for i in range(start, start + n)]
+
+
+def test_the_plan_counts_the_prompts_of_local_dataset_files(tmp_path):
+    jsonl = tmp_path / "prompts.jsonl"
+    lines = [json.dumps(row) for row in prompt_rows(20)]
+    lines[5:5] = ["", "   "]  # blank lines: skipped by the ingest, not rows
+    jsonl.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n\n")
+    parquet = tmp_path / "more.parquet"
+    pq.write_table(pa.Table.from_pylist(prompt_rows(7, start=100)), parquet, row_group_size=3)
+    assert count_dataset_rows([str(jsonl)]) == (
+        20, "counted by the plan: non-empty JSONL lines of the local dataset files, before validation "
+        "and deduplication")
+    rows, source = count_dataset_rows([str(jsonl), str(parquet)])
+    assert rows == 27 and "non-empty JSONL lines and parquet rows from the metadata" in source
+    assert count_dataset_rows([str(parquet)])[0] == 7
+    assert count_dataset_rows(["prompts.jsonl"], workdir=tmp_path)[0] == 20  # relative to the workdir
+    # Not countable here: the reason comes back instead.
+    assert count_dataset_rows([str(jsonl), "s3://bucket/prompts.jsonl"]) == (
+        None, "dataset file s3://bucket/prompts.jsonl is remote (not counted by the plan)")
+    assert count_dataset_rows([str(tmp_path / "gone.jsonl")])[1].endswith("gone.jsonl not found")
+    (tmp_path / "prompts.csv").write_text("a,b\n")
+    assert "unknown dataset format" in count_dataset_rows([str(tmp_path / "prompts.csv")])[1]
+
+    # The CLI, without plan.prompts: the counted figure, named as such.
+    config = write_yaml(tmp_path / "run.yaml", {
+        "run": "counted", "num_shards": 3, "dataset": {"paths": [str(jsonl), str(parquet)]},
+        "plan": {"generation_tokens_per_s_per_gpu": 100, "train_tokens_per_s_per_gpu": 1000},
+    })
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", str(config), "--gpus", "1",
+         "--run-url", str(tmp_path / "no-run"), "--json"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )
+    plan = json.loads(proc.stdout)
+    assert plan["prompts"] == {"value": 27, "source": source}
+    assert plan["samples_per_shard"] == 9
+    # plan.prompts, when given, is the figure (the files are not counted).
+    with_prompts = write_yaml(tmp_path / "given.yaml", {**yaml.safe_load(config.read_text()), "plan": {"prompts": 500}})
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", str(with_prompts), "--gpus", "1",
+         "--run-url", str(tmp_path / "no-run"), "--json"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )
+    assert json.loads(proc.stdout)["prompts"] == {"value": 500, "source": "config plan.prompts"}
+
+
+def test_without_a_count_the_error_says_why_the_files_were_not_counted():
+    config = seeds_config(prompts=None)  # its dataset is in S3
+    rows, source = count_dataset_rows(config["dataset"]["paths"])
+    with pytest.raises(PlanError, match=r"plan\.prompts.*is remote"):
+        make_plan(config, Measured(dataset_rows=rows, dataset_rows_source=source), gpus=8)

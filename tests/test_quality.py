@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 
 from dflash_pipeline.data.quality import (
     DEFAULT_GATE,
+    DegenerateShard,
     measure_repetition,
     measure_repetitions,
     repetition_loop,
@@ -291,14 +293,15 @@ def test_a_loop_in_demo_text_is_flagged(tok):
     assert found and found["fraction"] > 0.95 and found["repeats"] >= 7
 
 
-def generated_row(i, content, reasoning):
+def generated_row(i, content, reasoning, finish="stop", closed=True, error=None, fingerprint="f"):
     from tests.test_tokenize import generated_row as row
 
-    return row(i, content, reasoning)
+    out = row(i, content, reasoning, finish=finish, closed=closed, error=error)
+    out["fingerprint"] = fingerprint
+    return out
 
 
 def test_the_stage_flags_loops_in_the_thinking_and_the_answer_and_reports_them(tok):
-    from dflash_pipeline.data.quality import DegenerateShard
     from dflash_pipeline.data.tokenized import ShardTokenizer
     from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
 
@@ -319,11 +322,253 @@ def test_the_stage_flags_loops_in_the_thinking_and_the_answer_and_reports_them(t
     by_id = {loop["id"]: loop for loop in rep["examples"]}
     assert by_id["s50"]["span"] == "answer" and by_id["s51"]["span"] == "thinking"
     assert all(loop["fraction"] > 0.9 and loop["match"] > 0.9 for loop in by_id.values())
-    # The same shard with a stricter degenerate limit fails, the message giving the thresholds
-    # and the measurements.
+    # The same shard with a stricter degenerate limit fails (two loops are enough to judge by
+    # here), the message giving the thresholds and the measurements.
+    strict = {**settings, "max_degenerate_fraction": 0.1, "min_degenerate_rows": 2}
     with pytest.raises(DegenerateShard) as err:
-        ShardTokenizer(tok, thinking=True, settings={**settings, "max_degenerate_fraction": 0.1}).run(table, "g")
+        ShardTokenizer(tok, thinking=True, settings=strict).run(table, "g")
     message = str(err.value)
     assert "repetition_loop 2" in message
     assert "tokenize.repetition_max_period=1024, tokenize.repetition_min_match=0.75" in message
     assert f"s50 answer: period {by_id['s50']['period']} x " in message and "s51 thinking: period" in message
+
+
+# --- the gate's verdict and its message ----------------------------------------------------------
+#
+# The gate judged directly (``gate_shard``) on generated rows and stand-ins of their tokenized
+# sequences: a row's supervised tokens are the characters of its response, so "OK." after an
+# empty think block is too_few_supervised, as the real tokenizer makes it (tests/test_tokenize.py).
+
+
+@dataclass
+class FakeSequence:
+    supervised: int
+    input_ids: list
+    turn: int = -1
+    truncated: bool = False
+    round_trip_ok: bool = True
+    fell_back: bool = False
+    repetition: dict | None = None
+
+
+def healthy_row(i: int, **kw) -> dict:
+    return generated_row(i, f"So {i} + {i} = {2 * i}, as the ones column shows.",
+                         f"Add the ones: {i % 10} + {i % 10}; carry where needed; {i} + {i} = {2 * i}.", **kw)
+
+
+def judge(rows: list[dict], sampling: dict | None = None, mismatched: tuple[str, ...] = (), **settings):
+    """``gate_shard`` with the default settings (and ``settings``); ``mismatched`` ids: template
+    mismatches."""
+    from dflash_pipeline.data.quality import gate_shard, row_checks
+
+    cfg = {**DEFAULT_GATE, **settings}
+    checks = {r["id"]: row_checks(r) for r in rows}
+    encoded = {}
+    for r in rows:
+        if r["error"] is not None:
+            continue
+        if r["id"] in mismatched:
+            encoded[r["id"]] = "the template's renderings do not extend each other"
+            continue
+        message = r["messages"][-1]
+        n = len((message["reasoning_content"] or "") + message["content"])
+        encoded[r["id"]] = [FakeSequence(supervised=n, input_ids=[0] * (n + 10))]
+    return gate_shard(rows, checks, encoded, cfg, "generate-00003.parquet", False, sampling)
+
+
+def fingerprint_of(temperature: float, seed: int | None = 0, max_new_tokens: int = 4096) -> str:
+    """A fingerprint as the generate stage writes it (``regenerate.fingerprint``)."""
+    from dflash_pipeline.engines.client import Sampling
+    from dflash_pipeline.engines.regenerate import GenerationSettings, fingerprint
+
+    sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=0.95, seed=seed)
+    return fingerprint("/models/none", "{{ template }}", GenerationSettings(thinking=True, sampling=sampling),
+                       "sglang", "0.5.17")
+
+
+def seeds_like(total: int, degenerate: int, fingerprint: str = "f") -> list[dict]:
+    """The incident's shard: an empty think block and "OK." for ``degenerate`` of ``total`` prompts."""
+    return ([healthy_row(i, fingerprint=fingerprint) for i in range(total - degenerate)]
+            + [generated_row(1000 + i, "OK.", "", fingerprint=fingerprint) for i in range(degenerate)])
+
+
+def test_the_new_key_is_in_the_schema_with_the_gates_default():
+    import yaml
+
+    from dflash_pipeline.data.tokenized import DEFAULTS
+
+    schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]["tokenize"]["properties"]
+    assert schema["min_degenerate_rows"]["default"] == DEFAULT_GATE["min_degenerate_rows"] == DEFAULTS[
+        "min_degenerate_rows"] == 5
+    for key, value in DEFAULT_GATE.items():
+        assert schema[key]["default"] == value, key
+
+
+def test_one_odd_sample_of_a_13_sample_trial_passes():
+    rows = [healthy_row(i) for i in range(12)] + [generated_row(50, " ", "")]  # one empty response
+    kept, summary = judge(rows)
+    assert summary["degenerate_samples"] == 1 and summary["degenerate_fraction"] > DEFAULT_GATE[
+        "max_degenerate_fraction"]
+    assert summary["gate"] == {"max_degenerate_fraction": 0.05, "min_degenerate_rows": 5,
+                               "verdict": "passed: too few degenerate samples to judge"}
+    assert len(kept) == 12 and "s50" not in {row["id"] for row, _ in kept}  # passed without it
+    # Four of 13 still pass; the fifth is evidence.
+    rows = [healthy_row(i) for i in range(9)] + [generated_row(50 + i, " ", "") for i in range(4)]
+    assert judge(rows)[1]["degenerate_samples"] == 4
+    rows = [healthy_row(i) for i in range(8)] + [generated_row(50 + i, " ", "") for i in range(5)]
+    with pytest.raises(DegenerateShard):
+        judge(rows)
+    # min_degenerate_rows 1: the fraction alone decides, as before the key.
+    with pytest.raises(DegenerateShard):
+        judge([healthy_row(i) for i in range(12)] + [generated_row(50, " ", "")], min_degenerate_rows=1)
+    # Below the fraction, any count passes.
+    rows = [healthy_row(i) for i in range(200)] + [generated_row(500 + i, " ", "") for i in range(10)]
+    assert judge(rows)[1]["gate"]["verdict"] == "passed"
+
+
+@pytest.mark.parametrize("total", [6, 13, 100, 2255])
+def test_a_seeds_like_shard_fails_at_any_size_from_six_samples(total):
+    degenerate = round(0.87 * total)
+    with pytest.raises(DegenerateShard) as err:
+        judge(seeds_like(total, degenerate))
+    assert err.value.summary["degenerate_samples"] == degenerate
+    assert err.value.summary["gate"]["verdict"] == "failed"
+    assert f"{degenerate} of {total} samples" in str(err.value)
+    assert "tokenize.min_degenerate_rows=5" in str(err.value)
+
+
+def test_the_seeds_incident_names_greedy_generation_and_off_domain_prompts():
+    with pytest.raises(DegenerateShard) as err:
+        judge(seeds_like(100, 87, fingerprint=fingerprint_of(0.0)))
+    message, cause = str(err.value), err.value.cause
+    assert "87 of 100 samples (87.0%) are degenerate" in message
+    assert "Most common response (87 times): ' | OK.'." in message
+    assert "most common response, 87 times: ' | OK.'" in cause
+    assert "likely causes: off-domain prompts, greedy generation)" in cause
+    assert "What to do: Many prompts got an empty, a too short or the same answer" in message
+    assert "filter them out of dataset.paths" in message
+    assert "The generation is greedy (temperature 0): regenerating with the same settings gives the same text" in message
+    assert "samples at temperature" not in message and "Raise generation.max_new_tokens" not in message
+    assert err.value.summary["sampling"]["temperature"] == 0.0  # read from the rows' fingerprints
+
+
+def test_sampled_and_unknown_generation_get_their_own_advice():
+    with pytest.raises(DegenerateShard) as err:
+        judge(seeds_like(100, 87, fingerprint=fingerprint_of(0.6, seed=0)))
+    message = str(err.value)
+    assert "The generation samples at temperature 0.6 with generation.seed 0 sent with every request" in message
+    assert "greedy" not in message
+    with pytest.raises(DegenerateShard) as err:
+        judge(seeds_like(100, 87, fingerprint=fingerprint_of(0.6, seed=None)))
+    assert "regenerating draws new samples from the same distribution" in str(err.value)
+    # No fingerprint to read: neither greedy nor sampled is presumed.
+    with pytest.raises(DegenerateShard) as err:
+        judge(seeds_like(100, 87))
+    message = str(err.value)
+    assert err.value.summary["sampling"] is None
+    assert "greedy (temperature 0)" not in message and "samples at temperature" not in message
+    assert "regenerating with the same settings gives the same kind of output" in message
+    # The caller's sampling settings win over the fingerprints.
+    with pytest.raises(DegenerateShard) as err:
+        judge(seeds_like(100, 87, fingerprint=fingerprint_of(0.6)), sampling={"temperature": 0})
+    assert "The generation is greedy" in str(err.value)
+
+
+def test_a_template_problem_is_not_advised_to_regenerate():
+    rows = [healthy_row(i, fingerprint=fingerprint_of(0.0)) for i in range(40)]
+    with pytest.raises(DegenerateShard) as err:
+        judge(rows, mismatched=tuple(f"s{i}" for i in range(10)))
+    message = str(err.value)
+    assert "template_mismatch 10" in message
+    assert "What to do: A chat template problem (10 template_mismatch)" in message
+    assert "regenerating gives the same mismatch" in message
+    assert "greedy" not in message and "off-domain" not in message and "Raise generation" not in message
+    assert "likely cause: a chat template problem" in err.value.cause
+
+
+def test_a_length_cut_is_advised_to_raise_max_new_tokens():
+    # max_new_tokens 8: every trace cut short, too few supervised tokens to train on.
+    fp = fingerprint_of(0.6, max_new_tokens=8)
+    rows = [healthy_row(i, fingerprint=fp) for i in range(30)]
+    rows += [generated_row(100 + i, "", f"Let me {i}", finish="length", closed=False, fingerprint=fp)
+             for i in range(10)]
+    with pytest.raises(DegenerateShard) as err:
+        judge(rows)
+    message = str(err.value)
+    summary = err.value.summary
+    assert summary["length_cut"] == {"samples": 10, "reasons": {"too_few_supervised": 10}}
+    assert ("What to do: A length cut: 10 degenerate samples were cut by the token limit (finish_reason length). "
+            "Raise generation.max_new_tokens (now 8), and the server's context length with it") in message
+    # The cut explains the short answers: no advice on the prompts or the sampling.
+    assert "off-domain" not in message and "samples at temperature" not in message
+    assert "likely cause: a length cut)" in err.value.cause
+    # Thinking that never closed although the engine said stop: the same advice.
+    rows = [healthy_row(i, fingerprint=fp) for i in range(30)]
+    rows += [generated_row(100 + i, "", f"Let me think about {i} for a while", closed=False, fingerprint=fp)
+             for i in range(10)]
+    with pytest.raises(DegenerateShard) as err:
+        judge(rows)
+    assert "think_not_closed 10" in str(err.value)
+    assert "A length cut: 10 ended inside the thinking (think_not_closed" in str(err.value)
+
+
+def test_engine_errors_are_advised_to_fix_the_engine():
+    rows = [healthy_row(i) for i in range(30)] + [generated_row(100 + i, "", "", error="timed out") for i in range(8)]
+    with pytest.raises(DegenerateShard) as err:
+        judge(rows)
+    message = str(err.value)
+    assert "What to do: The engine gave no response for 8 samples (generation_error)" in message
+    assert "Most common response" not in message  # 30 different answers
+
+
+def test_the_most_common_response_is_quoted_only_when_it_is_common():
+    # Six different short answers: the "most common" of them was given once.
+    rows = [healthy_row(i) for i in range(14)] + [generated_row(100 + i, f"No {i}.", "") for i in range(6)]
+    with pytest.raises(DegenerateShard) as err:
+        judge(rows)
+    summary = err.value.summary
+    assert summary["most_common_response"]["count"] == 1 and summary["most_common_response"]["common"] is False
+    assert "Most common response" not in str(err.value) and "most common response" not in err.value.cause
+    # Twice in 20: still chance.
+    rows = [healthy_row(i) for i in range(14)] + [generated_row(100 + i, f"No {i // 2}.", "") for i in range(6)]
+    with pytest.raises(DegenerateShard) as err:
+        judge(rows)
+    assert err.value.summary["most_common_response"]["count"] == 2 and "Most common response" not in str(err.value)
+    # Three times in a 13-sample trial: quoted.
+    rows = [healthy_row(i) for i in range(7)] + [generated_row(100 + i, "No.", "") for i in range(3)]
+    rows += [generated_row(200 + i, f"Hm {i}.", "") for i in range(3)]
+    with pytest.raises(DegenerateShard) as err:
+        judge(rows)
+    assert "Most common response (3 times): ' | No.'." in str(err.value)
+    assert "most common response, 3 times: ' | No.'" in err.value.cause
+    # In a large shard, 3 of 2,000 is no share (1% is 20): not quoted.
+    rows = [healthy_row(i) for i in range(1880)] + [generated_row(5000 + i, "No.", "") for i in range(3)]
+    rows += [generated_row(6000 + i, f"Hm {i}.", "") for i in range(117)]
+    with pytest.raises(DegenerateShard) as err:
+        judge(rows)
+    assert err.value.summary["most_common_response"]["count"] == 3
+    assert "Most common response" not in str(err.value)
+
+
+def test_the_sampling_is_read_from_the_rows_fingerprints():
+    from dflash_pipeline.data.quality import generation_sampling
+
+    fp = fingerprint_of(0.0, seed=7, max_new_tokens=512)
+    rows = [healthy_row(i, fingerprint=fp) for i in range(3)]
+    assert generation_sampling(rows) == {"max_new_tokens": 512, "temperature": 0.0, "top_p": 0.95, "seed": 7}
+    assert generation_sampling([healthy_row(0)]) is None  # no fingerprint payload
+    assert generation_sampling([{**rows[0], "fingerprint": None}]) is None
+    assert generation_sampling(rows + [healthy_row(9, fingerprint=fingerprint_of(0.6))]) is None  # rows disagree
+
+
+def test_a_13_sample_trial_with_one_odd_sample_passes_the_stage(tok):
+    """Through the tokenize stage with the demo tokenizer: the trial run that used to halt."""
+    from dflash_pipeline.data.tokenized import ShardTokenizer
+    from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
+    from tests.test_tokenize import healthy
+
+    rows = [healthy(i) for i in range(12)] + [generated_row(50, "", "")]
+    out, stats = ShardTokenizer(tok, thinking=True).run(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), "g")
+    assert stats["degenerate_samples"] == 1 and stats["reasons"]["empty_response"] == 1
+    assert stats["gate"]["verdict"] == "passed: too few degenerate samples to judge"
+    assert out.num_rows == 12 and "s50" not in out.column("id").to_pylist()

@@ -46,11 +46,15 @@ OPERATIONAL_CHANGES = {
         "data_cache_dir": "train-data-elsewhere",
         "offline_max_bytes": 12345,
     },
-    "evaluate": {"engine_mem_fraction": 0.5, "engine_extra_args": ["--enforce-eager"]},
+    "evaluate": {
+        "engine_mem_fraction": 0.5,
+        "engine_extra_args": ["--enforce-eager"],
+        "engine_reference_url": "http://127.0.0.1:9",
+    },
     "gpus": 3,
     "gpu_lock_dir": "locks-elsewhere",
     "status": {"port": 8099},
-    "slurm": {"gpu_partition": "a100", "cpu_partition": "small"},
+    "slurm": {"gpu_partition": "a100", "cpu_partition": "small", "account": "lab", "qos": "long"},
 }
 
 # Rules downstream of each stage in this run (offline mode, so `extract` is in the chain).
@@ -70,12 +74,14 @@ def merge(config: dict, changes: dict) -> dict:
     return config
 
 
-def finished_run(workflow) -> dict:
+def finished_run(workflow, demo_model) -> dict:
     """A run whose every job has finished, as far as the planner can tell: each output (and
     benchmark) exists and carries Snakemake's own metadata record of the job (params included),
     written by `--touch`, the same bookkeeping a real job's end writes. No job runs."""
     config = workflow.write_config(
-        num_shards=NUM_SHARDS, target={"build_demo": False}, train={"mode": "offline", "segments": 2}
+        num_shards=NUM_SHARDS,
+        target={"model": str(demo_model), "build_demo": False},
+        train={"mode": "offline", "segments": 2},
     )
     plan = workflow.snakemake("-n", "--forceall").stdout
     for line in plan.splitlines():
@@ -85,6 +91,9 @@ def finished_run(workflow) -> dict:
                 path = workflow.root / name
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.touch()
+                if name.endswith(".stats.json"):
+                    # Read when the offline budget is checked (the target folder exists).
+                    path.write_text('{"tokens_total": 10, "sequences_out": 1}')
     workflow.snakemake("--forceall", "--touch")
     assert workflow.planned_jobs() == {}
     return yaml.safe_load(config.read_text())
@@ -94,14 +103,14 @@ def write(workflow, config: dict) -> None:
     (workflow.root / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
-def test_operational_keys_leave_a_finished_run_with_nothing_to_do(workflow):
+def test_operational_keys_leave_a_finished_run_with_nothing_to_do(workflow, demo_model):
     # Every operational key of every rule that reads the section is changed here (export_dtype
     # is the export rule's own param, hidden_dtype defines extract's taps).
     for section in ("generation", "train", "evaluate"):
         rules = [r for r, t in RULE_KEYS.items() if t["section"] == section]
         operational = set.intersection(*(RULE_KEYS[r]["operational"] for r in rules)) - {"export_dtype"}
         assert set(OPERATIONAL_CHANGES[section]) == operational, section
-    base = finished_run(workflow)
+    base = finished_run(workflow, demo_model)
     # The copy also sorts every mapping's keys: the order of keys in the file is no change.
     changed = merge(yaml.safe_load(yaml.safe_dump(base, sort_keys=True)), OPERATIONAL_CHANGES)
     write(workflow, changed)
@@ -121,8 +130,8 @@ DEFINING_CHANGES = [
 ]
 
 
-def test_a_defining_key_reruns_its_stage_and_what_follows(workflow):
-    base = finished_run(workflow)  # one finished run, each change made to it alone
+def test_a_defining_key_reruns_its_stage_and_what_follows(workflow, demo_model):
+    base = finished_run(workflow, demo_model)  # one finished run, each change made to it alone
     for change, expected in DEFINING_CHANGES:
         write(workflow, merge(yaml.safe_load(yaml.safe_dump(base)), change))
         proc = workflow.snakemake("-n", "--quiet", "rules")
@@ -131,10 +140,10 @@ def test_a_defining_key_reruns_its_stage_and_what_follows(workflow):
         assert parse_job_table(output) == expected, change
 
 
-def test_a_configfile_is_read_alone_with_the_schema_defaults(workflow):
+def test_a_configfile_is_read_alone_with_the_schema_defaults(workflow, demo_model):
     """`--configfile` replaces the demo's config.yaml: keys the file leaves out take the schema's
     defaults (train.segments: 4; the demo says 2). Naming config.yaml first layers over it."""
-    (workflow.root / "mine.yaml").write_text(yaml.safe_dump({"target": {"build_demo": False}}))
+    (workflow.root / "mine.yaml").write_text(yaml.safe_dump({"target": {"model": str(demo_model), "build_demo": False}}))
     assert workflow.planned_jobs("--configfile", "mine.yaml")["train"] == 4
     assert workflow.planned_jobs("--configfile", "config.yaml", "mine.yaml")["train"] == 2
     assert workflow.planned_jobs()["train"] == 2  # no --configfile: the demo
@@ -158,13 +167,14 @@ def job_blocks(text: str) -> dict[str, list[str]]:
     importlib.util.find_spec("snakemake_executor_plugin_slurm") is None,
     reason="snakemake-executor-plugin-slurm is not installed (pip install -e .[slurm])",
 )
-def test_slurm_profile_plans_on_a_fresh_checkout_with_cpu_and_gpu_partitions(workflow):
+def test_slurm_profile_plans_on_a_fresh_checkout_with_cpu_and_gpu_partitions(workflow, demo_model):
     workflow.write_config(
-        target={"build_demo": False},
+        target={"model": str(demo_model), "build_demo": False},
         generation={"gpus_per_job": 1},
         train={"gpus_per_job": 1},
-        slurm={"gpu_partition": "a100", "cpu_partition": "small"},
-    )
+        slurm={"gpu_partition": "a100", "cpu_partition": "small", "account": "lab", "qos": "long",
+               "gpu_constraint": "h200"},
+    )  # fmt: skip
     proc = workflow.snakemake("--profile", "profiles/slurm", "-n")
     blocks = job_blocks(proc.stdout)
     gpu_rules = {"generate", "train", "evaluate"}
@@ -177,6 +187,9 @@ def test_slurm_profile_plans_on_a_fresh_checkout_with_cpu_and_gpu_partitions(wor
             assert f"slurm_partition={partition}" in line, (rule, line)
             assert re.search(r"runtime=\d+", line), (rule, line)
             assert ("gpu=1" in line) == (rule in gpu_rules), (rule, line)
+            # Account and QoS for every job; the node constraint for GPU jobs only.
+            assert "slurm_account=lab" in line and "qos=long" in line, (rule, line)
+            assert ("constraint=h200" in line) == (rule in gpu_rules), (rule, line)
 
 
 def test_report_rules_run_in_the_driver():

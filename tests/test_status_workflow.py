@@ -14,9 +14,9 @@ from tests.support.seaweed import free_port
 pytestmark = pytest.mark.workflow
 
 
-def test_status_serve_starts_the_page_which_keeps_serving_after_the_run(workflow):
+def test_status_serve_starts_the_page_which_keeps_serving_after_the_run(workflow, demo_model):
     port = free_port()
-    workflow.write_config(status={"serve": True, "port": port}, target={"build_demo": False})
+    workflow.write_config(status={"serve": True, "port": port}, target={"model": str(demo_model), "build_demo": False})
     stop = [sys.executable, "-m", "dflash_pipeline.status", "stop", "--workdir", str(workflow.root)]
     try:
         proc = workflow.snakemake("results/demo/outputs/ingest-summary.json")

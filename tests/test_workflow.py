@@ -9,15 +9,12 @@ import pytest
 
 pytestmark = pytest.mark.workflow
 
-NO_DEMO_MODEL = {"target": {"build_demo": False}, "until": "tokenize"}
-
-
 def use_built_demo_model(demo_model):
     return {"target": {"model": str(demo_model), "build_demo": False}, "until": "tokenize"}
 
 
-def test_dry_run_lists_the_jobs_of_every_stage(workflow):
-    workflow.write_config(num_shards=3, target={"build_demo": False})
+def test_dry_run_lists_the_jobs_of_every_stage(workflow, demo_model):
+    workflow.write_config(num_shards=3, target={"model": str(demo_model), "build_demo": False})
     assert workflow.planned_jobs() == {
         "ingest": 1,
         "prepare": 3,
@@ -131,10 +128,10 @@ def test_bad_config_key_stops_the_workflow_with_its_name(workflow):
     assert "config key 'dataset.max_bad_fraction'" in proc.stdout + proc.stderr
 
 
-def test_mostly_bad_dataset_fails_ingest_naming_file_row_and_reason(workflow):
+def test_mostly_bad_dataset_fails_ingest_naming_file_row_and_reason(workflow, demo_model):
     data = workflow.root / "data/bad.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{oops\n{oops\n')
-    workflow.write_config(dataset={"paths": ["data/bad.jsonl"]}, **NO_DEMO_MODEL)
+    workflow.write_config(dataset={"paths": ["data/bad.jsonl"]}, **use_built_demo_model(demo_model))
     proc = workflow.snakemake(check=False)
     assert proc.returncode != 0
     log = (workflow.root / "results/demo/logs/ingest.log").read_text()

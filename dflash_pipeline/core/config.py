@@ -114,7 +114,7 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
         "section": "tokenize",
         # Lengths, the degenerate-sample rules and the gate decide which rows a shard keeps.
         "defining": {
-            "max_length", "min_supervised_tokens", "max_degenerate_fraction",
+            "max_length", "min_supervised_tokens", "max_degenerate_fraction", "min_degenerate_rows",
             "degenerate_reasons", "identical_response_min_count",
             "identical_response_min_fraction", "repetition_max_period", "repetition_min_match",
             "repetition_min_repeats", "repetition_min_fraction",

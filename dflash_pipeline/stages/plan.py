@@ -4,7 +4,9 @@
 
 Every figure says where it comes from, best source first:
 
-* counts: the run's ingest summary when the ingest has run, else ``plan.prompts``;
+* counts: the run's ingest summary when the ingest has run, else ``plan.prompts``, else the
+  rows of the dataset's local files, counted here (JSONL: non-empty lines; parquet: the row count
+  of the file's metadata, no data read), before the ingest's validation and deduplication;
 * generated tokens per sample: finished generate shards' telemetry, else
   ``plan.mean_response_tokens``, else ``generation.max_new_tokens`` (an upper bound);
 * generation throughput: finished generate shards' telemetry, else
@@ -14,25 +16,26 @@ Every figure says where it comes from, best source first:
 * bytes: finished shards' objects in the run root, else per-token estimates; hidden states are
   K taps x hidden size x bytes per element per token (stored in offline mode only).
 
-The logic is plain functions over the validated config and what was measured (``Measured``);
-the CLI only gathers those and prints.
+The config is the one Snakemake sees (``load_run_config``): without ``--configfile``, config.yaml;
+with ``--configfile A [B ...]``, those files alone, later ones updating earlier ones (nested
+mappings merged, by Snakemake's own ``update_config``), never over config.yaml; keys they leave
+out take config/schema.yaml's defaults. The logic is plain functions over that validated config
+and what was measured (``Measured``); the CLI only gathers those and prints.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import validate_config
-from dflash_pipeline.core.storage import StorageError, open_storage
+from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_BENCH_DIR = REPO / "bench" / "results"
@@ -60,7 +63,8 @@ class Measured:
     """What the run root and the benchmark results say (all optional)."""
 
     prompts: int | None = None  # from the ingest summary
-    dataset_lines: int | None = None  # lines of local JSONL dataset files (before validation)
+    dataset_rows: int | None = None  # rows of the local dataset files (before validation)
+    dataset_rows_source: str = ""  # how they were counted, or why they could not be
     train_prompts: int | None = None
     generate_shards: int = 0  # finished generate shards with telemetry
     generate_samples: int = 0
@@ -72,27 +76,37 @@ class Measured:
     hidden_size: int | None = None  # from the target's config.json
 
 
-def merge_config(base: dict, override: dict) -> dict:
-    """``override`` over ``base``, nested dicts merged: what Snakemake does with --configfile."""
-    merged = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_config(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
+def layered_config(configfiles: Sequence[str | Path] | str | Path | None, workdir: Path = REPO) -> dict:
+    """The raw config of `snakemake [--configfile A [B ...]]` run in ``workdir``, before validation.
 
+    As the Snakefile and Snakemake 9 do it: without config files, ``workdir/config.yaml`` (the
+    Snakefile's ``configfile:``, skipped whenever --configfile is given); with them, those files
+    alone, each loaded by Snakemake's ``load_configfile`` (JSON or YAML) and applied in order by
+    its ``update_config`` onto an empty dict (``snakemake.settings.types.ConfigSettings``): later
+    files update earlier ones, nested mappings merged key by key, anything else replaced."""
+    from snakemake.common.configfile import load_configfile
+    from snakemake.utils import update_config
+    from snakemake_interface_common.exceptions import WorkflowError
 
-def load_run_config(configfile: str | Path | None, workdir: Path = REPO) -> dict:
-    """The config a `snakemake [--configfile X]` run in ``workdir`` would see, validated."""
-    base_path = workdir / "config.yaml"
-    config = (yaml.safe_load(base_path.read_text()) or {}) if base_path.is_file() else {}
-    if configfile is not None:
-        path = Path(configfile)
+    if isinstance(configfiles, (str, Path)):
+        configfiles = [configfiles]
+    paths = [Path(f) for f in configfiles] if configfiles else [workdir / "config.yaml"]
+    config: dict = {}
+    for path in paths:
         if not path.is_file():
             raise PlanError(f"config file {path} not found")
-        config = merge_config(config, yaml.safe_load(path.read_text()) or {})
-    return validate_config(config)
+        try:
+            update_config(config, load_configfile(path))
+        except WorkflowError as err:
+            raise PlanError(f"config file {path}: {err}") from None
+    return config
+
+
+def load_run_config(configfiles: Sequence[str | Path] | str | Path | None, workdir: Path = REPO) -> dict:
+    """The config a `snakemake [--configfile A [B ...]]` run in ``workdir`` sees: the layered
+    files (``layered_config``) validated, the schema's defaults filled in (rules/common.smk);
+    ConfigError names an invalid key."""
+    return validate_config(layered_config(configfiles, workdir))
 
 
 def model_case(model: str) -> str:
@@ -154,16 +168,53 @@ def read_hidden_size(model: str) -> int | None:
     return int(size) if isinstance(size, int) else None
 
 
-def count_dataset_lines(paths: list[str], workdir: Path = REPO) -> int | None:
-    """Non-empty lines of the dataset's local JSONL files; None if any is remote or missing."""
-    total = 0
+def count_dataset_rows(paths: list[str], workdir: Path = REPO) -> tuple[int | None, str]:
+    """(rows, how they were counted) of the dataset's files as the ingest reads them, before its
+    validation and deduplication; (None, why not) when a file is remote, missing or of a format
+    the ingest does not read (``dflash_pipeline.data.prompts.detect_format``). JSONL: the
+    non-empty lines, as the ingest skips blank ones; parquet: the row count of the file's
+    metadata (its footer: no data is read)."""
+    from dflash_pipeline.data.prompts import detect_format
+
+    if not paths:
+        return None, "no dataset files"
+    total, kinds = 0, set()
     for name in paths:
+        if is_s3_url(str(name)):
+            return None, f"dataset file {name} is remote (not counted by the plan)"
         path = Path(name) if Path(name).is_absolute() else workdir / name
-        if str(name).startswith("s3://") or not path.is_file() or path.suffix != ".jsonl":
-            return None
-        with open(path, "rb") as fh:
-            total += sum(1 for line in fh if line.strip())
-    return total
+        if not path.is_file():
+            return None, f"dataset file {name} not found"
+        try:
+            kind = detect_format(str(name))
+        except ValueError as err:
+            return None, str(err)
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                total += pq.read_metadata(path).num_rows
+            except Exception as err:  # noqa: BLE001 (any unreadable file: not counted)
+                return None, f"dataset file {name} is not a readable parquet file ({type(err).__name__})"
+        else:
+            total += count_jsonl_rows(path)
+        kinds.add(kind)
+    how = " and ".join({"jsonl": "non-empty JSONL lines", "parquet": "parquet rows from the metadata"}[k]
+                       for k in sorted(kinds))
+    return total, f"counted by the plan: {how} of the local dataset files, before validation and deduplication"
+
+
+def count_jsonl_rows(path: Path) -> int:
+    """The rows the ingest reads from a JSONL file (``prompts.parse_jsonl_lines``): its non-blank
+    lines, a byte order mark at the start of the first line dropped."""
+    bom = b"\xef\xbb\xbf"
+    rows = 0
+    with open(path, "rb") as fh:
+        for number, line in enumerate(fh, start=1):
+            if number == 1 and line.startswith(bom):
+                line = line[len(bom):]
+            rows += bool(line.strip())
+    return rows
 
 
 def measure_run(run_url: str, config: dict) -> Measured:
@@ -221,11 +272,12 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
         prompts = Estimate(measured.prompts, "the run's ingest summary")
     elif plan_cfg["prompts"]:
         prompts = Estimate(plan_cfg["prompts"], "config plan.prompts")
-    elif measured.dataset_lines:
-        prompts = Estimate(measured.dataset_lines, "lines of the dataset files, before validation")
+    elif measured.dataset_rows:
+        prompts = Estimate(measured.dataset_rows, measured.dataset_rows_source)
     else:
+        why = f"; {measured.dataset_rows_source}" if measured.dataset_rows_source else ""
         raise PlanError("config key 'plan.prompts' is needed before the ingest has run "
-                        "(the expected number of prompts in the dataset)")
+                        f"(the expected number of prompts in the dataset{why})")
     heldout = config["dataset"]["heldout_fraction"]
     train_rows = measured.train_prompts or round(prompts.value * (1 - heldout))
     shards = config["num_shards"]
@@ -399,13 +451,18 @@ def format_plan(plan: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--configfile", default=None, help="layered over config.yaml, as snakemake --configfile does")
+    parser.add_argument("--configfile", "--configfiles", nargs="+", default=None, metavar="FILE",
+                        help="as snakemake's: these files alone (later ones update earlier ones), not over "
+                        "config.yaml; keys they leave out take config/schema.yaml's defaults (default: config.yaml)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for the wall time (default: config gpus, else 8)")
     parser.add_argument("--run-url", default=None, help="the run root to measure (default: the config's, if it exists)")
     parser.add_argument("--default-storage-prefix", default=None, help="an S3 run's prefix (as given to snakemake)")
     parser.add_argument("--bench-dir", default=str(DEFAULT_BENCH_DIR))
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
+    if args.gpus is not None and args.gpus < 1:
+        print(f"plan: --gpus must be at least 1, got {args.gpus}", file=sys.stderr)
+        return 2
     try:
         config = load_run_config(args.configfile)
         run_url = args.run_url
@@ -421,8 +478,9 @@ def main(argv: list[str] | None = None) -> int:
             read_train_benchmarks(Path(args.bench_dir)), case, config["train"]["mode"], config["tokenize"]["max_length"],
             config["train"]["algorithm"])
         measured.hidden_size = read_hidden_size(config["target"]["model"])
-        measured.dataset_lines = count_dataset_lines(config["dataset"]["paths"])
-        gpus = args.gpus or config["gpus"] or 8
+        if not measured.prompts and not config["plan"]["prompts"]:
+            measured.dataset_rows, measured.dataset_rows_source = count_dataset_rows(config["dataset"]["paths"])
+        gpus = args.gpus if args.gpus is not None else config["gpus"] or 8
         plan = make_plan(config, measured, gpus)
     except (PlanError, ValueError) as err:
         print(f"plan: {err}", file=sys.stderr)
