@@ -143,3 +143,24 @@ def test_mostly_bad_dataset_fails_ingest_naming_file_row_and_reason(workflow, de
     kept = workflow.root / "results/demo/logs/ingest.refused-quarantine.jsonl"
     assert [json.loads(line)["row"] for line in kept.read_text().splitlines()] == [2, 3]
     assert "ingest.refused-summary.json" in log
+
+
+def test_the_readme_commands_find_the_logger_plugin_from_the_venv_alone(workflow, demo_model):
+    """`source .venv/bin/activate; snakemake --logger dflash` in a copy of the workflow: the
+    installed package alone (no PYTHONPATH, not run from the checkout) must be found by
+    Snakemake's plugin discovery, and jobs must not need `python` or `transformers` on PATH."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    venv_bin = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{venv_bin}{os.pathsep}/usr/bin:/bin"
+    workflow.write_config(**use_built_demo_model(demo_model))
+    proc = subprocess.run(
+        [str(venv_bin / "snakemake"), "--cores", "1", "--logger", "dflash", "-n"],
+        cwd=workflow.root, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "invalid choice" not in proc.stderr

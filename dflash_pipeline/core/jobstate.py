@@ -87,9 +87,10 @@ def describe_halt(halt: dict, storage: Storage) -> str:
     return (
         f"the run is halted since {when}: {halt.get('stage')} shard {halt.get('shard')} "
         f"{halt.get('cause')}. No generate, extract or train job of this run starts while "
-        f"{storage.join(layout.HALT)} exists (it holds the full message). Fix the generation "
-        "settings and regenerate that shard (delete its outputs/generate-NNNNN.parquet, or change "
-        "the generation config), then clear the halt: "
+        f"{storage.join(layout.HALT)} exists (it holds the full message). Do what that message "
+        "advises for the cause (with unchanged settings a greedy run regenerates the same text), "
+        "regenerate that shard (delete its outputs/generate-NNNNN.parquet, or change the "
+        "generation config), then clear the halt: "
         + CLEAR_HALT_COMMAND.format(run_url=storage.url)
     )
 
