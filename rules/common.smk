@@ -9,6 +9,7 @@ from dflash_pipeline.core.config import ConfigError, rule_params, validate_confi
 from dflash_pipeline.core.gpu_slots import pool_from_config
 from dflash_pipeline.core.jobstate import describe_halt, read_halt
 from dflash_pipeline.core.lease import LeaseHeld, LeaseLost, RunLease
+from dflash_pipeline.core.resources import job_memory_mb
 from dflash_pipeline.core.planning import (
     collect_as_usual,
     collect_rarely,
@@ -127,6 +128,10 @@ if _gpu_limit is not None and int(_gpu_limit) > GPU_POOL:
         f"--resources gpu={_gpu_limit} exceeds the GPU pool ({GPU_POOL}, config key `gpus`): "
         "GPU jobs will wait for free devices"
     )
+
+
+# Host memory per job from the target's and the drafter's sizes (dflash_pipeline.core.resources).
+JOB_MEMORY_MB = job_memory_mb(config)
 
 
 def slurm(gpus):

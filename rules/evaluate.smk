@@ -27,7 +27,7 @@ rule evaluate:
     resources:
         **slurm(min(1, config["train"]["gpus_per_job"])),
         gpu=min(1, config["train"]["gpus_per_job"]),
-        mem_mb=16000,
+        mem_mb=JOB_MEMORY_MB["evaluate"],
         runtime=240,
     params:
         model=config["target"]["model"],

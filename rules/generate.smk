@@ -22,7 +22,7 @@ rule generate:
     resources:
         **slurm(config["generation"]["gpus_per_job"]),
         gpu=config["generation"]["gpus_per_job"],
-        mem_mb=8000,
+        mem_mb=JOB_MEMORY_MB["generate"],
         # Minutes (a cluster's time limit): a shard is sized for ~1 GPU-hour; a job cut at
         # the limit resumes from its parts on retry.
         runtime=240,

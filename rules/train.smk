@@ -19,7 +19,7 @@ rule extract:
     resources:
         **slurm(min(1, config["train"]["gpus_per_job"])),
         gpu=min(1, config["train"]["gpus_per_job"]),
-        mem_mb=16000,
+        mem_mb=JOB_MEMORY_MB["extract"],
         runtime=240,
     params:
         run_url=lambda wildcards: RUN_URL,
@@ -47,7 +47,7 @@ rule train:
     resources:
         **slurm(config["train"]["gpus_per_job"]),
         gpu=config["train"]["gpus_per_job"],
-        mem_mb=16000,
+        mem_mb=JOB_MEMORY_MB["train"],
         # Minutes per segment (a cluster's time limit); a segment cut at the limit resumes
         # from its last checkpoint on retry.
         runtime=720,
@@ -76,7 +76,7 @@ rule export:
     threads: 1
     resources:
         **slurm(0),
-        mem_mb=8000,
+        mem_mb=JOB_MEMORY_MB["export"],
         runtime=60,
     params:
         run_url=lambda wildcards: RUN_URL,

@@ -516,3 +516,13 @@ def test_any_decoded_row_is_kept_or_quarantined(row):
         check_bad(result)
     else:
         check_prompt(result)
+
+
+def test_the_summary_counts_rows_per_file_and_names_an_empty_one(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(openai_row(f"q{i}")) + "\n" for i in range(4)))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    _, summary = run_ingest(tmp_path, [good, empty])
+    assert summary["rows_per_file"] == {str(good): 4, str(empty): 0}
+    assert summary["files_without_rows"] == [str(empty)]

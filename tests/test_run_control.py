@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import uuid
 
 import pytest
 import yaml
@@ -190,6 +191,23 @@ def test_slurm_profile_plans_on_a_fresh_checkout_with_cpu_and_gpu_partitions(wor
             # Account and QoS for every job; the node constraint for GPU jobs only.
             assert "slurm_account=lab" in line and "qos=long" in line, (rule, line)
             assert ("constraint=h200" in line) == (rule in gpu_rules), (rule, line)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("snakemake_executor_plugin_slurm") is None,
+    reason="snakemake-executor-plugin-slurm is not installed (pip install -e .[slurm])",
+)
+def test_the_slurm_s3_profile_plans_every_job_with_its_partition_against_s3(workflow, demo_model, s3_server, s3_env):
+    workflow.write_config(
+        target={"model": str(demo_model), "build_demo": False},
+        slurm={"gpu_partition": "a100", "cpu_partition": "small"},
+    )
+    prefix = f"s3://{s3_server.bucket}/slurm-s3-{uuid.uuid4().hex[:8]}"
+    proc = workflow.snakemake("--profile", "profiles/slurm-s3", "--default-storage-prefix", prefix, "-n")
+    blocks = job_blocks(proc.stdout)
+    assert {"ingest", "generate", "train", "evaluate"} <= set(blocks)
+    assert all("slurm_partition=small" in line for rule, lines in blocks.items() if rule != "all" for line in lines)
+    assert f"{prefix}/results/demo/outputs/ingest-summary.json" in proc.stdout
 
 
 def test_report_rules_run_in_the_driver():

@@ -53,6 +53,7 @@ class IngestResult:
     bad: list[BadRow] = field(default_factory=list)
     duplicates: int = 0
     prompts: list[Prompt] = field(default_factory=list)
+    rows_per_file: dict[str, int] = field(default_factory=dict)
 
     @property
     def bad_fraction(self) -> float:
@@ -94,6 +95,9 @@ def read_dataset(paths: list[str], max_row_bytes: int, id_field: str) -> IngestR
                 raise PrepareError(
                     f"dataset file {url} cannot be read after {result.rows_read - before} rows: {err}"
                 ) from err
+        result.rows_per_file[url] = result.rows_read - before
+        if not result.rows_per_file[url]:
+            log.warning("dataset file %s has no rows (config key dataset.paths)", url)
     return result
 
 
@@ -180,6 +184,10 @@ def summarize(
     heldout = Counter(s for s, split in zip(shard_col, split_col) if split == HELDOUT)
     return {
         "files": paths,
+        # Rows read per file (bad ones included), and the files that had none: an empty file
+        # beside good ones is named, not silently accepted.
+        "rows_per_file": dict(result.rows_per_file),
+        "files_without_rows": [path for path, rows in result.rows_per_file.items() if not rows],
         "rows_read": result.rows_read,
         "bad_rows": len(result.bad),
         "bad_fraction": round(result.bad_fraction, 6),

@@ -1,0 +1,46 @@
+"""Host memory per job follows the target's and the drafter's sizes (SLURM kills a job that
+outgrows its request): a 27B target on 8 ranks is not 16 GB, and the demo keeps the floors."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from dflash_pipeline.core.config import validate_config
+from dflash_pipeline.core.resources import FLOORS_MB, checkpoint_bytes, drafter_params, job_memory_mb
+from tests.conftest import REPO
+
+# Qwen3.6-27B's text shape (hidden 5120, intermediate 17408) and its bf16 checkpoint's size.
+QWEN36_27B = {"text_config": {"hidden_size": 5120, "intermediate_size": 17408}}
+WEIGHTS = 54_000_000_000
+
+
+def fake_27b(folder):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN36_27B))
+    index = {"metadata": {"total_size": WEIGHTS}, "weight_map": {}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def test_the_27b_example_asks_for_what_its_jobs_hold(tmp_path):
+    config = yaml.safe_load((REPO / "config/examples/qwen3.6-27b.yaml").read_text())
+    config["target"]["model"] = str(fake_27b(tmp_path / "qwen"))
+    config = validate_config(config)
+    assert checkpoint_bytes(config["target"]["model"]) == WEIGHTS
+    params = drafter_params(config["target"]["model"], config["train"])
+    assert 1.5e9 < params < 2.5e9  # 5 layers of hidden 5120 (the authors' drafter: ~1.7B)
+    mem = job_memory_mb(config)
+    target_mb = 1.2 * WEIGHTS / 1e6
+    assert mem["generate"] > target_mb  # the engine loads the target through host memory
+    assert mem["train"] > 8 * target_mb  # eight ranks, each with its own target
+    assert mem["export"] > params * 12 / 1e6  # the checkpoint's fp32 weights and AdamW moments
+    assert mem["evaluate"] > target_mb and mem["evaluate"] < 2 * target_mb  # bf16 on the GPU
+
+
+def test_the_demo_and_a_missing_folder_keep_the_floors(tmp_path, demo_model):
+    config = validate_config({"target": {"model": str(tmp_path / "not-built-yet")}})
+    assert job_memory_mb(config) == FLOORS_MB
+    demo = validate_config(yaml.safe_load((REPO / "config.yaml").read_text()) | {"target": {"model": str(demo_model)}})
+    assert job_memory_mb(demo) == FLOORS_MB  # a few MB of weights: the floors
