@@ -34,7 +34,7 @@ sglang_args_stamp = $(SGLANG_ARGS_DIR)/$(1)/.installed-$(shell cat envs/sglang-$
 SGLANG_ARGS_STAMPS := $(foreach v,$(SGLANG_ARGS_VERSIONS),$(call sglang_args_stamp,$(v)))
 
 .PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt plan vllm-env \
-	sglang-args-envs fetch
+	sglang-args-envs fetch gpu-env vllm-gpu-env sglang-env
 
 setup: $(STAMP)
 
@@ -159,3 +159,22 @@ browser-deps:
 
 clean:
 	rm -rf results .snakemake report.html
+
+# --- a GPU machine: the pipeline and each engine in an environment of its own -----------------
+# (README, Run on your GPUs). Set engines.vllm.python / engines.sglang.python to the engines'.
+VLLM_GPU_VENV ?= .venv-vllm-gpu
+SGLANG_VENV ?= .venv-sglang
+
+gpu-env:
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r envs/gpu/pipeline-cu130.txt
+	$(MAKE) setup
+
+vllm-gpu-env:
+	test -x $(VLLM_GPU_VENV)/bin/python || python3 -m venv $(VLLM_GPU_VENV)
+	$(VLLM_GPU_VENV)/bin/python -m pip install --quiet -r envs/gpu/vllm-0.26.0.txt
+
+sglang-env:
+	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -r envs/gpu/sglang-0.5.17.txt

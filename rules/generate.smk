@@ -17,7 +17,8 @@ rule generate:
     # A retry resumes from the shard's saved parts (a crash costs at most one part).
     retries: config["generation"]["retries"]
     conda:
-        "../envs/generate-sglang.yaml"
+        # The job is a client: the engine runs from engines.<engine>.python, its own environment.
+        "../envs/cpu.yaml"
     threads: 2
     resources:
         **slurm(config["generation"]["gpus_per_job"]),

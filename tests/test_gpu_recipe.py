@@ -1,0 +1,53 @@
+"""The GPU recipe (envs/gpu/, `make gpu-env vllm-gpu-env sglang-env`), as far as a CPU machine can
+check it: each engine in an environment of its own, pinned to versions that serve the drafter of
+the 27B example, on the torch the pipeline's GPU environment installs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import yaml
+
+from dflash_pipeline.core.config import validate_config
+from dflash_pipeline.engines.limits import DrafterShape, refusals
+from tests.conftest import REPO
+
+GPU = REPO / "envs" / "gpu"
+
+
+def pins(name: str) -> dict[str, str]:
+    found = {}
+    for line in (GPU / name).read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9_.-]+)==([^\s#]+)", line)
+        if match:
+            found[match[1].lower()] = match[2]
+    return found
+
+
+def test_the_pinned_engines_serve_the_27b_example_drafter():
+    example = validate_config(yaml.safe_load((REPO / "config/examples/qwen3.6-27b.yaml").read_text()))
+    shape = DrafterShape.from_train_config(example["train"])
+    assert "mixed" in shape.features()
+    assert refusals("vllm", pins("vllm-0.26.0.txt")["vllm"], "gpu", shape) == []
+    assert refusals("sglang", pins("sglang-0.5.17.txt")["sglang"], "gpu", shape) == []
+
+
+def test_the_pipeline_gpu_env_takes_cuda_torch_from_pytorchs_index_and_the_gdn_kernels():
+    text = (GPU / "pipeline-cu130.txt").read_text()
+    assert "--extra-index-url https://download.pytorch.org/whl/cu130" in text
+    assert pins("pipeline-cu130.txt")["torch"] == "2.11.0"  # what vLLM 0.26.0 and SGLang 0.5.17 pin
+    assert "flash-linear-attention" in pins("pipeline-cu130.txt")
+    # SGLang 0.5.17 fails to import with transformers 5.17: its environment pins 5.12.1.
+    assert pins("sglang-0.5.17.txt")["transformers"] == "5.12.1"
+
+
+def test_the_make_targets_build_each_environment_apart():
+    def planned(target: str) -> str:
+        return subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True).stdout
+
+    assert "pip install --quiet -r envs/gpu/pipeline-cu130.txt" in planned("gpu-env")
+    assert ".venv-vllm-gpu/bin/python -m pip install --quiet -r envs/gpu/vllm-0.26.0.txt" in planned("vllm-gpu-env")
+    assert ".venv-sglang/bin/python -m pip install --quiet -r envs/gpu/sglang-0.5.17.txt" in planned("sglang-env")
+    # The CPU build is named explicitly for the demo and the tests.
+    assert "torch==2.13.0+cpu" in (REPO / "Makefile").read_text()
