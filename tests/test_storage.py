@@ -138,3 +138,20 @@ def test_ensure_bucket_creates_bucket_and_keeps_a_sentinel(s3_server, s3_env):
     )
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
     assert keys == [BUCKET_SENTINEL_KEY]
+
+
+def test_a_missing_object_is_a_typed_not_found(store):
+    from dflash_pipeline.core.storage import NotFound
+
+    with pytest.raises(NotFound, match="does not exist"):
+        store.read_bytes("nope/missing.json")
+    assert not store.exists("nope/missing.json")
+
+
+def test_no_access_to_a_bucket_never_creates_one(s3_server, s3_env, monkeypatch):
+    from dflash_pipeline.core.storage import S3Storage, StorageError
+
+    monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_SECRET_KEY", "wrong")
+    storage = S3Storage(f"s3://{s3_server.bucket}-other/run")
+    with pytest.raises(StorageError, match="no access"):
+        storage.ensure_bucket()

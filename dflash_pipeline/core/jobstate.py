@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.storage import Storage, StorageError, open_storage
+from dflash_pipeline.core.storage import NotFound, Storage, StorageError, open_storage
 
 TELEMETRY = "telemetry.json"
 TELEMETRY_EVERY_S = 10.0
@@ -38,10 +38,8 @@ def read_halt(storage: Storage) -> dict | None:
     """The run's halt record, or None when the run is not halted."""
     try:
         text = storage.read_text(layout.HALT)
-    except StorageError as err:
-        if "does not exist" in str(err):
-            return None
-        raise  # storage trouble: never mistake it for "not halted"
+    except NotFound:
+        return None  # other storage trouble raises: never mistaken for "not halted"
     try:
         halt = json.loads(text)
     except ValueError:

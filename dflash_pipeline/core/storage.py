@@ -40,6 +40,10 @@ class StorageError(RuntimeError):
     """A storage operation failed; the message names the URL."""
 
 
+class NotFound(StorageError):
+    """The object does not exist (local file or S3 key); the message names its URL."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """One stored object: key relative to the storage root, size in bytes, mtime (epoch s)."""
@@ -159,7 +163,7 @@ class LocalStorage(Storage):
         try:
             return self._path(key).read_bytes()
         except FileNotFoundError as err:
-            raise StorageError(f"{self.join(key)} does not exist") from err
+            raise NotFound(f"{self.join(key)} does not exist") from err
 
     @contextlib.contextmanager
     def atomic_path(self, key: str) -> Iterator[Path]:
@@ -353,7 +357,7 @@ class S3Storage(Storage):
         except ClientError as err:
             code = err.response.get("Error", {}).get("Code", "")
             if code in ("NoSuchKey", "404", "NotFound"):
-                raise StorageError(f"{self.join(key)} does not exist") from err
+                raise NotFound(f"{self.join(key)} does not exist") from err
             raise StorageError(f"{what} {self.join(key)} failed: {code or err}") from err
         except BotoCoreError as err:
             raise StorageError(f"{what} {self.join(key)} failed: {err}") from err
@@ -394,10 +398,8 @@ class S3Storage(Storage):
         try:
             self._call("checking", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
             return True
-        except StorageError as err:
-            if "does not exist" in str(err):
-                return False
-            raise
+        except NotFound:
+            return False
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         base = f"{self.prefix}/" if self.prefix else ""
@@ -460,7 +462,7 @@ class S3Storage(Storage):
                     f"{what} {self.join(key)} failed: the S3 server does not support conditional "
                     "writes (If-None-Match / If-Match), which the run lease needs"
                 ) from err
-            if "does not exist" in str(err):
+            if isinstance(err, NotFound):
                 return None  # If-Match on a missing object
             raise
 
@@ -469,10 +471,8 @@ class S3Storage(Storage):
             resp = self._call(
                 "reading", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key)
             )
-        except StorageError as err:
-            if "does not exist" in str(err):
-                return None
-            raise
+        except NotFound:
+            return None
         return resp["Body"].read(), resp["ETag"]
 
     def create_if_absent(self, key: str, data: bytes) -> str | None:
@@ -492,7 +492,14 @@ class S3Storage(Storage):
 
         try:
             self.client.head_bucket(Bucket=self.bucket)
-        except ClientError:
+        except ClientError as err:
+            # Only a bucket that is not there is created: a 403 (no access to someone else's
+            # bucket, or wrong credentials) is an error, never a reason to create one.
+            if _client_error_code(err) not in ("404", "NoSuchBucket", "NotFound"):
+                raise StorageError(
+                    f"s3://{self.bucket}: no access ({_client_error_code(err)}); check the "
+                    f"{S3_ENV_PREFIX}* credentials"
+                ) from err
             self._call("creating bucket", "", self.client.create_bucket, Bucket=self.bucket)
         try:
             self.client.head_object(Bucket=self.bucket, Key=BUCKET_SENTINEL_KEY)
