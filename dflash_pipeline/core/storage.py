@@ -29,6 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 S3_ENV_PREFIX = "SNAKEMAKE_STORAGE_S3_"
+# botocore's standard mode backs off exponentially up to 20 s per attempt: 15 attempts ride out
+# an outage of about three minutes (the profiles give the S3 plugin the same); DFLASH_S3_MAX_ATTEMPTS
+# changes it.
+S3_MAX_ATTEMPTS = int(os.environ.get("DFLASH_S3_MAX_ATTEMPTS") or 15)
 BUCKET_SENTINEL_KEY = ".dflash-pipeline-bucket"
 # Local temp files carry this marker so listings never show a half-written object.
 PARTIAL_MARKER = ".partial-"
@@ -300,7 +304,7 @@ def _s3_client():
     # Non-AWS servers (SeaweedFS, MinIO) store boto's default checksum trailers inside the
     # object; the S3 plugin switches them off the same way.
     config = Config(
-        retries={"max_attempts": 5, "mode": "standard"},
+        retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"},
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
