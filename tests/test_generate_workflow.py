@@ -194,11 +194,18 @@ def test_engine_that_fails_to_start_names_its_log(workflow, demo_model, tmp_path
 
 def test_engine_dying_mid_shard_fails_the_job_and_keeps_finished_parts(workflow, demo_model, tmp_path):
     configure(workflow, demo_model, tmp_path, retries=0)  # a retry would resume and succeed
+    progress = kill_engine_after_a_part(workflow, tmp_path / "locks")
+    assert progress.read_telemetry()["state"] == "failed"
+
+
+def kill_engine_after_a_part(workflow, lock_dir) -> ShardProgress:
+    """Run the workflow (generate with retries 0), SIGKILL shard 0's engine server once a
+    progress part is saved: the job fails naming the engine's log, the part stays."""
     progress = ShardProgress(open_storage(workflow.root / "results/demo"), "generate", 0)
     run = start_snakemake(workflow)
     try:
         wait_until(lambda: len(progress.part_keys()) >= 1, SLOW, "a progress part")
-        pid_file = next((tmp_path / "locks").glob("server-*.pid"))
+        pid_file = next(lock_dir.glob("server-*.pid"))
         os.killpg(int(pid_file.read_text().split()[0]), signal.SIGKILL)
         assert run.wait(timeout=SLOW) != 0
     finally:
@@ -208,7 +215,7 @@ def test_engine_dying_mid_shard_fails_the_job_and_keeps_finished_parts(workflow,
     assert "the engine process died" in log_text
     assert "Engine log: results/demo/logs/generate-engine/00000.log" in log_text
     assert len(progress.part_keys()) >= 1
-    assert progress.read_telemetry()["state"] == "failed"
+    return progress
 
 
 def test_endpoint_that_keeps_failing_stops_the_job_with_a_clear_error(workflow, demo_model, tmp_path):

@@ -11,15 +11,11 @@ One plain vLLM server with the demo target serves the whole module's lossless re
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_pipeline.core.jobstate import ShardProgress
-from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.engines.client import EngineError
 from dflash_pipeline.engines.environments import configured_engine, engine_env
 from dflash_pipeline.engines.launch import ManagedServer, free_port
@@ -28,7 +24,7 @@ from dflash_pipeline.stages.evaluate import main as evaluate_main
 from tests.conftest import Workflow, WORKFLOW_FILES, REPO
 from tests.support.engine_envs import VLLM_CPU_ENV, VLLM_CPU_MEM_FRACTION, vllm_python
 from tests.test_evaluate_cli import export_untrained_drafter
-from tests.test_generate_workflow import SLOW, start_snakemake, wait_until
+from tests.test_generate_workflow import SLOW, kill_engine_after_a_part
 
 pytestmark = pytest.mark.workflow
 
@@ -138,21 +134,7 @@ def test_a_killed_vllm_server_fails_the_job_naming_its_log_and_the_rerun_resumes
 ):
     workflow = new_workflow(tmp_path / "wf")
     configure_vllm_generation(workflow, demo_model, vllm_engines, tmp_path, retries=0)
-    progress = ShardProgress(open_storage(workflow.root / RUN), "generate", 0)
-    run = start_snakemake(workflow)
-    try:
-        wait_until(lambda: len(progress.part_keys()) >= 1, SLOW, "a progress part")
-        pid_file = next((tmp_path / "locks").glob("server-*.pid"))
-        os.killpg(int(pid_file.read_text().split()[0]), signal.SIGKILL)
-        assert run.wait(timeout=SLOW) != 0
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-    log_text = (workflow.root / f"{RUN}/logs/generate/00000.log").read_text()
-    assert "the engine process died" in log_text
-    assert f"Engine log: {RUN}/logs/generate-engine/00000.log" in log_text
-    saved = len(progress.part_keys())
-    assert saved >= 1
+    kill_engine_after_a_part(workflow, tmp_path / "locks")  # the job fails naming the engine log
     workflow.snakemake()
     resumed = _by_id(workflow.root / SHARD)
     whole = _by_id(vllm_generated.root / SHARD)

@@ -296,7 +296,10 @@ def s3_settings_from_env(env: dict[str, str] | None = None) -> dict[str, str | N
     }
 
 
-def _s3_client():
+def s3_client(max_attempts: int | None = None, **timeouts):
+    """A boto3 S3 client configured as the S3 plugin is (``SNAKEMAKE_STORAGE_S3_*``), retrying
+    ``max_attempts`` times (default ``S3_MAX_ATTEMPTS``); ``timeouts``: botocore's
+    connect_timeout / read_timeout."""
     import boto3
     from botocore.config import Config
 
@@ -304,9 +307,10 @@ def _s3_client():
     # Non-AWS servers (SeaweedFS, MinIO) store boto's default checksum trailers inside the
     # object; the S3 plugin switches them off the same way.
     config = Config(
-        retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"},
+        retries={"max_attempts": max_attempts or S3_MAX_ATTEMPTS, "mode": "standard"},
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
+        **timeouts,
     )
     return boto3.client(
         "s3",
@@ -347,7 +351,7 @@ class S3Storage(Storage):
     def __init__(self, url: str, client=None):
         self.bucket, self.prefix = split_s3_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-        self.client = client or _s3_client()
+        self.client = client or s3_client()
 
     def _key(self, key: str) -> str:
         key = key.lstrip("/")

@@ -22,7 +22,13 @@ import re
 import sys
 from pathlib import Path
 
-from dflash_pipeline.core.storage import S3_ENV_PREFIX, is_s3_url, s3_settings_from_env, split_s3_url
+from dflash_pipeline.core.storage import (
+    S3_ENV_PREFIX,
+    is_s3_url,
+    s3_client,
+    s3_settings_from_env,
+    split_s3_url,
+)
 from dflash_pipeline.data.prompts import detect_format
 from dflash_pipeline.engines.preflight import check_engines
 
@@ -113,8 +119,6 @@ def storage_problems(run_url: str) -> list[str]:
     root). A missing bucket is no problem: the run creates it when it starts."""
     if not is_s3_url(run_url):
         return []
-    import boto3
-    from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
     settings = s3_settings_from_env()
@@ -125,15 +129,8 @@ def storage_problems(run_url: str) -> list[str]:
             f"storage {run_url}: no S3 credentials: set {variables} (and {S3_ENV_PREFIX}ENDPOINT_URL "
             "for a server other than AWS), as the S3 plugin reads them"
         ]
-    client = boto3.client(
-        "s3",
-        endpoint_url=settings["endpoint_url"],
-        aws_access_key_id=settings["access_key"],
-        aws_secret_access_key=settings["secret_key"],
-        aws_session_token=settings["token"],
-        region_name=settings["region"],
-        config=Config(retries={"max_attempts": 2, "mode": "standard"}, connect_timeout=10, read_timeout=30),
-    )
+    # Few attempts: planning says at once that storage is unreachable (jobs ride out outages).
+    client = s3_client(max_attempts=2, connect_timeout=10, read_timeout=30)
     endpoint = settings["endpoint_url"] or "AWS S3"
     try:
         client.head_bucket(Bucket=bucket)
