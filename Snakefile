@@ -17,6 +17,7 @@ report: "report/workflow.rst"
 
 
 include: "rules/common.smk"
+include: "rules/run_control.smk"
 include: "rules/demo.smk"
 include: "rules/prepare.smk"
 include: "rules/generate.smk"

@@ -1,4 +1,5 @@
-# The one place that validates the config, names every path and wires the GPU slot wrapper.
+# The config, validated, and every path, input function and resource of the rules (run control:
+# rules/run_control.smk).
 import sys
 
 # Import the package from this checkout even where it is not pip-installed (e.g. conda envs).
@@ -7,24 +8,8 @@ sys.path.insert(0, workflow.basedir)
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import ConfigError, rule_params, validate_config
 from dflash_pipeline.core.gpu_slots import pool_from_config
-from dflash_pipeline.core.jobstate import describe_halt, read_halt
-from dflash_pipeline.core.lease import LeaseHeld, LeaseLost, RunLease
 from dflash_pipeline.core.resources import job_memory_mb
-from dflash_pipeline.core.planning import (
-    collect_as_usual,
-    collect_rarely,
-    install_planning_patches,
-)
-from dflash_pipeline.core.s3_inventory import install_folder_inventory
-from dflash_pipeline.core.storage import S3Storage, is_s3_url, open_storage
-
-# Planning against S3 reads absence from folder listings (one request per 1,000 objects, not
-# three per missing object); see dflash_pipeline/core/s3_inventory.py.
-install_folder_inventory()
-# Planning 10,000s of jobs: Snakemake's per-job checks without repeats, and the garbage collector
-# held back until the plan is built (dflash_pipeline.core.planning).
-install_planning_patches()
-collect_rarely()
+from dflash_pipeline.core.storage import is_s3_url
 
 try:
     config.update(validate_config(config))
@@ -42,45 +27,6 @@ DEFAULT_STORAGE = workflow.storage_settings.default_storage_provider
 RUN_URL = layout.run_url(
     RUN_ROOT, DEFAULT_STORAGE, workflow.storage_settings.default_storage_prefix
 )
-
-
-def check_offline_budget():
-    """Offline mode above train.offline_max_bytes stops the plan (dflash_pipeline.training.offline);
-    it is checked again when a training job starts."""
-    from dflash_pipeline.training.offline import OfflineBudgetError, check_run
-
-    if config["train"]["mode"] != "offline" or config["until"] not in (
-        "train",
-        "evaluate",
-    ):
-        return
-    try:
-        check_run(config, open_storage(RUN_URL))
-    except OfflineBudgetError as err:
-        raise ValueError(
-            f"{err}\n(check config.yaml or the file given with --configfile)"
-        ) from None
-
-
-check_offline_budget()
-
-
-def preflight():
-    """What would fail the run days in, refused now, one line per problem: the target folder,
-    the dataset files, the storage, the engines (dflash_pipeline.stages.preflight)."""
-    from dflash_pipeline.stages.preflight import run_problems
-
-    problems, ready = run_problems(config, RUN_URL)
-    if problems:
-        raise ValueError(
-            "\n".join(problems)
-            + "\n(check config.yaml or the file given with --configfile)"
-        )
-    for line in ready:
-        logger.info(line)
-
-
-preflight()
 
 
 wildcard_constraints:
@@ -215,111 +161,3 @@ def get_final_output():
     if config["target"]["build_demo"]:
         outputs.append(local(config["target"]["model"]))
     return outputs
-
-
-def start_status_page():
-    """The live status page in the background (config key status.serve); it keeps serving
-    after the run ends, and does nothing if one already serves this port."""
-    import os
-    import subprocess
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (workflow.basedir, env.get("PYTHONPATH")) if p
-    )
-    status = config["status"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_pipeline.status",
-            "start",
-            "--run-url",
-            RUN_URL,
-            "--num-shards",
-            str(config["num_shards"]),
-            "--num-segments",
-            str(config["train"]["segments"]),
-            "--until",
-            config["until"],
-            "--host",
-            status["host"],
-            "--port",
-            str(status["port"]),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    message = (proc.stdout + proc.stderr).strip()
-    (logger.info if proc.returncode == 0 else logger.warning)(message)
-
-
-def log_halt(prefix):
-    """Say why generate/extract/train jobs refuse: the run's halt (a tokenize shard failed the
-    data-quality gate; dflash_pipeline.core.jobstate). The jobs enforce it, keep-going or not.
-    """
-    run_storage = open_storage(RUN_URL)
-    halt = read_halt(run_storage)
-    if halt is not None:
-        logger.error(f"{prefix}: {describe_halt(halt, run_storage)}")
-
-
-# This driver's run lease (dflash_pipeline.core.lease), taken in onstart: only real executions
-# run onstart (not dry-runs, --lint, reports, nor the jobs' own Snakemake processes).
-RUN_LEASE = []
-
-
-def lease_trouble(err):
-    """The heartbeat failed. Lost (another driver took the run over): stop this driver, as
-    Ctrl-C would (Snakemake's SIGTERM handler cancels the running jobs)."""
-    import os
-    import signal
-
-    if isinstance(err, LeaseLost):
-        logger.error(f"{err}: this driver stops so that only one drives the run")
-        os.kill(os.getpid(), signal.SIGTERM)
-    else:
-        logger.warning(f"run lease heartbeat failed (retried at the next beat): {err}")
-
-
-def take_run_lease():
-    if not config["lease"]["enabled"]:
-        return
-    try:
-        lease = RunLease(
-            open_storage(RUN_URL), ttl_s=config["lease"]["ttl_s"]
-        ).acquire()
-    except LeaseHeld as err:
-        logger.error(str(err))
-        raise SystemExit(1) from None
-    if lease.took_over is not None:
-        logger.warning(f"took over a stale run lease: {lease.took_over.get('owner')}")
-    lease.start_heartbeat(lease_trouble)
-    RUN_LEASE.append(lease)
-
-
-def release_run_lease():
-    while RUN_LEASE:
-        RUN_LEASE.pop().release()
-
-
-onstart:
-    # The plan is built: the driver collects garbage as usual for the days of the run.
-    collect_as_usual()
-    if DEFAULT_STORAGE == "s3":
-        # The S3 plugin deletes a bucket once it is empty; keep one object in it for good.
-        S3Storage(RUN_URL).ensure_bucket()
-    take_run_lease()
-    log_halt("generate, extract and train jobs will refuse to start")
-    if config["status"]["serve"]:
-        start_status_page()
-
-
-onsuccess:
-    release_run_lease()
-
-
-onerror:
-    release_run_lease()
-    log_halt("the run stopped")

@@ -2,7 +2,7 @@
 
     python -m dflash_pipeline.stages.preflight [--configfile FILE ...] [--default-storage-prefix s3://...]
 
-The workflow runs the same checks while it parses (``rules/common.smk``), so ``snakemake -n``
+The workflow runs the same checks while it parses (``rules/run_control.smk``), so ``snakemake -n``
 and every real run stop at once with one line per problem, naming the key or variable, the value
 and what to do:
 

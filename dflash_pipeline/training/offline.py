@@ -4,7 +4,7 @@ Offline training reads the target's taps from the hidden-state shards of rule ``
 every rank of every training job downloads all of them to its local temp folder
 (``dflash_pipeline.data.hidden``). That is fine for the demo and ruinous at scale (the seeds' run:
 ~3B tokens x 50 KiB per token), so the run refuses offline mode above the limit, once when
-Snakemake plans it (``rules/common.smk``) and again when a training job starts, with what online
+Snakemake plans it (``rules/run_control.smk``) and again when a training job starts, with what online
 mode would cost instead. The estimate is
 
     bytes = taps K x target hidden H x bytes per element x training tokens
