@@ -66,10 +66,6 @@ class Storage(ABC):
         """The full URL (or local path) of ``key``."""
         return f"{self.url.rstrip('/')}/{key.lstrip('/')}"
 
-    def child(self, prefix: str) -> Storage:
-        """A storage rooted at ``prefix`` below this one."""
-        return open_storage(self.join(prefix))
-
     @abstractmethod
     def read_bytes(self, key: str) -> bytes: ...
 

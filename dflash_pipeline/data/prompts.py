@@ -84,7 +84,7 @@ class Prompt:
     @property
     def prompt_turns(self) -> list[tuple[str, str]]:
         """The turns that define the prompt: everything but assistant turns (regenerated)."""
-        return [(role, content) for role, content in self.messages if role != "assistant"]
+        return prompt_turns_of(self.messages)
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,25 @@ def prompt_hash(turns: list[tuple[str, str]]) -> str:
     """Stable hash of prompt turns: the id of rows without a usable source id, and the dedupe key."""
     canonical = json.dumps(turns, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:20]
+
+
+def prompt_turns_of(messages: Iterable) -> list[tuple[str, str]]:
+    """The (role, content) turns that define a prompt: every turn but assistant ones (the generate
+    stage regenerates those). ``messages`` are a ``Prompt``'s (role, content) pairs or a prompt
+    shard row's ``{"role", "content"}`` structs: both give the same turns, so the same hash."""
+    turns = []
+    for message in messages:
+        role, content = (message["role"], message["content"]) if isinstance(message, dict) else message
+        if role != "assistant":
+            turns.append((role, content))
+    return turns
+
+
+def messages_prompt_hash(messages: Iterable) -> str:
+    """``prompt_hash`` of a prompt shard row's messages: the ingest's dedupe key of that prompt.
+    A generated row carries it, so a row generated for an earlier text of a prompt (same sample
+    id, edited turns) is never taken for the new one."""
+    return prompt_hash(prompt_turns_of(messages))
 
 
 def _show(value, limit: int = 60) -> str:

@@ -3,8 +3,14 @@
 Each conversation is replayed turn by turn on its regenerated history: every assistant turn of
 the source is replaced by the target's own response, and a conversation that ends with a user or
 tool turn gets one more assistant turn. Finished conversations go into progress parts as they
-come, so an interrupted shard resumes from them (rows are reused by id and fingerprint). After
-every part the run's halt is checked: a halted run stops the shard there.
+come, so an interrupted shard resumes from them. After every part the run's halt is checked: a
+halted run stops the shard there.
+
+A saved row (a part, or the reuse copy of an earlier build of the shard) is reused only when its
+sample id, its generation fingerprint (model, template, sampling, engine) and its prompt hash
+(``prompt_hash``: the ingest's hash of the prompt's non-assistant turns) all match the prompt's,
+and its turns sit where the prompt's do: a prompt edited under the same source id is
+regenerated. Rows saved before rows carried a prompt hash (the column is null) are regenerated.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dflash_pipeline.core.jobstate import ShardProgress, raise_if_halted
 from dflash_pipeline.data.chat import assistant_message, render_prompt, split_reasoning
+from dflash_pipeline.data.prompts import messages_prompt_hash
 from dflash_pipeline.engines.client import Completion, EngineClient, EngineError, RequestFailed, Sampling
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,10 @@ GENERATED_SCHEMA = pa.schema(
         ("completion_tokens", pa.int64()),
         ("error", pa.string()),
         ("fingerprint", pa.string()),
+        # The prompt's hash (``messages_prompt_hash`` of the prompt row): a saved row is reused
+        # only for the same prompt text. Last and nullable: parts and reuse objects written
+        # before it read back with nulls, and such rows are regenerated.
+        ("prompt_hash", pa.string()),
     ]
 )
 
@@ -145,6 +157,8 @@ class ShardGenerator:
         return assistant_message(split), turn
 
     async def conversation(self, row: dict) -> dict:
+        """The row regenerated; it carries the prompt's hash (``row["prompt_hash"]`` when
+        ``generate_shard`` set it, else computed from the prompt's messages)."""
         history: list[dict] = []
         turns: list[dict] = []
         error = None
@@ -179,16 +193,66 @@ class ShardGenerator:
             "completion_tokens": sum(t["completion_tokens"] for t in turns),
             "error": error,
             "fingerprint": self.fingerprint,
+            "prompt_hash": row.get("prompt_hash") or messages_prompt_hash(row["messages"]),
         }
 
 
-def reusable_rows(saved: pa.Table, fingerprint_value: str) -> dict[str, dict]:
-    """Rows from earlier attempts that need no new request: same fingerprint, no error."""
-    return {
-        r["id"]: r
-        for r in saved.to_pylist()
-        if r["error"] is None and r["fingerprint"] == fingerprint_value
-    }
+def generated_roles(messages: list[dict]) -> list[str]:
+    """The roles of the row generated from a prompt's messages: the prompt's, plus the assistant
+    turn a conversation that does not end with one gets."""
+    roles = [m["role"] for m in messages]
+    return roles if roles and roles[-1] == "assistant" else [*roles, "assistant"]
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What a saved row must match to stand for a prompt."""
+
+    prompt_hash: str
+    roles: tuple[str, ...]  # of the generated row (``generated_roles``)
+
+    @classmethod
+    def of(cls, row: dict) -> Wanted:
+        return cls(row.get("prompt_hash") or messages_prompt_hash(row["messages"]),
+                   tuple(generated_roles(row["messages"])))
+
+
+def reusable_rows(saved: pa.Table, fingerprint_value: str, wanted: dict[str, Wanted],
+                  what: str = "saved") -> dict[str, dict]:
+    """Rows from earlier attempts that need no new request: a wanted sample id, the same
+    fingerprint and prompt hash, no error, and assistant turns where the prompt has them (the
+    prompt hash, like the ingest's dedupe, leaves assistant turns out). A row without a prompt hash
+    (saved before rows carried one) is not reused. For a repeated id the later row wins.
+
+    Only the small key columns are converted to Python to choose; only the chosen rows whole.
+    """
+    if saved.num_rows == 0:
+        return {}
+    same_fingerprint = pc.equal(saved.column("fingerprint"), pa.scalar(fingerprint_value, pa.string()))
+    same_run = pc.and_(pc.is_null(saved.column("error")), pc.fill_null(same_fingerprint, False)).to_pylist()
+    ids = saved.column("id").to_pylist()
+    hashes = saved.column("prompt_hash").to_pylist()
+    chosen, stale = [], 0
+    for index, (sample_id, digest, ok) in enumerate(zip(ids, hashes, same_run, strict=True)):
+        want = wanted.get(sample_id)
+        if want is None or not ok:
+            continue
+        if digest is not None and digest == want.prompt_hash:
+            chosen.append(index)
+        else:
+            stale += 1
+    found: dict[str, dict] = {}
+    taken = saved if len(chosen) == saved.num_rows else saved.take(pa.array(chosen, pa.int64()))
+    for row in taken.to_pylist():
+        if tuple(m["role"] for m in row["messages"]) == wanted[row["id"]].roles:
+            found[row["id"]] = row
+        else:
+            found.pop(row["id"], None)  # a later row for another shape of the prompt
+            stale += 1
+    if stale:
+        log.info("%d %s rows not reused: their prompt changed since (or they predate prompt "
+                 "hashes); those prompts are generated again", stale, what)
+    return found
 
 
 async def generate_shard(
@@ -201,12 +265,16 @@ async def generate_shard(
     """Generate every prompt not already in a saved part; returns the shard in prompt order."""
     settings = generator.settings
     rows = prompts.to_pylist()
+    wanted: dict[str, Wanted] = {}
+    for row in rows:
+        wanted[row["id"]] = Wanted.of(row)
+        row["prompt_hash"] = wanted[row["id"]].prompt_hash  # computed once, carried by the result
     # Rows of an earlier finished build of this shard (the shard was re-planned, e.g. after data
-    # was added), then rows saved in parts by an interrupted attempt.
-    done = reusable_rows(progress.load_reusable(GENERATED_SCHEMA), generator.fingerprint)
-    done.update(reusable_rows(progress.load_parts(GENERATED_SCHEMA), generator.fingerprint))
-    wanted = {r["id"] for r in rows}
-    done = {k: v for k, v in done.items() if k in wanted}
+    # was added or edited), then rows saved in parts by an interrupted attempt.
+    done = reusable_rows(progress.load_reusable(GENERATED_SCHEMA), generator.fingerprint, wanted,
+                         "earlier build's")
+    done.update(reusable_rows(progress.load_parts(GENERATED_SCHEMA), generator.fingerprint, wanted,
+                              "progress part"))
     todo = [r for r in rows if r["id"] not in done]
     telemetry = progress.telemetry(len(rows), resumed=len(rows) - len(todo), token_field="tokens_generated")
     log.info("shard %05d: %d prompts, %d resumed from earlier work, %d to generate",

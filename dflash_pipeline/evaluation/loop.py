@@ -50,20 +50,6 @@ class Proposer(Protocol):
         ...
 
 
-class SamplingProposer(Proposer, Protocol):
-    """A proposer whose drafts are samples above temperature 0 (``samples_drafts`` true)."""
-
-    samples_drafts: bool
-
-    def propose_sampled(
-        self, new_context: torch.Tensor, anchor_token: int, anchor_position: int,
-        temperature: float, generator: torch.Generator,
-    ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """As ``propose``, plus each slot's candidate ids [B-1, K] and the probabilities
-        q [B-1, K] its draft was sampled from (the same contract on ``new_context``)."""
-        ...
-
-
 class ProposerError(RuntimeError):
     """The proposer broke the contract above (wrong number of drafts)."""
 

@@ -8,7 +8,6 @@ slots 1..B-1 (DFlash), or walks DFlash2's candidate selector through each slot's
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -147,7 +146,3 @@ def load_proposer(drafter_dir: str | Path, target) -> DFlashProposer:
             f"embedding rows {embed.shape[0]}"
         )
     return DFlashProposer(drafter, embed, head)
-
-
-def read_config(drafter_dir: str | Path) -> dict:
-    return json.loads((Path(drafter_dir) / "config.json").read_text())
