@@ -111,7 +111,11 @@ def test_evaluate_writes_the_metrics_json_and_gates_after_writing(
 def test_evaluate_reports_a_bad_prompt_row_without_loading_models(tmp_path):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": 5}\n')
-    args = ["--target", str(tmp_path / "none"), "--drafter", str(tmp_path / "none")]
+    # A folder with only a config: it passes the CLI's checks, and is never loaded.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    args = ["--target", str(model), "--drafter", str(model)]
     assert main(args + ["--prompts", str(bad), "--out", str(tmp_path / "m.json")]) == 1
     assert not (tmp_path / "m.json").exists()
 

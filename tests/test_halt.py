@@ -115,8 +115,14 @@ def test_halted_generate_extract_and_train_jobs_refuse_before_loading_anything(t
         extract_job("none.parquet", missing, {}, str(tmp_path), "00002", "manifest.json")
     with pytest.raises(RunHalted, match=r"^train segment 0001 stopped: "):
         train_job(str(tmp_path), 1, {}, missing, [], [], "manifest.json", 0)
-    assert generate_main(["--prompts", "p", "--out", "o", "--run-url", str(tmp_path), "--shard", "4",
-                          "--model", missing, "--generation-json", "{}"]) == 1
+    # Through the CLI: arguments that pass its checks (a prompts file, a folder with a config),
+    # and still nothing is loaded.
+    prompts, model = tmp_path / "p.parquet", tmp_path / "model"
+    prompts.write_bytes(b"")
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert generate_main(["--prompts", str(prompts), "--out", "o", "--run-url", str(tmp_path), "--shard", "4",
+                          "--model", str(model), "--generation-json", "{}"]) == 1
 
 
 class LongRequests:

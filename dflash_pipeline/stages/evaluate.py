@@ -406,25 +406,42 @@ def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[st
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dflash_pipeline.stages.cli import (
+        existing_file,
+        float_range,
+        int_range,
+        model_dir,
+        non_negative_float,
+        non_negative_int,
+        port,
+        positive_float,
+        positive_int,
+    )
+
     parser = argparse.ArgumentParser(
         prog="python -m dflash_pipeline.stages.evaluate",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--target", required=True, help="target model folder (Hugging Face format)")
-    parser.add_argument("--drafter", required=True, help="exported drafter folder (z-lab format)")
+    parser.add_argument(
+        "--target", type=model_dir, required=True, help="target model folder (Hugging Face format)"
+    )
+    parser.add_argument(
+        "--drafter", type=model_dir, required=True, help="exported drafter folder (z-lab format)"
+    )
     parser.add_argument(
         "--prompts",
+        type=existing_file,
         required=True,
         help="JSONL rows with OpenAI `messages`, or the prepare stage's prompts parquet",
     )
     parser.add_argument("--split", help="only rows whose `split` is this (e.g. heldout)")
     parser.add_argument("--out", required=True, help="metrics JSON to write")
-    parser.add_argument("--max-new-tokens", type=int, default=EvalOptions.max_new_tokens)
-    parser.add_argument("--temperature", type=float, default=EvalOptions.temperature)
-    parser.add_argument("--block-size", type=int, help="block size B (default: the drafter's)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=EvalOptions.max_new_tokens)
+    parser.add_argument("--temperature", type=non_negative_float, default=EvalOptions.temperature)
+    parser.add_argument("--block-size", type=int_range(2), help="block size B (default: the drafter's)")
     parser.add_argument("--thinking", choices=("on", "off"), default="on")
-    parser.add_argument("--seed", type=int, default=EvalOptions.seed, help="sampling seed")
+    parser.add_argument("--seed", type=non_negative_int, default=EvalOptions.seed, help="sampling seed")
     parser.add_argument(
         "--engine",
         choices=("transformers", *ENGINES),
@@ -437,23 +454,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--lossless-margin",
-        type=float,
+        type=non_negative_float,
         help="logit margin under which a greedy divergence counts as rounding "
         "(default 0 in fp32, 0.25 in bf16)",
     )
-    parser.add_argument("--limit", type=int, help="evaluate only the first N prompts")
+    parser.add_argument("--limit", type=positive_int, help="evaluate only the first N prompts")
     parser.add_argument(
-        "--simulated-tau", type=float, help="training's simulated tau (parity gate)"
+        "--simulated-tau", type=positive_float, help="training's simulated tau (parity gate)"
     )
-    parser.add_argument("--parity-tolerance", type=float, default=EvalOptions.parity_tolerance)
+    parser.add_argument("--parity-tolerance", type=non_negative_float, default=EvalOptions.parity_tolerance)
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up decode")
     parser.add_argument(
-        "--engine-parity-tolerance", type=float, default=EvalOptions.engine_parity_tolerance,
+        "--engine-parity-tolerance", type=non_negative_float, default=EvalOptions.engine_parity_tolerance,
         help="largest relative gap between the engine's tau and the loop's",
     )
-    parser.add_argument("--engine-port", type=int, help="the engine's port (default: a free one)")
-    parser.add_argument("--engine-tp", type=int, default=EvalOptions.engine_tp)
-    parser.add_argument("--engine-mem-fraction", type=float, help="the engine's GPU memory share")
+    parser.add_argument("--engine-port", type=port, help="the engine's port (default: a free one)")
+    parser.add_argument("--engine-tp", type=positive_int, default=EvalOptions.engine_tp)
+    parser.add_argument(
+        "--engine-mem-fraction", type=float_range(0.0, 1.0, low_open=True), help="the engine's GPU memory share"
+    )
     parser.add_argument(
         "--engine-arg", action="append", default=[], help="extra engine argument (repeatable)"
     )
@@ -476,9 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    bad_env = [item for item in args.engine_env if "=" not in item or item.startswith("=")]
+    if bad_env:
+        from dflash_pipeline.stages.cli import shown
+
+        parser.error(f"argument --engine-env: expected KEY=VALUE, got {shown(bad_env[0])}")
     env = dict(item.partition("=")[::2] for item in args.engine_env)
-    if any(not key for key in env) or any("=" not in item for item in args.engine_env):
-        parser.error("--engine-env takes KEY=VALUE")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     options = EvalOptions(
         max_new_tokens=args.max_new_tokens,

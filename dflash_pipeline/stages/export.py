@@ -60,14 +60,28 @@ def export_drafter(run_url: str, manifest_path: str, config_out: str, weights_ou
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflash_pipeline.stages.cli import existing_dir, json_file, or_s3, shown
+
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.export", description=__doc__)
-    parser.add_argument("--run-url", required=True, help="run root (local folder or s3://)")
-    parser.add_argument("--manifest", required=True, help="the last segment's manifest (outputs/train-segment-KKKK.json)")
+    parser.add_argument("--run-url", type=or_s3(existing_dir), required=True,
+                        help="run root (local folder or s3://)")
+    parser.add_argument("--manifest", type=json_file, required=True,
+                        help="the last segment's manifest (outputs/train-segment-KKKK.json)")
     parser.add_argument("--out", required=True, help="drafter folder to write (config.json, model.safetensors)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     args = parser.parse_args(argv)
+    missing = [key for key in ("checkpoint_prefix", "drafter_config")
+               if key not in json.loads(Path(args.manifest).read_text())]
+    if missing:
+        parser.error(f"argument --manifest: {shown(args.manifest)} is not a segment manifest "
+                     f"(no {', '.join(missing)})")
     out = Path(args.out)
-    export_drafter(args.run_url, args.manifest, str(out / "config.json"), str(out / "model.safetensors"), args.dtype)
+    try:
+        export_drafter(args.run_url, args.manifest, str(out / "config.json"), str(out / "model.safetensors"),
+                       args.dtype)
+    except (FileNotFoundError, ValueError) as err:  # no checkpoint; tensors missing or non-finite
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -119,18 +119,26 @@ def extract_job(tokenized: str, target_dir: str, settings: dict, run_url: str, s
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflash_pipeline.stages.cli import existing_file, json_object, model_dir, or_s3, shard_name
+
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.extract", description=__doc__)
-    parser.add_argument("tokenized", help="tokenized shard parquet")
-    parser.add_argument("--target", required=True, help="target model folder")
-    parser.add_argument("--settings-json", required=True, help="the `train` config as JSON")
+    parser.add_argument("tokenized", type=or_s3(existing_file), help="tokenized shard parquet")
+    parser.add_argument("--target", type=model_dir, required=True, help="target model folder")
+    parser.add_argument("--settings-json", type=json_object, required=True, help="the `train` config as JSON")
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://)")
-    parser.add_argument("--shard", required=True, help="shard name, e.g. 00003")
+    parser.add_argument("--shard", type=shard_name, required=True, help="shard name, e.g. 00003")
     parser.add_argument("--manifest", required=True, help="where to write the manifest")
     parser.add_argument("--device", default=None, help="cuda, cpu (default: cuda when available)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    extract_job(args.tokenized, args.target, json.loads(args.settings_json), args.run_url, args.shard,
-                args.manifest, args.device)
+    from dflash_pipeline.core.jobstate import RunHalted
+
+    try:
+        extract_job(args.tokenized, args.target, args.settings_json, args.run_url, args.shard,
+                    args.manifest, args.device)
+    except RunHalted as err:
+        log.error("%s", err)
+        return 1
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
 
@@ -118,22 +117,24 @@ def run_job(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflash_pipeline.stages.cli import existing_file, json_object, model_dir, non_negative_int, or_s3
+
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.generate", description=__doc__)
-    parser.add_argument("--prompts", required=True, help="prompt shard parquet")
+    parser.add_argument("--prompts", type=or_s3(existing_file), required=True, help="prompt shard parquet")
     parser.add_argument("--out", required=True, help="generated shard parquet")
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://)")
-    parser.add_argument("--shard", type=int, required=True)
-    parser.add_argument("--model", required=True, help="target model folder")
-    parser.add_argument("--generation-json", required=True, help="the `generation` config as JSON")
+    parser.add_argument("--shard", type=non_negative_int, required=True)
+    parser.add_argument("--model", type=model_dir, required=True, help="target model folder")
+    parser.add_argument("--generation-json", type=json_object, required=True,
+                        help="the `generation` config as JSON")
     parser.add_argument("--engine-log", default="engine.log")
     parser.add_argument("--runtime-dir", default=".")
-    parser.add_argument("--engines-json", default="{}", help="the `engines` config as JSON")
+    parser.add_argument("--engines-json", type=json_object, default="{}", help="the `engines` config as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         run_job(args.prompts, args.out, args.run_url, args.shard, args.model,
-                json.loads(args.generation_json), args.engine_log, args.runtime_dir,
-                json.loads(args.engines_json))
+                args.generation_json, args.engine_log, args.runtime_dir, args.engines_json)
     except (EngineError, EngineSetupError, RunHalted) as err:
         log.error("%s", err)
         return 1

@@ -281,21 +281,31 @@ def select_shard(ingested: str, shard: int, out: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflash_pipeline.stages.cli import (
+        existing_file,
+        int_range,
+        non_negative_int,
+        or_s3,
+        positive_int,
+        probability,
+    )
+
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.prepare", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     ing = sub.add_parser("ingest", help="validate, dedupe, id and shard a prompt dataset")
-    ing.add_argument("paths", nargs="+", help=".jsonl/.parquet files, local or s3://")
-    ing.add_argument("--num-shards", type=int, required=True)
+    ing.add_argument("paths", nargs="+", type=or_s3(existing_file),
+                     help=".jsonl/.parquet files, local or s3://")
+    ing.add_argument("--num-shards", type=int_range(1, 99999), required=True)
     ing.add_argument("--out-prompts", required=True)
     ing.add_argument("--out-summary", required=True)
     ing.add_argument("--out-quarantine", required=True)
-    ing.add_argument("--heldout-fraction", type=float, default=0.05)
-    ing.add_argument("--max-bad-fraction", type=float, default=0.05)
-    ing.add_argument("--max-row-bytes", type=int, default=1_000_000)
+    ing.add_argument("--heldout-fraction", type=probability, default=0.05)
+    ing.add_argument("--max-bad-fraction", type=probability, default=0.05)
+    ing.add_argument("--max-row-bytes", type=positive_int, default=1_000_000)
     ing.add_argument("--id-field", default="id")
     sel = sub.add_parser("select", help="write one shard of an ingested table")
-    sel.add_argument("ingested")
-    sel.add_argument("--shard", type=int, required=True)
+    sel.add_argument("ingested", type=or_s3(existing_file), help="the ingested prompts parquet")
+    sel.add_argument("--shard", type=non_negative_int, required=True)
     sel.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -135,21 +135,32 @@ def resolve_run_url(args) -> str:
 
 
 def halt_main(argv: list[str]) -> int:
+    import yaml
+
+    from dflash_pipeline.stages.cli import existing_dir, or_s3, shown
+
     parser = argparse.ArgumentParser(
         prog="python -m dflash_pipeline.stages.tokenize clear-halt|show-halt",
         description="Show or clear the run's halt (_progress/HALT.json), written when a tokenize "
         "shard fails the data-quality gate.",
     )
     parser.add_argument("action", choices=["clear-halt", "show-halt"])
-    parser.add_argument("--run-url", help="run root (local folder or s3://)")
+    parser.add_argument("--run-url", type=or_s3(existing_dir), help="run root (local folder or s3://)")
     parser.add_argument("--configfile", default="config.yaml",
                         help="without --run-url: find the run from this config (default: %(default)s)")
     parser.add_argument("--default-storage-prefix",
                         help="without --run-url: the S3 prefix of an S3 run (as given to Snakemake)")
     args = parser.parse_args(argv)
     if not args.run_url and args.default_storage_prefix and not is_s3_url(args.default_storage_prefix):
-        parser.error("--default-storage-prefix must be an s3:// URL")
-    run_url = resolve_run_url(args)
+        parser.error("argument --default-storage-prefix: must be an s3:// URL, "
+                     f"got {shown(args.default_storage_prefix)}")
+    if not args.run_url and not os.path.isfile(args.configfile):
+        what = "is a folder, not a file" if os.path.isdir(args.configfile) else "does not exist"
+        parser.error(f"argument --configfile: {shown(args.configfile)} {what} (or give --run-url)")
+    try:
+        run_url = resolve_run_url(args)
+    except (OSError, ValueError, TypeError, yaml.YAMLError) as err:  # ConfigError is a ValueError
+        parser.error(f"argument --configfile: {shown(args.configfile)}: {' '.join(str(err).split())}")
     storage = open_storage(run_url)
     if args.action == "show-halt":
         halt = read_halt(storage)
@@ -168,26 +179,36 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("clear-halt", "show-halt"):
         return halt_main(argv)
+    from dflash_pipeline.stages.cli import (
+        existing_dir,
+        existing_file,
+        json_object,
+        non_negative_int,
+        or_s3,
+        positive_int,
+    )
+
     parser = argparse.ArgumentParser(
         prog="python -m dflash_pipeline.stages.tokenize", description=__doc__,
         epilog="Also: python -m dflash_pipeline.stages.tokenize clear-halt|show-halt --help",
     )
-    parser.add_argument("generated")
-    parser.add_argument("--model", required=True)
+    parser.add_argument("generated", type=or_s3(existing_file), help="generated shard parquet")
+    parser.add_argument("--model", type=existing_dir, required=True, help="target model folder (its tokenizer)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--stats", required=True)
     parser.add_argument("--heldout", default=None, help="also write the held-out rows here")
     parser.add_argument("--thinking", choices=["on", "off"], default="on")
-    parser.add_argument("--settings-json", default="{}", help="the `tokenize` config as JSON")
+    parser.add_argument("--settings-json", type=json_object, default="{}", help="the `tokenize` config as JSON")
     parser.add_argument("--run-url", default=None, help="run root (local folder or s3://) for live telemetry "
                         "and the halt a failed gate writes")
-    parser.add_argument("--shard", type=int, default=None, help="shard number, for live telemetry and the halt")
-    parser.add_argument("--workers", type=int, default=None, help="worker processes (default: all cores)")
+    parser.add_argument("--shard", type=non_negative_int, default=None,
+                        help="shard number, for live telemetry and the halt")
+    parser.add_argument("--workers", type=positive_int, default=None, help="worker processes (default: all cores)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         tokenize_file(args.generated, args.model, args.out, args.stats, args.thinking == "on",
-                      json.loads(args.settings_json), args.run_url, args.shard, args.workers, args.heldout)
+                      args.settings_json, args.run_url, args.shard, args.workers, args.heldout)
     except DegenerateShard:
         return 1
     return 0

@@ -1,0 +1,340 @@
+"""Every stage CLI answers bad input with one error line naming the argument, the value and the
+reason, exit code 2 and no traceback, before any model or engine is touched
+(``dflash_pipeline.stages.cli``). No model is loaded here: every case fails while parsing."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dflash_pipeline.stages import cli
+
+# Placeholders in the argument lists below, made real per test by `paths`.
+FILE, FOLDER, MODEL, MISSING, EMPTY_DIR, SETTINGS, MANIFEST, BAD_JSON_FILE = (
+    "@file", "@folder", "@model", "@missing", "@empty-dir", "@settings", "@manifest", "@bad-json-file",
+)  # fmt: skip
+
+# Valid arguments per stage (what one bad value replaces), as (option, value) pairs; an option
+# starting with "<" is a positional.
+VALID = {
+    "generate": [("--prompts", FILE), ("--out", "o.parquet"), ("--run-url", FOLDER), ("--shard", "0"),
+                 ("--model", MODEL), ("--generation-json", "{}"), ("--engines-json", "{}")],
+    "evaluate": [("--target", MODEL), ("--drafter", MODEL), ("--prompts", FILE), ("--out", "m.json")],
+    "tokenize": [("<generated>", FILE), ("--model", MODEL), ("--out", "t.parquet"), ("--stats", "s.json"),
+                 ("--settings-json", "{}")],
+    "prepare ingest": [("<paths>", FILE), ("--num-shards", "2"), ("--out-prompts", "a"),
+                       ("--out-summary", "b"), ("--out-quarantine", "c")],
+    "prepare select": [("<ingested>", FILE), ("--shard", "0"), ("--out", "x.parquet")],
+    "train": [("--run-url", FOLDER), ("--segment", "0"), ("--settings", SETTINGS), ("--target", MODEL),
+              ("--manifest", "m.json"), ("--tokenized", f"00000={FILE}")],
+    "export": [("--run-url", FOLDER), ("--manifest", MANIFEST), ("--out", "drafter")],
+    "extract": [("<tokenized>", FILE), ("--target", MODEL), ("--settings-json", "{}"), ("--run-url", FOLDER),
+                ("--shard", "00000"), ("--manifest", "m.json")],
+    "tokenize clear-halt": [("--run-url", FOLDER)],
+}  # fmt: skip
+
+BAD_JSON = '{"engine": "sglang",}'  # trailing comma: line 1 column 21
+
+# (stage, argument, bad value, what the reason says)
+CASES = [
+    ("generate", "--prompts", MISSING, "no such file"),
+    ("generate", "--prompts", FOLDER, "is a folder, not a file"),
+    ("generate", "--model", MISSING, "no such folder"),
+    ("generate", "--model", "Org/Some-Model-8B", "looks like a hub id"),
+    ("generate", "--model", FILE, "is a file, not a folder"),
+    ("generate", "--model", EMPTY_DIR, "no config.json"),
+    ("generate", "--generation-json", BAD_JSON, "not valid JSON: Expecting property name"),
+    ("generate", "--engines-json", "[1, 2]", "must be a JSON object"),
+    ("generate", "--shard", "-1", "must be an integer >= 0"),
+    ("generate", "--shard", "two", "is not an integer"),
+    ("evaluate", "--target", MISSING, "no such folder"),
+    ("evaluate", "--drafter", MISSING, "no such folder"),
+    ("evaluate", "--drafter", EMPTY_DIR, "no config.json"),
+    ("evaluate", "--prompts", MISSING, "no such file"),
+    ("evaluate", "--prompts", FOLDER, "is a folder, not a file"),
+    ("evaluate", "--max-new-tokens", "0", "must be an integer >= 1"),
+    ("evaluate", "--limit", "0", "must be an integer >= 1"),
+    ("evaluate", "--temperature", "-0.5", "must be a number >= 0"),
+    ("evaluate", "--block-size", "1", "must be an integer >= 2"),
+    ("evaluate", "--seed", "-3", "must be an integer >= 0"),
+    ("evaluate", "--lossless-margin", "-1", "must be a number >= 0"),
+    ("evaluate", "--simulated-tau", "nan", "is not a finite number"),
+    ("evaluate", "--parity-tolerance", "-0.1", "must be a number >= 0"),
+    ("evaluate", "--engine-parity-tolerance", "-0.1", "must be a number >= 0"),
+    ("evaluate", "--engine-mem-fraction", "1.5", "must be a number > 0 and <= 1"),
+    ("evaluate", "--engine-mem-fraction", "0", "must be a number > 0 and <= 1"),
+    ("evaluate", "--engine-port", "70000", "must be an integer from 1 to 65535"),
+    ("evaluate", "--engine-tp", "0", "must be an integer >= 1"),
+    ("evaluate", "--engine-env", "NO_EQUALS", "expected KEY=VALUE"),
+    ("tokenize", "<generated>", MISSING, "no such file"),
+    ("tokenize", "<generated>", FOLDER, "is a folder, not a file"),
+    ("tokenize", "--model", MISSING, "no such folder"),
+    ("tokenize", "--settings-json", BAD_JSON, "line 1 column 21"),
+    ("tokenize", "--shard", "-1", "must be an integer >= 0"),
+    ("tokenize", "--workers", "0", "must be an integer >= 1"),
+    ("prepare ingest", "<paths>", MISSING, "no such file"),
+    ("prepare ingest", "<paths>", FOLDER, "is a folder, not a file"),
+    ("prepare ingest", "--num-shards", "0", "must be an integer from 1 to 99999"),
+    ("prepare ingest", "--heldout-fraction", "1.5", "must be a number >= 0 and <= 1"),
+    ("prepare ingest", "--max-bad-fraction", "-0.1", "must be a number >= 0 and <= 1"),
+    ("prepare ingest", "--max-row-bytes", "0", "must be an integer >= 1"),
+    ("prepare select", "<ingested>", MISSING, "no such file"),
+    ("prepare select", "--shard", "-1", "must be an integer >= 0"),
+    ("train", "--settings", MISSING, "no such file"),
+    ("train", "--settings", FOLDER, "is a folder, not a file"),
+    ("train", "--settings", BAD_JSON_FILE, "is not valid JSON: Expecting property name"),
+    ("train", "--target", MISSING, "no such folder"),
+    ("train", "--tokenized", f"00000={MISSING}", "no such file"),
+    ("train", "--tokenized", "shard-without-path", "expected SHARD=PATH"),
+    ("train", "--segment", "-1", "must be an integer >= 0"),
+    ("export", "--run-url", MISSING, "no such folder"),
+    ("export", "--manifest", MISSING, "no such file"),
+    ("export", "--manifest", BAD_JSON_FILE, "is not valid JSON"),
+    ("export", "--manifest", SETTINGS, "is not a segment manifest (no checkpoint_prefix, drafter_config)"),
+    ("extract", "<tokenized>", MISSING, "no such file"),
+    ("extract", "--target", MISSING, "no such folder"),
+    ("extract", "--settings-json", "[]", "must be a JSON object"),
+    ("extract", "--shard", "-1", "is not a shard number"),
+    ("tokenize clear-halt", "--run-url", MISSING, "no such folder"),
+]
+
+
+@pytest.fixture
+def paths(tmp_path):
+    """The placeholders' real paths: a file, a folder, a model folder (config.json only), ..."""
+    (tmp_path / "data.parquet").write_text("not read: every case fails while parsing")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "settings.json").write_text('{"mode": "online"}')
+    (tmp_path / "manifest.json").write_text('{"checkpoint_prefix": "c/", "drafter_config": {}}')
+    (tmp_path / "bad.json").write_text('{"block_size": 4,\n "seed": 1,}\n')
+    return {
+        FILE: str(tmp_path / "data.parquet"), FOLDER: str(tmp_path / "run"), MODEL: str(tmp_path / "model"),
+        MISSING: str(tmp_path / "no-such-thing"), EMPTY_DIR: str(tmp_path / "empty"),
+        SETTINGS: str(tmp_path / "settings.json"), MANIFEST: str(tmp_path / "manifest.json"),
+        BAD_JSON_FILE: str(tmp_path / "bad.json"),
+    }  # fmt: skip
+
+
+def real(value: str, paths: dict) -> str:
+    for placeholder, path in paths.items():
+        value = value.replace(placeholder, path)
+    return value
+
+
+def argv_for(stage: str, paths: dict, replace: tuple[str, str] | None = None) -> list[str]:
+    """The stage's valid arguments (sub-command first), with one value replaced."""
+    argv = stage.split()[1:]
+    pairs = list(VALID[stage])
+    if replace and replace[0] not in dict(pairs):
+        pairs.append(replace)
+    for option, value in pairs:
+        if replace and option == replace[0]:
+            value = replace[1]
+        argv += [real(value, paths)] if option.startswith("<") else [option, real(value, paths)]
+    return argv
+
+
+def stage_main(stage: str):
+    return importlib.import_module(f"dflash_pipeline.stages.{stage.split()[0]}").main
+
+
+def error_line(stderr: str) -> str:
+    """The one error line of argparse's answer (after its usage lines); no traceback."""
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1, stderr
+    assert stderr.rstrip("\n").splitlines()[-1] == errors[0], stderr
+    before = stderr.split(errors[0])[0].splitlines()
+    assert not before or before[0].startswith("usage: "), stderr  # nothing but the usage before it
+    return errors[0]
+
+
+@pytest.mark.parametrize("stage", sorted(VALID))
+def test_the_valid_arguments_pass_the_parser(stage, paths, monkeypatch):
+    """The baseline of every case below: with nothing replaced, parsing succeeds (the stage's
+    work is stubbed out here, so nothing runs)."""
+    module = importlib.import_module(f"dflash_pipeline.stages.{stage.split()[0]}")
+    seen = {}
+
+    def parse_only(self, args=None, namespace=None):
+        seen["args"] = original(self, args, namespace)
+        raise SystemExit("parsed")
+
+    original = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    with pytest.raises(SystemExit, match="^parsed$"):
+        module.main(argv_for(stage, paths))
+    assert seen["args"] is not None
+
+
+@pytest.mark.parametrize(
+    "stage, option, value, reason", CASES, ids=[f"{s}{o}={v.strip('@')}" for s, o, v, _ in CASES]
+)
+def test_bad_input_is_one_error_line_with_exit_code_2(stage, option, value, reason, paths, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        stage_main(stage)(argv_for(stage, paths, (option, value)))
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    line = error_line(captured.err)
+    name = option.strip("<>")
+    assert f"error: argument {name}: " in line, line
+    shown_value = real(value, paths).split("=", 1)[1] if value.startswith("00000=") else real(value, paths)
+    assert shown_value in line, line
+    assert reason in line, line
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("stage", [*sorted(VALID), "prepare", "tokenize show-halt"])
+def test_help_still_works(stage, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        stage_main(stage)([*stage.split()[1:], "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m dflash_pipeline.stages.")
+
+
+def test_show_halt_names_a_missing_or_bad_configfile(tmp_path, monkeypatch, capsys):
+    from dflash_pipeline.stages.tokenize import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["show-halt"])
+    assert exit_info.value.code == 2
+    assert "argument --configfile: 'config.yaml' does not exist (or give --run-url)" in error_line(
+        capsys.readouterr().err
+    )
+    (tmp_path / "config.yaml").write_text("run: 5\nresults_dir: res\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["show-halt"])
+    assert exit_info.value.code == 2
+    line = error_line(capsys.readouterr().err)
+    assert "argument --configfile: 'config.yaml': invalid configuration:" in line and "'run'" in line
+
+
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"dflash_pipeline.stages.{module}", *args],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_end_to_end_a_missing_model_folder_never_reaches_transformers(paths):
+    """`python -m ... --model DIR` with no such folder: the CLI's own line, not transformers'
+    "Repo id must be in the form ..." (transformers is not even imported)."""
+    argv = argv_for("generate", paths, ("--model", MISSING))
+    probe = (
+        "import sys\nfrom dflash_pipeline.stages.generate import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit as e:\n    code = e.code\n"
+        "print(code, 'transformers' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    line = error_line(proc.stderr)
+    assert f"argument --model: no such folder: '{paths[MISSING]}'" in line
+    assert "Repo id" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "stage, option, value, reason",
+    [
+        ("tokenize", "--settings-json", BAD_JSON, "is not valid JSON: Expecting property name enclosed in "
+         "double quotes: line 1 column 21 (char 20)"),
+        ("evaluate", "--target", MISSING, "no such folder"),
+        ("train", "--tokenized", f"00000={MISSING}", "no such file"),
+        ("prepare ingest", "--num-shards", "0", "must be an integer from 1 to 99999"),
+    ],
+)  # fmt: skip
+def test_end_to_end_through_python_m(stage, option, value, reason, paths):
+    proc = run_module(stage.split()[0], *argv_for(stage, paths, (option, value)))
+    assert proc.returncode == 2, proc.stderr
+    line = error_line(proc.stderr)
+    assert f"error: argument {option}: " in line and reason in line, line
+
+
+def test_a_failed_export_is_one_line_with_exit_code_1(paths):
+    """A job that fails (here: no checkpoint where the manifest says) answers 1, without a trace."""
+    proc = run_module("export", *argv_for("export", paths))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"python -m dflash_pipeline.stages.export: error: no checkpoint at {paths[FOLDER]}/c/"
+    ]
+
+
+# The shared types themselves.
+
+
+@pytest.mark.parametrize(
+    "check, value, expected",
+    [
+        (cli.positive_int, "3", 3),
+        (cli.non_negative_int, "0", 0),
+        (cli.int_range(2), "2", 2),
+        (cli.port, "65535", 65535),
+        (cli.probability, "0", 0.0),
+        (cli.probability, "1", 1.0),
+        (cli.non_negative_float, "0.7", 0.7),
+        (cli.positive_float, "1e-3", 1e-3),
+        (cli.json_object, ' {"a": [1]} ', {"a": [1]}),
+        (cli.shard_name, "00003", "00003"),
+        (cli.or_s3(cli.existing_file), "s3://bucket/data.jsonl", "s3://bucket/data.jsonl"),
+        (cli.or_s3(cli.existing_dir), "s3://bucket/run", "s3://bucket/run"),
+    ],
+)
+def test_types_accept_good_values(check, value, expected):
+    assert check(value) == expected
+
+
+@pytest.mark.parametrize(
+    "check, value, message",
+    [
+        (cli.positive_int, "0", "'0' is out of range: must be an integer >= 1"),
+        (cli.positive_int, "1.5", "'1.5' is not an integer"),
+        (cli.port, "0", "'0' is out of range: must be an integer from 1 to 65535"),
+        (cli.probability, "-0.01", "'-0.01' is out of range: must be a number >= 0 and <= 1"),
+        (cli.probability, "inf", "'inf' is not a finite number"),
+        (cli.positive_float, "0", "'0' is out of range: must be a number > 0"),
+        (cli.non_negative_float, "x", "'x' is not a number"),
+        (cli.json_object, "{'a': 1}", "is not valid JSON: Expecting property name enclosed in double quotes: "
+                                      "line 1 column 2 (char 1)"),
+        (cli.json_object, '"text"', "must be a JSON object ({...}), not str"),
+        (cli.json_object, "", "is not valid JSON: Expecting value: line 1 column 1 (char 0)"),
+        (cli.shard_name, "3a", "'3a' is not a shard number such as 00003"),
+        (cli.shard_file, "=x", "expected SHARD=PATH, got '=x'"),
+    ],
+)  # fmt: skip
+def test_types_refuse_bad_values_in_one_line(check, value, message):
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        check(value)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_paths_kinds(tmp_path):
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert cli.existing_file(str(tmp_path / "f")) == str(tmp_path / "f")
+    assert cli.existing_dir(str(tmp_path)) == str(tmp_path)
+    assert cli.model_dir(str(tmp_path / "m")) == str(tmp_path / "m")
+    for check, value, message in [
+        (cli.existing_file, tmp_path / "nope", "no such file"),
+        (cli.existing_file, tmp_path, "is a folder, not a file"),
+        (cli.existing_dir, tmp_path / "f", "is a file, not a folder"),
+        (cli.model_dir, tmp_path, "is not a model folder (no config.json in it)"),
+        (cli.json_file, tmp_path / "m", "is a folder, not a file"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            check(str(value))
+
+
+def test_a_long_or_multiline_value_is_shown_on_one_short_line():
+    text = json.dumps({"key": "v" * 500}, indent=2) + "\n,"
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        cli.json_object(text)
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 200 and message.startswith("'{\\n")
