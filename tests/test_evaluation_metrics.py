@@ -222,7 +222,7 @@ def test_sglang_is_launched_with_the_dflash_drafter_and_hybrid_rollback():
     assert "--speculative-draft-model-path /m/drafter" in joined
     assert "--speculative-num-draft-tokens 16" in joined
     assert "--speculative-dflash-block-size 16" in joined
-    assert "--mamba-scheduler-strategy extra_buffer" in joined
+    assert "--mamba-radix-cache-strategy extra_buffer" in joined
     assert "--tp-size 2" in joined and "--port 31000" in joined
     dense = " ".join(
         sglang_command(serving_server_spec("sglang", "/t", "/d", 8, 31000, hybrid=False, python="p"))

@@ -27,6 +27,7 @@ from dflash_pipeline.evaluation.serving import (
     drafter_fields,
     engine_parity_report,
     known_engine_limitations,
+    sglang_mamba_flag,
     measure_in_engine,
     parse_vllm_metrics,
     prompt_result,
@@ -75,7 +76,7 @@ def test_sglang_speculative_and_plain_servers():
         *"--host 127.0.0.1 --port 30000 --tp-size 2 --dp-size 1".split(),
         *"--speculative-algorithm DFLASH --speculative-num-draft-tokens 16".split(),
         *"--speculative-draft-model-path /m/drafter --speculative-dflash-block-size 16".split(),
-        *"--mamba-scheduler-strategy extra_buffer".split(),
+        *"--mamba-radix-cache-strategy extra_buffer".split(),
     ]
     plain = serving_server_spec(
         "sglang", "/m/target", "/m/drafter", 16, 30000, hybrid=True, speculative=False,
@@ -521,3 +522,12 @@ def test_known_engine_limitations_come_from_the_engine_limits_table(
     assert len(found) == len(expected)
     for line, words in zip(found, expected):
         assert words in line and "[source: " in line
+
+
+def test_sglang_gets_the_mamba_flag_its_version_knows():
+    # Renamed in 0.5.14; the old name removed in 0.5.20 (tests/test_sglang_args.py parses both).
+    assert sglang_mamba_flag("0.5.11") == "--mamba-scheduler-strategy"
+    assert sglang_mamba_flag("0.5.17") == sglang_mamba_flag("0.5.23") == "--mamba-radix-cache-strategy"
+    assert sglang_mamba_flag(None) == "--mamba-radix-cache-strategy"
+    old = serving_server_spec("sglang", "/t", "/d", 8, 1, hybrid=True, python="p", engine_version="0.5.12")
+    assert "--mamba-scheduler-strategy" in old.extra_args

@@ -14,7 +14,7 @@ Where the counters come from:
   ``spec_accept_histogram``). tau = completion_tokens / spec_verify_ct, as SGLang's own
   ``spec_accept_length``; its completion tokens include the first token, which prefill produced
   without a verify step, so on short replies it reads slightly above the loop's tau. Hybrid (GDN)
-  targets need ``--mamba-scheduler-strategy extra_buffer`` for correct state rollback
+  targets need the ``extra_buffer`` mamba cache strategy for correct state rollback
   (dflash-spec.md §6, pitfall 9).
 - vLLM (``--speculative-config '{"method": "dflash", ...}'``) has no per-request counters, only
   server-wide Prometheus counters on ``/metrics`` (vllm/v1/spec_decode/metrics.py,
@@ -151,6 +151,7 @@ def serving_server_spec(
     python: str | None = None,
     env: dict[str, str] | None = None,
     dtype: str | None = None,
+    engine_version: str | None = None,
 ) -> ServerSpec:
     """The server a measurement launches: target + DFlash drafter with B - 1 drafts per step, or
     with ``speculative=False`` the same server without the drafter (the plain greedy reference).
@@ -180,7 +181,7 @@ def serving_server_spec(
         if engine == "sglang":
             args += ["--speculative-dflash-block-size", str(block_size)]
             if hybrid:
-                args += ["--mamba-scheduler-strategy", "extra_buffer"]
+                args += [sglang_mamba_flag(engine_version), "extra_buffer"]
     return ServerSpec(
         engine=engine,
         model=str(target),
@@ -192,6 +193,23 @@ def serving_server_spec(
         python=python,
         env=env,
     )
+
+
+# SGLang renamed --mamba-scheduler-strategy to --mamba-radix-cache-strategy in 0.5.14, kept the old
+# name as a deprecated alias up to 0.5.19 and removed it in 0.5.20 (0.5.23 refuses it:
+# "unrecognized arguments"); read from the released wheels, parsed by tests/test_sglang_args.py.
+SGLANG_MAMBA_FLAG_RENAMED = "0.5.14"
+
+
+def sglang_mamba_flag(version: str | None) -> str:
+    """The flag that selects SGLang's mamba cache strategy in ``version`` (None: a current one)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        old = version is not None and Version(version) < Version(SGLANG_MAMBA_FLAG_RENAMED)
+    except InvalidVersion:
+        old = False
+    return "--mamba-scheduler-strategy" if old else "--mamba-radix-cache-strategy"
 
 
 def target_is_hybrid(config) -> bool:
@@ -758,6 +776,7 @@ def measure_in_engine(
             python=install.python if install else None,
             env=env,
             dtype=dtype,
+            engine_version=install.version if install else None,
         )
 
     speculative = spec(True)

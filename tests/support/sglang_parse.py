@@ -4,25 +4,34 @@ Run by an SGLang parser environment's interpreter (``make sglang-args-envs``), n
 pipeline's::
 
     PYTHONPATH=.sglang-args/<version>:tests/support/torchvision_stub \\
-        .venv-vllm/bin/python -S tests/support/sglang_parse.py [--allow-extra-buffer-on-cpu] ARGV_JSON
+        .venv-vllm/bin/python -S tests/support/sglang_parse.py \\
+        [--allow-extra-buffer-on-cpu] [--report-imports] ARGV_JSON
 
 ``ARGV_JSON`` is a file (``-``: stdin) holding a JSON list of argv lists: the server arguments of
-``python -m sglang.launch_server``, without the interpreter and the module. Each argv goes through
-what ``sglang.launch_server`` does with ``sys.argv[1:]`` before it starts anything, unchanged and
-with nothing added: ``prepare_server_args(argv)`` (argparse, and up to 0.5.2x ``ServerArgs.
-__post_init__`` with every default, check and model-config lookup), then from 0.5.23 on the
-launcher's ``resolve_once()``. Each runs in a process forked after the import, so no argv sees the
-global state another one left.
+``python -m sglang.launch_server``, without the interpreter and the module. An item may also be
+``{"argv": [...], "allow_extra_buffer_on_cpu": true}``: that argv alone gets the allowance of
+``allow_extra_buffer_on_cpu`` (the command-line flag gives it to every argv).
+
+Each argv goes through what ``sglang.launch_server`` does with ``sys.argv[1:]`` before it starts
+anything, unchanged and with nothing added: ``prepare_server_args(argv)`` (argparse; in 0.5.17
+also ``ServerArgs.__post_init__``, with every default, check and model-config lookup), then, where
+the version has it (0.5.23), the launcher's ``resolve_once()``, which does that work there. Each
+argv runs in a process forked after the import (as many at once as there are CPUs), so none sees
+the global state another one left.
 
 The answer is one JSON object on stdout: ``sglang_version`` and ``results``, one per argv in order:
 
-- ``{"ok": true, "parsed": {...}, "resolved": {...}}``: ``parsed`` holds the fields of ``FIELDS``
-  as argparse read them from the argv (the round trip of what the caller set), ``resolved`` as the
-  server would run with them (SGLang's defaults, aliases and inferences applied);
+- ``{"ok": true, "parsed": {...}, "resolved": {...}, "deprecations": [...]}``: ``parsed`` holds
+  the fields of ``FIELDS`` as argparse read them from the argv (the round trip of what the caller
+  set), ``resolved`` as the server would run with them (SGLang's defaults, aliases and inferences
+  applied), ``deprecations`` SGLang's warnings about deprecated flags of the argv;
 - ``{"ok": false, "error": "<exception type>: <message>", "argparse_error": "<argparse's line>",
   ...}`` for an argv SGLang refuses (argparse exits with status 2 and prints the reason).
 
 A field this SGLang version does not have is left out. SGLang's logs and prints go to stderr.
+``--report-imports`` adds ``imported_distributions``: the distributions of every top-level module
+imported (by importing SGLang or by any parse), i.e. what envs/sglang-<version>-args.txt must
+install besides torch's own requirements.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import sys
 import traceback
 
@@ -57,8 +67,10 @@ FIELDS = (
 )
 # The platform checks that --allow-extra-buffer-on-cpu answers, by version.
 EXTRA_BUFFER_PLATFORM_REFUSALS = (
-    "extra_buffer needs CUDA/MUSA/NPU/ROCm (FLA).",  # 0.5.17 ServerArgs._validate_mamba_extra_buffer
-    "extra_buffer requires platform support for Mamba cache state snapshots.",  # 0.5.23 mamba_hook
+    # 0.5.17: ServerArgs._validate_mamba_extra_buffer
+    "extra_buffer needs CUDA/MUSA/NPU/ROCm (FLA).",
+    # 0.5.23: sglang/srt/arg_groups/mamba_hook.py validate_mamba_extra_buffer
+    "extra_buffer requires platform support for Mamba cache state snapshots.",
 )
 
 
@@ -112,6 +124,15 @@ def capture_namespaces(into: list):
         argparse.ArgumentParser.parse_args = parse_args
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def deprecations(log: str) -> list[str]:
+    """SGLang's deprecation warnings in a captured log (its argparse actions log one per
+    deprecated flag the argv uses), colour codes removed."""
+    return [ANSI.sub("", line).strip() for line in log.splitlines() if "deprecated" in line]
+
+
 def parse_one(prepare_server_args, argv: list[str]) -> dict:
     """The result dict of one argv (see the module docstring); never raises."""
     stderr = io.StringIO()
@@ -131,33 +152,72 @@ def parse_one(prepare_server_args, argv: list[str]) -> dict:
             "error": f"{type(err).__name__}: {str(err) or repr(err)}",
             "argparse_error": errors[-1] if errors else None,
             "parsed": fields_of(namespaces[-1]) if namespaces else None,
+            "deprecations": deprecations(log),
             "traceback": traceback.format_exc()[-3000:],
             "log_tail": log[-3000:],
         }
-    return {"ok": True, "parsed": fields_of(namespaces[-1]), "resolved": resolved}
+    return {
+        "ok": True,
+        "parsed": fields_of(namespaces[-1]),
+        "resolved": resolved,
+        "deprecations": deprecations(stderr.getvalue()),
+    }
 
 
-def parse_forked(prepare_server_args, argv: list[str]) -> dict:
-    """parse_one in a child process, so global state set by one argv's checks (environment
-    variables, module globals, memoized configs) cannot leak into the next."""
-    read_fd, write_fd = os.pipe()
+def parse_in_child(
+    prepare_server_args, argv: list[str], allow_extra_buffer: bool, report_imports: bool, out: str
+) -> int:
+    """Fork a child that runs parse_one and writes its result to the file ``out``; its pid. The
+    child's global state (set by one argv's checks: environment variables, module globals,
+    memoized configs; or by the extra_buffer allowance) dies with it."""
     pid = os.fork()
-    if pid == 0:  # the child
-        os.close(read_fd)
-        try:
-            payload = json.dumps(parse_one(prepare_server_args, argv)).encode()
-        except BaseException as err:  # noqa: BLE001 - the parent must always get an answer
-            payload = json.dumps({"ok": False, "error": f"{type(err).__name__}: {err}"}).encode()
-        with os.fdopen(write_fd, "wb") as out:
-            out.write(payload)
-        os._exit(0)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as pipe:
-        data = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    if not data:
-        return {"ok": False, "error": f"the parsing process died (wait status {status})"}
-    return json.loads(data)
+    if pid:
+        return pid
+    try:
+        if allow_extra_buffer:
+            allow_extra_buffer_on_cpu()
+        result = parse_one(prepare_server_args, argv)
+        if report_imports:
+            result["imported_distributions"] = imported_distributions()
+    except BaseException as err:  # noqa: BLE001 - the parent must always get an answer
+        result = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+    with open(out, "w") as file:
+        json.dump(result, file)
+    os._exit(0)
+
+
+def parse_all(prepare_server_args, jobs: list[tuple[list[str], bool]], report_imports: bool):
+    """Each (argv, allow_extra_buffer) of ``jobs`` parsed in a child of its own, as many at once
+    as there are CPUs; the results in order."""
+    import tempfile
+
+    parallel = max(1, min(len(jobs), len(os.sched_getaffinity(0))))
+    with tempfile.TemporaryDirectory(prefix="sglang-parse-") as folder:
+        outs = [os.path.join(folder, f"{index}.json") for index in range(len(jobs))]
+        running: dict[int, int] = {}  # pid: index
+        statuses: dict[int, int] = {}
+        pending = list(enumerate(jobs))
+        while pending or running:
+            while pending and len(running) < parallel:
+                index, (argv, allow) = pending.pop(0)
+                pid = parse_in_child(prepare_server_args, argv, allow, report_imports, outs[index])
+                running[pid] = index
+            pid, status = os.wait()
+            if pid in running:
+                statuses[running.pop(pid)] = status
+        results = []
+        for index, out in enumerate(outs):
+            try:
+                with open(out) as file:
+                    results.append(json.load(file))
+            except (OSError, ValueError):
+                results.append(
+                    {
+                        "ok": False,
+                        "error": f"the parsing process died (wait status {statuses[index]})",
+                    }
+                )
+        return results
 
 
 def allow_extra_buffer_on_cpu() -> None:
@@ -195,24 +255,36 @@ def allow_extra_buffer_on_cpu() -> None:
 
 
 def main() -> int:
-    args = sys.argv[1:]
-    allow_extra_buffer = bool(args) and args[0] == "--allow-extra-buffer-on-cpu"
-    if allow_extra_buffer:
-        args = args[1:]
+    options = {"--allow-extra-buffer-on-cpu", "--report-imports"}
+    given = {arg for arg in sys.argv[1:] if arg in options}
+    args = [arg for arg in sys.argv[1:] if arg not in options]
+    allow_extra_buffer = "--allow-extra-buffer-on-cpu" in given
+    report_imports = "--report-imports" in given
     source = args[0] if args else "-"
-    argvs = json.loads(sys.stdin.read() if source == "-" else open(source).read())
-    if not isinstance(argvs, list) or not all(isinstance(a, list) for a in argvs):
+    items = json.loads(sys.stdin.read() if source == "-" else open(source).read())
+    if not isinstance(items, list):
         raise SystemExit("expected a JSON list of argv lists")
+    jobs = []
+    for item in items:
+        if isinstance(item, dict):
+            jobs.append((item["argv"], bool(item.get("allow_extra_buffer_on_cpu"))))
+        elif isinstance(item, list):
+            jobs.append((item, allow_extra_buffer))
+        else:
+            raise SystemExit(f"not an argv list: {item!r}")
     real_stdout = sys.stdout
     # SGLang prints and logs while importing and checking: stdout is kept for the JSON answer.
     with contextlib.redirect_stdout(sys.stderr):
         import sglang
         from sglang.srt.server_args import prepare_server_args
 
-        if allow_extra_buffer:
-            allow_extra_buffer_on_cpu()
-        results = [parse_forked(prepare_server_args, argv) for argv in argvs]
+        results = parse_all(prepare_server_args, jobs, report_imports)
     answer = {"sglang_version": getattr(sglang, "__version__", None), "results": results}
+    if report_imports:  # what envs/sglang-<version>-args.txt must hold (with torch's requirements)
+        imported = set(imported_distributions())
+        for result in results:
+            imported.update(result.pop("imported_distributions", ()))
+        answer["imported_distributions"] = sorted(imported)
     real_stdout.write(json.dumps(answer) + "\n")
     real_stdout.flush()
     return 0
