@@ -138,10 +138,10 @@ REPORT_STORAGE_ITEM = "storage.svg"
 def report_storage_inputs():
     """Everything `until` asks for, with the report figures of the stages it builds: the
     storage figure is made once all of it exists."""
-    stages = ["prepare", "generate", "tokenize", "train", "evaluate"]
+    stages = layout.STAGES
     until = stages.index(config["until"])
     outputs = [run_path(layout.INGEST_SUMMARY)]
-    for index, stage in enumerate(["prepare", "generate", "tokenize"]):
+    for index, stage in enumerate(stages[: stages.index("train")]):
         if until == index:
             outputs += expand(shard_output(stage), shard=SHARDS)
     if until >= stages.index("train"):

@@ -188,3 +188,9 @@ def test_example_configs_take_the_schema_default_for_every_omitted_key(example):
         assert _value(parsed, path) == default, f"{example.name}: {'.'.join(path)}"
     # The keys that the demo's values used to leak into (issue: a 256-wide drafter MLP).
     assert parsed["train"]["intermediate_size"] is None and parsed["evaluate"]["simulated_rows"] == 64
+
+
+def test_the_stage_order_is_one_list_that_the_schema_repeats():
+    from dflash_pipeline.core.layout import STAGES
+
+    assert tuple(load_schema()["properties"]["until"]["enum"]) == STAGES

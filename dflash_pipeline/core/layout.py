@@ -22,6 +22,10 @@ OUTPUTS_DIR = "outputs"
 PROGRESS_DIR = "_progress"
 LOGS_DIR = "logs"
 
+# The stages a run goes through, in order: the values of the config's `until` (config/schema.yaml
+# lists the same), the order of the status page and of the report.
+STAGES = ("prepare", "generate", "tokenize", "train", "evaluate")
+
 # The stages that produce one object per shard, in pipeline order, and their file extensions.
 # A stage's name is the name of the rule that builds its objects, of its script, of its module in
 # ``dflash_pipeline.stages``, of its folder under ``_progress/`` and of its config `until` value.

@@ -6,12 +6,11 @@ setting fails the plan in one line per problem instead of a job days later.
 
 from __future__ import annotations
 
+from dflash_pipeline.core.layout import STAGES
 from dflash_pipeline.engines.environments import EngineSetupError, configured_engine
 from dflash_pipeline.engines.limits import DrafterShape, refusals
 
-# Stages in order, as `until` names them: generation engines are launched from `generate` on,
-# the serving engine by `evaluate`.
-STAGES = ("prepare", "generate", "tokenize", "train", "evaluate")
+# Generation engines are launched from `generate` on, the serving engine by `evaluate`.
 SERVING_ENGINES = ("vllm", "sglang")
 
 
