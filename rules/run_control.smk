@@ -2,8 +2,10 @@
 # planning 10,000s of jobs fast, the checks that refuse a run before its first job (preflight,
 # the offline budget), the run lease (one driver per run), the halt's message, and the live
 # status page. The logic lives in the package; this file wires it to Snakemake's hooks.
+import os
+
 from dflash_pipeline.core.jobstate import describe_halt, read_halt
-from dflash_pipeline.core.lease import LeaseHeld, LeaseLost, RunLease
+from dflash_pipeline.core.lease import DRIVER_TOKEN_ENV, LeaseHeld, LeaseLost, RunLease
 from dflash_pipeline.core.planning import (
     collect_as_usual,
     collect_rarely,
@@ -140,6 +142,8 @@ def take_run_lease():
         logger.warning(f"took over a stale run lease: {lease.took_over.get('owner')}")
     lease.start_heartbeat(lease_trouble)
     RUN_LEASE.append(lease)
+    # Jobs inherit it: a job whose driver is gone stops after its current part.
+    os.environ[DRIVER_TOKEN_ENV] = lease.owner["token"]
 
 
 def release_run_lease():

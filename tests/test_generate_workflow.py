@@ -257,3 +257,50 @@ def test_adding_data_regenerates_only_the_new_prompts(workflow, demo_model, tmp_
     for row in after.to_pylist():
         if row["id"] in old:
             assert row["messages"] == old[row["id"]]["messages"]  # reused, not regenerated
+
+
+def job_pids(marker: str) -> list[int]:
+    """Processes whose command line holds ``marker`` (a job's script path in the workflow)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline and pid_alive(int(proc.name)):
+                found.append(int(proc.name))
+    return found
+
+
+def test_a_job_whose_driver_is_sigkilled_stops_after_its_part_and_the_next_run_resumes(
+    workflow, demo_model, tmp_path
+):
+    """SIGKILL of the Snakemake driver alone (its jobs live on): the generate job finds at its
+    next part that the run's lease names a driver that no longer exists, saves and stops; no
+    process of the run writes afterwards, and the next driver resumes from the parts."""
+    configure(workflow, demo_model, tmp_path, prompts=32, max_new_tokens=48)
+    progress = ShardProgress(open_storage(workflow.root / "results/demo"), "generate", 0)
+    run = start_snakemake(workflow)
+    marker = f"{workflow.root}/.snakemake/scripts/"
+    try:
+        wait_until(lambda: len(progress.part_keys()) >= 1, SLOW, "a progress part")
+        os.kill(run.pid, signal.SIGKILL)  # the driver only
+        run.wait()
+        wait_until(lambda: not job_pids(marker), SLOW, "the orphaned generate job to stop")
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        for pid in job_pids(marker):
+            os.kill(pid, signal.SIGKILL)
+    log_text = (workflow.root / "results/demo/logs/generate/00000.log").read_text()
+    assert "generate shard 00000 stopped: its driver is gone" in log_text
+    assert progress.part_keys()  # what it finished is kept
+    # No process of the run is left to write: the job is gone (waited for above), its server too.
+    assert not list((tmp_path / "locks").glob("server-*.pid")) or not any(
+        pid_alive(int(p.read_text().split()[0])) for p in (tmp_path / "locks").glob("server-*.pid")
+    )
+    workflow.snakemake("--unlock")
+    workflow.snakemake()
+    generated = pq.read_table(workflow.root / GENERATED).column("id").to_pylist()
+    assert generated == pq.read_table(workflow.root / PROMPTS).column("id").to_pylist()

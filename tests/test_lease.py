@@ -165,3 +165,23 @@ def test_lease_record_names_the_owner(store):
     assert record["owner"]["pid"] == os.getpid()
     assert record["expires_at"] == pytest.approx(record["heartbeat_at"] + 60)
     lease.release()
+
+
+def test_a_job_knows_when_its_driver_no_longer_drives_the_run(store, monkeypatch):
+    from dflash_pipeline.core.lease import DRIVER_TOKEN_ENV, DriverGone, driver_problem, raise_if_driverless
+
+    lease = RunLease(store, ttl_s=60).acquire()
+    token = lease.owner["token"]
+    assert driver_problem(store, token) is None
+    assert "another driver took the run over" in driver_problem(store, "someone-else")
+    # The holder is a process of this host that no longer exists: a SIGKILLed driver.
+    dead = RunLease(store, ttl_s=60, pid=2**22 + 17)
+    store.write_bytes(LEASE_KEY, dead._record())
+    assert driver_problem(store, dead.owner["token"]).startswith("its driver is gone")
+    store.delete(LEASE_KEY)
+    assert "the run lease is gone" in driver_problem(store, token)
+    monkeypatch.setenv(DRIVER_TOKEN_ENV, token)
+    with pytest.raises(DriverGone, match=r"^generate shard 00001 stopped: the run lease is gone.*resume"):
+        raise_if_driverless(store, "generate shard 00001")
+    monkeypatch.delenv(DRIVER_TOKEN_ENV)
+    raise_if_driverless(store, "generate shard 00001")  # started by hand, without a lease: no check

@@ -211,6 +211,44 @@ class RunLease:
         self._thread = None
 
 
+# The lease token of the driver that starts a job: set in the driver's environment when it takes
+# the lease, so every job it starts (locally, or through sbatch, which passes the environment on)
+# knows which driver it works for.
+DRIVER_TOKEN_ENV = "DFLASH_RUN_LEASE_TOKEN"
+
+
+class DriverGone(RuntimeError):
+    """The driver that started this job no longer drives the run; the job stops, keeping what it
+    saved, and the next driver's run resumes from there."""
+
+
+def driver_problem(storage: Storage, token: str, now: float | None = None, host: str | None = None) -> str | None:
+    """Why the driver holding lease ``token`` no longer drives the run (None while it does):
+    the lease is gone, was taken over by another driver, or is stale (expired, or held by a
+    process of this host that no longer exists: a killed driver)."""
+    record = read_lease(storage)
+    if record is None:
+        return "the run lease is gone (its driver ended, or the lease was broken)"
+    owner = record.get("owner") or {}
+    if owner.get("token") != token:
+        return f"another driver took the run over: {describe_holder(record)}"
+    if is_stale(record, time.time() if now is None else now, host):
+        return f"its driver is gone: {describe_holder(record)}"
+    return None
+
+
+def raise_if_driverless(storage: Storage, job: str) -> None:
+    """DriverGone when this job's driver (``DRIVER_TOKEN_ENV``) no longer drives the run; nothing
+    when the job was started without a lease (lease.enabled false, or by hand)."""
+    token = os.environ.get(DRIVER_TOKEN_ENV)
+    if not token:
+        return
+    problem = driver_problem(storage, token)
+    if problem:
+        raise DriverGone(f"{job} stopped: {problem}. What it finished is saved; run the workflow "
+                         "again to resume")
+
+
 def read_lease(storage: Storage) -> dict | None:
     current = storage.read_tagged(LEASE_KEY)
     if current is None:

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dflash_pipeline.core.jobstate import ShardProgress, raise_if_halted
+from dflash_pipeline.core.lease import raise_if_driverless
 from dflash_pipeline.data.chat import assistant_message, render_prompt, split_reasoning
 from dflash_pipeline.data.prompts import messages_prompt_hash
 from dflash_pipeline.engines.client import Completion, EngineClient, EngineError, RequestFailed, Sampling
@@ -296,8 +297,11 @@ async def generate_shard(
     async def save_part_or_stop() -> None:
         await flush()
         # A tokenize shard failed the quality gate meanwhile: this shard is being generated with
-        # the same settings, so stop here; the parts keep what is finished.
-        await asyncio.to_thread(raise_if_halted, progress.run, f"generate shard {progress.shard:05d}")
+        # the same settings, so stop here; the parts keep what is finished. The same when the
+        # driver that started the job is gone: nobody would collect the shard.
+        job = f"generate shard {progress.shard:05d}"
+        await asyncio.to_thread(raise_if_halted, progress.run, job)
+        await asyncio.to_thread(raise_if_driverless, progress.run, job)
 
     async def report_forever() -> None:
         while True:

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.core.jobstate import RunHalted, ShardProgress, raise_if_halted
+from dflash_pipeline.core.lease import DriverGone
 from dflash_pipeline.core.storage import open_storage, write_atomically
 from dflash_pipeline.engines.client import EngineClient, EngineError, make_adapter
 from dflash_pipeline.engines.environments import EngineSetupError, configured_engine
@@ -55,10 +56,13 @@ def run_job(
     engine_log: str,
     runtime_dir: str,
     engines: dict | None = None,
+    engine_log_label: str | None = None,
 ) -> None:
     """Everything one generate job does: start or reach the engine, generate, write the shard.
     A halted run (a tokenize shard failed the data-quality gate) is refused before anything
-    starts, and stops the job after its next part (``RunHalted``)."""
+    starts, and stops the job after its next part (``RunHalted``). The engine server writes
+    ``engine_log``; error messages name it as ``engine_log_label`` where one is given (the
+    workflow's: the job's declared log and this attempt's own file)."""
     progress = ShardProgress(open_storage(run_url), "generate", shard)
     raise_if_halted(progress.run, f"generate shard {shard:05d}")
     from transformers import AutoTokenizer
@@ -75,7 +79,9 @@ def run_job(
     else:
         srv = gen["server"]
         spec = ServerSpec.from_config(engine, model, server_port(srv["port_base"]), srv, engines)
-        server = ManagedServer(spec, engine_log, runtime_dir, startup_timeout=srv["startup_timeout_s"])
+        server = ManagedServer(
+            spec, engine_log, runtime_dir, startup_timeout=srv["startup_timeout_s"], log_label=engine_log_label
+        )
         urls = [spec.url]
     fp = fingerprint(model, tokenizer.chat_template, settings, engine, engine_version(engine, engines))
 
@@ -103,7 +109,7 @@ def run_job(
             table = asyncio.run(main())
         except EngineError as err:
             raise EngineError(
-                f"{err}. Engine log: {engine_log if server else 'external endpoint'}. "
+                f"{err}. Engine log: {(engine_log_label or engine_log) if server else 'external endpoint'}. "
                 "Finished samples are saved and a rerun resumes from them."
             ) from None
     finally:
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_job(args.prompts, args.out, args.run_url, args.shard, args.model,
                 args.generation_json, args.engine_log, args.runtime_dir, args.engines_json)
-    except (EngineError, EngineSetupError, RunHalted) as err:
+    except (EngineError, EngineSetupError, RunHalted, DriverGone) as err:
         log.error("%s", err)
         return 1
     return 0
