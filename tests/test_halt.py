@@ -200,3 +200,16 @@ def test_the_status_page_names_the_driver_holding_the_lease(tmp_path):
     assert "last heartbeat" in shown["holder"]
     lease.release()
     assert builder.build()["lease"] is None
+
+
+def test_a_telemetry_write_that_fails_never_stops_the_job(tmp_path, caplog):
+    from dflash_pipeline.core.jobstate import Telemetry
+    from dflash_pipeline.core.storage import StorageError
+
+    class Unreachable:
+        def write_text(self, key, text):
+            raise StorageError(f"writing s3://b/{key} failed: Could not connect to the endpoint URL")
+
+    telemetry = Telemetry(Unreachable(), "_progress/generate/shard-00000/", {"shard": 0}, total=4)
+    telemetry.write("failed")  # the job's last word, in its `finally`: logged, not raised
+    assert telemetry.state == "failed" and "telemetry not written (the job goes on)" in caplog.text

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import time
 import uuid
 
@@ -24,6 +25,8 @@ import pyarrow.parquet as pq
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.storage import NotFound, Storage, StorageError, open_storage
+
+log = logging.getLogger(__name__)
 
 TELEMETRY = "telemetry.json"
 TELEMETRY_EVERY_S = 10.0
@@ -146,11 +149,16 @@ class Telemetry:
             self.write(**fields)
 
     def write(self, state: str | None = None, **fields) -> None:
+        """Best effort: telemetry is for the status page, so a storage error (an S3 outage
+        outlasting the client's retries) is logged, never raised into the job it describes."""
         if state is not None:
             self.state = state
         if self.storage is not None:
             self.last_write = time.time()
-            write_telemetry(self.storage, self.prefix, self.identity, self.record(**fields))
+            try:
+                write_telemetry(self.storage, self.prefix, self.identity, self.record(**fields))
+            except StorageError as err:
+                log.warning("telemetry not written (the job goes on): %s", err)
 
 
 class ShardProgress:
