@@ -4,7 +4,7 @@ measured) and the online step (the target's forward included), random bf16 weigh
 Cases (design.md §6 and dflash-spec.md §1.3):
 - ``qwen3-8b``: 5-layer drafter of Qwen3-8B shape, S=3072, 512 anchors, block 16, batch 1;
   reference (SpecForge, flex attention, one H200): 0.180 s, 17.1k tok/s, 23.8 GiB.
-- ``qwen3.6-27b``: the seeds' drafter (hidden 5120, 4 sliding + 1 full layer, window 2048,
+- ``qwen3.6-27b``: the 27B example's drafter (hidden 5120, 4 sliding + 1 full layer, window 2048,
   vocab 248320), S=4096, 512 anchors; reference step 0.287 s, 36.9 GiB. Its online target is a
   Qwen3.5-style hybrid (3 Gated-DeltaNet : 1 attention, 64 layers) of the 27B shape.
 

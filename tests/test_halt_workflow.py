@@ -1,4 +1,4 @@
-"""The seed incident through the workflow: an engine that answers every prompt with an empty
+"""A collapsed regeneration through the workflow: an engine that answers every prompt with an empty
 think block and "OK." fails the first tokenize shard's gate, and that stops the run's generation,
 keep-going or not (dflash_pipeline.core.jobstate)."""
 
@@ -25,7 +25,7 @@ NUM_SHARDS = 6
 
 
 class SeedIncidentEndpoint:
-    """An OpenAI-compatible /v1/completions server whose every answer is the seed incident's
+    """An OpenAI-compatible /v1/completions server whose every answer is the collapse's
     "empty think block + OK.", counting the requests it gets."""
 
     def __init__(self):

@@ -1,5 +1,5 @@
 """The run plan (python -m dflash_pipeline.stages.plan): figures from the config, the benchmark
-results and what a run root already holds; the CLI on the seeds' example config."""
+results and what a run root already holds; the CLI on the 27B example config."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Offline training reads the target's taps from the hidden-state shards of rule ``extract``, and
 every rank of every training job downloads all of them to its local temp folder
-(``dflash_pipeline.data.hidden``). That is fine for the demo and ruinous at scale (the seeds' run:
+(``dflash_pipeline.data.hidden``). That is fine for the demo and ruinous at scale (the 27B example:
 ~3B tokens x 50 KiB per token), so the run refuses offline mode above the limit, once when
 Snakemake plans it (``rules/run_control.smk``) and again when a training job starts, with what online
 mode would cost instead. The estimate is
@@ -30,7 +30,7 @@ from dflash_pipeline.model.config import default_target_layer_ids
 HIDDEN_DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 STATS_SAMPLE = 64  # tokenized shards' stats read at most, evenly spread over the shards
 
-# Online mode's price, measured on one H200 for the seeds' case (27B target, S=4096, 5-layer
+# Online mode's price, measured on one H200 for the 27B example (27B target, S=4096, 5-layer
 # drafter): bench/results/train_step-h200.json, cases qwen3.6-27b "online" and "drafter".
 ONLINE_REFERENCE = {
     "source": "bench/results/train_step-h200.json (qwen3.6-27b, one H200)",
