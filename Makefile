@@ -133,6 +133,17 @@ fetch: setup
 stop:
 	$(STATUS) stop
 
+# Check every shard object of CONFIG's run against the checksum its job recorded: one line per
+# missing, damaged or orphaned object, exit 1 if any. REPAIR=1 deletes the damaged ones and runs
+# snakemake --forcerun on exactly the missing and damaged objects (and so what follows them);
+# SNAKEMAKE_ARGS go to that snakemake (e.g. "--profile profiles/slurm-s3").
+#   make verify [CONFIG=...] [PREFIX=s3://bucket/prefix] [REPAIR=1] [SNAKEMAKE_ARGS="..."]
+.PHONY: verify
+verify: setup
+	$(PY) -m dflash_pipeline.stages.verify $(CONFIG_ARGS) \
+		$(if $(PREFIX),--default-storage-prefix $(PREFIX)) $(if $(REPAIR),--repair) \
+		$(if $(SNAKEMAKE_ARGS),-- $(SNAKEMAKE_ARGS))
+
 # Clear the run's halt once its cause is fixed (a tokenize shard failed the data-quality gate and
 # stopped generation; see README). An S3 run: make clear-halt PREFIX=s3://bucket/prefix
 clear-halt: setup

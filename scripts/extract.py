@@ -2,6 +2,7 @@
 
 import torch
 
+from dflash_pipeline.core.checksums import record_outputs, verify_inputs
 from dflash_pipeline.core.config import job_settings
 from dflash_pipeline.core.gpu_slots import job_devices, pool_from_config
 from dflash_pipeline.core.joblog import job_logging
@@ -10,6 +11,7 @@ from dflash_pipeline.stages.extract import extract_job
 
 def run(smk) -> None:
     with job_logging(smk.log[0]):
+        verify_inputs(smk, [smk.input.tokenized])  # before a GPU is taken (core.checksums)
         torch.set_num_threads(smk.threads)  # as many compute threads as Snakemake granted
         # The rest of the `train` section (the drafter's config) comes from the config.
         settings = job_settings(smk.config, "extract", dict(smk.params.settings))
@@ -23,6 +25,7 @@ def run(smk) -> None:
                 smk.output.manifest,
                 device=None if smk.resources.gpu else "cpu",
             )
+        record_outputs(smk, [smk.output.manifest], smk.wildcards.shard)
 
 
 run(snakemake)  # noqa: F821 (injected by Snakemake)

@@ -1,5 +1,6 @@
 """Snakemake glue for rule `tokenize`: dflash_pipeline.stages.tokenize.tokenize_file."""
 
+from dflash_pipeline.core.checksums import record_outputs, verify_inputs
 from dflash_pipeline.core.config import job_settings
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.stages.tokenize import tokenize_file
@@ -7,6 +8,8 @@ from dflash_pipeline.stages.tokenize import tokenize_file
 
 def run(smk) -> None:
     with job_logging(smk.log[0]):
+        # The generated shard as its job wrote it, or one error naming it (core.checksums).
+        verify_inputs(smk, [smk.input.generated])
         tokenize_file(
             smk.input.generated,
             smk.params.model,
@@ -19,6 +22,7 @@ def run(smk) -> None:
             workers=smk.threads,
             heldout_out=smk.output.heldout,
         )
+        record_outputs(smk, [smk.output.tokenized, smk.output.heldout, smk.output.stats], smk.wildcards.shard)
 
 
 run(snakemake)  # noqa: F821 (injected by Snakemake)

@@ -2,6 +2,7 @@
 
 import torch
 
+from dflash_pipeline.core.checksums import verify_inputs
 from dflash_pipeline.core.config import job_settings
 from dflash_pipeline.core.gpu_slots import job_devices, pool_from_config
 from dflash_pipeline.core.joblog import job_logging
@@ -10,6 +11,8 @@ from dflash_pipeline.stages.train import train_job
 
 def run(smk) -> None:
     with job_logging(smk.log[0]):
+        # Every tokenize shard (and extract manifest) as its job wrote it, before a GPU is taken.
+        verify_inputs(smk, [*smk.input.tokenized, *smk.input.get("hidden", [])])
         torch.set_num_threads(smk.threads)  # as many compute threads as Snakemake granted
         # Operational keys (checkpoint interval, metrics interval...) come from the config.
         settings = job_settings(smk.config, "train", dict(smk.params.settings))

@@ -1,0 +1,264 @@
+"""Check every stored shard object of a run against its checksum; with --repair, rebuild what is
+missing or damaged, and exactly that.
+
+    python -m dflash_pipeline.stages.verify [--configfile FILE ...] [--default-storage-prefix s3://...]
+                                            [--repair [--dry-run]] [--sizes-only] [-- SNAKEMAKE ARGS]
+    make verify [CONFIG=...] [PREFIX=s3://bucket/prefix] [REPAIR=1] [SNAKEMAKE_ARGS="..."]
+
+The config is read as Snakemake reads it (``plan.load_run_config``); the objects the run should
+hold follow from its ``num_shards`` and ``until``. One line per problem:
+
+* ``missing``: expected, absent (Snakemake does not rebuild a deleted intermediate of a finished
+  run: it says "Nothing to be done", and only this check notices);
+* ``damaged``: its size or sha256 differs from what the producing job recorded
+  (dflash_pipeline.core.checksums);
+* ``orphaned``: a checksum record without its object (and not of an expected one), or an object of
+  a shard beyond ``num_shards``.
+
+Objects without a record (made before checksums were recorded) are counted, never refused.
+Exit code 1 when anything is wrong (after --repair: when anything is still wrong).
+
+--repair deletes each damaged object with its record (and stale or orphaned records; an object
+beyond num_shards is left alone), then RUNS Snakemake itself in the current directory:
+
+    python -m snakemake --forcerun <run root>/outputs/<each missing or damaged object> \\
+        [--configfile ...] [--default-storage-provider s3 --default-storage-prefix ...] \\
+        --cores all [SNAKEMAKE ARGS]
+
+``--forcerun FILE`` reruns the job that makes FILE and every job downstream of it, nothing
+upstream and no other shard. The command is printed first; ``--dry-run`` prints it (and what
+would be deleted) and changes nothing. Give the run's own Snakemake options after ``--`` (e.g.
+``-- --profile profiles/slurm-s3``; a ``--cores`` there replaces ``--cores all``). Afterwards the
+run is checked again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.checksums import (
+    CHECKED_EXTS,
+    CHECKSUMS_DIR,
+    ChecksumError,
+    is_checked_key,
+    object_key_of_sidecar,
+    producer_of,
+    read_record,
+    sidecar_key,
+    stored_sha256,
+)
+from dflash_pipeline.core.storage import Storage, StorageError, is_s3_url, open_storage
+
+PARALLEL = 8  # concurrent record reads and hashes (S3 round trips dominate)
+
+
+@dataclass
+class Finding:
+    kind: str  # missing, damaged, orphaned
+    key: str
+    detail: str
+
+
+@dataclass
+class Report:
+    run_url: str
+    checked: int = 0  # objects compared with their record
+    unchecked: list[str] = field(default_factory=list)  # objects without a record
+    findings: list[Finding] = field(default_factory=list)
+    stale_records: list[str] = field(default_factory=list)  # records of missing/orphaned objects
+
+    def of(self, kind: str) -> list[Finding]:
+        return [f for f in self.findings if f.kind == kind]
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def lines(self, storage: Storage) -> list[str]:
+        out = [f"{f.kind:<9} {storage.join(f.key)}  {f.detail}" for f in self.findings]
+        summary = (f"verify {self.run_url}: {self.checked} shard object(s) match their checksums, "
+                   f"{len(self.unchecked)} without a checksum record (accepted), "
+                   f"{len(self.of('missing'))} missing, {len(self.of('damaged'))} damaged, "
+                   f"{len(self.of('orphaned'))} orphaned")
+        if self.unchecked:
+            out.append(f"note: {len(self.unchecked)} object(s) were written before checksums were "
+                       f"recorded, e.g. {self.unchecked[0]}: not checked")
+        return [*out, summary]
+
+
+def expected_keys(config: dict) -> list[str]:
+    """Every shard object a finished run of ``config`` holds: per shard, the objects of each
+    stage up to ``until`` (extract manifests when training offline)."""
+    until = layout.STAGES.index(config["until"])
+    stages = [s for s in ("prepare", "generate", "tokenize") if layout.STAGES.index(s) <= until]
+    if until >= layout.STAGES.index("train") and config["train"]["mode"] == "offline":
+        stages.append("extract")
+    return [layout.shard_key(stage, shard, ext) for shard in range(config["num_shards"])
+            for stage in stages for ext in CHECKED_EXTS[stage]]
+
+
+def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Report:
+    report = Report(storage.url)
+    expected = expected_keys(config)
+    objects = {o.key: o for o in storage.list(f"{layout.OUTPUTS_DIR}/") if is_checked_key(o.key)}
+    recorded = {k for k in (object_key_of_sidecar(o.key) for o in storage.list(f"{CHECKSUMS_DIR}/")) if k}
+    for key in expected:
+        if key not in objects:
+            stale = key in recorded
+            if stale:
+                report.stale_records.append(key)
+            report.findings.append(Finding("missing", key, f"(made by {producer_of(key)}"
+                                           + ("; its checksum record remains)" if stale else ")")))
+    for key in sorted(recorded - set(objects) - set(expected)):
+        report.stale_records.append(key)
+        report.findings.append(Finding("orphaned", sidecar_key(key),
+                                       f"(a checksum record of {key}, which does not exist)"))
+    beyond = {k for k in objects if int(layout.SHARD_OBJECT.match(k)["shard"]) >= config["num_shards"]}
+    for key in sorted(beyond):
+        report.findings.append(Finding("orphaned", key, f"(shard beyond num_shards="
+                                       f"{config['num_shards']}; left alone by --repair)"))
+
+    def check(key: str) -> Finding | str | None:
+        record = read_record(storage, key) if key in recorded else None
+        if record is None:
+            return key  # no record: accepted
+        size = objects[key].size
+        if size != record.size:
+            return Finding("damaged", key, f"({size} bytes, but {record.producer()} wrote {record.size})")
+        if not sizes_only:
+            sha, size = stored_sha256(storage, key)
+            if sha != record.sha256 or size != record.size:
+                return Finding("damaged", key, f"(sha256 {sha[:16]}..., but {record.producer()} wrote "
+                                               f"{record.sha256[:16]}...)")
+        return None
+
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        for result in pool.map(check, sorted(set(objects) - beyond)):
+            if isinstance(result, Finding):
+                report.findings.append(result)
+            elif isinstance(result, str):
+                report.unchecked.append(result)
+            else:
+                report.checked += 1
+    order = {"missing": 0, "damaged": 1, "orphaned": 2}
+    report.findings.sort(key=lambda f: (order[f.kind], f.key))
+    return report
+
+
+def repair_command(report: Report, root: str, configfiles: list[str] | None, prefix: str | None,
+                   snakemake_args: list[str]) -> list[str] | None:
+    """The Snakemake command that rebuilds the missing and damaged objects and what follows."""
+    targets = [f"{root}/{f.key}" for f in report.findings if f.kind in ("missing", "damaged")]
+    if not targets:
+        return None
+    cmd = [sys.executable, "-m", "snakemake", "--forcerun", *targets]
+    if configfiles:
+        cmd += ["--configfile", *configfiles]
+    if prefix:
+        if not any(a.startswith(("--default-storage-provider", "--profile")) for a in snakemake_args):
+            cmd += ["--default-storage-provider", "s3"]
+        cmd += ["--default-storage-prefix", prefix]
+    if not any(a == "--cores" or a.startswith("--cores=") or a in ("-c", "-j") or a.startswith("--jobs")
+               for a in snakemake_args):
+        cmd += ["--cores", "all"]
+    return cmd + list(snakemake_args)
+
+
+def delete_damaged(storage: Storage, report: Report) -> list[str]:
+    """Delete each damaged object with its record, and the stale records; the keys deleted."""
+    deleted = []
+    for finding in report.of("damaged"):
+        for key in (finding.key, sidecar_key(finding.key)):
+            storage.delete(key)
+            deleted.append(key)
+    for key in report.stale_records:
+        storage.delete(sidecar_key(key))
+        deleted.append(sidecar_key(key))
+    return deleted
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    snakemake_args: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, snakemake_args = argv[:at], argv[at + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_pipeline.stages.verify", description=__doc__.splitlines()[0],
+        epilog="Arguments after -- go to snakemake (with --repair).")
+    parser.add_argument("--configfile", "--configfiles", nargs="+", default=None, metavar="FILE",
+                        help="as snakemake's (default: config.yaml in the current directory)")
+    parser.add_argument("--default-storage-prefix", default=None, help="an S3 run's prefix (as given to snakemake)")
+    parser.add_argument("--repair", action="store_true",
+                        help="delete the damaged objects, then run snakemake --forcerun on every missing "
+                        "or damaged one (exactly those and what follows are rebuilt)")
+    parser.add_argument("--dry-run", action="store_true", help="with --repair: print, change nothing")
+    parser.add_argument("--sizes-only", action="store_true",
+                        help="compare sizes only (one listing, no object read; misses a flipped byte)")
+    parser.add_argument("--json", action="store_true", help="print the findings as JSON")
+    args = parser.parse_args(argv)
+    if args.default_storage_prefix and not is_s3_url(args.default_storage_prefix):
+        parser.error(f"argument --default-storage-prefix: must be an s3:// URL, got {args.default_storage_prefix!r}")
+    if snakemake_args and not args.repair:
+        parser.error("arguments after -- are for snakemake, which only --repair runs")
+    from dflash_pipeline.stages.plan import PlanError, load_run_config
+
+    try:
+        config = load_run_config(args.configfile, Path.cwd())
+    except (PlanError, ValueError) as err:
+        print(f"verify: {err}", file=sys.stderr)
+        return 2
+    root = layout.run_root(config["results_dir"], config["run"])
+    run_url = layout.run_url(root, "s3" if args.default_storage_prefix else None, args.default_storage_prefix)
+    if not is_s3_url(run_url) and not Path(run_url).is_dir():
+        print(f"verify: the run root {run_url} does not exist (run the workflow first, or give "
+              "--configfile / --default-storage-prefix)", file=sys.stderr)
+        return 2
+    storage = open_storage(run_url)
+    try:
+        report = check_run(storage, config, args.sizes_only)
+    except (StorageError, ChecksumError) as err:
+        print(f"verify: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"run_url": run_url, "checked": report.checked, "unchecked": report.unchecked,
+                          "findings": [f.__dict__ for f in report.findings]}, indent=1))
+    else:
+        print("\n".join(report.lines(storage)))
+    if not args.repair:
+        if not report.ok:
+            print("repair: " + shlex.join(["python", "-m", "dflash_pipeline.stages.verify", *argv, "--repair"]))
+        return 0 if report.ok else 1
+    if report.ok:
+        print("nothing to repair")
+        return 0
+    cmd = repair_command(report, root, args.configfile, args.default_storage_prefix, snakemake_args)
+    if args.dry_run:
+        for key in [f.key for f in report.of("damaged")] + [sidecar_key(k) for k in report.stale_records]:
+            print(f"would delete {storage.join(key)}")
+        print("would run: " + (shlex.join(cmd) if cmd else "nothing (no object to rebuild)"))
+        return 1
+    for key in delete_damaged(storage, report):
+        print(f"deleted {storage.join(key)}")
+    if cmd:
+        print("running: " + shlex.join(cmd), flush=True)
+        rc = subprocess.run(cmd).returncode
+        if rc != 0:
+            print(f"verify: snakemake failed ({rc}); the run is not repaired", file=sys.stderr)
+            return rc
+    after = check_run(storage, config, args.sizes_only)
+    print("after the repair:")
+    print("\n".join(after.lines(storage)))
+    return 0 if after.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Checksums of shard objects (dflash_pipeline.core.checksums) and the run check of
+dflash_pipeline.stages.verify, on a local folder and on the session's real S3 server."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.checksums import (
+    ChecksumError,
+    job_run_url,
+    read_record,
+    record_checksum,
+    repair_command,
+    sidecar_key,
+    verify_local_copy,
+)
+from dflash_pipeline.core.storage import open_storage
+from dflash_pipeline.stages import verify
+
+KEY = "outputs/tokenize-00000.parquet"
+CONTENT = bytes(range(256)) * 64  # 16 KiB
+
+
+def write_shard(folder: Path, key: str = KEY, data: bytes = CONTENT) -> Path:
+    path = folder / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def flip_byte(path: Path, at: int = 5000) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_record_then_verify_an_intact_copy(store, tmp_path):
+    shard = write_shard(tmp_path / "job")
+    record = record_checksum(store, shard, "tokenize", 0)
+    doc = json.loads(store.read_text(sidecar_key(KEY)))
+    assert sidecar_key(KEY) == "_progress/checksums/outputs/tokenize-00000.parquet.json"
+    assert doc["size"] == len(CONTENT) and doc["rule"] == "tokenize" and doc["shard"] == "00000"
+    assert doc["sha256"] == record.sha256 and len(record.sha256) == 64
+    assert read_record(store, KEY) == record
+    assert verify_local_copy(shard, store.url, "rule train") == record
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_flipped_byte_or_a_truncated_copy_is_caught(store, tmp_path, damage):
+    shard = write_shard(tmp_path / "job")
+    record_checksum(store, shard, "tokenize", 0)
+    if damage == "flip":
+        flip_byte(shard)
+    else:
+        shard.write_bytes(CONTENT[:1000])
+    with pytest.raises(ChecksumError) as err:
+        verify_local_copy(shard, store.url, "rule train")
+    message = str(err.value)
+    assert message.startswith(f"{store.url}/{KEY} is ")
+    assert ("damaged: its sha256" if damage == "flip" else "short: 1000 bytes") in message
+    assert "produced by rule tokenize (shard 00000)" in message
+    assert "python -m dflash_pipeline.stages.verify --repair" in message and "make verify REPAIR=1" in message
+    assert str(tmp_path / "job") not in message  # the stored object is named, not the local copy
+
+
+def test_an_object_without_a_record_is_accepted_with_a_note(store, tmp_path, caplog):
+    shard = write_shard(tmp_path / "job")
+    with caplog.at_level(logging.INFO, logger="dflash_pipeline.core.checksums"):
+        assert verify_local_copy(shard, store.url, "rule train") is None
+    assert "has no checksum record" in caplog.text and f"{store.url}/{KEY}" in caplog.text
+
+
+def test_a_missing_local_copy_is_an_error(tmp_path):
+    store = open_storage(tmp_path / "run")
+    shard = write_shard(tmp_path / "job")
+    record_checksum(store, shard, "tokenize", 0)
+    shard.unlink()
+    with pytest.raises(ChecksumError, match="tokenize-00000.parquet is missing"):
+        verify_local_copy(shard, store.url, "rule train")
+
+
+def test_repair_command_names_the_prefix_of_an_s3_run():
+    config = {"results_dir": "results", "run": "demo"}
+    command = repair_command("s3://bucket/pre/fix/results/demo", config, None)
+    assert command.startswith("python -m dflash_pipeline.stages.verify --repair --default-storage-prefix "
+                              "s3://bucket/pre/fix")
+    assert "make verify REPAIR=1 PREFIX=s3://bucket/pre/fix" in command
+    assert repair_command("results/demo", config, None).startswith("python -m dflash_pipeline.stages.verify "
+                                                                   "--repair  (or: make verify REPAIR=1)")
+
+
+def fake_job(output: str, params: dict | None = None):
+    from snakemake.iocontainers import Namedlist
+
+    named = Namedlist(fromdict=params or {})
+    return SimpleNamespace(output=[output], input=[], params=named, rule="prepare",
+                           config={"results_dir": "results", "run": "demo"})
+
+
+def test_job_run_url_from_params_or_from_where_snakemake_put_the_output():
+    assert job_run_url(fake_job("x", {"run_url": "s3://b/p/results/demo"})) == "s3://b/p/results/demo"
+    assert job_run_url(fake_job("results/demo/outputs/prepare-00000.parquet")) == "results/demo"
+    local_copy = ".snakemake/storage/s3/bucket/some/prefix/results/demo/outputs/prepare-00001.parquet"
+    assert job_run_url(fake_job(local_copy)) == "s3://bucket/some/prefix/results/demo"
+    assert job_run_url(fake_job("elsewhere/x.parquet")) is None
+
+
+def test_flipped_and_truncated_s3_objects_are_caught_at_read_with_their_s3_name(s3_server, s3_env, tmp_path):
+    """As in an S3 run: the job writes locally and records, Snakemake uploads, the object is
+    damaged in the bucket, the consumer gets Snakemake's local copy of it."""
+    prefix = f"s3://{s3_server.bucket}/ck-{uuid.uuid4().hex[:8]}"
+    run_url = f"{prefix}/results/demo"
+    store = open_storage(run_url)
+    config = {"results_dir": "results", "run": "demo"}
+    for shard, damage in ((0, "flip"), (1, "truncate")):
+        key = layout.shard_key("tokenize", shard)
+        written = write_shard(tmp_path / "job", key)
+        record_checksum(store, written, "tokenize", shard)
+        store.upload_file(key, written)  # Snakemake's upload after the job
+        data = bytearray(store.read_bytes(key))
+        if damage == "flip":
+            data[7000] ^= 0x80
+        store.write_bytes(key, bytes(data if damage == "flip" else data[: len(data) // 2]))
+        local_copy = tmp_path / ".snakemake/storage/s3" / s3_server.bucket / prefix.split("/", 3)[3] / "results/demo" / key
+        local_copy.parent.mkdir(parents=True, exist_ok=True)
+        store.download_file(key, local_copy)
+        with pytest.raises(ChecksumError) as err:
+            verify_local_copy(local_copy, run_url, "rule train", config=config)
+        message = str(err.value)
+        assert message.startswith(f"{run_url}/{key} is {'damaged' if damage == 'flip' else 'short'}"), message
+        assert f"produced by rule tokenize (shard {shard:05d})" in message
+        assert f"python -m dflash_pipeline.stages.verify --repair" in message
+        assert f"--default-storage-prefix {prefix}" in message and f"PREFIX={prefix}" in message
+        assert ".snakemake" not in message
+
+
+# --- the run check -------------------------------------------------------------------------------
+
+def small_run(tmp_path: Path, num_shards: int = 2) -> tuple[Path, dict]:
+    """A local run root with every shard object of `until: tokenize` and its record."""
+    root = tmp_path / "results/demo"
+    store = open_storage(root)
+    config = {"results_dir": str(tmp_path / "results"), "run": "demo", "until": "tokenize",
+              "num_shards": num_shards, "train": {"mode": "online"}}
+    for key in verify.expected_keys(config):
+        path = write_shard(root, key, key.encode() * 100)
+        record_checksum(store, path, key.split("/")[1].split("-")[0], key.split("-")[1][:5])
+    return root, config
+
+
+def test_expected_keys_follow_num_shards_and_until():
+    config = {"until": "tokenize", "num_shards": 2, "train": {"mode": "online"}}
+    keys = verify.expected_keys(config)
+    assert len(keys) == 2 * 5 and "outputs/tokenize-00001.heldout.parquet" in keys
+    assert verify.expected_keys({**config, "until": "generate"}) == [
+        "outputs/prepare-00000.parquet", "outputs/generate-00000.parquet",
+        "outputs/prepare-00001.parquet", "outputs/generate-00001.parquet"]
+    offline = verify.expected_keys({**config, "until": "train", "train": {"mode": "offline"}})
+    assert "outputs/extract-00001.manifest.json" in offline
+
+
+def test_check_run_lists_missing_damaged_and_orphaned_objects(tmp_path):
+    root, config = small_run(tmp_path)
+    store = open_storage(root)
+    assert verify.check_run(store, config).ok
+    (root / "outputs/generate-00001.parquet").unlink()
+    flip_byte(root / "outputs/tokenize-00000.parquet", 10)
+    (root / "outputs/tokenize-00001.stats.json").write_bytes(b"short")
+    write_shard(root, "outputs/prepare-00002.parquet")  # beyond num_shards
+    record_checksum(store, write_shard(tmp_path / "gone", "outputs/generate-00007.parquet"), "generate", 7)
+    write_shard(root, "outputs/prepare-00001.parquet", b"rewritten before checksums")
+    store.delete(sidecar_key("outputs/prepare-00001.parquet"))
+    report = verify.check_run(store, config)
+    found = [(f.kind, f.key) for f in report.findings]
+    assert found == [
+        ("missing", "outputs/generate-00001.parquet"),
+        ("damaged", "outputs/tokenize-00000.parquet"),
+        ("damaged", "outputs/tokenize-00001.stats.json"),
+        ("orphaned", "_progress/checksums/outputs/generate-00007.parquet.json"),
+        ("orphaned", "outputs/prepare-00002.parquet"),
+    ]
+    assert report.unchecked == ["outputs/prepare-00001.parquet"]
+    # A size check alone catches the short object, not the flipped byte.
+    quick = verify.check_run(store, config, sizes_only=True)
+    assert ("damaged", "outputs/tokenize-00000.parquet") not in [(f.kind, f.key) for f in quick.findings]
+    lines = report.lines(store)
+    assert lines[0].startswith(f"missing   {root}/outputs/generate-00001.parquet")
+    assert lines[-1].endswith("1 missing, 2 damaged, 2 orphaned")
+
+    command = verify.repair_command(report, "results/demo", ["my.yaml"], None, ["--cores", "2"])
+    assert command[1:] == ["-m", "snakemake", "--forcerun", "results/demo/outputs/generate-00001.parquet",
+                           "results/demo/outputs/tokenize-00000.parquet",
+                           "results/demo/outputs/tokenize-00001.stats.json",
+                           "--configfile", "my.yaml", "--cores", "2"]
+    s3 = verify.repair_command(report, "results/demo", None, "s3://b/p", [])
+    assert s3[-6:] == ["--default-storage-provider", "s3", "--default-storage-prefix", "s3://b/p", "--cores", "all"]
+
+    deleted = verify.delete_damaged(store, report)
+    assert "outputs/tokenize-00000.parquet" in deleted and not (root / "outputs/tokenize-00000.parquet").exists()
+    assert not store.exists(sidecar_key("outputs/tokenize-00000.parquet"))
+    assert not store.exists(sidecar_key("outputs/generate-00007.parquet"))
+    assert (root / "outputs/prepare-00002.parquet").exists()  # beyond num_shards: left alone
+
+
+def test_verify_cli_exit_codes_and_dry_run_repair(tmp_path, monkeypatch, capsys):
+    root, config = small_run(tmp_path)
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(json.dumps({"results_dir": config["results_dir"], "run": "demo",
+                                       "until": "tokenize", "num_shards": 2}))
+    monkeypatch.chdir(tmp_path)
+    assert verify.main(["--configfile", str(config_file)]) == 0
+    assert "0 missing, 0 damaged, 0 orphaned" in capsys.readouterr().out
+    os.remove(root / "outputs/generate-00001.parquet")
+    assert verify.main(["--configfile", str(config_file)]) == 1
+    out = capsys.readouterr().out
+    assert f"missing   {root}/outputs/generate-00001.parquet" in out and "--repair" in out
+    assert verify.main(["--configfile", str(config_file), "--repair", "--dry-run", "--", "--cores", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "--forcerun " + f"{root}/outputs/generate-00001.parquet" in out
+    assert (root / "outputs/tokenize-00001.parquet").exists()

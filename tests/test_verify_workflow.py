@@ -1,0 +1,74 @@
+"""A deleted intermediate of a finished run: Snakemake sees nothing to do, `verify` lists it
+missing, and `verify --repair` rebuilds exactly that shard's chain (dflash_pipeline.stages.verify)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, parse_job_table
+from tests.test_generate_workflow import configure
+
+pytestmark = pytest.mark.workflow
+
+
+def run_verify(workflow, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "dflash_pipeline.stages.verify", *args], cwd=workflow.root,
+                          env=env, capture_output=True, text=True, timeout=2400)
+
+
+def test_a_deleted_intermediate_is_found_and_only_its_chain_rebuilt(workflow, demo_model, tmp_path):
+    configure(workflow, demo_model, tmp_path, prompts=12, max_new_tokens=16)
+    workflow.write_config(num_shards=2)
+    workflow.snakemake()
+    outputs = workflow.root / "results/demo/outputs"
+    records = workflow.root / "results/demo/_progress/checksums/outputs"
+    # Every shard object of prepare and tokenize carries its job's record; generate's too once
+    # scripts/generate.py records its output (checksums.record_outputs; until then its shards
+    # are read unchecked, with a note).
+    recorded = {p.name.removesuffix(".json") for p in records.glob("*.json")}
+    with_records = [f"prepare-{shard:05d}.parquet" for shard in range(2)] + [
+        f"tokenize-{shard:05d}.{ext}" for shard in range(2) for ext in ("parquet", "heldout.parquet", "stats.json")]
+    generate_recorded = "generate-00001.parquet" in recorded
+    assert recorded == set(with_records) | ({"generate-00000.parquet", "generate-00001.parquet"}
+                                            if generate_recorded else set())
+    tokenize_log = (workflow.root / "results/demo/logs/tokenize/00001.log").read_text()
+    if generate_recorded:
+        assert "checksum of results/demo/outputs/generate-00001.parquet verified" in tokenize_log
+    else:
+        assert "results/demo/outputs/generate-00001.parquet has no checksum record" in tokenize_log
+    clean = run_verify(workflow)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert f"{len(recorded)} shard object(s) match their checksums" in clean.stdout
+    assert clean.stdout.rstrip().endswith("0 missing, 0 damaged, 0 orphaned")
+
+    (outputs / "generate-00001.parquet").unlink()
+    assert workflow.planned_jobs() == {}  # Snakemake: "Nothing to be done"
+    found = run_verify(workflow)
+    assert found.returncode == 1, found.stdout + found.stderr
+    assert "missing   results/demo/outputs/generate-00001.parquet  (made by rule generate (shard 00001)" \
+        in found.stdout
+    assert "1 missing, 0 damaged, 0 orphaned" in found.stdout
+
+    untouched = {name: (outputs / name).stat().st_mtime_ns for name in (
+        "prepare-00000.parquet", "prepare-00001.parquet", "generate-00000.parquet", "tokenize-00000.parquet")}
+    before = (outputs / "tokenize-00001.parquet").stat().st_mtime_ns
+    repaired = run_verify(workflow, "--repair", "--", "--cores", "2")
+    output = repaired.stdout + repaired.stderr
+    assert repaired.returncode == 0, output
+    assert "running: " in output and "--forcerun results/demo/outputs/generate-00001.parquet --cores 2" in output
+    jobs = parse_job_table(output)
+    assert jobs["generate"] == 1 and jobs["tokenize"] == 1 and "prepare" not in jobs, jobs
+    assert "shard=00000" not in output
+    assert (outputs / "generate-00001.parquet").exists()
+    assert (outputs / "tokenize-00001.parquet").stat().st_mtime_ns > before
+    assert {name: (outputs / name).stat().st_mtime_ns for name in untouched} == untouched
+    assert "after the repair:" in repaired.stdout
+    assert repaired.stdout.rstrip().endswith("0 missing, 0 damaged, 0 orphaned")
+    assert workflow.planned_jobs() == {}
