@@ -20,6 +20,7 @@ from dflash_pipeline.training.checkpoint import (
     assign_tensors,
     capture_rng,
     load_checkpoint,
+    load_model_weights,
     map_location_for,
     restore_rng,
     save_checkpoint,
@@ -92,6 +93,11 @@ def test_ranks_write_byte_balanced_shards_and_each_reads_its_own_rng(store):
         assert loaded.rng["python"] == rngs[rank]["python"]
     # A later job with more ranks than the checkpoint's takes rank 0's generators.
     assert load_checkpoint(store, "c/", rank=7).rng["python"] == rngs[0]["python"]
+    # Export reads the model's weights alone, from every rank's shard.
+    weights = load_model_weights(store, "c/")
+    assert set(weights) == set(state["model"])
+    assert all(torch.equal(weights[k], state["model"][k]) for k in weights)
+    assert load_model_weights(store, "nothing/") is None
 
 
 def test_assignment_balances_bytes_and_is_the_same_on_every_rank():

@@ -11,7 +11,8 @@ the CPU demo. The figures follow what each job holds in host memory at its peak:
   do not add up;
 * train: every rank of the job loads its own copy of the target (online mode) and stages its
   share of the drafter's checkpoint state (fp32 weights and both AdamW moments) in pinned buffers;
-* export: the final checkpoint's drafter state and an fp32 copy of the drafter.
+* export: the drafter's fp32 weights read from the final checkpoint (the optimizer state stays on
+  disk, memory-mapped) and their copy in the export dtype.
 
 Each figure has a floor (what the rules asked for before: enough for the demo and small models).
 Where the target folder does not exist yet (the demo builds it), the floors apply. Override one
@@ -76,7 +77,7 @@ def job_memory_mb(config: dict) -> dict[str, int]:
         "generate": JOB_OVERHEAD_MB + target_mb,
         "extract": JOB_OVERHEAD_MB + target_mb,
         "train": ranks * (JOB_OVERHEAD_MB + target_mb) + state_mb,
-        "export": JOB_OVERHEAD_MB + state_mb + (params or 0) * 4 / MB,
+        "export": JOB_OVERHEAD_MB + (params or 0) * (4 + 4) / MB,
         "evaluate": JOB_OVERHEAD_MB + max(target_mb, loop_mb),
     }
     return {rule: max(FLOORS_MB[rule], int(round(mb, -3))) for rule, mb in figures.items()}

@@ -19,24 +19,26 @@ from safetensors.torch import save_file
 from dflash_pipeline.model.config import DrafterConfig
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.core.storage import open_storage, write_atomically
-from dflash_pipeline.training.checkpoint import load_checkpoint
+from dflash_pipeline.training.checkpoint import load_model_weights
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def expected_tensor_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor an engine loads, with its shape (the loader test checks against this)."""
-    drafter = DFlashDrafter(config)
+    """Every tensor an engine loads, with its shape (the loader test checks against this). Built
+    on the meta device: shapes without allocating the drafter (GBs for the 27B case)."""
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config)
     return {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
 
 
 def export_drafter(run_url: str, manifest_path: str, config_out: str, weights_out: str, dtype: str) -> dict:
     manifest = json.loads(Path(manifest_path).read_text())
     storage = open_storage(run_url)
-    loaded = load_checkpoint(storage, manifest["checkpoint_prefix"])
-    if loaded is None:
+    # The drafter's weights only: the optimizer state is never read into memory.
+    weights = load_model_weights(storage, manifest["checkpoint_prefix"])
+    if weights is None:
         raise FileNotFoundError(f"no checkpoint at {storage.join(manifest['checkpoint_prefix'])}")
-    weights = loaded.state["model"]
     config = DrafterConfig.from_zlab(manifest["drafter_config"], source=manifest_path)
     config.dtype = dtype
     expected = expected_tensor_shapes(config)
