@@ -6,18 +6,24 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
+import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from dflash_pipeline.core.jobstate import ShardProgress
 from dflash_pipeline.status.__main__ import parser, resolve_source
 from dflash_pipeline.core.storage import ReadOnlyStorage
-from dflash_pipeline.status.server import RedactingFilter, Redactor, StatusServer
-from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder, local_log_path
+from dflash_pipeline.status.events import EventWriter
+from dflash_pipeline.status.server import HostPolicy, RedactingFilter, Redactor, StatusServer
+from dflash_pipeline.status.snapshot import RunJobBoard, RunSource, SnapshotBuilder, local_log_path
 from dflash_pipeline.core.storage import LocalStorage, open_storage
 from tests.support.seaweed import free_port
 from tests.support.status_run import RUNNING_LOG, write_run
@@ -230,3 +236,352 @@ def test_snapshot_is_rebuilt_in_the_background_and_picks_up_new_shards(tmp_path)
     while json.loads(state.body(redact))["stages"][0]["done"] != 1:
         assert time.monotonic() < deadline, "the new shard never showed"
         time.sleep(0.05)
+
+
+# -- Host header (DNS rebinding) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.1.evil.example:{port}",
+                                  "localhost.evil.example", "[::1]evil", "::1", "127.0.0.1:80x"])
+def test_a_foreign_host_header_is_refused_without_data(server, host):
+    host = host.format(port=server.port)
+    for path in ("/api/status", "/", "/assets/app.js"):
+        status, body = get(server, path, headers={"Host": host})
+        assert status == 421 and body == b"misdirected request\n", (host, path)
+    assert get(server, "/api/status", headers={"Host": host}, method="POST")[0] == 421
+
+
+@pytest.mark.parametrize("host", ["localhost:{port}", "127.0.0.1:{port}", "[::1]:{port}", "LOCALHOST",
+                                  "localhost.:{port}", "127.0.0.1:9999"])  # any port: an SSH tunnel
+def test_loopback_host_headers_are_answered(server, host):
+    status, body = get(server, "/api/status", headers={"Host": host.format(port=server.port)})
+    assert status == 200 and json.loads(body)["num_shards"] == 2
+
+
+def test_with_a_token_a_foreign_host_is_refused_even_with_the_token(local_run):
+    srv = StatusServer(SnapshotBuilder(local_run), port=0, token="tok-2718281828").start()
+    try:
+        auth = {"Authorization": "Bearer tok-2718281828"}
+        assert get(srv, "/api/status", headers={**auth, "Host": "evil.example"})[0] == 421
+        assert get(srv, "/api/status", headers={**auth, "Host": f"127.0.0.1:{srv.port}"})[0] == 200
+        assert get(srv, "/api/status", headers={"Host": f"127.0.0.1:{srv.port}"})[0] == 401
+    finally:
+        srv.stop()
+
+
+def test_host_policy_allows_the_bound_address_with_its_port_and_proxy_names():
+    bound = HostPolicy("10.1.2.3", 8080, frozenset({"status.internal"}))
+    assert bound.allows("10.1.2.3:8080") and bound.allows("10.1.2.3") and bound.allows("localhost:1234")
+    assert bound.allows("status.internal:8080") and bound.allows(None)
+    assert not bound.allows("10.1.2.3:9090") and not bound.allows("10.9.9.9:8080")
+    assert not bound.allows("evil.example:8080") and not bound.allows("status.internal:1")
+    assert not bound.allows("") and not bound.allows("10.1.2.3:") and not bound.allows("a:b:c")
+    everywhere = HostPolicy("0.0.0.0", 8080)
+    assert everywhere.allows("192.168.7.7:8080") and everywhere.allows(f"{socket.gethostname()}:8080")
+    assert not everywhere.allows("evil.example:8080")
+
+
+# -- connections: bounded workers, request timeout ------------------------------------------------
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
+def test_half_sent_and_idle_connections_are_closed_by_the_server_and_hold_no_worker(local_run):
+    srv = StatusServer(SnapshotBuilder(local_run), port=0, workers=1, request_timeout_s=1.0).start()
+    half, idle = [], []
+    try:
+        for _ in range(5):
+            sock = socket.create_connection(("127.0.0.1", srv.port))
+            sock.sendall(b"GET /api/status HTTP/1.1\r\nHost: localhost\r\nX-Half: ")
+            half.append(sock)
+            idle.append(socket.create_connection(("127.0.0.1", srv.port)))
+        # The one worker is free for a whole request meanwhile.
+        assert get(srv, "/api/status")[0] == 200
+        for sock in half + idle:
+            # A bound for a hang, far above the 1 s request timeout: recv() times out only if
+            # the server never closes the connection.
+            sock.settimeout(60)
+            answer = read_until_closed(sock)
+            assert answer == b"" or answer.startswith(b"HTTP/1.0 408"), answer
+            assert b"stages" not in answer
+    finally:
+        for sock in half + idle:
+            sock.close()
+        srv.stop()
+
+
+def test_concurrent_clients_are_answered_by_a_bounded_pool_of_workers(local_run):
+    srv = StatusServer(SnapshotBuilder(local_run), port=0, workers=3).start()
+    try:
+        with ThreadPoolExecutor(30) as pool:
+            statuses = list(pool.map(lambda _: get(srv, "/api/status")[0], range(120)))
+        assert statuses == [200] * 120
+        workers = [t for t in threading.enumerate() if t.name.startswith("status-worker")]
+        assert 1 <= len(workers) <= 3
+    finally:
+        srv.stop()
+
+
+def test_the_server_listens_with_a_backlog_for_the_pages_clients(local_run):
+    srv = StatusServer(SnapshotBuilder(local_run), port=0)
+    try:
+        # The listening socket's accept queue limit, as the kernel reports it (ss's Send-Q).
+        listening = subprocess.run(["ss", "-ltnH", f"sport = :{srv.port}"], capture_output=True, text=True)
+        if listening.returncode != 0 or not listening.stdout.strip():
+            pytest.skip("ss (iproute2) is not available")
+        assert int(listening.stdout.split()[2]) >= 128
+    finally:
+        srv.stop()
+
+
+# -- the command line: token, pid file, ports -----------------------------------------------------
+
+CLI = [sys.executable, "-m", "dflash_pipeline.status"]
+
+
+def cli(*args, env=None, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env if env is not None else {k: v for k, v in os.environ.items()
+                                                           if k != "DFLASH_STATUS_TOKEN"})
+
+
+def make_tree(path, shards=1):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(f"run: r1\nnum_shards: {shards}\n")
+    return path
+
+
+def answers(port: int, headers=None) -> int | None:
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/api/status", headers=headers or {})
+        return conn.getresponse().status
+    except OSError:
+        return None
+
+
+def wait_until_silent(port: int) -> None:
+    deadline = time.monotonic() + 10
+    while answers(port) is not None:
+        assert time.monotonic() < deadline, f"a status server still answers on {port}"
+        time.sleep(0.1)
+
+
+def test_the_token_never_reaches_the_background_servers_command_line(tmp_path):
+    tree = make_tree(tmp_path / "tree")
+    port = free_port()
+    token = "tok-" + uuid.uuid4().hex
+    env = {**os.environ, "DFLASH_STATUS_TOKEN": token}
+    started = cli("start", "--workdir", str(tree), "--port", str(port), env=env)
+    try:
+        assert started.returncode == 0, started.stderr
+        assert token not in started.stdout + started.stderr
+        record = json.loads((tree / "logs/status-server.pid").read_text())
+        cmdline = open(f"/proc/{record['pid']}/cmdline", "rb").read()
+        assert b"dflash_pipeline.status" in cmdline and token.encode() not in cmdline
+        assert answers(port) == 401
+        assert answers(port, {"Authorization": f"Bearer {token}"}) == 200
+    finally:
+        stopped = cli("stop", "--workdir", str(tree))
+    assert "Stopped" in stopped.stdout
+    wait_until_silent(port)
+
+
+def test_a_token_file_is_read_in_the_foreground_and_must_be_private(tmp_path):
+    tree = make_tree(tmp_path / "tree")
+    port = free_port()
+    token_file = tmp_path / "token"
+    token_file.write_text("tok-from-a-file-1234\n")
+    token_file.chmod(0o644)
+    refused = cli("start", "--workdir", str(tree), "--port", str(port), "--token-file", str(token_file))
+    assert refused.returncode == 1 and "chmod 600" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    token_file.chmod(0o600)
+    started = cli("start", "--workdir", str(tree), "--port", str(port), "--token-file", str(token_file))
+    try:
+        assert started.returncode == 0, started.stderr
+        pid = json.loads((tree / "logs/status-server.pid").read_text())["pid"]
+        assert b"tok-from-a-file-1234" not in open(f"/proc/{pid}/cmdline", "rb").read()
+        assert answers(port, {"Authorization": "Bearer tok-from-a-file-1234"}) == 200
+    finally:
+        cli("stop", "--workdir", str(tree))
+    wait_until_silent(port)
+
+
+@pytest.mark.parametrize("action", ["serve", "start"])
+def test_a_token_on_the_command_line_is_refused_in_one_line(tmp_path, action):
+    tree = make_tree(tmp_path / "tree")
+    refused = cli(action, "--workdir", str(tree), "--port", str(free_port()), "--token", "tok-on-argv-99")
+    assert refused.returncode != 0
+    assert refused.stderr.count("\n") == 1 and "DFLASH_STATUS_TOKEN" in refused.stderr
+    assert not (tree / "logs/status-server.pid").exists()
+
+
+def test_stop_in_a_copied_tree_leaves_the_originals_page_running(tmp_path):
+    original = make_tree(tmp_path / "original")
+    port = free_port()
+    started = cli("start", "--workdir", str(original), "--port", str(port))
+    try:
+        assert started.returncode == 0, started.stderr
+        copy = tmp_path / "copy"
+        shutil.copytree(original, copy)  # the pid file too, as `cp -r` of a tree does
+        stopped = cli("stop", "--workdir", str(copy))
+        assert stopped.returncode == 0 and "left alone" in stopped.stdout
+        assert len(stopped.stdout.splitlines()) == 1 and str(original.resolve()) in stopped.stdout
+        assert answers(port) == 200
+        # Nor does `start` in the copy take the original's page for its own.
+        again = cli("start", "--workdir", str(copy), "--port", str(port))
+        assert again.returncode == 1 and "taken by another program" in again.stderr
+        assert answers(port) == 200
+    finally:
+        stopped = cli("stop", "--workdir", str(original))
+    assert "Stopped" in stopped.stdout
+    wait_until_silent(port)
+
+
+def test_stop_leaves_a_pid_that_is_no_longer_this_trees_status_server_alone(tmp_path):
+    tree = make_tree(tmp_path / "tree")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tree / "logs").mkdir()
+        for record in (f"{other.pid}\n",  # a pid file of an older version: the pid alone
+                       json.dumps({"pid": other.pid, "workdir": str(tree.resolve()), "port": 1})):
+            (tree / "logs/status-server.pid").write_text(record)
+            stopped = cli("stop", "--workdir", str(tree))
+            assert stopped.returncode == 0 and "no longer this tree's status page" in stopped.stdout
+            assert len(stopped.stdout.splitlines()) == 1
+            assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_busy_port_is_one_line_and_exit_1(tmp_path):
+    tree = make_tree(tmp_path / "tree")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        for action in ("serve", "start"):
+            result = cli(action, "--workdir", str(tree), "--port", str(port))
+            assert result.returncode == 1, (action, result.stderr)
+            assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+            assert str(port) in result.stderr
+    assert not (tree / "logs/status-server.pid").exists()
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "eighty"])
+def test_an_invalid_port_is_one_line_and_exit_1(tmp_path, port):
+    tree = make_tree(tmp_path / "tree")
+    for action in ("serve", "start"):
+        result = cli(action, "--workdir", str(tree), "--port", port)
+        assert result.returncode == 1 and "invalid port" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+# -- the events of the run the page shows ---------------------------------------------------------
+
+
+def job_events(writer: EventWriter, files: list[tuple[str, str]], ended: bool = True) -> None:
+    """One Snakemake run: its jobs (rule, shard, output), started, the first done, the rest running."""
+    now = time.time()
+    writer.write({"event": "workflow_started", "time": now})
+    ids = list(range(1, len(files) + 1))
+    writer.write({"event": "job_started", "time": now, "jobids": ids})
+    for jobid, (rule, shard, output, log) in zip(ids, files):
+        writer.write({"event": "job_info", "time": now, "jobid": jobid, "rule": rule, "wildcards": {"shard": shard},
+                      "log": [log], "output": [output]})
+    writer.write({"event": "job_finished", "time": now, "jobid": 1})
+    if ended:
+        writer.write_closed_marker()
+
+
+def s3_job(url: str, rule: str, shard: str):
+    return (rule, shard, f"{url}/outputs/{rule}-{shard}.parquet (send to storage)",
+            f"{url}/logs/{rule}/{shard}.log (send to storage)")
+
+
+def local_job(root: str, rule: str, shard: str):
+    return (rule, shard, f"{root}/outputs/{rule}-{shard}.parquet", f"{root}/logs/{rule}/{shard}.log")
+
+
+def test_the_board_keeps_only_the_snakemake_runs_of_its_run_root(tmp_path):
+    events = tmp_path / "logs/snakemake-events.jsonl"
+    writer = EventWriter(events)
+    url = "s3://bucket/prefix/results/demo"
+    s3 = RunJobBoard(events, url, tmp_path)
+    local = RunJobBoard(events, str(tmp_path / "results/demo"), tmp_path)
+    # The S3 run's demo model (a local helper) first, then its shards; it is still running.
+    job_events(writer, [("build_demo_model", "", "resources/demo-target", "logs/build_demo_model.log"),
+                        s3_job(url, "prepare", "00000"), s3_job(url, "generate", "00001")], ended=False)
+    assert {j.rule for j in s3.refresh().jobs.values()} == {"build_demo_model", "prepare", "generate"}
+    assert s3.source == "this run" and s3.run.state == "running"
+    assert local.refresh().jobs == {} and local.source == "another run"
+    # A local run from the same working directory: the S3 page keeps its run, now ended.
+    job_events(writer, [local_job("results/demo", "prepare", "00000")])
+    s3_run = s3.refresh()
+    assert {j.rule for j in s3_run.jobs.values()} == {"build_demo_model", "prepare", "generate"}
+    assert s3_run.ended_at is not None and s3_run.jobs[3].state == "interrupted"
+    local_run_events = local.refresh()
+    assert [j.rule for j in local_run_events.jobs.values()] == ["prepare"] and local.source == "this run"
+    # Another S3 prefix: neither page shows it; a run whose jobs named nothing yet is shown.
+    job_events(writer, [s3_job("s3://bucket/other/results/demo", "prepare", "00000")])
+    assert s3.refresh() is s3_run and local.refresh() is local_run_events
+    writer.write({"event": "workflow_started", "time": time.time()})
+    assert s3.refresh().jobs == {} and s3.source == "unknown"
+
+
+@pytest.mark.s3
+def test_the_page_of_an_s3_run_shows_that_runs_events_not_a_local_runs(s3_env, s3_server, tmp_path):
+    url = f"s3://{s3_server.bucket}/events-{uuid.uuid4().hex[:8]}/results/demo"
+    open_storage(url).write_bytes("outputs/prepare-00000.parquet", b"p")
+    (tmp_path / "config.yaml").write_text("run: demo\nnum_shards: 2\n")
+    writer = EventWriter(tmp_path / "logs/snakemake-events.jsonl")
+    # The S3 run, driven from this checkout: prepare 00000 done, generate 00001 failed.
+    job_events(writer, [s3_job(url, "prepare", "00000"), s3_job(url, "generate", "00001")], ended=False)
+    writer.write({"event": "job_error", "time": time.time(), "jobid": 2, "rule": "generate",
+                  "log": [s3_job(url, "generate", "00001")[3]], "message": "the S3 run's failure"})
+    writer.write_closed_marker()
+    # Then a local run from the same checkout, still running (its page is the local one).
+    LocalStorage(tmp_path / "results/demo").write_bytes("outputs/prepare-00000.parquet", b"p")
+    job_events(writer, [local_job("results/demo", "prepare", "00000"), local_job("results/demo", "prepare", "00001")],
+               ended=False)
+    prefix = url[: -len("/results/demo")]
+    args = parser().parse_args(["--workdir", str(tmp_path), "--default-storage-prefix", prefix])
+    srv = StatusServer(SnapshotBuilder(resolve_source(args)), port=0).start()
+    try:
+        snap = json.loads(get(srv, "/api/status")[1])
+    finally:
+        srv.stop()
+    assert snap["run"] == url and snap["workflow"]["events_source"] == "this run"
+    assert snap["workflow"]["state"] == "failed"
+    assert [(f["stage"], f["shard"], f["message"]) for f in snap["failed"]] == [
+        ("generate", "00001", "the S3 run's failure")]
+    stages = {s["stage"]: s for s in snap["stages"]}
+    assert (stages["prepare"]["done"], stages["prepare"]["running"]) == (1, 0)  # not the local run's
+    assert snap["running"] == []
+    local_snap = SnapshotBuilder(resolve_source(parser().parse_args(["--workdir", str(tmp_path)]))).build()
+    assert local_snap["workflow"]["state"] == "running" and local_snap["failed"] == []
+    assert [(r["stage"], r["shard"]) for r in local_snap["running"]] == [("prepare", "00001")]
+
+
+def test_a_slow_first_read_of_the_run_holds_no_worker_past_its_wait(tmp_path):
+    from dflash_pipeline.status.server import StatusState
+
+    release = threading.Event()
+
+    class SlowBuilder:  # the first listing of a large S3 run
+        def build(self):
+            release.wait(60)
+            return {"run": "r", "generated_at": 0}
+
+    state = StatusState(SlowBuilder(), first_wait_s=0.05)
+    placeholder = json.loads(state.body(Redactor([])))
+    assert "reading the run for the first time" in placeholder["error"]
+    release.set()
+    state.first_wait_s = 60  # a bound for a hang only
+    assert json.loads(state.body(Redactor([]))) == {"run": "r", "generated_at": 0}

@@ -6,19 +6,37 @@ asset names are looked up in a fixed table, so no request path ever reaches the 
 Bound beyond loopback, every request but the static assets must carry the access token
 (``?token=`` or ``Authorization: Bearer``). Secrets from the environment (S3 keys, the token)
 are blanked out of every response and log line.
+
+Only requests that name this server in their ``Host`` header are answered (loopback names, the
+bound address, and names given with ``allowed_hosts``); any other gets a 421 without data, so a
+web page whose DNS name is rebound to 127.0.0.1 cannot read the run through a visitor's browser.
+
+Connections (``StatusHTTPServer``): one thread accepts them and reads each request head without
+blocking (a client that has not sent its whole head within ``request_timeout_s`` of connecting
+is dropped, so idle or half-sent connections tie up nothing); a fixed pool of ``workers``
+threads answers complete requests. At most ``max_connections`` connections are held at once;
+beyond that, new ones wait in the kernel's listen backlog (``backlog``). Every answer closes its
+connection (HTTP/1.0): the page polls every two seconds, and no idle keep-alive connection can
+hold a worker.
 """
 
 from __future__ import annotations
 
 import hmac
+import io
 import ipaddress
 import json
 import logging
 import os
+import re
+import selectors
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
@@ -40,6 +58,24 @@ SECRET_ENV_VARS = (
     "AWS_SESSION_TOKEN",
 )
 REDACTED = "[redacted]"
+TOKEN_ENV = "DFLASH_STATUS_TOKEN"
+
+# Loopback names a browser on this machine uses for the page (with any port: an SSH tunnel
+# maps the page to another local port).
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+
+# Connection handling (see the module's docstring). The page's clients are a few browsers and
+# scripts; the figures leave room for a crowd of them (bench/status_clients.py: 50 clients).
+WORKERS = 8
+MAX_CONNECTIONS = 1024  # and never more than the process's file descriptors allow
+BACKLOG = 128
+REQUEST_TIMEOUT_S = 5.0
+WRITE_TIMEOUT_S = 10.0
+# A request head longer than this (the stdlib's own limits are 64 KiB a line, 100 headers) is
+# refused; GET requests carry nothing else.
+MAX_HEAD_BYTES = 65536
+HEAD_END = re.compile(rb"\r?\n\r?\n")
 
 
 def is_loopback(host: str) -> bool:
@@ -89,21 +125,25 @@ class RedactingFilter(logging.Filter):
 class StatusState:
     """The shared snapshot, rebuilt only while someone is looking.
 
-    The first request builds it; later requests get the last one at once and, when it is older
-    than the refresh interval, start one rebuild in the background. The interval stretches to
-    twice the last build's duration, so a slow listing (10,000 shards in S3 took ~3.5 s) never
-    keeps the server listing back to back.
+    The first request starts the first build; later requests get the last one at once and, when
+    it is older than the refresh interval, start one rebuild in the background. The interval
+    stretches to twice the last build's duration, so a slow listing (10,000 shards in S3 took
+    ~3.5 s) never keeps the server listing back to back. Requests wait for the first build at
+    most ``first_wait_s`` (the first read of a large S3 run takes minutes): then they get a
+    placeholder that says so, and the worker is free for the next request.
     """
 
-    def __init__(self, builder: SnapshotBuilder, refresh_s: float = 2.0):
+    def __init__(self, builder: SnapshotBuilder, refresh_s: float = 2.0, first_wait_s: float = 10.0):
         self.builder = builder
         self.refresh_s = refresh_s
+        self.first_wait_s = first_wait_s
         self._lock = threading.Lock()
-        self._first_build = threading.Lock()
+        self._first_done = threading.Event()
         self._built_at = 0.0
         self._build_s = 0.0
         self._body: bytes | None = None
         self._rebuilding = False
+        self._started_at: float | None = None
 
     def _build(self, redact: Redactor) -> None:
         started = time.monotonic()
@@ -117,12 +157,25 @@ class StatusState:
             self._body, self._built_at = body, time.monotonic()
             self._build_s = self._built_at - started
             self._rebuilding = False
+        self._first_done.set()
+
+    def _start_build(self, redact: Redactor) -> None:
+        threading.Thread(target=self._build, args=(redact,), name="snapshot", daemon=True).start()
 
     def body(self, redact: Redactor) -> bytes:
-        if self._body is None:
-            with self._first_build:  # concurrent first requests wait for one build
-                if self._body is None:
-                    self._build(redact)
+        with self._lock:
+            first = self._body is None and not self._rebuilding
+            if first:
+                self._rebuilding, self._started_at = True, time.monotonic()
+        if first:
+            self._start_build(redact)
+        if not self._first_done.wait(self.first_wait_s):
+            waited = time.monotonic() - (self._started_at or time.monotonic())
+            return json.dumps({
+                "error": f"reading the run for the first time ({waited:.0f} s so far; a large S3 run "
+                         "takes minutes): the page fills in when it is done",
+                "generated_at": time.time(),
+            }).encode("utf-8")
         with self._lock:
             due = time.monotonic() - self._built_at >= max(self.refresh_s, 2 * self._build_s)
             start = due and not self._rebuilding
@@ -130,18 +183,97 @@ class StatusState:
                 self._rebuilding = True
             body = self._body
         if start:
-            threading.Thread(target=self._build, args=(redact,), name="snapshot", daemon=True).start()
+            self._start_build(redact)
         return body
 
 
-def make_handler(state: StatusState, token: str | None, redact: Redactor):
+def split_host_header(value: str) -> tuple[str, str | None] | None:
+    """``(name, port)`` of a Host header (port None when absent), or None if it is malformed."""
+    value = value.strip().lower()
+    if value.startswith("["):  # [v6]:port
+        name, sep, rest = value[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            return None
+        port = rest[1:] if rest else None
+    elif value.count(":") == 1:
+        name, port = value.split(":")
+    elif ":" not in value:
+        name, port = value, None
+    else:  # a bare IPv6 address: not a valid Host
+        return None
+    if not name or (port is not None and not (port.isdigit() and len(port) <= 5)):
+        return None
+    return name.rstrip("."), port
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class HostPolicy:
+    """Which ``Host`` headers the server answers.
+
+    Loopback names with any port; the bound address (or, bound to every address, any IP literal
+    and this machine's host name) and the names of ``extra`` with the bound port or none. DNS
+    rebinding needs a DNS name that the server does not know; an IP literal is always the
+    address the browser really connected to. A request without a Host header (HTTP/1.0 tools;
+    browsers always send one) is answered.
+    """
+
+    bound_host: str
+    bound_port: int
+    extra: frozenset[str] = field(default_factory=frozenset)
+
+    def names(self) -> frozenset[str]:
+        names = {n.lower().rstrip(".") for n in self.extra}
+        if self.bound_host not in WILDCARD_HOSTS:
+            names.add(self.bound_host.strip("[]").lower())
+        else:
+            names.add(socket.gethostname().lower())
+        return frozenset(names)
+
+    def allows(self, header: str | None, names: frozenset[str] | None = None) -> bool:
+        if header is None:
+            return True
+        parsed = split_host_header(header)
+        if parsed is None:
+            return False
+        name, port = parsed
+        if name in LOOPBACK_NAMES:
+            return True
+        if port is not None and int(port) != self.bound_port:
+            return False
+        if name in (self.names() if names is None else names):
+            return True
+        return self.bound_host in WILDCARD_HOSTS and _is_ip(name)
+
+
+def make_handler(state: StatusState, token: str | None, redact: Redactor, hosts: HostPolicy):
+    host_names = hosts.names()
+
     class Handler(BaseHTTPRequestHandler):
         server_version = "dflash-status"
         sys_version = ""
 
+        def setup(self) -> None:
+            # The server read the request head already (StatusHTTPServer): parse it from memory,
+            # answer on the socket (whose timeout bounds a client that stops reading).
+            self.connection, head = self.request
+            self.rfile = io.BytesIO(head)
+            self.wfile = self.connection.makefile("wb", buffering=0)
+
         def log_message(self, format, *args):  # noqa: A002 (the stdlib's signature)
             # The query may carry the token: log the path only, and blank secrets anyway.
-            log.info("%s %s", self.command, redact(urlsplit(self.path).path))
+            # A malformed request line is answered before it has a path.
+            log.info("%s %s", self.command, redact(urlsplit(getattr(self, "path", "") or "").path))
+
+        def log_error(self, format, *args):  # noqa: A002
+            log.info("bad request: %s", redact(format % args))
 
         def _send(self, status: int, body: bytes, content_type: str) -> None:
             self.send_response(status)
@@ -157,6 +289,15 @@ def make_handler(state: StatusState, token: str | None, redact: Redactor):
         def _not_found(self) -> None:
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8")
 
+        def _host_allowed(self) -> bool:
+            given = self.headers.get_all("Host") or []
+            if len(given) > 1:
+                return False
+            return hosts.allows(given[0] if given else None, host_names)
+
+        def _misdirected(self) -> None:
+            self._send(HTTPStatus.MISDIRECTED_REQUEST, b"misdirected request\n", "text/plain; charset=utf-8")
+
         def _authorized(self, query: dict) -> bool:
             if token is None:
                 return True
@@ -167,6 +308,8 @@ def make_handler(state: StatusState, token: str | None, redact: Redactor):
             return hmac.compare_digest(given.encode(), token.encode())
 
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            if not self._host_allowed():
+                return self._misdirected()
             url = urlsplit(self.path)
             path, query = url.path, parse_qs(url.query)
             if path.startswith("/assets/"):
@@ -185,6 +328,8 @@ def make_handler(state: StatusState, token: str | None, redact: Redactor):
         do_HEAD = do_GET  # noqa: N815
 
         def _read_only(self) -> None:
+            if not self._host_allowed():
+                return self._misdirected()
             self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"the status page is read-only\n", "text/plain")
 
         do_POST = do_PUT = do_DELETE = do_PATCH = _read_only  # noqa: N815
@@ -192,8 +337,229 @@ def make_handler(state: StatusState, token: str | None, redact: Redactor):
     return Handler
 
 
+@dataclass
+class _Pending:
+    """A connection whose request head is still arriving."""
+
+    address: tuple
+    deadline: float
+    head: bytearray = field(default_factory=bytearray)
+
+
+def _close(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_WR)  # the client reads the whole answer, then EOF
+    except OSError:
+        pass
+    conn.close()
+
+
+def _say_and_close(conn: socket.socket, status: HTTPStatus) -> None:
+    """A last word to a client the server drops (best effort: never blocks)."""
+    try:
+        conn.send(f"HTTP/1.0 {status.value} {status.phrase}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+    except OSError:
+        pass
+    _close(conn)
+
+
+def _fd_room() -> int:
+    """Connections the process can hold besides the files it needs for itself."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return MAX_CONNECTIONS
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(16, soft - 64)
+
+
+class StatusHTTPServer:
+    """Accepts connections and reads request heads on one thread; a fixed pool answers.
+
+    The interface is socketserver's as the status server uses it: ``serve_forever``,
+    ``shutdown``, ``server_close``, ``server_address``.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler_class,
+        workers: int = WORKERS,
+        max_connections: int = MAX_CONNECTIONS,
+        backlog: int = BACKLOG,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
+    ):
+        host, port = address
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind((host, port))
+            self.socket.listen(backlog)
+            self.socket.setblocking(False)
+        except BaseException:
+            self.socket.close()
+            raise
+        self.server_address = self.socket.getsockname()[:2]
+        self.RequestHandlerClass = handler_class
+        self.max_connections = min(max_connections, _fd_room())
+        self.request_timeout_s = request_timeout_s
+        self.write_timeout_s = write_timeout_s
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="status-worker")
+        self._pending: dict[socket.socket, _Pending] = {}
+        self._answering = 0  # connections handed to the pool: queued or being answered
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._stopped.set()
+
+    # -- the accepting thread ------------------------------------------------------------------
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        with self._lock:
+            if self._stop.is_set():  # shut down before it began
+                return
+            self._stopped.clear()
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        listening = False
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    room = len(self._pending) + self._answering < self.max_connections
+                if room != listening:  # full: new connections wait in the listen backlog
+                    if room:
+                        sel.register(self.socket, selectors.EVENT_READ)
+                    else:
+                        sel.unregister(self.socket)
+                    listening = room
+                timeout = poll_interval
+                if self._pending:
+                    first = min(p.deadline for p in self._pending.values())
+                    timeout = max(0.0, min(timeout, first - time.monotonic()))
+                for key, _ in sel.select(timeout):
+                    if key.fileobj is self.socket:
+                        self._accept(sel)
+                    elif key.fileobj is self._wake_r:
+                        try:
+                            self._wake_r.recv(4096)
+                        except OSError:
+                            pass
+                    else:
+                        self._read(sel, key.fileobj)
+                self._expire(sel)
+        finally:
+            for conn in list(self._pending):
+                sel.unregister(conn)
+                conn.close()
+            self._pending.clear()
+            sel.close()
+            self._stopped.set()
+
+    def _accept(self, sel) -> None:
+        for _ in range(64):  # a burst at most; the loop comes back while more wait
+            with self._lock:
+                if len(self._pending) + self._answering >= self.max_connections:
+                    return
+            try:
+                conn, address = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # out of file descriptors: let answers finish first
+                log.warning("accept failed: %s", err)
+                time.sleep(0.05)
+                return
+            conn.setblocking(False)
+            self._pending[conn] = _Pending(address, time.monotonic() + self.request_timeout_s)
+            sel.register(conn, selectors.EVENT_READ)
+
+    def _read(self, sel, conn: socket.socket) -> None:
+        pending = self._pending[conn]
+        try:
+            data = conn.recv(16384)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client gave up
+            self._drop(sel, conn)
+            return
+        pending.head += data
+        if HEAD_END.search(pending.head):
+            self._drop(sel, conn, close=False)
+            self._dispatch(conn, pending.address, bytes(pending.head))
+        elif len(pending.head) > MAX_HEAD_BYTES:
+            self._drop(sel, conn, say=HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
+
+    def _expire(self, sel) -> None:
+        now = time.monotonic()
+        for conn in [c for c, p in self._pending.items() if p.deadline <= now]:
+            self._drop(sel, conn, say=HTTPStatus.REQUEST_TIMEOUT)
+
+    def _drop(self, sel, conn: socket.socket, close: bool = True, say: HTTPStatus | None = None) -> None:
+        sel.unregister(conn)
+        del self._pending[conn]
+        if say is not None:
+            _say_and_close(conn, say)
+        elif close:
+            conn.close()
+
+    def _dispatch(self, conn: socket.socket, address, head: bytes) -> None:
+        with self._lock:
+            self._answering += 1
+        try:
+            self._pool.submit(self._answer, conn, address, head)
+        except RuntimeError:  # the pool is shut down: the server is closing
+            self._done(conn)
+
+    # -- the workers ---------------------------------------------------------------------------
+
+    def _answer(self, conn: socket.socket, address, head: bytes) -> None:
+        try:
+            conn.setblocking(True)
+            conn.settimeout(self.write_timeout_s)
+            self.RequestHandlerClass((conn, head), address, self)
+        except Exception as err:  # the client went away mid-answer, or stopped reading
+            log.debug("answer to %s failed: %s", address, err)
+        finally:
+            self._done(conn)
+
+    def _done(self, conn: socket.socket) -> None:
+        _close(conn)
+        with self._lock:
+            self._answering -= 1
+        try:
+            self._wake_w.send(b"x")  # a slot is free: the accepting thread may listen again
+        except OSError:
+            pass
+
+    # -- control ---------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop serve_forever (from another thread) and wait until it has returned; a
+        serve_forever that starts later returns at once."""
+        with self._lock:
+            self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        self.socket.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._wake_r.close()
+        self._wake_w.close()
+
+
 class StatusServer:
-    """A threaded HTTP server for one run; ``port=0`` picks a free port."""
+    """The status page's server for one run; ``port=0`` picks a free port."""
 
     def __init__(
         self,
@@ -202,18 +568,28 @@ class StatusServer:
         port: int = 8080,
         token: str | None = None,
         refresh_s: float = 2.0,
+        allowed_hosts=(),
+        workers: int = WORKERS,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ):
         if not is_loopback(host) and not token:
             raise ValueError(
                 f"the status page is bound to {host}, beyond loopback: give it an access token "
-                "(--token or DFLASH_STATUS_TOKEN), or bind it to 127.0.0.1"
+                f"(${TOKEN_ENV} or --token-file), or bind it to 127.0.0.1"
             )
         self.token = token
         self.redact = Redactor.from_env(extra=[token] if token else [])
         self.state = StatusState(builder, refresh_s)
-        self.httpd = ThreadingHTTPServer((host, port), make_handler(self.state, token, self.redact))
-        self.httpd.daemon_threads = True
         self.host = host
+        self._handler = None  # made once bound: the Host policy names the bound port
+        self.httpd = StatusHTTPServer(
+            (host, port),
+            lambda *args: self._handler(*args),
+            workers=workers,
+            request_timeout_s=request_timeout_s,
+        )
+        self.hosts = HostPolicy(host, self.httpd.server_address[1], frozenset(allowed_hosts))
+        self._handler = make_handler(self.state, token, self.redact, self.hosts)
         self._thread: threading.Thread | None = None
 
     @property

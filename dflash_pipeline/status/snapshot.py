@@ -12,7 +12,10 @@ Sources, cheapest first:
 * the ``_progress/`` telemetry of jobs (read again only when its size or mtime changed, so a
   finished shard's telemetry is read once per server, concurrently on the first refresh);
 * training metrics (``_progress/train/segment-KKKK/metrics.jsonl``) and evaluation metrics;
-* the events file of the ``dflash`` logger plugin: which jobs run, finished or failed.
+* the events file of the ``dflash`` logger plugin: which jobs run, finished or failed. The
+  plugin writes one file per working directory, whatever run Snakemake drives from there (a
+  local run, an S3 run, another prefix): only the Snakemake runs whose jobs write into this run
+  root are shown (``RunJobBoard``).
 
 No Snakemake dry-run is ever started (against S3 it costs requests per object); everything here
 only lists and reads. The result is plain JSON for the page and the ``/api/status`` route.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +36,7 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import read_train_metrics
 from dflash_pipeline.core.lease import describe_holder
 from dflash_pipeline.core.storage import ObjectInfo, ReadOnlyStorage, StorageError
-from dflash_pipeline.status.events import JobBoard, RunEvents
+from dflash_pipeline.status.events import RunEvents
 
 # Shard stages in pipeline order; each is named like the rule that builds its objects.
 SHARD_STAGES = tuple(layout.SHARD_STAGES)
@@ -88,6 +92,110 @@ class RunSource:
     full_listing_every_s: float = 300.0
 
 
+class RunJobBoard:
+    """The job events of this run root's Snakemake runs, read incrementally from an events file
+    that may also hold other runs' (the plugin writes one file per working directory).
+
+    Each Snakemake run (from one ``workflow_started`` to the next) is this run root's once one of
+    its jobs names an output or log inside the root (S3 jobs name theirs by URL:
+    ``s3://bucket/prefix/results/<run>/outputs/... (send to storage)``); it is another run's once
+    a job names a run-root output elsewhere (``.../outputs/<name>`` of another root, local or in
+    storage) while none of its jobs has named this root. Until either (a run just started, or
+    its jobs name no files) it is shown as before. The board shows the latest Snakemake run that
+    is not another run's; when the latest is another run's, the last one of this root (ended by
+    the next run's start), or nothing.
+    """
+
+    def __init__(self, path, run_url: str, workdir: Path = Path(".")):
+        self.path = Path(path)
+        root = run_url.rstrip("/")
+        self._remote = "://" in root
+        self._workdir = os.path.abspath(workdir)
+        # A local root, as given and with its links resolved (job paths are relative to workdir).
+        self._roots = {root} if self._remote else {os.path.abspath(root), os.path.realpath(root)}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._offset, self._inode, self._partial = 0, None, b""
+        self._current: RunEvents | None = None  # the latest Snakemake run in the file
+        self._current_owner: str | None = None  # "this" | "another" | None (not known yet)
+        self._ours: RunEvents | None = None  # the latest run known to be this root's
+
+    @property
+    def source(self) -> str:
+        """Whose Snakemake run ``refresh`` returns: "this run"; "unknown" (the latest run's jobs
+        named no files yet); "another run" (the file holds only other runs': none is shown);
+        "none" (no run in the file)."""
+        if self._current is None:
+            return "none"
+        if self._current_owner is None:
+            return "unknown"
+        return "this run" if self._ours is not None else "another run"
+
+    @property
+    def run(self) -> RunEvents:
+        if self._current is not None and self._current_owner is None:
+            return self._current
+        return self._ours if self._ours is not None else RunEvents()
+
+    def refresh(self) -> RunEvents:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return self.run
+        if st.st_ino != self._inode or st.st_size < self._offset:
+            self._reset()
+            self._inode = st.st_ino
+        with open(self.path, "rb") as fh:
+            fh.seek(self._offset)
+            chunk = fh.read()
+        self._offset += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()  # an unfinished last line waits for the next refresh
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a crash; the next ones are still good
+            if isinstance(event, dict):
+                self._apply(event)
+        return self.run
+
+    def _apply(self, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "workflow_started" or self._current is None:
+            if self._current is not None and self._current_owner == "this" and self._current.ended_at is None:
+                # A new Snakemake run in this working directory: the last one is over (killed
+                # without its closing event); its running jobs are no longer running.
+                self._current.apply({"event": "run_ended", "time": event.get("time")})
+            self._current, self._current_owner = RunEvents(), None
+        self._current.apply(event)
+        if self._current_owner != "this" and kind in ("job_info", "job_error"):
+            owner = self._owner(event)
+            if owner == "this":
+                self._current_owner, self._ours = "this", self._current
+            elif owner == "another":
+                self._current_owner = "another"
+
+    def _owner(self, event: dict) -> str | None:
+        foreign = False
+        for kind in ("output", "log"):
+            for name in event.get(kind) or []:
+                name = FILE_ANNOTATION.sub("", str(name).strip())
+                if not name:
+                    continue
+                remote = "://" in name
+                if remote == self._remote:
+                    path = name if remote else os.path.normpath(os.path.join(self._workdir, name))
+                    if any(path.startswith(root + "/") for root in self._roots):
+                        return "this"
+                # Every output of a run root lies in its outputs/ folder (core/layout.py); the
+                # demo model and other local helpers lie elsewhere and say nothing.
+                if kind == "output" and os.path.basename(os.path.dirname(name.rstrip("/"))) == layout.OUTPUTS_DIR:
+                    foreign = True
+        return "another" if foreign else None
+
+
 def thin_points(points: list[dict], limit: int = MAX_CURVE_POINTS) -> list[dict]:
     """At most ``limit`` points, evenly spaced, always keeping the first and last."""
     if len(points) <= limit:
@@ -101,7 +209,9 @@ class SnapshotBuilder:
 
     def __init__(self, source: RunSource):
         self.source = source
-        self.board = JobBoard(source.events_file) if source.events_file else None
+        self.board = (
+            RunJobBoard(source.events_file, source.storage.url, source.workdir) if source.events_file else None
+        )
         self._cache: dict[str, tuple[tuple[int, float], object]] = {}
         # The run root's objects as last listed, sorted by key (keys in a parallel list).
         self._objects: list[ObjectInfo] | None = None
@@ -325,6 +435,8 @@ class SnapshotBuilder:
                 "steps_total": events.steps_total,
                 "errors": events.errors[-5:],
                 "events_file": str(self.source.events_file) if self.source.events_file else None,
+                # Whose Snakemake run the job events above are (RunJobBoard.source).
+                "events_source": self.board.source if self.board else "none",
             },
             # A tokenize shard failed the quality gate: generation is stopped until it is cleared.
             "halt": _halt_summary(halt),
