@@ -17,7 +17,8 @@ rule evaluate:
     log:
         job=log_path("evaluate", per_shard=False),
         # The serving engine's logs and captured /metrics, bundled into one declared log so an
-        # S3 run keeps them (a failed parity gate is read there).
+        # S3 run keeps them (a failed parity gate is read there). A retried job's earlier
+        # attempts keep theirs under logs/attempts/evaluate/ (their last lines lead this one).
         engine=run_path(f"{layout.LOGS_DIR}/evaluate-engine.log"),
     benchmark:
         benchmark_path("evaluate", per_shard=False)
@@ -29,7 +30,11 @@ rule evaluate:
         gpu=min(1, config["train"]["gpus_per_job"]),
         mem_mb=JOB_MEMORY_MB["evaluate"],
         runtime=240,
+        # Snakemake's attempt number (a `--retries` run): each attempt keeps its logs apart.
+        attempt=lambda wildcards, attempt: attempt,
     params:
+        # Where an attempt keeps its logs (logs/attempts/evaluate/ in the run root).
+        run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],
         thinking=config["generation"]["thinking"],
         # What defines the metrics; the engine's memory share and extra arguments the job

@@ -9,8 +9,10 @@ rule generate:
         generated=shard_output("generate"),
     log:
         job=log_path("generate"),
-        # The engine server's own log: a declared log, so an S3 run uploads it with the job's
-        # (Snakemake stores the logs of failed jobs too).
+        # The engine servers' logs: a declared log, so an S3 run uploads it with the job's
+        # (Snakemake stores the logs of failed jobs too). Snakemake empties both when it retries
+        # the job, so every attempt writes its own under logs/attempts/generate-NNNNN/ and keeps
+        # them in the run root; this one is the last attempt's, after the earlier ones' last lines.
         engine=run_path(f"{layout.LOGS_DIR}/generate-engine/{{shard}}.log"),
     benchmark:
         benchmark_path("generate")
@@ -27,6 +29,9 @@ rule generate:
         # Minutes (a cluster's time limit): a shard is sized for ~1 GPU-hour; a job cut at
         # the limit resumes from its parts on retry.
         runtime=240,
+        # Snakemake's attempt number (it reaches a job through its resources only): each
+        # attempt keeps its logs apart (dflash_pipeline.core.joblog.JobAttempt).
+        attempt=lambda wildcards, attempt: attempt,
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],

@@ -29,20 +29,14 @@ def test_a_deleted_intermediate_is_found_and_only_its_chain_rebuilt(workflow, de
     workflow.snakemake()
     outputs = workflow.root / "results/demo/outputs"
     records = workflow.root / "results/demo/_progress/checksums/outputs"
-    # Every shard object of prepare and tokenize carries its job's record; generate's too once
-    # scripts/generate.py records its output (checksums.record_outputs; until then its shards
-    # are read unchecked, with a note).
+    # Every shard object of prepare, generate and tokenize carries its job's record, and each
+    # reading job checked its input against it.
     recorded = {p.name.removesuffix(".json") for p in records.glob("*.json")}
-    with_records = [f"prepare-{shard:05d}.parquet" for shard in range(2)] + [
+    expected = [f"{stage}-{shard:05d}.parquet" for stage in ("prepare", "generate") for shard in range(2)] + [
         f"tokenize-{shard:05d}.{ext}" for shard in range(2) for ext in ("parquet", "heldout.parquet", "stats.json")]
-    generate_recorded = "generate-00001.parquet" in recorded
-    assert recorded == set(with_records) | ({"generate-00000.parquet", "generate-00001.parquet"}
-                                            if generate_recorded else set())
+    assert recorded == set(expected)
     tokenize_log = (workflow.root / "results/demo/logs/tokenize/00001.log").read_text()
-    if generate_recorded:
-        assert "checksum of results/demo/outputs/generate-00001.parquet verified" in tokenize_log
-    else:
-        assert "results/demo/outputs/generate-00001.parquet has no checksum record" in tokenize_log
+    assert "checksum of results/demo/outputs/generate-00001.parquet verified" in tokenize_log
     clean = run_verify(workflow)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert f"{len(recorded)} shard object(s) match their checksums" in clean.stdout

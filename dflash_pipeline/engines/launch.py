@@ -157,6 +157,18 @@ def server_command(spec: ServerSpec) -> list[str]:
         raise EngineError(f"unknown engine {spec.engine!r} (sglang, vllm, transformers)") from None
 
 
+def exit_status(code: int | None) -> str:
+    """``-9`` -> "killed by signal SIGKILL"; ``1`` -> "exit code 1"."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: its own process group, SIGKILL when the parent dies."""
     os.setsid()
@@ -231,13 +243,18 @@ class ManagedServer:
         run_dir: str | Path,
         startup_timeout: float = 1800,
         env: dict | None = None,
+        log_label: str | None = None,
     ):
         self.spec = spec
         self.log_path = Path(log_path)
+        # How error messages name the log, where that is more than its path (e.g. the job's
+        # declared log beside this attempt's own file).
+        self.log_label = log_label or str(self.log_path)
         self.pid_file = Path(run_dir) / f"server-{spec.port}.pid"
         self.startup_timeout = startup_timeout
         self.env = env
         self.process: subprocess.Popen | None = None
+        self._end_noted = False
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -247,7 +264,7 @@ class ManagedServer:
 
     def fail(self, what: str) -> EngineError:
         return EngineError(
-            f"{self.spec.engine} server {what}; see its log {self.log_path}. Last lines:\n"
+            f"{self.spec.engine} server {what}; see its log {self.log_label}. Last lines:\n"
             f"{self.log_tail()}"
         )
 
@@ -263,6 +280,7 @@ class ManagedServer:
         cmd = server_command(self.spec)
         log.info("starting %s server: %s (log: %s)", self.spec.engine, " ".join(cmd), self.log_path)
         env = engine_env(self.spec.engine, None, self.env if self.env is not None else self.spec.env)
+        self._end_noted = False
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
@@ -295,17 +313,35 @@ class ManagedServer:
     def stop(self, timeout: float = 30) -> None:
         if self.process is None:
             return
-        if self.process.poll() is None:
+        died = self.process.poll()
+        how = "SIGTERM"
+        if died is None:
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
+                how = f"SIGTERM, then SIGKILL after {timeout:.0f} s"
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
             except ProcessLookupError:
                 pass
         self.pid_file.unlink(missing_ok=True)
+        # The server's own log cannot say that it was killed: its end is noted there, once.
+        if died is None:
+            self.note_end(f"stopped by the job with {how} ({exit_status(self.process.returncode)})")
+        else:
+            self.note_end(f"died before the job stopped it: {exit_status(died)}")
         log.info("%s server stopped", self.spec.engine)
+
+    def note_end(self, what: str) -> None:
+        if self._end_noted:
+            return
+        self._end_noted = True
+        try:
+            with open(self.log_path, "a", encoding="utf-8") as out:
+                out.write(f"\n[dflash-pipeline] {self.spec.engine} server (pid {self.process.pid}) {what}\n")
+        except OSError:
+            pass
 
     def __enter__(self) -> ManagedServer:
         self.start()
