@@ -193,7 +193,7 @@ def _config_hint(config: dict | None) -> str | None:
     if config is None:
         return None
     try:
-        from dflash_pipeline.stages.plan import load_run_config
+        from dflash_pipeline.core.config import load_run_config
 
         if load_run_config(None, Path.cwd()) == dict(config):
             return None

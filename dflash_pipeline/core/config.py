@@ -8,13 +8,15 @@ dotted path (``dataset.max_bad_fraction``), so a user can fix the file without r
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA_PATH = REPO / "config" / "schema.yaml"
 
 
 class ConfigError(ValueError):
@@ -78,6 +80,39 @@ def _cross_key_problems(config: dict) -> list[str]:
                 f"train.block_size {train['block_size']}"
             )
     return problems
+
+
+def layered_config(configfiles: Sequence[str | Path] | str | Path | None, workdir: Path = REPO) -> dict:
+    """The raw config of `snakemake [--configfile A [B ...]]` run in ``workdir``, before validation.
+
+    As the Snakefile and Snakemake 9 do it: without config files, ``workdir/config.yaml`` (the
+    Snakefile's ``configfile:``, skipped whenever --configfile is given); with them, those files
+    alone, each loaded by Snakemake's ``load_configfile`` (JSON or YAML) and applied in order by
+    its ``update_config`` onto an empty dict (``snakemake.settings.types.ConfigSettings``): later
+    files update earlier ones, nested mappings merged key by key, anything else replaced."""
+    from snakemake.common.configfile import load_configfile
+    from snakemake.utils import update_config
+    from snakemake_interface_common.exceptions import WorkflowError
+
+    if isinstance(configfiles, (str, Path)):
+        configfiles = [configfiles]
+    paths = [Path(f) for f in configfiles] if configfiles else [workdir / "config.yaml"]
+    config: dict = {}
+    for path in paths:
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        try:
+            update_config(config, load_configfile(path))
+        except WorkflowError as err:
+            raise ConfigError(f"config file {path}: {err}") from None
+    return config
+
+
+def load_run_config(configfiles: Sequence[str | Path] | str | Path | None, workdir: Path = REPO) -> dict:
+    """The config a `snakemake [--configfile A [B ...]]` run in ``workdir`` sees: the layered
+    files (``layered_config``) validated, the schema's defaults filled in (rules/common.smk);
+    ConfigError names an invalid key."""
+    return validate_config(layered_config(configfiles, workdir))
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> dict:

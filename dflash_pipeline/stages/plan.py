@@ -29,12 +29,11 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.config import validate_config
+from dflash_pipeline.core.config import layered_config, load_run_config, validate_config  # noqa: F401 (the CLI reads the config through them)
 from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,39 +73,6 @@ class Measured:
     shard_bytes: dict[str, list[int]] = field(default_factory=dict)  # stage -> sizes of finished shards
     bench_train: dict | None = None  # the matching train_step record
     hidden_size: int | None = None  # from the target's config.json
-
-
-def layered_config(configfiles: Sequence[str | Path] | str | Path | None, workdir: Path = REPO) -> dict:
-    """The raw config of `snakemake [--configfile A [B ...]]` run in ``workdir``, before validation.
-
-    As the Snakefile and Snakemake 9 do it: without config files, ``workdir/config.yaml`` (the
-    Snakefile's ``configfile:``, skipped whenever --configfile is given); with them, those files
-    alone, each loaded by Snakemake's ``load_configfile`` (JSON or YAML) and applied in order by
-    its ``update_config`` onto an empty dict (``snakemake.settings.types.ConfigSettings``): later
-    files update earlier ones, nested mappings merged key by key, anything else replaced."""
-    from snakemake.common.configfile import load_configfile
-    from snakemake.utils import update_config
-    from snakemake_interface_common.exceptions import WorkflowError
-
-    if isinstance(configfiles, (str, Path)):
-        configfiles = [configfiles]
-    paths = [Path(f) for f in configfiles] if configfiles else [workdir / "config.yaml"]
-    config: dict = {}
-    for path in paths:
-        if not path.is_file():
-            raise PlanError(f"config file {path} not found")
-        try:
-            update_config(config, load_configfile(path))
-        except WorkflowError as err:
-            raise PlanError(f"config file {path}: {err}") from None
-    return config
-
-
-def load_run_config(configfiles: Sequence[str | Path] | str | Path | None, workdir: Path = REPO) -> dict:
-    """The config a `snakemake [--configfile A [B ...]]` run in ``workdir`` sees: the layered
-    files (``layered_config``) validated, the schema's defaults filled in (rules/common.smk);
-    ConfigError names an invalid key."""
-    return validate_config(layered_config(configfiles, workdir))
 
 
 def model_case(model: str) -> str:
