@@ -137,7 +137,7 @@ def test_flipped_and_truncated_s3_objects_are_caught_at_read_with_their_s3_name(
         message = str(err.value)
         assert message.startswith(f"{run_url}/{key} is {'damaged' if damage == 'flip' else 'short'}"), message
         assert f"produced by rule tokenize (shard {shard:05d})" in message
-        assert f"python -m dflash_pipeline.stages.verify --repair" in message
+        assert "python -m dflash_pipeline.stages.verify --repair" in message
         assert f"--default-storage-prefix {prefix}" in message and f"PREFIX={prefix}" in message
         assert ".snakemake" not in message
 

@@ -133,6 +133,16 @@ def deprecations(log: str) -> list[str]:
     return [ANSI.sub("", line).strip() for line in log.splitlines() if "deprecated" in line]
 
 
+def imported_distributions() -> list[str]:
+    """The distributions that provide the top-level modules imported so far (what the
+    requirement file must hold)."""
+    import importlib.metadata as metadata
+
+    provided = metadata.packages_distributions()
+    names = {module.split(".")[0] for module in list(sys.modules)}
+    return sorted({dist for name in names for dist in provided.get(name, ())})
+
+
 def parse_one(prepare_server_args, argv: list[str]) -> dict:
     """The result dict of one argv (see the module docstring); never raises."""
     stderr = io.StringIO()
