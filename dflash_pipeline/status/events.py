@@ -1,7 +1,7 @@
 """Snakemake job events as JSON lines: written by the ``dflash`` logger plugin, read by the page.
 
 The plugin (``snakemake_logger_plugin_dflash``) runs in Snakemake's main process and appends one
-JSON object per job event to a local file. ``JobBoard`` folds that file into the state of every
+JSON object per job event to a local file. ``EventTail`` reads what is new in it, ``JobBoard`` folds that file into the state of every
 job of the latest run (planned, running, done, failed), reading only the bytes appended since
 its last call.
 """
@@ -178,34 +178,53 @@ class RunEvents:
                     job.state = "interrupted"
 
 
-class JobBoard:
-    """Incremental reader of an events file (it may not exist yet, or be replaced)."""
+class EventTail:
+    """Incremental reader of an events file (it may not exist yet, or be replaced): each ``read``
+    returns the events appended since the last one, and whether the file started over (a new
+    file, or a truncated one: everything read before no longer holds)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.run = RunEvents()
         self._offset = 0
         self._inode = None
         self._partial = b""
 
-    def refresh(self) -> RunEvents:
+    def read(self) -> tuple[bool, list[dict]]:
         try:
             st = self.path.stat()
         except FileNotFoundError:
-            return self.run
-        if st.st_ino != self._inode or st.st_size < self._offset:
-            self.run, self._offset, self._inode, self._partial = RunEvents(), 0, st.st_ino, b""
+            return False, []
+        restarted = st.st_ino != self._inode or st.st_size < self._offset
+        if restarted:
+            self._offset, self._inode, self._partial = 0, st.st_ino, b""
         with open(self.path, "rb") as fh:
             fh.seek(self._offset)
             chunk = fh.read()
         self._offset += len(chunk)
         lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()  # an unfinished last line waits for the next refresh
+        self._partial = lines.pop()  # an unfinished last line waits for the next read
+        events = []
         for line in lines:
             try:
                 event = json.loads(line)
             except ValueError:
                 continue  # a line cut by a crash; the next ones are still good
             if isinstance(event, dict):
-                self.run.apply(event)
+                events.append(event)
+        return restarted, events
+
+
+class JobBoard:
+    """The events file folded into the state of its (latest) run."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.tail = EventTail(path)
+        self.run = RunEvents()
+
+    def refresh(self) -> RunEvents:
+        restarted, events = self.tail.read()
+        if restarted:
+            self.run = RunEvents()
+        for event in events:
+            self.run.apply(event)
         return self.run

@@ -36,7 +36,7 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import read_train_metrics
 from dflash_pipeline.core.lease import describe_holder
 from dflash_pipeline.core.storage import ObjectInfo, ReadOnlyStorage, StorageError
-from dflash_pipeline.status.events import RunEvents
+from dflash_pipeline.status.events import EventTail, RunEvents
 
 # Shard stages in pipeline order; each is named like the rule that builds its objects.
 SHARD_STAGES = tuple(layout.SHARD_STAGES)
@@ -107,7 +107,7 @@ class RunJobBoard:
     """
 
     def __init__(self, path, run_url: str, workdir: Path = Path(".")):
-        self.path = Path(path)
+        self.tail = EventTail(path)
         root = run_url.rstrip("/")
         self._remote = "://" in root
         self._workdir = os.path.abspath(workdir)
@@ -116,7 +116,6 @@ class RunJobBoard:
         self._reset()
 
     def _reset(self) -> None:
-        self._offset, self._inode, self._partial = 0, None, b""
         self._current: RunEvents | None = None  # the latest Snakemake run in the file
         self._current_owner: str | None = None  # "this" | "another" | None (not known yet)
         self._ours: RunEvents | None = None  # the latest run known to be this root's
@@ -139,26 +138,11 @@ class RunJobBoard:
         return self._ours if self._ours is not None else RunEvents()
 
     def refresh(self) -> RunEvents:
-        try:
-            st = self.path.stat()
-        except FileNotFoundError:
-            return self.run
-        if st.st_ino != self._inode or st.st_size < self._offset:
+        restarted, events = self.tail.read()
+        if restarted:
             self._reset()
-            self._inode = st.st_ino
-        with open(self.path, "rb") as fh:
-            fh.seek(self._offset)
-            chunk = fh.read()
-        self._offset += len(chunk)
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()  # an unfinished last line waits for the next refresh
-        for line in lines:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a crash; the next ones are still good
-            if isinstance(event, dict):
-                self._apply(event)
+        for event in events:
+            self._apply(event)
         return self.run
 
     def _apply(self, event: dict) -> None:
