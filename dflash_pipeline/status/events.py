@@ -1,9 +1,9 @@
 """Snakemake job events as JSON lines: written by the ``dflash`` logger plugin, read by the page.
 
 The plugin (``snakemake_logger_plugin_dflash``) runs in Snakemake's main process and appends one
-JSON object per job event to a local file. ``EventTail`` reads what is new in it, ``JobBoard`` folds that file into the state of every
-job of the latest run (planned, running, done, failed), reading only the bytes appended since
-its last call.
+JSON object per job event to a local file. ``EventTail`` reads what was appended since its last
+call; ``JobBoard`` folds that into the state of every job of the latest run (planned, running,
+done, failed).
 """
 
 from __future__ import annotations
