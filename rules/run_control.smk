@@ -41,7 +41,10 @@ def check_offline_budget():
         ) from None
 
 
-check_offline_budget()
+# Planning checks run where the plan is made: a job process on a cluster node (which parses this
+# file again) has nothing to plan, and the training job checks the offline budget itself.
+if workflow.is_main_process:
+    check_offline_budget()
 
 
 def preflight():
@@ -59,7 +62,8 @@ def preflight():
         logger.info(line)
 
 
-preflight()
+if workflow.is_main_process:
+    preflight()
 
 
 def start_status_page():
