@@ -242,7 +242,6 @@ class ManagedServer:
         log_path: str | Path,
         run_dir: str | Path,
         startup_timeout: float = 1800,
-        env: dict | None = None,
         log_label: str | None = None,
     ):
         self.spec = spec
@@ -252,7 +251,6 @@ class ManagedServer:
         self.log_label = log_label or str(self.log_path)
         self.pid_file = Path(run_dir) / f"server-{spec.port}.pid"
         self.startup_timeout = startup_timeout
-        self.env = env
         self.process: subprocess.Popen | None = None
         self._end_noted = False
 
@@ -279,7 +277,9 @@ class ManagedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = server_command(self.spec)
         log.info("starting %s server: %s (log: %s)", self.spec.engine, " ".join(cmd), self.log_path)
-        env = engine_env(self.spec.engine, None, self.env if self.env is not None else self.spec.env)
+        # The spec's environment (engines.<engine>.env applied), else this process's; either way
+        # without storage credentials or the job's thread limits.
+        env = engine_env(self.spec.engine, None, self.spec.env)
         self._end_noted = False
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(
