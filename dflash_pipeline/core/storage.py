@@ -50,11 +50,13 @@ class NotFound(StorageError):
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """One stored object: key relative to the storage root, size in bytes, mtime (epoch s)."""
+    """One stored object: key relative to the storage root, size in bytes, mtime (epoch s), and
+    for S3 its ETag as listed (the MD5 of the bytes for a single-part upload; None locally)."""
 
     key: str
     size: int
     mtime: float
+    etag: str | None = None
 
 
 class Storage(ABC):
@@ -221,7 +223,10 @@ class LocalStorage(Storage):
                 full = Path(dirpath) / name
                 key = full.relative_to(root).as_posix()
                 if key.startswith(prefix):
-                    st = full.stat()
+                    try:
+                        st = full.stat()
+                    except FileNotFoundError:
+                        continue  # removed while listing (a job replaced or cleaned it)
                     found.append(ObjectInfo(key, st.st_size, st.st_mtime))
         return sorted(found, key=lambda o: o.key)
 
@@ -316,6 +321,13 @@ def s3_client(max_attempts: int | None = None, **timeouts):
         aws_session_token=settings["token"],
         region_name=settings["region"],
         config=config,
+    )
+
+
+def _listed(obj: dict, base: str) -> ObjectInfo:
+    """An entry of an S3 listing, its key relative to the storage root ``base``."""
+    return ObjectInfo(
+        obj["Key"][len(base) :], obj["Size"], obj["LastModified"].timestamp(), obj["ETag"].strip('"')
     )
 
 
@@ -416,11 +428,7 @@ class S3Storage(Storage):
         )
         for page in pages:
             for obj in page.get("Contents", []):
-                found.append(
-                    ObjectInfo(
-                        obj["Key"][len(base) :], obj["Size"], obj["LastModified"].timestamp()
-                    )
-                )
+                found.append(_listed(obj, base))
         return sorted(found, key=lambda o: o.key)
 
     def list_range(self, prefix: str, start: str = "", stop: str | None = None) -> list[ObjectInfo]:
@@ -440,7 +448,7 @@ class S3Storage(Storage):
                     if stop is not None and key >= stop:
                         return
                     if key >= start:
-                        found.append(ObjectInfo(key, obj["Size"], obj["LastModified"].timestamp()))
+                        found.append(_listed(obj, base))
 
         self._call("listing", prefix, collect)
         return found

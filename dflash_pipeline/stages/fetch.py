@@ -41,8 +41,15 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.storage import (BUCKET_SENTINEL_KEY, LOCK_MARKER, PARTIAL_MARKER, S3Storage,
-                                           Storage, StorageError, open_storage, sha256_file, write_atomically)
+from dflash_pipeline.core.storage import (
+    BUCKET_SENTINEL_KEY,
+    S3Storage,
+    Storage,
+    StorageError,
+    open_storage,
+    sha256_file,
+    write_atomically,
+)
 
 MANIFEST = ".fetch-manifest.json"
 # Top folders and prefixes, derived from the layout's own key functions.
@@ -90,40 +97,15 @@ def describe(err: BaseException) -> str:
 
 
 def list_run(storage: Storage) -> list[Listed]:
-    """Every object of the run with its size and tag. S3 is listed here rather than through
-    ``Storage.list``, whose entries carry no ETag; the local walk tolerates files that vanish
-    while it runs, since the run may be writing."""
-    if isinstance(storage, S3Storage):
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        base = f"{storage.prefix}/" if storage.prefix else ""
-        found = []
-        try:
-            pages = storage.client.get_paginator("list_objects_v2").paginate(
-                Bucket=storage.bucket, Prefix=base)
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    key = obj["Key"][len(base):]
-                    if key and not key.endswith("/") and key != BUCKET_SENTINEL_KEY:
-                        found.append(Listed(key, obj["Size"], obj["ETag"].strip('"')))
-        except (BotoCoreError, ClientError) as err:
-            raise StorageError(f"cannot list {storage.url}: {describe(err)}") from err
-        return sorted(found, key=lambda o: o.key)
-    root = Path(storage.url)
-    if not root.is_dir():
-        raise StorageError(f"{root}: no such folder")
-    found = []
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            if PARTIAL_MARKER in name or LOCK_MARKER in name:
-                continue
-            path = Path(dirpath, name)
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            found.append(Listed(path.relative_to(root).as_posix(), st.st_size, f"mtime:{st.st_mtime_ns}"))
-    return sorted(found, key=lambda o: o.key)
+    """Every object of the run with its size and tag: the ETag on S3, the mtime of a local file
+    (the listing tolerates files that vanish while it runs, since the run may be writing)."""
+    if not isinstance(storage, S3Storage) and not Path(storage.url).is_dir():
+        raise StorageError(f"{storage.url}: no such folder")
+    return [
+        Listed(o.key, o.size, o.etag if o.etag is not None else f"mtime:{round(o.mtime * 1e9)}")
+        for o in storage.list("")
+        if not o.key.endswith("/") and o.key != BUCKET_SENTINEL_KEY
+    ]
 
 
 def md5_file(path: Path) -> str:
