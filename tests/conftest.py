@@ -134,9 +134,8 @@ def parse_job_table(text: str) -> dict[str, int]:
     return counts
 
 
-@pytest.fixture
-def workflow(tmp_path) -> Workflow:
-    root = tmp_path / "wf"
+def copy_workflow(root: Path) -> Workflow:
+    """A copy of the workflow's files in the new folder ``root``."""
     root.mkdir()
     for name in WORKFLOW_FILES:
         src = REPO / name
@@ -145,6 +144,11 @@ def workflow(tmp_path) -> Workflow:
         else:
             shutil.copy2(src, root / name)
     return Workflow(root)
+
+
+@pytest.fixture
+def workflow(tmp_path) -> Workflow:
+    return copy_workflow(tmp_path / "wf")
 
 
 @pytest.fixture(scope="session")
