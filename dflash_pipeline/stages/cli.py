@@ -25,6 +25,11 @@ from pathlib import Path
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def looks_like_hub_id(value: str) -> bool:
+    """``org/name`` as a model hub names it (a missing local folder that may be meant as one)."""
+    return bool(_HUB_ID.match(value))
+
+
 def shown(value: str, limit: int = 100) -> str:
     """The value as the error quotes it: repr (one line, whatever it holds), cut to ``limit``."""
     text = repr(value)
@@ -55,7 +60,7 @@ def existing_dir(value: str) -> str:
     if path.exists():
         _fail(f"{shown(value)} is a file, not a folder")
     hint = ""
-    if _HUB_ID.match(value) and not value.startswith("."):
+    if looks_like_hub_id(value):
         hint = " (it looks like a hub id: the stages read a local folder; download it first)"
     _fail(f"no such folder: {shown(value)}{hint}")
 

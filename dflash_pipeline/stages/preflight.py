@@ -18,7 +18,6 @@ and what to do:
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -30,10 +29,9 @@ from dflash_pipeline.core.storage import (
     split_s3_url,
 )
 from dflash_pipeline.data.prompts import detect_format
+from dflash_pipeline.stages.cli import looks_like_hub_id
 from dflash_pipeline.engines.preflight import check_engines
 
-# A Hugging Face hub id: "org/name" (or "name"), no path separators beyond the one slash.
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
 
@@ -43,7 +41,7 @@ def model_problems(model: str, workdir: Path = Path(".")) -> list[str]:
     and weights."""
     folder = workdir / model
     if not folder.exists():
-        if HUB_ID.match(model) and not model.startswith("."):
+        if looks_like_hub_id(model):
             return [
                 f"target.model: {model!r} is not a folder here; it looks like a hub id. Every node "
                 "reads the target from a local folder (nothing is downloaded at run time): download "
