@@ -138,18 +138,24 @@ def run_parser(version: str, items: list) -> list[dict]:
 # --- fake models ----------------------------------------------------------------------------------
 
 
+# The tiny language-model shape both fake targets share.
+TINY_TEXT = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+}
+
+
 def qwen3_target() -> dict:
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "vocab_size": 1024,
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "hidden_act": "silu",
+        **TINY_TEXT,
         "max_position_embeddings": 40960,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
@@ -168,14 +174,7 @@ def qwen3_5_target() -> dict:
         "model_type": "qwen3_5",
         "text_config": {
             "model_type": "qwen3_5_text",
-            "vocab_size": 1024,
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 64,
-            "hidden_act": "silu",
+            **TINY_TEXT,
             "max_position_embeddings": 262144,
             "rms_norm_eps": 1e-6,
             "rope_parameters": {
