@@ -5,7 +5,13 @@
 import os
 
 from dflash_pipeline.core.jobstate import describe_halt, read_halt
-from dflash_pipeline.core.lease import DRIVER_TOKEN_ENV, LeaseHeld, LeaseLost, RunLease
+from dflash_pipeline.core.lease import (
+    DRIVER_TOKEN_ENV,
+    LeaseHeld,
+    LeaseLost,
+    RunLease,
+    describe_holder,
+)
 from dflash_pipeline.core.planning import (
     collect_as_usual,
     collect_rarely,
@@ -143,7 +149,10 @@ def take_run_lease():
         logger.error(str(err))
         raise SystemExit(1) from None
     if lease.took_over is not None:
-        logger.warning(f"took over a stale run lease: {lease.took_over.get('owner')}")
+        logger.warning(
+            f"took over the run lease of {describe_holder(lease.took_over)}: "
+            f"{lease.takeover_reason}"
+        )
     lease.start_heartbeat(lease_trouble)
     RUN_LEASE.append(lease)
     # Jobs inherit it: a job whose driver is gone stops after its current part.

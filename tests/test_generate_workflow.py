@@ -66,17 +66,23 @@ def configure(workflow, demo_model, tmp_path, prompts: int | None = None, **gene
     )
 
 
-def start_snakemake(workflow, *args, env=None):
+def start_snakemake(workflow, *args, env=None, output: Path | None = None):
+    """Snakemake in the background, its output in ``output`` (or dropped)."""
     run_env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     run_env.update(env or {})
-    return subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "--cores", "2", *args],
-        cwd=workflow.root,
-        env=run_env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # its own group: the test kills the whole run at once
-    )
+    sink = open(output, "wb") if output else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "snakemake", "--cores", "2", *args],
+            cwd=workflow.root,
+            env=run_env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: the test kills the whole run at once
+        )
+    finally:
+        if output:
+            sink.close()
 
 
 def wait_until(predicate, timeout, what):
@@ -304,3 +310,44 @@ def test_a_job_whose_driver_is_sigkilled_stops_after_its_part_and_the_next_run_r
     workflow.snakemake()
     generated = pq.read_table(workflow.root / GENERATED).column("id").to_pylist()
     assert generated == pq.read_table(workflow.root / PROMPTS).column("id").to_pylist()
+
+
+def test_a_twenty_second_s3_outage_during_generate_is_ridden_out(
+    workflow, demo_model, tmp_path, monkeypatch
+):
+    """SeaweedFS stopped for 20 s while a generate job writes its parts (and the driver waits on
+    it): the job's storage calls and the S3 plugin's retry with backoff, the job's log says so,
+    and the run finishes with every prompt once, without a rerun."""
+    from tests.support.seaweed import start_seaweed
+
+    server = start_seaweed(tmp_path / "weed")  # its own server: the session's stays up
+    try:
+        configure(workflow, demo_model, tmp_path, prompts=32, max_new_tokens=48)
+        prefix = f"s3://{server.bucket}/outage"
+        args = ("--profile", "profiles/s3", "--default-storage-prefix", prefix)
+        for key, value in server.env.items():  # this test's own reads
+            monkeypatch.setenv(key, value)
+        run_url = f"{prefix}/results/demo"
+        progress = ShardProgress(open_storage(run_url), "generate", 0)
+        run = start_snakemake(workflow, *args, env=server.env, output=tmp_path / "driver.log")
+        try:
+            wait_until(lambda: len(progress.part_keys()) >= 1, SLOW, "a progress part")
+            server.stop()
+            time.sleep(20)  # the outage itself (a fault injected, not a wait for a result)
+            server.start_again()
+            assert run.wait(timeout=2 * SLOW) == 0, (tmp_path / "driver.log").read_text()[-3000:]
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+        store = open_storage(run_url)
+        job_log = store.read_text("logs/generate/00000.log")
+        assert "retrying with backoff" in job_log  # the outage was met, and said
+        # One attempt: the job rode the outage out instead of failing into a retry.
+        assert len(re.findall(r"attempt \d+ of this job", job_log)) == 1, job_log[-3000:]
+        with store.local_copy("outputs/generate-00000.parquet") as g, store.local_copy(
+            "outputs/prepare-00000.parquet"
+        ) as p:
+            ids = pq.read_table(g).column("id").to_pylist()
+            assert ids == pq.read_table(p).column("id").to_pylist()
+    finally:
+        server.stop()

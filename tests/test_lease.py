@@ -20,7 +20,7 @@ from dflash_pipeline.core.lease import (
     main as lease_cli,
     read_lease,
 )
-from dflash_pipeline.core.storage import open_storage
+from dflash_pipeline.core.storage import StorageError, open_storage
 
 
 
@@ -85,18 +85,85 @@ def test_expired_lease_is_taken_over_and_the_old_holder_finds_out(store):
     old = RunLease(store, ttl_s=60, host="node-a", clock=clock).acquire()
     clock.now += 30
     old.heartbeat()  # pushes the expiry to now + 60
+
+    def old_beats_while_watched(seconds):
+        clock.now += seconds
+        old.heartbeat()
+
     clock.now += 59
+    # Overdue (beats are due every 15 s), so node-b watches; node-a beats: alive, refused.
     with pytest.raises(LeaseHeld):
-        RunLease(store, ttl_s=60, host="node-b", clock=clock).acquire()
-    clock.now += 2  # past the expiry: stale
-    new = RunLease(store, ttl_s=60, host="node-b", clock=clock).acquire()
+        RunLease(store, ttl_s=60, host="node-b", clock=clock, sleep=old_beats_while_watched).acquire()
+    clock.now += 61  # past the expiry: stale, taken over without watching
+    new = RunLease(store, ttl_s=60, host="node-b", clock=clock, sleep=_no_sleep).acquire()
     assert new.took_over["owner"]["host"] == "node-a"
+    assert new.takeover_reason.startswith("expired")
     with pytest.raises(LeaseLost, match="node-b"):
         old.heartbeat()
     assert old.release() is False  # the old holder cannot delete the new holder's lease
     assert read_lease(store)["owner"]["host"] == "node-b"
     assert new.release() is True
     assert read_lease(store) is None
+
+
+def _no_sleep(seconds):
+    raise AssertionError(f"the driver watched the lease ({seconds} s) where it needed not")
+
+
+def test_a_holder_whose_heartbeat_stopped_is_taken_over_before_its_expiry(store):
+    """A driver on another host that died (say, of a storage outage) stops beating: a new
+    driver that finds its beat overdue watches one beat interval, sees no beat and takes over,
+    long before the lease's expiry; a holder with a recent beat is refused without a watch."""
+    clock = FakeClock()
+    dead = RunLease(store, ttl_s=300, host="node-a", clock=clock).acquire()
+    clock.now += 10  # a recent beat: refused at once (no watch)
+    with pytest.raises(LeaseHeld):
+        RunLease(store, ttl_s=300, host="node-b", clock=clock, sleep=_no_sleep).acquire()
+    clock.now += 81  # the beat due at 75 s never came (nor within the grace)
+    watched = []
+
+    def watch(seconds):
+        watched.append(seconds)
+        clock.now += seconds
+
+    new = RunLease(store, ttl_s=300, host="node-b", clock=clock, sleep=watch).acquire()
+    assert watched == [75 + 15]  # one beat interval and the grace
+    assert clock.now - dead.owner["started_at"] <= 181 < 300  # its last beat + 2 x (75 + 15), not + 300
+    assert new.took_over["owner"]["host"] == "node-a"
+    assert "heartbeat stopped" in new.takeover_reason
+    with pytest.raises(LeaseLost):
+        dead.heartbeat()  # had it been alive after all, it finds out at its next beat
+
+
+def test_a_failed_heartbeat_is_retried_within_seconds(store):
+    """After a beat fails (storage unreachable) the next one comes within RETRY_BEAT_S, not a
+    whole interval later, so a watching driver sees a live holder beat once storage is back."""
+    from dflash_pipeline.core.lease import RETRY_BEAT_S
+
+    lease = RunLease(store, ttl_s=400).acquire()  # beats every 100 s
+    outcomes = iter([StorageError("storage unreachable"), None, None])
+
+    def heartbeat():
+        outcome = next(outcomes)
+        if outcome is not None:
+            raise outcome
+
+    class Waits:  # the heartbeat thread's timer, recorded instead of waited
+        seen: list[float] = []
+
+        def wait(self, timeout):
+            self.seen.append(timeout)
+            return len(self.seen) > 3  # three beats, then stop
+
+        def set(self):
+            pass
+
+    lease.heartbeat, lease._stop = heartbeat, Waits()
+    errors = []
+    lease.start_heartbeat(errors.append)
+    lease._thread.join(30)
+    assert Waits.seen == [100, RETRY_BEAT_S, 100, 100]
+    assert [str(e) for e in errors] == ["storage unreachable"]
 
 
 def test_lease_of_a_dead_local_process_is_stale_at_once(store):

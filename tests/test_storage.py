@@ -155,3 +155,39 @@ def test_no_access_to_a_bucket_never_creates_one(s3_server, s3_env, monkeypatch)
     storage = S3Storage(f"s3://{s3_server.bucket}-other/run")
     with pytest.raises(StorageError, match="no access"):
         storage.ensure_bucket()
+
+
+def test_copying_a_missing_object_is_a_typed_not_found(store, tmp_path):
+    from dflash_pipeline.core.storage import NotFound
+
+    with pytest.raises(NotFound, match="missing.bin does not exist"):
+        store.download_file("missing.bin", tmp_path / "out.bin")
+    with pytest.raises(NotFound), store.local_copy("missing.bin"):
+        pass
+
+
+def test_storages_of_one_endpoint_share_one_client(s3_server, s3_env):
+    from dflash_pipeline.core.storage import open_object, open_storage
+
+    run = open_storage(f"s3://{s3_server.bucket}/run")
+    parent, _ = open_object(f"s3://{s3_server.bucket}/run/outputs/x.parquet")
+    assert run.client is parent.client  # one connection pool and credential chain per process
+
+
+def test_an_unreachable_endpoint_is_retried_with_backoff_and_logged(monkeypatch, caplog):
+    """Each failed attempt is in the log (a job's log shows the outage it met), then a
+    StorageError naming the object."""
+    from dflash_pipeline.core.storage import S3Storage, StorageError, s3_client
+    from tests.support.seaweed import free_port
+
+    monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_ACCESS_KEY", "k")
+    monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_SECRET_KEY", "s")
+    store = S3Storage("s3://nowhere/run", client=s3_client(max_attempts=3))
+    with caplog.at_level("WARNING", logger="dflash_pipeline.storage"):
+        with pytest.raises(StorageError, match="s3://nowhere/run/a.json"):
+            store.write_bytes("a.json", b"{}")
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 4, messages  # the first try and 3 retries
+    assert "PutObject failed (EndpointConnectionError), try 1 of 4; retrying with backoff" in messages[0]
+    assert messages[-1].endswith("try 4 of 4; giving up")

@@ -15,6 +15,12 @@ expiry:
 * a lease is stale once its expiry has passed, or at once when its holder is a process of this
   host that no longer exists (a killed driver); a stale lease is taken over, again with
   ``If-Match``, so two drivers taking over the same stale lease cannot both win;
+* a holder on another host whose heartbeat is already overdue is watched for one more beat
+  interval: a live driver beats in that time (after a storage outage too: a failed beat is
+  retried within seconds), so a lease that does not change is its dead holder's and is taken
+  over then, without waiting for the rest of its expiry (a driver killed by an outage on
+  another machine frees its run about 3 minutes after its last beat instead of 5, with the
+  default ``ttl_s``);
 * the holder deletes it when the run ends (success or error).
 
 Only real executions take it (the workflow's ``onstart``): dry-runs, ``--lint``, reports and the
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import sys
@@ -40,6 +47,10 @@ from dflash_pipeline.core.storage import Storage, StorageError, open_storage
 
 LEASE_KEY = layout.RUN_LEASE
 DEFAULT_TTL_S = 300.0
+# How late a beat may be (slow storage, clock skew between hosts) before its holder is watched.
+WATCH_GRACE_S = 15.0
+# A failed beat (storage unreachable) is tried again this soon, not a whole interval later.
+RETRY_BEAT_S = 5.0
 BREAK_COMMAND = "python -m dflash_pipeline.core.lease break --run-url {run_url}"
 
 
@@ -107,10 +118,11 @@ class RunLease:
     """This process's claim on one run root."""
 
     def __init__(self, storage: Storage, ttl_s: float = DEFAULT_TTL_S, *, host: str | None = None,
-                 pid: int | None = None, clock: Callable[[], float] = time.time):
+                 pid: int | None = None, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep):
         if ttl_s <= 0:
             raise ValueError(f"lease ttl_s must be positive, got {ttl_s}")
-        self.storage, self.ttl_s, self.clock = storage, float(ttl_s), clock
+        self.storage, self.ttl_s, self.clock, self.sleep = storage, float(ttl_s), clock, sleep
         pid = os.getpid() if pid is None else pid
         self.owner = {
             "host": socket.gethostname() if host is None else host,
@@ -122,6 +134,7 @@ class RunLease:
         }
         self.tag: str | None = None  # version of the lease object this process last wrote
         self.took_over: dict | None = None  # the stale record replaced by acquire(), if any
+        self.takeover_reason: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -129,11 +142,34 @@ class RunLease:
     def url(self) -> str:
         return self.storage.join(LEASE_KEY)
 
+    @property
+    def beat_every_s(self) -> float:
+        return self.ttl_s / 4
+
     def _record(self) -> bytes:
         now = self.clock()
         record = {"owner": self.owner, "heartbeat_at": now, "expires_at": now + self.ttl_s,
-                  "ttl_s": self.ttl_s}
+                  "ttl_s": self.ttl_s, "heartbeat_every_s": self.beat_every_s}
         return json.dumps(record, indent=1).encode("utf-8")
+
+    def _silent_holder(self, record: dict, tag: str) -> bool:
+        """Whether the holder of a lease that has not expired is dead by its heartbeat: its
+        last beat is overdue, and the lease stays unchanged for one more beat interval."""
+        try:
+            every = float(record.get("heartbeat_every_s") or float(record["ttl_s"]) / 4)
+            overdue = self.clock() - float(record["heartbeat_at"]) > every + WATCH_GRACE_S
+        except (KeyError, TypeError, ValueError):
+            return False
+        if not overdue:
+            return False
+        watch = every + WATCH_GRACE_S
+        logging.getLogger(__name__).warning(
+            "the run lease %s is held by %s, whose heartbeat is overdue; watching it for %.0f s "
+            "before taking the run over", self.url, describe_holder(record), watch,
+        )  # fmt: skip
+        self.sleep(watch)
+        current = self.storage.read_tagged(LEASE_KEY)
+        return current is not None and current[1] == tag
 
     def acquire(self) -> RunLease:
         """Take the lease, or raise LeaseHeld naming the live holder."""
@@ -152,17 +188,22 @@ class RunLease:
                 record = {}
             if not isinstance(record, dict):
                 record = {}
-            if not is_stale(record, self.clock(), self.owner["host"]):
+            if is_stale(record, self.clock(), self.owner["host"]):
+                reason = "expired, or its holder's process is gone"
+            elif self._silent_holder(record, current_tag):
+                reason = "its holder's heartbeat stopped (overdue, and none while watched)"
+            else:
                 raise LeaseHeld(
                     f"the run at {self.storage.url} is driven by another Snakemake: "
                     f"{describe_holder(record)}. Two drivers on one run delete each other's "
                     "in-flight work, so this one stops. Wait for it to finish; if that driver is "
-                    f"gone, its lease expires by itself, or remove it with: "
+                    "gone, the next driver takes the run over once the lease shows its heartbeat "
+                    "stopped (or it expires), or remove the lease now with: "
                     + BREAK_COMMAND.format(run_url=self.storage.url)
                 )
             tag = self.storage.replace_if_tag(LEASE_KEY, self._record(), current_tag)
             if tag is not None:
-                self.tag, self.took_over = tag, record
+                self.tag, self.took_over, self.takeover_reason = tag, record, reason
                 return self
         raise LeaseHeld(f"could not take the lease {self.url}: it kept changing under this driver")
 
@@ -192,7 +233,9 @@ class RunLease:
         ``on_error`` gets a LeaseLost (and the beats end) or each storage error."""
 
         def beat():
-            while not self._stop.wait(self.ttl_s / 4):
+            wait = self.beat_every_s
+            while not self._stop.wait(wait):
+                wait = self.beat_every_s
                 try:
                     self.heartbeat()
                 except LeaseLost as err:
@@ -200,6 +243,9 @@ class RunLease:
                     return
                 except StorageError as err:
                     on_error(err)
+                    # Soon again: a watching driver must see this live holder beat once the
+                    # storage is back.
+                    wait = min(RETRY_BEAT_S, self.beat_every_s)
 
         self._thread = threading.Thread(target=beat, name="run-lease", daemon=True)
         self._thread.start()

@@ -19,6 +19,8 @@ Rules the rest of the pipeline relies on:
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import shutil
 import tempfile
@@ -180,10 +182,13 @@ class LocalStorage(Storage):
         finally:
             tmp.unlink(missing_ok=True)
 
-    def staged_file(self, key: str) -> contextlib.AbstractContextManager[Path]:
+    @contextlib.contextmanager
+    def staged_file(self, key: str) -> Iterator[Path]:
         # Written beside its destination and renamed: a multi-GB checkpoint or hidden-state
         # shard is written once, not written to /tmp and then copied.
-        return self.atomic_path(key)
+        with self.atomic_path(key) as tmp:
+            yield tmp
+            _fsync(tmp)
 
     def write_bytes(self, key: str, data: bytes) -> None:
         with self.atomic_path(key) as tmp, open(tmp, "wb") as fh:
@@ -194,18 +199,19 @@ class LocalStorage(Storage):
     def upload_file(self, key: str, local_path: str | os.PathLike) -> None:
         with self.atomic_path(key) as tmp:
             shutil.copyfile(local_path, tmp)
+            _fsync(tmp)
 
     def download_file(self, key: str, local_path: str | os.PathLike) -> None:
         src = self._path(key)
         if not src.is_file():
-            raise StorageError(f"{self.join(key)} does not exist")
+            raise NotFound(f"{self.join(key)} does not exist")
         shutil.copyfile(src, local_path)
 
     @contextlib.contextmanager
     def local_copy(self, key: str) -> Iterator[Path]:
         path = self._path(key)
         if not path.is_file():
-            raise StorageError(f"{self.join(key)} does not exist")
+            raise NotFound(f"{self.join(key)} does not exist")
         yield path  # already local: no copy
 
     def exists(self, key: str) -> bool:
@@ -285,6 +291,13 @@ class LocalStorage(Storage):
         return True
 
 
+def _fsync(path: Path) -> None:
+    """Flush a finished temp file to disk before it is renamed over its object: after a power
+    loss the rename may survive while unflushed data does not (an object of zeros)."""
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
 def s3_settings_from_env(env: dict[str, str] | None = None) -> dict[str, str | None]:
     """The S3 plugin's settings, read from the same environment variables it reads."""
     env = os.environ if env is None else env
@@ -297,23 +310,57 @@ def s3_settings_from_env(env: dict[str, str] | None = None) -> dict[str, str | N
     }
 
 
+_retry_log = logging.getLogger("dflash_pipeline.storage")
+
+
+def _log_retry(max_attempts, attempts=None, caught_exception=None, response=None, operation=None, **_):
+    """botocore's ``needs-retry`` event, seen by every attempt: a failed one is logged before
+    botocore's own handler backs off and retries it, so a job's log shows an outage it rode
+    out (returns None: the decision stays botocore's)."""
+    status = (response[1] if response else {}).get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    if caught_exception is None and status < 500 and status != 429:
+        return None
+    cause = type(caught_exception).__name__ if caught_exception is not None else f"HTTP {status}"
+    name = getattr(operation, "name", "request")
+    # botocore's max_attempts counts the retries: one first try, then up to that many more.
+    tries = max_attempts + 1
+    then = "retrying with backoff" if (attempts or 0) < tries else "giving up"
+    _retry_log.warning("S3 %s failed (%s), try %s of %d; %s", name, cause, attempts, tries, then)
+    return None
+
+
 def s3_client(max_attempts: int | None = None, **timeouts):
     """A boto3 S3 client configured as the S3 plugin is (``SNAKEMAKE_STORAGE_S3_*``), retrying
-    ``max_attempts`` times (default ``S3_MAX_ATTEMPTS``); ``timeouts``: botocore's
-    connect_timeout / read_timeout."""
+    ``max_attempts`` times (default ``S3_MAX_ATTEMPTS``) with botocore's backoff, each failed
+    attempt logged; ``timeouts``: botocore's connect_timeout / read_timeout.
+
+    The default client (no arguments) is made once per process and endpoint and shared (boto3
+    clients are thread-safe): a job opens many storages, each of which would otherwise build
+    its own client, connection pool and credential chain."""
+    settings = s3_settings_from_env()
+    if max_attempts is None and not timeouts:
+        return _shared_client(tuple(sorted(settings.items())))
+    return _new_client(settings, max_attempts or S3_MAX_ATTEMPTS, timeouts)
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_client(settings: tuple):
+    return _new_client(dict(settings), S3_MAX_ATTEMPTS, {})
+
+
+def _new_client(settings: dict, max_attempts: int, timeouts: dict):
     import boto3
     from botocore.config import Config
 
-    settings = s3_settings_from_env()
     # Non-AWS servers (SeaweedFS, MinIO) store boto's default checksum trailers inside the
     # object; the S3 plugin switches them off the same way.
     config = Config(
-        retries={"max_attempts": max_attempts or S3_MAX_ATTEMPTS, "mode": "standard"},
+        retries={"max_attempts": max_attempts, "mode": "standard"},
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         **timeouts,
     )
-    return boto3.client(
+    client = boto3.client(
         "s3",
         endpoint_url=settings["endpoint_url"],
         aws_access_key_id=settings["access_key"],
@@ -322,6 +369,8 @@ def s3_client(max_attempts: int | None = None, **timeouts):
         region_name=settings["region"],
         config=config,
     )
+    client.meta.events.register("needs-retry.s3", functools.partial(_log_retry, max_attempts))
+    return client
 
 
 def _listed(obj: dict, base: str) -> ObjectInfo:

@@ -12,7 +12,7 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ACCESS_KEY = "testaccess"
@@ -31,6 +31,7 @@ class SeaweedServer:
     endpoint: str
     bucket: str
     log_path: Path
+    command: list[str] = field(default_factory=list)  # how it was started (same ports, same data)
 
     @property
     def env(self) -> dict[str, str]:
@@ -50,6 +51,11 @@ class SeaweedServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+    def start_again(self, timeout: float = 60) -> None:
+        """Start the stopped server again on the same ports and data: an S3 outage ends."""
+        self.process = _launch(self.command, self.log_path)
+        _wait_ready(self, timeout)
 
 
 def weed_binary() -> str:
@@ -90,23 +96,33 @@ def start_seaweed(data_dir: Path, bucket: str = "dflash-test", timeout: float = 
         f"-bucket={bucket}",
         *(f"-{name}={port}" for name, port in ports.items()),
     ]
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     log_path = data_dir / "weed.log"
-    log = open(log_path, "wb")
-    process = subprocess.Popen(
-        args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    server = SeaweedServer(process, endpoint, bucket, log_path)
+    server = SeaweedServer(_launch(args, log_path), endpoint, bucket, log_path, args)
+    _wait_ready(server, timeout)
+    return server
+
+
+def _launch(args: list[str], log_path: Path) -> subprocess.Popen:
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def _wait_ready(server: SeaweedServer, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"weed mini exited early; see {log_path}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"weed mini exited early; see {server.log_path}")
         if _bucket_ready(server):
-            return server
+            return
         time.sleep(0.3)
     server.stop()
-    raise RuntimeError(f"weed mini did not serve S3 on {endpoint} within {timeout} s; see {log_path}")
+    raise RuntimeError(
+        f"weed mini did not serve S3 on {server.endpoint} within {timeout} s; see {server.log_path}"
+    )
 
 
 def _bucket_ready(server: SeaweedServer) -> bool:
