@@ -21,6 +21,8 @@ rule extract:
         gpu=min(1, config["train"]["gpus_per_job"]),
         mem_mb=JOB_MEMORY_MB["extract"],
         runtime=240,
+        # Each attempt keeps its own log (dflash_pipeline.core.joblog.JobAttempt).
+        attempt=lambda wildcards, attempt: attempt,
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],
@@ -51,6 +53,7 @@ rule train:
         # Minutes per segment (a cluster's time limit); a segment cut at the limit resumes
         # from its last checkpoint on retry.
         runtime=720,
+        attempt=lambda wildcards, attempt: attempt,
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],

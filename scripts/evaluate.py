@@ -8,7 +8,7 @@ import torch
 from dflash_pipeline.core.checksums import verify_inputs
 from dflash_pipeline.core.config import job_settings
 from dflash_pipeline.core.gpu_slots import job_devices, pool_from_config
-from dflash_pipeline.core.joblog import JobAttempt, attempt_of, bundle_logs, job_logging
+from dflash_pipeline.core.joblog import JobAttempt, bundle_logs
 from dflash_pipeline.stages.evaluate import evaluate_job
 
 
@@ -18,44 +18,41 @@ def run(smk) -> None:
     # its own engine log under logs/attempts/evaluate/, kept in the run root with its job log
     # (Snakemake empties the declared logs when it starts the job again).
     shutil.rmtree(engine_dir, ignore_errors=True)
-    attempt = JobAttempt(smk.params.run_url, "evaluate", attempt_of(smk.resources), Path(smk.log.job).parent)
+    attempt = JobAttempt.of(smk, "evaluate", smk.log.job)
     absent = f"no serving engine was launched (evaluate.engine: {smk.params.settings['engine']})"
     try:
-        evaluate(smk, engine_dir, attempt)
+        with attempt.logging(smk.log.job):
+            try:
+                evaluate(smk, engine_dir)
+            finally:
+                # Before the attempt's logs are kept (when the logging block ends).
+                bundle_logs(engine_dir, attempt.local("engine"), absent)
     finally:
-        bundle_logs(engine_dir, attempt.local("engine"), absent)
-        attempt.keep()
         # This attempt's bundle, after the last lines of any earlier attempt's logs.
         attempt.bundle(smk.log.engine, "engine", absent)
 
 
-def evaluate(smk, engine_dir: Path, attempt: JobAttempt) -> None:
-    with job_logging(smk.log.job, copies=[attempt.local("job")]) as log:
-        earlier = attempt.earlier()
-        if earlier:
-            log.info("attempt %d of this job in this run of Snakemake (%s); %d earlier attempt(s), "
-                     "the last %s: their logs are kept in %s", attempt.number, attempt.name,
-                     len(earlier), earlier[-1], attempt.storage().join(attempt.prefix))
-        # The held-out rows as their tokenize jobs wrote them (core.checksums).
-        verify_inputs(smk, list(smk.input.heldout))
-        # Token-by-token decoding of a small model on a CPU is latency-bound: one thread was
-        # faster than two on the 2-core test machine (oversubscribed threads wait on each other).
-        torch.set_num_threads(1 if not smk.resources.gpu else smk.threads)
-        # The engine's memory share and extra arguments come from the config.
-        settings = job_settings(smk.config, "evaluate", dict(smk.params.settings))
-        with job_devices(smk.resources.gpu, *pool_from_config(smk.config)):
-            evaluate_job(
-                smk.params.model,
-                str(Path(smk.input.drafter_config).parent),
-                smk.input.prompts,
-                list(smk.input.heldout),
-                smk.output.metrics,
-                settings,
-                smk.params.thinking,
-                Path(smk.log.job).with_suffix(".failed-metrics.json"),
-                engine_dir,
-                smk.config["engines"],
-            )
+def evaluate(smk, engine_dir: Path) -> None:
+    # The held-out rows as their tokenize jobs wrote them (core.checksums).
+    verify_inputs(smk, list(smk.input.heldout))
+    # Token-by-token decoding of a small model on a CPU is latency-bound: one thread was
+    # faster than two on the 2-core test machine (oversubscribed threads wait on each other).
+    torch.set_num_threads(1 if not smk.resources.gpu else smk.threads)
+    # The engine's memory share and extra arguments come from the config.
+    settings = job_settings(smk.config, "evaluate", dict(smk.params.settings))
+    with job_devices(smk.resources.gpu, *pool_from_config(smk.config)):
+        evaluate_job(
+            smk.params.model,
+            str(Path(smk.input.drafter_config).parent),
+            smk.input.prompts,
+            list(smk.input.heldout),
+            smk.output.metrics,
+            settings,
+            smk.params.thinking,
+            Path(smk.log.job).with_suffix(".failed-metrics.json"),
+            engine_dir,
+            smk.config["engines"],
+        )
 
 
 run(snakemake)  # noqa: F821 (injected by Snakemake)

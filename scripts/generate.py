@@ -1,12 +1,9 @@
 """Snakemake glue for rule `generate`: dflash_pipeline.stages.generate.run_job."""
 
-import logging
-from pathlib import Path
-
 from dflash_pipeline.core.checksums import record_outputs, verify_inputs
 from dflash_pipeline.core.config import job_settings
 from dflash_pipeline.core.gpu_slots import job_devices, pool_from_config
-from dflash_pipeline.core.joblog import JobAttempt, attempt_of, job_logging
+from dflash_pipeline.core.joblog import JobAttempt
 from dflash_pipeline.stages.generate import run_job
 
 
@@ -14,16 +11,11 @@ def run(smk) -> None:
     # Snakemake empties the declared logs when it retries the job: each attempt writes its own
     # job and engine logs (logs/attempts/generate-NNNNN/), keeps them in the run root whatever
     # happens, and the declared engine log bundles the earlier attempts' with its own.
-    attempt = JobAttempt(
-        smk.params.run_url,
-        f"generate-{smk.wildcards.shard}",
-        attempt_of(smk.resources),
-        Path(smk.log.job).parents[1],
-    )
+    attempt = JobAttempt.of(smk, f"generate-{smk.wildcards.shard}", smk.log.job)
     try:
-        generate(smk, attempt)
+        with attempt.logging(smk.log.job):
+            generate(smk, attempt)
     finally:
-        attempt.keep()
         engine = dict(smk.params.generation).get("engine")
         attempt.bundle(
             smk.log.engine,
@@ -35,36 +27,26 @@ def run(smk) -> None:
 
 
 def generate(smk, attempt: JobAttempt) -> None:
-    with job_logging(smk.log.job, copies=[attempt.local("job")]) as log:
-        log.log(
-            logging.INFO if attempt.number == 1 else logging.WARNING,
-            "attempt %d of this job in this run of Snakemake (%s); its logs are kept as %s and %s",
-            attempt.number, attempt.name, attempt.url("job"), attempt.url("engine"),
-        )  # fmt: skip
-        earlier = attempt.earlier()
-        if earlier:
-            log.info("%d earlier attempt(s) of this job, the last %s: their logs are kept in %s",
-                     len(earlier), earlier[-1], attempt.storage().join(attempt.prefix))
-        # The prepare shard as its job wrote it, or one error naming it (core.checksums).
-        verify_inputs(smk, [smk.input.prompts])
-        # Operational keys (concurrency, intervals, server) come from the config, not params.
-        generation = job_settings(smk.config, "generate", dict(smk.params.generation))
-        pool, lock_dir = pool_from_config(smk.config)
-        # The in-process form of the GPU slot wrapper: the lease lives as long as this job.
-        with job_devices(smk.resources.gpu, pool, lock_dir):
-            run_job(
-                smk.input.prompts,
-                smk.output.generated,
-                smk.params.run_url,
-                int(smk.wildcards.shard),
-                smk.params.model,
-                generation,
-                str(attempt.local("engine")),
-                lock_dir,
-                smk.config["engines"],
-                engine_log_label=attempt.label(smk.log.engine),
-            )
-        record_outputs(smk, [smk.output.generated], smk.wildcards.shard)
+    # The prepare shard as its job wrote it, or one error naming it (core.checksums).
+    verify_inputs(smk, [smk.input.prompts])
+    # Operational keys (concurrency, intervals, server) come from the config, not params.
+    generation = job_settings(smk.config, "generate", dict(smk.params.generation))
+    pool, lock_dir = pool_from_config(smk.config)
+    # The in-process form of the GPU slot wrapper: the lease lives as long as this job.
+    with job_devices(smk.resources.gpu, pool, lock_dir):
+        run_job(
+            smk.input.prompts,
+            smk.output.generated,
+            smk.params.run_url,
+            int(smk.wildcards.shard),
+            smk.params.model,
+            generation,
+            str(attempt.local("engine")),
+            lock_dir,
+            smk.config["engines"],
+            engine_log_label=attempt.label(smk.log.engine),
+        )
+    record_outputs(smk, [smk.output.generated], smk.wildcards.shard)
 
 
 run(snakemake)  # noqa: F821 (injected by Snakemake)

@@ -5,12 +5,14 @@ import torch
 from dflash_pipeline.core.checksums import verify_inputs
 from dflash_pipeline.core.config import job_settings
 from dflash_pipeline.core.gpu_slots import job_devices, pool_from_config
-from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.core.joblog import JobAttempt
 from dflash_pipeline.stages.train import train_job
 
 
 def run(smk) -> None:
-    with job_logging(smk.log[0]):
+    # Each attempt's log is kept apart (logs/attempts/train-NNNN/): a retry empties the declared one.
+    attempt = JobAttempt.of(smk, f"train-{smk.wildcards.segment}", smk.log[0])
+    with attempt.logging(smk.log[0]):
         # Every tokenize shard (and extract manifest) as its job wrote it, before a GPU is taken.
         verify_inputs(smk, [*smk.input.tokenized, *smk.input.get("hidden", [])])
         torch.set_num_threads(smk.threads)  # as many compute threads as Snakemake granted
@@ -26,6 +28,7 @@ def run(smk) -> None:
                 list(smk.input.get("hidden", [])),
                 smk.output.manifest,
                 smk.resources.gpu,
+                logs=[smk.log[0], attempt.local("job")],
             )
 
 

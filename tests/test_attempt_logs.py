@@ -224,3 +224,30 @@ def test_a_retry_keeps_the_failed_attempts_logs_in_the_run_root(where, workflow,
     with store.local_copy("outputs/generate-00000.parquet") as path:
         generated = pq.read_table(path)
     assert generated.num_rows == 16 and all(e is None for e in generated.column("error").to_pylist())
+
+
+def test_a_training_attempt_that_failed_keeps_its_log_after_its_retry(store, tmp_path):
+    """The train and extract scripts' form (JobAttempt.of + .logging): a failed attempt's job
+    log survives the retry that empties the declared log, in the run root (S3 too)."""
+    logs = local_logs(store, tmp_path)
+    declared = logs / "train/segment-0000.log"
+
+    def smk(number):
+        return SimpleNamespace(params=SimpleNamespace(run_url=store.url), resources=SimpleNamespace(attempt=number))
+
+    first = JobAttempt.of(smk(1), "train-0000", declared)
+    first.started = FIRST
+    assert first.local_logs == logs  # found from the declared log, whatever its depth below logs/
+    with pytest.raises(SystemExit), first.logging(declared) as log:
+        log.warning("SIGTERM: checkpointed at step 40; exiting")
+        raise SystemExit(143)
+    declared.write_text("")  # what Snakemake does before the retry
+    second = JobAttempt.of(smk(2), "train-0000", declared)
+    second.started = SECOND
+    with second.logging(declared) as log:
+        log.info("segment 0: steps 40..99 from in-segment checkpoint")
+    kept = store.read_text(f"{ATTEMPTS_DIR}/train-0000/{FIRST}-attempt-1.job.log")
+    assert "checkpointed at step 40" in kept
+    text = declared.read_text()
+    assert "attempt 2 of this job" in text and f"the last {FIRST}-attempt-1" in text
+    assert "steps 40..99" in store.read_text(f"{ATTEMPTS_DIR}/train-0000/{SECOND}-attempt-2.job.log")

@@ -312,7 +312,7 @@ def test_ddp_over_two_processes_trains_and_resumes_after_sigterm(demo_model, tok
     assert len(steps) == 1, out
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=PATIENCE_S)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "from in-segment checkpoint" in resumed.stdout
+    assert "from in-segment checkpoint" in resumed.stdout + resumed.stderr
     manifest = json.loads((tmp_path / layout.segment_manifest_key(0)).read_text())
     assert manifest["processes"] == 2 and manifest["steps"] == [0, 12]
     records = [json.loads(x) for x in metrics.read_text().splitlines()]
@@ -417,3 +417,60 @@ def test_a_gpu_segment_with_background_checkpoints_ends_with_its_checkpoint_on_t
     loaded = load_checkpoint(open_storage(str(tmp_path)), layout.checkpoint_prefix(0), map_location=device)
     assert loaded.state["step"] == STEPS
     assert all(t.device == device for t in loaded.state["model"].values())
+
+
+def test_sigterm_at_the_last_step_finishes_the_segment(reference, demo_model, tokenized, tmp_path, monkeypatch, caplog):
+    """A SIGTERM during the segment's last step: the segment's final checkpoint and manifest are
+    the save (nothing dropped, nothing claimed that did not happen)."""
+    from dflash_pipeline.training import trainer
+
+    original = trainer._SegmentRun._train_step
+
+    def step_then_sigterm(self, step):
+        record = original(self, step)
+        if step == self.end_step - 1:
+            self.stop_requested = True  # what the SIGTERM handler does
+        return record
+
+    monkeypatch.setattr(trainer._SegmentRun, "_train_step", step_then_sigterm)
+    with caplog.at_level("INFO", logger="dflash_pipeline.training"):
+        manifest = run_segment(tmp_path, 0, settings(), demo_model, tokenized)
+    out = caplog.text
+    assert f"SIGTERM at the segment's last step ({STEPS}): finishing the segment" in out
+    assert "checkpointed" not in out
+    assert manifest["steps"] == [0, STEPS]
+    assert (tmp_path / layout.segment_manifest_key(0)).is_file()
+    assert_same_state(final_state(tmp_path), final_state(reference[0]))
+
+
+def test_a_segment_whose_driver_is_gone_checkpoints_and_stops_then_resumes_exactly(
+    reference, demo_model, tokenized, tmp_path, monkeypatch, caplog
+):
+    """The job's driver (its lease token) no longer drives the run: the segment saves its
+    in-segment checkpoint and stops with DriverGone; the next run resumes bit for bit."""
+    from dflash_pipeline.core.lease import DRIVER_TOKEN_ENV, DriverGone
+    from dflash_pipeline.training import trainer
+
+    monkeypatch.setattr(trainer, "DRIVER_CHECK_EVERY_S", 0.0)  # read the lease at every step
+    monkeypatch.setenv(DRIVER_TOKEN_ENV, "token-of-a-driver-that-is-gone")  # and no lease at all
+    with pytest.raises(DriverGone, match=r"the run lease is gone.*checkpointed at step 1\)"):
+        run_segment(tmp_path, 0, settings(), demo_model, tokenized)
+    assert not (tmp_path / layout.segment_manifest_key(0)).exists()
+    monkeypatch.delenv(DRIVER_TOKEN_ENV)
+    with caplog.at_level("INFO", logger="dflash_pipeline.training"):
+        run_segment(tmp_path, 0, settings(), demo_model, tokenized)
+    assert "steps 1..7 from in-segment checkpoint" in caplog.text
+    assert_same_state(final_state(tmp_path), final_state(reference[0]))
+
+
+def test_torchrun_gets_the_shard_lists_in_a_file_not_in_argv(tmp_path):
+    """10,000 offline shards would be megabytes of argv (Linux caps one argument list)."""
+    from dflash_pipeline.stages.train import segment_args
+
+    shards = {f"{i:05d}": f"s3://bucket/run/outputs/tokenize-{i:05d}.parquet" for i in range(10_000)}
+    job = SegmentJob(run_url="s3://bucket/run", segment=3, settings={}, target_dir="/models/target",
+                     tokenized=shards, hidden=dict(shards), manifest_path="m.json")
+    args = segment_args(job, str(tmp_path / "settings.json"), logs=["logs/train/segment-0003.log"])
+    assert len(" ".join(args)) < 1000
+    listed = json.loads(Path(args[args.index("--shards") + 1]).read_text())
+    assert listed == {"tokenized": shards, "hidden": shards}

@@ -81,6 +81,16 @@ def attempt_of(resources) -> int:
         return 1
 
 
+def logs_folder(log_file: str | Path) -> Path:
+    """The local folder behind the run root's ``logs/`` that holds ``log_file`` (a rule's
+    declared log, at any depth below it)."""
+    path = Path(log_file)
+    for folder in path.parents:
+        if folder.name == Path(ATTEMPTS_DIR).parent.name:
+            return folder
+    return path.parent
+
+
 def _utc_stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
 
@@ -109,6 +119,32 @@ class JobAttempt:
     def __post_init__(self) -> None:
         self.run_url = str(self.run_url)
         self.local_logs = Path(self.local_logs)
+
+    @classmethod
+    def of(cls, smk, job: str, log_file: str | Path) -> JobAttempt:
+        """The running Snakemake job's attempt (a script's ``snakemake`` object: its run_url
+        param and attempt resource); ``log_file`` is one of its declared logs, below logs/."""
+        return cls(smk.params.run_url, job, attempt_of(smk.resources), logs_folder(log_file))
+
+    @contextlib.contextmanager
+    def logging(self, log_file: str | Path) -> Iterator[logging.Logger]:
+        """``job_logging`` into the declared ``log_file`` and this attempt's own copy, which is
+        kept in the run root when the block ends, however it ends (``keep``). The log opens
+        with the attempt's number and names the earlier attempts' kept logs."""
+        try:
+            with job_logging(log_file, copies=[self.local("job")]) as log:
+                log.log(
+                    logging.INFO if self.number == 1 else logging.WARNING,
+                    "attempt %d of this job in this run of Snakemake (%s); its logs are kept in %s",
+                    self.number, self.name, self.storage().join(self.prefix),
+                )  # fmt: skip
+                earlier = self.earlier()
+                if earlier:
+                    log.info("%d earlier attempt(s) of this job, the last %s: their logs are kept there too",
+                             len(earlier), earlier[-1])
+                yield log
+        finally:
+            self.keep()
 
     @property
     def name(self) -> str:

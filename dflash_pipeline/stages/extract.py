@@ -22,6 +22,7 @@ from dflash_pipeline.data.sharding import TRAIN
 from dflash_pipeline.core.storage import open_storage, sha256_file, write_atomically
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import raise_if_halted
+from dflash_pipeline.core.lease import raise_if_driverless
 from dflash_pipeline.data.hidden import FP8_MAX, HIDDEN_DTYPES, StreamingSafetensors
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,9 @@ def extract_job(tokenized: str, target_dir: str, settings: dict, run_url: str, s
     """What the `extract` rule runs: the taps the drafter of ``settings`` (the `train` config)
     reads, for one tokenized shard; refused while the run is halted (a tokenize shard failed the
     data-quality gate)."""
-    raise_if_halted(open_storage(run_url), f"extract shard {layout.shard_name(shard)}")
+    run, name = open_storage(run_url), f"extract shard {layout.shard_name(shard)}"
+    raise_if_halted(run, name)
+    raise_if_driverless(run, name)  # a job queued by a driver that is gone since does not start
     from dflash_pipeline.training.trainer import build_drafter_config
 
     layer_ids = build_drafter_config(settings, target_dir).target_layer_ids

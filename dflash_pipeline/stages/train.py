@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 from dflash_pipeline.core.jobstate import raise_if_halted
+from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.core.lease import raise_if_driverless
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.training.trainer import SegmentJob
 
@@ -33,18 +35,21 @@ def torchrun_command(nproc: int, args: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def segment_args(job: SegmentJob, settings_file: str) -> list[str]:
+def segment_args(job: SegmentJob, settings_file: str, logs: list[str] = ()) -> list[str]:
+    """The per-rank command line of a torchrun segment. The shard lists go into a file beside
+    ``settings_file``: at 10,000 offline shards they are megabytes, past Linux's argv limit."""
+    shards_file = Path(settings_file).with_name("shards.json")
+    shards_file.write_text(json.dumps({"tokenized": job.tokenized, "hidden": job.hidden}))
     args = [
         "--run-url", job.run_url, "--segment", str(job.segment), "--settings", settings_file,
-        "--target", job.target_dir, "--manifest", job.manifest_path,
-        "--tokenized", *[f"{k}={v}" for k, v in sorted(job.tokenized.items())],
+        "--target", job.target_dir, "--manifest", job.manifest_path, "--shards", str(shards_file),
     ]  # fmt: skip
-    if job.hidden:
-        args += ["--hidden", *[f"{k}={v}" for k, v in sorted(job.hidden.items())]]
+    if logs:
+        args += ["--log", *map(str, logs)]
     return args
 
 
-def run_train_job(job: SegmentJob, gpus: int) -> int:
+def run_train_job(job: SegmentJob, gpus: int, logs: list[str] = ()) -> int:
     """Run the segment here (gpus <= 1) or under torchrun over ``gpus`` devices."""
     if gpus <= 1:
         job.run()
@@ -52,7 +57,7 @@ def run_train_job(job: SegmentJob, gpus: int) -> int:
     with tempfile.TemporaryDirectory(prefix="dflash-train-") as tmp:
         settings_file = Path(tmp) / "settings.json"
         settings_file.write_text(json.dumps(job.settings))
-        proc = subprocess.Popen(torchrun_command(gpus, segment_args(job, str(settings_file))))
+        proc = subprocess.Popen(torchrun_command(gpus, segment_args(job, str(settings_file), logs)))
         previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
         try:
             code = proc.wait()
@@ -64,10 +69,13 @@ def run_train_job(job: SegmentJob, gpus: int) -> int:
 
 
 def train_job(run_url: str, segment: int, settings: dict, target_dir: str, tokenized: list[str],
-              hidden: list[str], manifest: str, gpus: int) -> int:
+              hidden: list[str], manifest: str, gpus: int, logs: list[str] = ()) -> int:
     """What the `train` rule runs: the segment over the job's shards on ``gpus`` devices; refused
-    while the run is halted (a tokenize shard failed the data-quality gate)."""
-    raise_if_halted(open_storage(run_url), f"train segment {segment:04d}")
+    while the run is halted (a tokenize shard failed the data-quality gate). Under torchrun the
+    ranks log into ``logs`` (the job's log files) too."""
+    run, name = open_storage(run_url), f"train segment {segment:04d}"
+    raise_if_halted(run, name)
+    raise_if_driverless(run, name)  # a job queued by a driver that is gone since does not start
     job = SegmentJob(
         run_url=run_url,
         segment=segment,
@@ -78,7 +86,7 @@ def train_job(run_url: str, segment: int, settings: dict, target_dir: str, token
         manifest_path=manifest,
         device=None if gpus else "cpu",
     )
-    return run_train_job(job, gpus)
+    return run_train_job(job, gpus, logs)
 
 
 def parse_shard_paths(values: list[str]) -> dict[str, str]:
@@ -101,13 +109,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", type=json_file, required=True,
                         help="JSON file with the config's `train` section")
     parser.add_argument("--target", type=model_dir, required=True, help="target model folder")
-    parser.add_argument("--tokenized", type=shard_file, nargs="+", required=True, metavar="SHARD=PATH")
+    parser.add_argument("--tokenized", type=shard_file, nargs="+", default=[], metavar="SHARD=PATH")
     parser.add_argument("--hidden", type=shard_file, nargs="*", default=[], metavar="SHARD=MANIFEST")
+    parser.add_argument("--shards", type=json_file, default=None,
+                        help='JSON file {"tokenized": {SHARD: PATH}, "hidden": {SHARD: MANIFEST}} '
+                             "(instead of --tokenized/--hidden)")
     parser.add_argument("--manifest", required=True, help="where to write the segment manifest")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--log", nargs="*", default=[], help="log files to append this process's records to")
     args = parser.parse_args(argv)
     with open(args.settings) as fh:
         settings = json.load(fh)
+    if args.shards:
+        with open(args.shards) as fh:
+            listed = json.load(fh)
+        args.tokenized = [f"{k}={v}" for k, v in sorted(listed.get("tokenized", {}).items())]
+        args.hidden = [f"{k}={v}" for k, v in sorted(listed.get("hidden", {}).items())]
+    if not args.tokenized:
+        parser.error("no tokenized shards: give --tokenized SHARD=PATH ... or --shards FILE")
+    with job_logging(None, copies=args.log):
+        run_segment(args, settings)
+    return 0
+
+
+def run_segment(args: argparse.Namespace, settings: dict) -> None:
     SegmentJob(
         run_url=args.run_url,
         segment=args.segment,
@@ -118,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         manifest_path=args.manifest,
         device=args.device,
     ).run()
-    return 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ inside the segment), the previous segment's final checkpoint, or a fresh seeded 
 source of randomness is a function of (seed, step, rank) -- anchors come from a generator seeded
 per step, batches from ``BatchPlan`` -- so weights, optimizer and scheduler state plus the step
 number reproduce the run exactly; RNG states are saved as well for anything else that draws.
-SIGTERM checkpoints at the end of the current step and exits; a periodic checkpoint every M steps
+SIGTERM checkpoints at the end of the current step and exits (at the segment's last step it
+finishes the segment instead: its final checkpoint is the save); so does a job whose driver is
+gone (``dflash_pipeline.core.lease``, checked about once a minute); a periodic checkpoint every M steps
 (written in the background while training goes on) bounds what a SIGKILL loses. Checkpoints are
 written by every rank, each its share (``dflash_pipeline.training.checkpoint``).
 """
@@ -13,6 +15,7 @@ written by every rank, each its share (``dflash_pipeline.training.checkpoint``).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -26,6 +29,7 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.model.config import DFLASH, DFLASH2_KEYS, DrafterConfig, drafter_config_for_target
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.core.jobstate import write_telemetry
+from dflash_pipeline.core.lease import DriverGone, raise_if_driverless
 from dflash_pipeline.core.storage import Storage, open_storage
 from dflash_pipeline.training.blocks import block_metrics, blocks_forward
 from dflash_pipeline.training.checkpoint import (
@@ -41,7 +45,10 @@ from dflash_pipeline.training.data import BatchPlan, collate, read_training_sequ
 from dflash_pipeline.training.selector import selector_metrics, selector_weight
 from dflash_pipeline.training.step import optimizer_step
 
+log = logging.getLogger(__name__)
 PREEMPTED_EXIT_CODE = 143
+# How often the main rank reads the run lease to see whether its driver still drives the run.
+DRIVER_CHECK_EVERY_S = 60.0
 SELECTOR_SUMMARY = ("selector_recall", "selector_accuracy", "selector_accept_len")
 
 
@@ -257,6 +264,8 @@ class _SegmentRun:
         self.end_step = self.start_step + s["steps_per_segment"]
         self.total_steps = s["segments"] * s["steps_per_segment"]
         self.stop_requested = False
+        self.driver_checked_at = time.monotonic()
+        self.driver_gone: str | None = None
 
     # --- set-up --------------------------------------------------------------------------------
     def _load_target(self):
@@ -409,6 +418,21 @@ class _SegmentRun:
     def _on_sigterm(self, signum, frame):
         self.stop_requested = True
 
+    def _check_driver(self) -> bool:
+        """Whether this job's driver is gone (main rank, at most once a minute: one read of
+        the lease); the reason is kept for the message."""
+        if not self.dist.is_main or time.monotonic() - self.driver_checked_at < DRIVER_CHECK_EVERY_S:
+            return False
+        self.driver_checked_at = time.monotonic()
+        try:
+            raise_if_driverless(self.storage, f"train segment {self.job.segment}")
+        except DriverGone as err:
+            self.driver_gone = str(err)
+            return True
+        except Exception as err:  # noqa: BLE001 (storage trouble is not a verdict on the driver)
+            log.warning("cannot read the run lease (%s); training goes on", err)
+        return False
+
     def run(self) -> dict:
         s = self.settings
         self._load_target()
@@ -426,11 +450,10 @@ class _SegmentRun:
         )
         metrics.resume_from(self.step)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        print(
+        log.info(
             f"segment {self.job.segment}: steps {self.step}..{self.end_step - 1} from {source}; "
             f"{len(self.sequences)} training sequences, {self.dist.world} process(es), "
             f"{self.device}, attention {self.backend}",
-            flush=True,
         )
         self.pending: PendingSave | None = None
         resumed_at = self.step
@@ -444,24 +467,38 @@ class _SegmentRun:
                     self.rolling.reserve(self._state(), self.dist)
                 if self.dist.is_main:
                     metrics.add(record)
-                # One all-reduce per step: a SIGTERM on any rank, and whether a background
-                # checkpoint write is still running on any rank.
-                stop, writing = self.dist.flags_any(
-                    [self.stop_requested, self.pending is not None and not self.pending.done()],
+                # One all-reduce per step: a SIGTERM on any rank, whether a background
+                # checkpoint write is still running on any rank, and whether the driver is gone.
+                stop, writing, orphaned = self.dist.flags_any(
+                    [
+                        self.stop_requested,
+                        self.pending is not None and not self.pending.done(),
+                        self._check_driver(),
+                    ],
                     self.device,
                 )
                 if self.pending is not None and not writing:
                     self._commit_pending(metrics)
-                periodic = (self.step - self.start_step) % s["checkpoint_every_steps"] == 0
-                if stop and self.step < self.end_step:
+                last = self.step >= self.end_step
+                if last and (stop or orphaned):
+                    # The final checkpoint below is the save: nothing is dropped, no new rolling
+                    # checkpoint is needed, and the segment is done.
+                    log.warning(f"{'SIGTERM' if stop else 'driver gone'} at the segment's last step "
+                                f"({self.step}): finishing the segment, then exiting")
+                    break
+                if stop or orphaned:
                     self._commit_pending(metrics)
                     self.rolling.save(self._shared_state(), capture_rng(self.device), self.dist)
                     self._flush(metrics)
-                elif periodic and self.step < self.end_step:
+                    if stop:
+                        log.warning(f"SIGTERM: checkpointed at step {self.step}; exiting")
+                        raise SystemExit(PREEMPTED_EXIT_CODE)
+                    raise DriverGone(
+                        (self.driver_gone or "train stopped: its driver is gone")
+                        + f" (checkpointed at step {self.step})"
+                    )
+                if (self.step - self.start_step) % s["checkpoint_every_steps"] == 0 and not last:
                     self._save_rolling(metrics)
-                if stop:
-                    print(f"SIGTERM: checkpointed at step {self.step}; exiting", flush=True)
-                    raise SystemExit(PREEMPTED_EXIT_CODE)
             self._commit_pending(metrics)
             return self._finish(metrics)
         finally:
