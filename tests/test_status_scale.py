@@ -136,3 +136,43 @@ def test_a_running_job_unsettles_its_block(tmp_path):
     stage = builder.build()["stages"][0]
     assert builder.last_listing == "incremental"
     assert (stage["done"], stage["running"]) == (NUM_SHARDS - 1, 1)
+
+
+def test_a_cold_refresh_reads_the_stage_totals_not_every_finished_shards_telemetry(run):
+    """Jobs that finish through Telemetry.write("done") add their counts to the stage's totals
+    object (concurrently, none lost); the first refresh reads that object instead of each
+    finished shard's telemetry, and sums the same tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_pipeline.core.jobstate import StageTotals
+
+    def job_finishes(shard):
+        run.write_bytes(layout.shard_key("generate", shard), b"x")
+        telemetry = ShardProgress(run, "generate", shard).telemetry(4, token_field="tokens_generated")
+        telemetry.update(4, 10 + shard)
+        telemetry.write("done")
+
+    for shard in range(NUM_SHARDS):
+        finish(run, "prepare", shard)
+    with ThreadPoolExecutor(8) as pool:  # jobs finishing at the same moment
+        list(pool.map(job_finishes, range(NUM_SHARDS)))
+    assert sorted(StageTotals(run, "generate").read()) == list(range(NUM_SHARDS))
+
+    source = RunSource(CountingStorage(run), num_shards=NUM_SHARDS, until="tokenize", full_listing_every_s=1e9)
+    snapshot = SnapshotBuilder(source).build()
+    reads = [key for kind, key in source.storage.calls if kind == "read"]
+    assert reads == [layout.stage_totals_key("generate")]
+    assert snapshot["throughput"]["tokens_generated"] == sum(10 + s for s in range(NUM_SHARDS))
+    assert {s["stage"]: s["done"] for s in snapshot["stages"]}["generate"] == NUM_SHARDS
+
+    # A shard's output deleted for a rebuild: its telemetry is read again (counted once, from
+    # there, until its rerun replaces it); rebuild() recomputes the object from the telemetry
+    # of the shards that are done.
+    run.delete(layout.shard_key("generate", 0))
+    source.storage.calls.clear()
+    again = SnapshotBuilder(source).build()
+    reads = sorted(k for kind, k in source.storage.calls if kind == "read")
+    assert reads == sorted([layout.stage_totals_key("generate"), layout.progress_prefix("generate", 0) + "telemetry.json"])
+    assert again["throughput"]["tokens_generated"] == snapshot["throughput"]["tokens_generated"]
+    rebuilt = StageTotals(run, "generate").rebuild(list(range(1, NUM_SHARDS)))
+    assert sorted(rebuilt) == list(range(1, NUM_SHARDS))

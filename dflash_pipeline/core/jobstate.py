@@ -109,6 +109,77 @@ def write_telemetry(storage: Storage, prefix: str, identity: dict, record: dict)
     storage.write_text(prefix + TELEMETRY, json.dumps(document, indent=1))
 
 
+# The counts of a finished shard kept in its stage's totals object (what the status page sums).
+TOTALS_FIELDS = ("tokens_generated", "samples_done", "samples_resumed", "errors", "elapsed_s")
+# Conditional-write attempts when other jobs of the stage update the object at the same moment.
+TOTALS_ATTEMPTS = 20
+
+
+class StageTotals:
+    """``_progress/<stage>/totals.json``: each finished shard's final counts, keyed by shard.
+
+    A status page opening a run of 10,000 finished shards read every shard's telemetry to sum
+    ``tokens_generated`` (20,000 reads, minutes on S3); this object holds the same sums for one
+    read. Each job adds its own shard when it finishes, with a conditional write (S3 If-Match,
+    local flock) retried on conflict, so concurrent jobs never lose each other's entries; an
+    entry is replaced, never added twice, when a shard is rebuilt. ``rebuild`` recomputes it
+    from the telemetry objects (an entry lost to a storage error, an older run)."""
+
+    def __init__(self, storage: Storage, stage: str):
+        self.storage, self.stage = storage, stage
+        self.key = layout.stage_totals_key(stage)
+
+    def read(self) -> dict[int, dict]:
+        try:
+            document = json.loads(self.storage.read_text(self.key))
+        except (StorageError, ValueError):
+            return {}
+        return parse_totals(document)
+
+    def add(self, shard: int, record: dict) -> bool:
+        """Put ``shard``'s counts (the TOTALS_FIELDS of its final telemetry) in; whether it
+        was written (False after TOTALS_ATTEMPTS conflicts, logged)."""
+        entry = {k: record[k] for k in TOTALS_FIELDS if k in record}
+        for attempt in range(TOTALS_ATTEMPTS):
+            current = self.storage.read_tagged(self.key)
+            try:
+                document = json.loads(current[0]) if current else {}
+            except ValueError:
+                document = {}
+            shards = document.get("shards") if isinstance(document.get("shards"), dict) else {}
+            shards[layout.shard_name(shard)] = entry
+            data = json.dumps({"stage": self.stage, "shards": dict(sorted(shards.items()))}).encode()
+            if current is None:
+                written = self.storage.create_if_absent(self.key, data)
+            else:
+                written = self.storage.replace_if_tag(self.key, data, current[1])
+            if written is not None:
+                return True
+            time.sleep(0.05 * (attempt + 1))  # another job wrote in between: read it again
+        log.warning("%s: shard %s not added after %d conflicting writes", self.storage.join(self.key),
+                    layout.shard_name(shard), TOTALS_ATTEMPTS)
+        return False
+
+    def rebuild(self, shards: list[int]) -> dict[int, dict]:
+        """Recompute the object from the telemetry of ``shards`` (those whose output exists)."""
+        found = {}
+        for shard in shards:
+            record = ShardProgress(self.storage, self.stage, shard).read_telemetry()
+            if record and record.get("state") == "done":
+                found[shard] = {k: record[k] for k in TOTALS_FIELDS if k in record}
+        document = {"stage": self.stage, "shards": {layout.shard_name(s): e for s, e in sorted(found.items())}}
+        self.storage.write_text(self.key, json.dumps(document))
+        return found
+
+
+def parse_totals(document) -> dict[int, dict]:
+    """A totals object's entries keyed by shard number (nothing for a foreign document)."""
+    shards = document.get("shards") if isinstance(document, dict) else None
+    if not isinstance(shards, dict):
+        return {}
+    return {int(k): v for k, v in shards.items() if str(k).isdigit() and isinstance(v, dict)}
+
+
 class Telemetry:
     """A job's live state for the status page, the same shape for every stage: units (samples or
     steps) done of a total, tokens, rate and ETA; written at most every ``every_s`` seconds while
@@ -155,8 +226,11 @@ class Telemetry:
             self.state = state
         if self.storage is not None:
             self.last_write = time.time()
+            record = self.record(**fields)
             try:
-                write_telemetry(self.storage, self.prefix, self.identity, self.record(**fields))
+                write_telemetry(self.storage, self.prefix, self.identity, record)
+                if self.state == "done" and {"stage", "shard"} <= self.identity.keys():
+                    StageTotals(self.storage, self.identity["stage"]).add(self.identity["shard"], record)
             except StorageError as err:
                 log.warning("telemetry not written (the job goes on): %s", err)
 

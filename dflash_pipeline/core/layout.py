@@ -72,6 +72,13 @@ def progress_prefix(stage: str, shard: int | str) -> str:
     return f"{PROGRESS_DIR}/{stage}/shard-{shard}/"
 
 
+def stage_totals_key(stage: str) -> str:
+    """One small object per shard stage holding each finished shard's final counts
+    (``dflash_pipeline.core.jobstate.StageTotals``): the status page reads it instead of
+    every finished shard's telemetry."""
+    return f"{PROGRESS_DIR}/{stage}/totals.json"
+
+
 def reuse_key(stage: str, shard: int | str) -> str:
     """A copy of a finished shard kept outside Snakemake's reach: Snakemake deletes an output
     before it rebuilds it (e.g. after data was added), and the job must not redo finished rows."""
@@ -152,6 +159,8 @@ def report_key(name: str) -> str:
 
 
 SHARD_OBJECT = re.compile(r"^outputs/(?P<stage>[a-z_]+)-(?P<shard>\d{5})\.(?P<ext>.+)$")
+# A shard job's live telemetry (``progress_prefix(stage, shard) + "telemetry.json"``).
+SHARD_TELEMETRY = re.compile(r"^_progress/(?P<stage>[a-z_]+)/shard-(?P<shard>\d{5})/telemetry\.json$")
 
 
 def storage_category(key: str) -> str:

@@ -105,28 +105,31 @@ class DrafterAttention(nn.Module):
         self.sliding_window = config.sliding_window if is_sliding else None
 
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        # (b, T, heads * hd) -> (b, T, heads, hd) -> (b, heads, T, hd)
         return x.view(*x.shape[:-1], heads, self.head_dim).transpose(1, 2)
 
     def context_kv(self, context: torch.Tensor, cos, sin):
         """Keys/values of the fused context features [b, S, H] at their positions."""
-        k = apply_rope(self.k_norm(self._heads(self.k_proj(context), self.num_kv_heads)), cos, sin)
-        v = self._heads(self.v_proj(context), self.num_kv_heads)
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(context), self.num_kv_heads)), cos, sin)  # (b, kvh, S, hd)
+        v = self._heads(self.v_proj(context), self.num_kv_heads)  # (b, kvh, S, hd)
         return k, v
 
     def forward(self, hidden, context_k, context_v, cos, sin, mask, backend: str):
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(hidden), self.num_heads)), cos, sin)
-        k_block, v_block = self.context_kv(hidden, cos, sin)
-        k = torch.cat([context_k, k_block], dim=2)
-        v = torch.cat([context_v, v_block], dim=2)
+        # hidden (b, T, H): the block tokens; context_k/v (b, kvh, S, hd): the target's features.
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(hidden), self.num_heads)), cos, sin)  # (b, nh, T, hd)
+        k_block, v_block = self.context_kv(hidden, cos, sin)  # (b, kvh, T, hd) each
+        k = torch.cat([context_k, k_block], dim=2)  # (b, kvh, S + T, hd): context first, then the block
+        v = torch.cat([context_v, v_block], dim=2)  # (b, kvh, S + T, hd)
         scale = self.head_dim**-0.5
         if backend == "flex":
             out = _flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
         else:
+            # mask (b, T, S + T) -> (b, 1, T, S + T), shared by the heads
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if mask is None else mask[:, None], scale=scale, enable_gqa=True
-            )
-        out = out.transpose(1, 2).reshape(*hidden.shape[:-1], self.num_heads * self.head_dim)
-        return self.o_proj(out)
+            )  # (b, nh, T, hd)
+        out = out.transpose(1, 2).reshape(*hidden.shape[:-1], self.num_heads * self.head_dim)  # (b, T, nh * hd)
+        return self.o_proj(out)  # (b, T, H)
 
 
 def _flex_attention(*args, **kwargs):

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import layered_config, load_run_config, validate_config  # noqa: F401 (the CLI reads the config through them)
+from dflash_pipeline.core.jobstate import StageTotals
 from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -198,13 +199,21 @@ def measure_run(run_url: str, config: dict) -> Measured:
         if match and match["ext"] == layout.SHARD_STAGES.get(match["stage"]):
             measured.shard_bytes.setdefault(match["stage"], []).append(obj.size)
     gpus_per_job = config["generation"]["gpus_per_job"] or 1
+    # Finished shards' counts from the stage's totals object (one read); telemetry is read only
+    # for shards it lacks (a run from before it existed).
+    totals = StageTotals(storage, "generate").read()
     for obj in storage.list(f"{layout.PROGRESS_DIR}/generate/"):
-        if not obj.key.endswith("/telemetry.json"):
+        match = layout.SHARD_TELEMETRY.match(obj.key)
+        if not match:
             continue
-        try:
-            tele = json.loads(storage.read_text(obj.key))
-        except (StorageError, ValueError):
-            continue
+        tele = totals.get(int(match["shard"]))
+        if tele is not None:
+            tele = {**tele, "state": "done"}
+        else:
+            try:
+                tele = json.loads(storage.read_text(obj.key))
+            except (StorageError, ValueError):
+                continue
         if tele.get("state") != "done" or not tele.get("elapsed_s"):
             continue
         done = int(tele.get("samples_done", 0)) - int(tele.get("samples_resumed", 0))

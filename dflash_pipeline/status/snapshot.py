@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.jobstate import read_train_metrics
+from dflash_pipeline.core.jobstate import parse_totals, read_train_metrics
 from dflash_pipeline.core.lease import describe_holder
 from dflash_pipeline.core.storage import ObjectInfo, ReadOnlyStorage, StorageError
 from dflash_pipeline.status.events import EventTail, RunEvents
@@ -46,7 +46,8 @@ ALWAYS_SHOWN = ("prepare", "generate", "tokenize")
 # Config `until` values in pipeline order.
 UNTIL_STAGES = ["prepare", "generate", "tokenize", "train", "evaluate"]
 
-TELEMETRY_KEY = re.compile(r"^_progress/(?P<stage>[a-z_]+)/shard-(?P<shard>\d{5})/telemetry\.json$")
+TELEMETRY_KEY = layout.SHARD_TELEMETRY
+TOTALS_KEY = re.compile(r"^_progress/(?P<stage>[a-z_]+)/totals\.json$")
 SEGMENT_KEY = re.compile(r"^_progress/train/segment-(?P<segment>\d{4})/(?P<name>metrics\.jsonl|telemetry\.json)$")
 SEGMENT_MANIFEST = re.compile(r"^outputs/train-segment-(?P<segment>\d{4})\.json$")
 
@@ -255,10 +256,13 @@ class SnapshotBuilder:
                 if all(s in shards for s in range(b * SETTLED_BLOCK, min((b + 1) * SETTLED_BLOCK, n)))
             }
 
-    def _prefetch(self, objects: list[ObjectInfo]) -> None:
-        """Read, concurrently, every parsed object that is new or changed since its last read."""
+    def _prefetch(self, objects: list[ObjectInfo], skip=lambda key: False) -> None:
+        """Read, concurrently, every parsed object that is new or changed since its last read
+        (but those ``skip`` names)."""
         todo = []
         for obj in objects:
+            if skip(obj.key):
+                continue
             parse = _parser_for(obj.key)
             hit = self._cache.get(obj.key)
             if parse is not None and (hit is None or hit[0] != (obj.size, obj.mtime)):
@@ -301,10 +305,24 @@ class SnapshotBuilder:
         now = time.time()
         events = self.board.refresh() if self.board else RunEvents()
         objects = self._list_objects(now, events)
-        self._prefetch(objects)
         n = self.source.num_shards
 
         done: dict[str, set[int]] = {stage: set() for stage in SHARD_STAGES}
+        totals: dict[str, dict[int, dict]] = {}
+        for obj in objects:
+            if (m := layout.SHARD_OBJECT.match(obj.key)) and m["stage"] in done:
+                if m["ext"] == layout.SHARD_STAGES.get(m["stage"]):
+                    done[m["stage"]].add(int(m["shard"]))
+            elif m := TOTALS_KEY.match(obj.key):
+                totals[m["stage"]] = self._read_cached(obj.key, obj.size, obj.mtime, _totals) or {}
+
+        def summed(key: str) -> bool:
+            """A finished shard's telemetry whose counts its stage's totals object holds: not
+            read (a cold refresh of 10,000 finished shards reads a few objects, not 20,000)."""
+            m = TELEMETRY_KEY.match(key)
+            return bool(m) and int(m["shard"]) in done.get(m["stage"], ()) and int(m["shard"]) in totals.get(m["stage"], {})
+
+        self._prefetch(objects, skip=summed)
         storage_use: dict[str, dict] = {}
         telemetry: dict[tuple[str, int], dict] = {}
         segments: dict[int, dict] = {}
@@ -314,11 +332,9 @@ class SnapshotBuilder:
             use = storage_use.setdefault(layout.storage_category(obj.key), {"bytes": 0, "objects": 0})
             use["bytes"] += obj.size
             use["objects"] += 1
-            if m := layout.SHARD_OBJECT.match(obj.key):
-                stage = m["stage"]
-                if stage in SHARD_STAGES and m["ext"] == layout.SHARD_STAGES.get(stage):
-                    done[stage].add(int(m["shard"]))
-            elif m := TELEMETRY_KEY.match(obj.key):
+            if layout.SHARD_OBJECT.match(obj.key) or summed(obj.key):
+                continue
+            if m := TELEMETRY_KEY.match(obj.key):
                 stage = m["stage"] if m["stage"] in SHARD_STAGES else None
                 record = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
                 if stage and isinstance(record, dict):
@@ -345,7 +361,6 @@ class SnapshotBuilder:
 
         stages, running, failed = [], [], []
         for stage in SHARD_STAGES:
-            rule = stage
             planned = stage in self._planned_shard_stages()
             present = planned or done[stage] or any(s == stage for s, _ in jobs_by_stage_shard)
             if not present:
@@ -370,20 +385,20 @@ class SnapshotBuilder:
                     continue
                 if (job is not None and job.state == "running") or (job is None and tele_live):
                     counts["running"] += 1
-                    row = self._running_row(stage, rule, shard, job, tele, now)
+                    row = self._running_row(stage, stage, shard, job, tele, now)  # shard stages are named as their rules
                     fraction_sum += (row["percent"] or 0.0) / 100.0
                     running.append(row)
                 elif (job is not None and job.state == "failed") or (
                     job is None and tele is not None and tele.get("state") == "failed"
                 ):
                     counts["failed"] += 1
-                    failed.append(self._failed_row(stage, rule, shard, job, tele))
+                    failed.append(self._failed_row(stage, stage, shard, job, tele))
                 else:
                     counts["missing"] += 1
             stages.append(
                 {
                     "stage": stage,
-                    "rule": rule,
+                    "rule": stage,
                     "total": n,
                     **counts,
                     "percent": round(100.0 * fraction_sum / n, 2) if n else 100.0,
@@ -431,7 +446,13 @@ class SnapshotBuilder:
             "failed": failed,
             "throughput": {
                 "tokens_per_s": round(sum(r["tokens_per_s"] or 0 for r in running), 2),
-                "tokens_generated": sum(int(t.get("tokens_generated", 0)) for t in telemetry.values()),
+                "tokens_generated": sum(int(t.get("tokens_generated", 0)) for t in telemetry.values())
+                + sum(
+                    int(entry.get("tokens_generated", 0))
+                    for stage, entries in totals.items()
+                    for shard, entry in entries.items()
+                    if shard in done.get(stage, ())
+                ),
             },
             "training": self._training(segments),
             "evaluation": _evaluation_summary(eval_metrics),
@@ -618,6 +639,10 @@ def _engine_summary(metrics: dict) -> dict | None:
         "lossless": lossless.get("passed") if lossless.get("checked") else None,
         "parity": metrics.get("engine_parity"),
     }
+
+
+def _totals(text: str) -> dict[int, dict]:
+    return parse_totals(json.loads(text))
 
 
 def _parser_for(key: str):
