@@ -2,8 +2,9 @@
 finished (prepare, generate, tokenize outputs) and the last ``telemetry.json`` of every finished
 generate and tokenize shard, in a local SeaweedFS (~5 N objects).
 
-Times SnapshotBuilder.build() and counts its S3 requests: the first refresh (full listing, every
-telemetry read once, concurrently), warm refreshes between full listings (only unsettled shard
+Times SnapshotBuilder.build() and counts its S3 requests: the first refresh (full listing, and the
+stage totals objects the jobs keep, or with --no-totals every finished shard's telemetry read
+once, concurrently: a run from before them), warm refreshes between full listings (only unsettled shard
 blocks and run-level prefixes listed), and a warm full re-listing (what every refresh cost before).
 Then one generate shard is rerun (output deleted, live telemetry) and the next full listing
 must show it running. Records the machine's load average beside the figures.
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dflash_pipeline.core import layout  # noqa: E402
-from dflash_pipeline.core.jobstate import ShardProgress  # noqa: E402
+from dflash_pipeline.core.jobstate import ShardProgress, StageTotals  # noqa: E402
 from dflash_pipeline.core.storage import ReadOnlyStorage, S3Storage  # noqa: E402
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder  # noqa: E402
 from tests.support.seaweed import start_seaweed  # noqa: E402
@@ -38,15 +39,23 @@ STAGES = ("prepare", "generate", "tokenize")
 TELEMETRY_STAGES = ("generate", "tokenize")
 
 
+TELEMETRY = {"state": "done", "samples_total": 90, "samples_done": 90, "tokens_generated": 270000}
+
+
 def fill(store: S3Storage, shards: int) -> float:
     started = time.time()
-    telemetry = {"state": "done", "samples_total": 90, "samples_done": 90, "tokens_generated": 270000}
     with ThreadPoolExecutor(16) as pool:
         for stage in STAGES:
             list(pool.map(lambda s: store.write_bytes(layout.shard_key(stage, s), b"x"), range(shards)))
             if stage in TELEMETRY_STAGES:
-                list(pool.map(lambda s: ShardProgress(store, stage, s).write_telemetry(telemetry), range(shards)))
+                list(pool.map(lambda s: ShardProgress(store, stage, s).write_telemetry(TELEMETRY), range(shards)))
     return time.time() - started
+
+
+def write_totals(store: S3Storage, shards: int) -> None:
+    """The stage totals objects the finished jobs would have left (Telemetry.write("done"))."""
+    for stage in TELEMETRY_STAGES:
+        StageTotals(store, stage).replace({s: {k: v for k, v in TELEMETRY.items() if k != "state"} for s in range(shards)})
 
 
 def timed(builder: SnapshotBuilder, counter: RequestCounter) -> tuple[dict, dict]:
@@ -63,6 +72,9 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=5, help="warm refreshes timed")
     parser.add_argument("--data-dir", default=None, help="SeaweedFS data folder kept between runs")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--note", default="", help="what else ran on the machine")
+    parser.add_argument("--no-totals", dest="totals", action="store_false",
+                        help="without the stage totals objects (a run from before them)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         server = start_seaweed(Path(args.data_dir or Path(tmp) / "weed"))
@@ -73,6 +85,11 @@ def main() -> None:
             last = args.shards - 1
             filled = store.list_range("outputs/", layout.shard_key("tokenize", last)) != []
             fill_s = None if filled else round(fill(store, args.shards), 1)
+            if args.totals:
+                write_totals(store, args.shards)
+            else:
+                for stage in TELEMETRY_STAGES:
+                    store.delete(layout.stage_totals_key(stage))
             # A rerun from an earlier run of this script is put back as finished.
             store.write_bytes(layout.shard_key("generate", last), b"x")
             readonly = ReadOnlyStorage.open(url)
@@ -108,16 +125,18 @@ def main() -> None:
         "stages": list(STAGES),
         "objects": args.shards * (len(STAGES) + len(TELEMETRY_STAGES)),
         "fill_s": fill_s,
+        "stage_totals": args.totals,
         "first_refresh": first,
         "warm_refreshes": warm,
         "warm_median_s": seconds[len(seconds) // 2],
         "warm_requests": warm[-1]["requests"],
         "warm_full_listing": full_warm,
         "target_s": 2.0,
+        "cold_target_s": 10.0,
         "machine_load": {
             "loadavg_1_5_15_before": [round(x, 2) for x in load_before],
             "loadavg_1_5_15_after": [round(x, 2) for x in load_after],
-            "note": "2-core machine under a concurrent stress test and other work while measured",
+            "note": args.note,
         },
         **provenance(f"{cpu_model()}, {os.cpu_count()} cores ({platform.machine()})"),
     }

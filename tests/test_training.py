@@ -4,6 +4,7 @@ metrics, and the export that SGLang and vLLM load."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -310,9 +311,14 @@ def test_ddp_over_two_processes_trains_and_resumes_after_sigterm(demo_model, tok
     assert out.count("SIGTERM: checkpointed at step") == 2, out  # both ranks, same step
     steps = {line.rsplit(" ", 3)[-2].rstrip(";") for line in out.splitlines() if "checkpointed at step" in line}
     assert len(steps) == 1, out
+    latest = json.loads((tmp_path / layout.train_progress_prefix(0) / "checkpoint" / "latest.json").read_text())
+    shares = json.loads((tmp_path / latest["prefix"] / "checkpoint.json").read_text())["files"]
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=PATIENCE_S)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "from in-segment checkpoint" in resumed.stdout + resumed.stderr
+    # Each rank read only its own share from storage and got the other's over the group.
+    read = re.findall(r"in-segment checkpoint: ([\d.]+) MB read from storage by this rank", resumed.stderr)
+    assert sorted(float(x) for x in read) == sorted(round(f["size"] / 1e6, 1) for f in shares.values()), read
     manifest = json.loads((tmp_path / layout.segment_manifest_key(0)).read_text())
     assert manifest["processes"] == 2 and manifest["steps"] == [0, 12]
     records = [json.loads(x) for x in metrics.read_text().splitlines()]

@@ -167,9 +167,13 @@ class StageTotals:
             record = ShardProgress(self.storage, self.stage, shard).read_telemetry()
             if record and record.get("state") == "done":
                 found[shard] = {k: record[k] for k in TOTALS_FIELDS if k in record}
-        document = {"stage": self.stage, "shards": {layout.shard_name(s): e for s, e in sorted(found.items())}}
-        self.storage.write_text(self.key, json.dumps(document))
+        self.replace(found)
         return found
+
+    def replace(self, entries: dict[int, dict]) -> None:
+        """Write the whole object: ``entries`` keyed by shard number."""
+        document = {"stage": self.stage, "shards": {layout.shard_name(s): e for s, e in sorted(entries.items())}}
+        self.storage.write_text(self.key, json.dumps(document))
 
 
 def parse_totals(document) -> dict[int, dict]:

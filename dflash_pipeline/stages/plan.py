@@ -35,11 +35,11 @@ from pathlib import Path
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import layered_config, load_run_config, validate_config  # noqa: F401 (the CLI reads the config through them)
 from dflash_pipeline.core.jobstate import StageTotals
+from dflash_pipeline.training.offline import hidden_bytes_per_token
 from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_BENCH_DIR = REPO / "bench" / "results"
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 # Rough sizes of the stage objects per token when nothing is measured yet (compressed parquet:
 # text ~2 bytes per token; tokenized ids int32 + loss mask ~3 bytes per token).
 TEXT_BYTES_PER_TOKEN = 2.0
@@ -299,11 +299,8 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
     train_gpu_h = train_tokens / train_rate.value / 3600 if train_rate.value else None
 
     # Bytes per stage: finished shards' mean size x shards, else per-token estimates.
-    # The default taps are one target layer per drafter layer (model.config.default_target_layer_ids).
-    k_taps = len(train["target_layer_ids"] or [None] * train["num_layers"])
     hidden = measured.hidden_size or plan_cfg["hidden_size"]
-    tap_bytes = DTYPE_BYTES[train["hidden_dtype"]]
-    per_token_hidden = k_taps * hidden * tap_bytes if hidden else None
+    per_token_hidden = hidden_bytes_per_token(train, hidden) if hidden else None
     hidden_bytes = per_token_hidden * epoch_tokens if per_token_hidden else None
     estimates = {
         "prepare": prompts.value * plan_cfg["mean_prompt_tokens"] * TEXT_BYTES_PER_TOKEN,
@@ -320,7 +317,7 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
     offline = train["mode"] == "offline"
     stage_bytes["extract"] = Estimate(
         hidden_bytes if offline else 0,
-        (f"{k_taps} taps x hidden {hidden} x {tap_bytes} B = {per_token_hidden} B per token"
+        (f"{per_token_hidden} B per token ({train['hidden_dtype']} taps of hidden {hidden})"
          + ("" if offline else f"; online mode stores none (offline would store {_bytes(hidden_bytes)})"))
         if hidden else "unknown: the target's config.json or plan.hidden_size gives the hidden size",
     )

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import raise_if_halted
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.core.lease import raise_if_driverless
@@ -25,7 +26,13 @@ from dflash_pipeline.training.trainer import SegmentJob
 
 def shard_paths(paths: list[str]) -> dict[str, str]:
     """``outputs/<stage>-NNNNN.<ext>`` paths keyed by their shard ``NNNNN``."""
-    return {os.path.basename(p).split("-")[1].split(".")[0]: p for p in paths}
+    found = {}
+    for path in paths:
+        match = layout.SHARD_OBJECT.match(f"{layout.OUTPUTS_DIR}/{os.path.basename(path)}")
+        if match is None:
+            raise ValueError(f"{path}: not a shard output (outputs/<stage>-NNNNN.<ext>)")
+        found[match["shard"]] = path
+    return found
 
 
 def torchrun_command(nproc: int, args: list[str]) -> list[str]:

@@ -332,6 +332,7 @@ class Checkpoint:
     state: dict  # the replicated state (model, optimizer, scheduler, step, ...)
     rng: dict  # this rank's RNG state (rank 0's when the checkpoint had fewer ranks)
     index: dict
+    bytes_read: int = 0  # what this rank read from storage (its own share, or every share)
 
 
 @contextlib.contextmanager
@@ -375,21 +376,31 @@ MODEL_PATH = "/model/"
 
 
 def load_checkpoint(
-    storage: Storage, prefix: str, map_location: torch.device | str = "cpu", rank: int = 0
+    storage: Storage, prefix: str, map_location: torch.device | str = "cpu", rank: int = 0,
+    group: Collective | None = None,
 ) -> Checkpoint | None:
     """The checkpoint at ``prefix`` with every tensor on ``map_location``, or None when it has no
-    index (never written, or a save that did not finish)."""
+    index (never written, or a save that did not finish). With ``group`` (a process group that
+    can broadcast) of as many ranks as wrote it, each rank reads only its own share from storage
+    and receives the others' over the group (``_load_shared``)."""
     index = read_index(storage, prefix)
     if index is None:
         return None
     device = map_location_for(map_location)
+    if (
+        group is not None and group.world > 1 and int(index.get("world", 0)) == group.world
+        and hasattr(group, "broadcast_object")
+    ):
+        return _load_shared(storage, prefix, index, device, group)
     tensors: dict[str, torch.Tensor] = {}
     skeleton = None
     rngs: dict[int, dict] = {}
+    bytes_read = 0
     for name, expected in sorted(index["files"].items()):
         with _checked_shard(storage, prefix, name, expected) as path:
             payload = torch.load(path, map_location=device, weights_only=True)
         tensors.update(payload["tensors"])
+        bytes_read += int(expected["size"])
         rngs[payload["rank"]] = payload["rng"]
         if payload["rank"] == 0:
             skeleton = payload["skeleton"]
@@ -399,7 +410,40 @@ def load_checkpoint(
     off = tensors_off_device(state, device)
     if off:  # torch.load honours map_location; this guards the promise, not torch
         raise CheckpointError(f"checkpoint {storage.join(prefix)}: {off[:3]} not on {device}")
-    return Checkpoint(state=state, rng=rngs.get(rank, rngs[0]), index=index)
+    return Checkpoint(state=state, rng=rngs.get(rank, rngs[0]), index=index, bytes_read=bytes_read)
+
+
+def _load_shared(storage: Storage, prefix: str, index: dict, device: torch.device, group) -> Checkpoint:
+    """Each rank reads its own share from storage and the ranks pass the shares around, one
+    broadcast per tensor from its owner: a segment start reads the checkpoint from storage once
+    in all, not once per rank (8 ranks of the 27B case each read ~21 GB before)."""
+    own = shard_name(group.rank, group.world)
+    expected = index["files"].get(own)
+    if expected is None:
+        raise CheckpointError(f"checkpoint {storage.join(prefix + INDEX)} lists no {own}")
+    with _checked_shard(storage, prefix, own, expected) as path:
+        payload = torch.load(path, map_location=device, weights_only=True)
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = None
+    for source in range(group.world):
+        mine = source == group.rank
+        listing = None
+        if mine:
+            listing = {
+                "tensors": {name: (list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in payload["tensors"].items()},
+                "skeleton": payload["skeleton"] if source == 0 else None,
+            }
+        listing = group.broadcast_object(listing, source)
+        for name, (shape, dtype) in sorted(listing["tensors"].items()):
+            tensor = payload["tensors"][name] if mine else torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            group.broadcast_tensor(tensor, source)
+            tensors[name] = tensor
+        if source == 0:
+            skeleton = listing["skeleton"]
+    if skeleton is None:
+        raise CheckpointError(f"checkpoint {storage.join(prefix + INDEX)} lists no rank-0 shard")
+    return Checkpoint(state=join_tensors(skeleton, tensors), rng=payload["rng"], index=index,
+                      bytes_read=int(expected["size"]))
 
 
 class RollingCheckpoints:
@@ -472,11 +516,11 @@ class RollingCheckpoints:
             if not obj.key.startswith(step_prefix):
                 self.storage.delete(obj.key)
 
-    def load_latest(self, map_location="cpu", rank: int = 0) -> Checkpoint | None:
+    def load_latest(self, map_location="cpu", rank: int = 0, group: Collective | None = None) -> Checkpoint | None:
         if not self.storage.exists(self.prefix + LATEST):
             return None
         pointer = json.loads(self.storage.read_text(self.prefix + LATEST))
-        return load_checkpoint(self.storage, pointer["prefix"], map_location, rank)
+        return load_checkpoint(self.storage, pointer["prefix"], map_location, rank, group)
 
     def clear(self) -> None:
         self.storage.delete_prefix(self.prefix)

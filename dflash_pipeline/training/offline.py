@@ -71,6 +71,13 @@ def tap_count(train: dict, target: TargetShape) -> int:
     return len(default_target_layer_ids(target.num_layers, train["num_layers"]))
 
 
+def hidden_bytes_per_token(train: dict, hidden_size: int) -> int:
+    """Stored bytes per training token of offline mode: one tap per target layer the drafter
+    reads (by default one per drafter layer), ``hidden_size`` values of ``hidden_dtype`` each."""
+    taps = len(train.get("target_layer_ids") or [None] * train["num_layers"])
+    return taps * hidden_size * HIDDEN_DTYPE_BYTES[train["hidden_dtype"]]
+
+
 def expected_tokens_per_sample(config: dict) -> int:
     return min(config["tokenize"]["max_length"], config["generation"]["max_new_tokens"])
 

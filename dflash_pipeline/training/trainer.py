@@ -185,6 +185,19 @@ class Distributed:
         if self.world > 1:
             torch.distributed.barrier()
 
+    def broadcast_object(self, obj, src: int):
+        """``src``'s ``obj`` on every rank (a checkpoint share's listing)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        """Fill ``tensor`` on every rank with ``src``'s, in place."""
+        if self.world > 1:
+            torch.distributed.broadcast(tensor, src=src)
+
 
 class MetricsLog:
     """metrics.jsonl (one object per step) and telemetry.json in the segment's progress area,
@@ -316,7 +329,7 @@ class _SegmentRun:
             self.storage, layout.train_progress_prefix(self.job.segment) + "checkpoint/"
         )
         # Every tensor onto this rank's own device (never the device it was saved from).
-        where = dict(map_location=self.device, rank=self.dist.rank)
+        where = dict(map_location=self.device, rank=self.dist.rank, group=self.dist)
         loaded = self.rolling.load_latest(**where)
         source = "in-segment checkpoint"
         if loaded is None and self.job.segment > 0:
@@ -331,6 +344,7 @@ class _SegmentRun:
         if loaded is None:
             self.step = self.start_step
             return "fresh drafter"
+        log.info("%s: %.1f MB read from storage by this rank", source, loaded.bytes_read / 1e6)
         state = loaded.state
         self.drafter.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
