@@ -76,18 +76,104 @@ if _gpu_limit is not None and int(_gpu_limit) > GPU_POOL:
     )
 
 
-# Host memory per job from the target's and the drafter's sizes (dflash_pipeline.core.resources).
-JOB_MEMORY_MB = job_memory_mb(config)
+# Host memory per job from the target's and the drafter's sizes (dflash_pipeline.core.resources);
+# a SLURM run's driver caps each at the memory of the smallest node of the run's partitions.
+JOB_MEMORY_MB = {
+    name: (lambda wildcards, mb=mb: slurm_memory(mb))
+    for name, mb in job_memory_mb(config).items()
+}
+
+
+def slurm_partition(gpus):
+    return config["slurm"]["gpu_partition" if gpus else "cpu_partition"]
+
+
+def slurm_partitions_used():
+    """The partitions this run's jobs go to, each with the most GPUs one of its jobs asks for."""
+    used = {slurm_partition(0): 0}
+    train_gpus = config["train"]["gpus_per_job"]
+    for gpus in (config["generation"]["gpus_per_job"], train_gpus, min(1, train_gpus)):
+        if gpus:
+            used[slurm_partition(gpus)] = max(used.get(slurm_partition(gpus), 0), gpus)
+    return used
+
+
+_SLURM_PLAN = []
+
+
+def slurm_plan():
+    """A SLURM run's driver asks the cluster what the executor plugin needs (accounting, the
+    account, QoS, partitions, GPUs, the GPU constraint) once, when the first job's resources are
+    evaluated, so before the first sbatch: a problem stops the run, the rest is said in one line
+    (dflash_pipeline.core.slurm). None for any other executor, a dry-run, or a job's own process.
+    """
+    if _SLURM_PLAN:
+        return _SLURM_PLAN[0]
+    executor = workflow.executor_plugin
+    if executor is None:  # still parsing: the executor is not known yet
+        return None
+    plan = None
+    if workflow.is_main_process and executor.name == "slurm":
+        from dflash_pipeline.core import slurm as slurm_checks
+
+        try:
+            plan = slurm_checks.check_cluster(
+                config["slurm"],
+                slurm_checks.read_cluster(),
+                slurm_partitions_used(),
+                getattr(workflow.executor_settings, "status_command", None) or "sacct",
+            )
+        except slurm_checks.SlurmClusterError as err:
+            raise ValueError(f"SLURM: {err}") from None
+        if plan.problems:
+            raise ValueError(
+                "\n".join(plan.problems)
+                + "\n(check the config's `slurm` section, or the cluster)"
+            )
+        logger.info(plan.line)
+    _SLURM_PLAN.append(plan)
+    return plan
+
+
+def slurm_memory(mb):
+    plan = slurm_plan()
+    node = min(plan.memory_caps.values(), default=0) if plan else 0
+    return min(mb, node) if node else mb
+
+
+def slurm_cpus(partition):
+    """A job's CPUs (sbatch --cpus-per-task): its rule's threads, capped in the driver to the
+    fewest CPUs of a node of its partition (or slurm.max_cpus_per_job), and inside a job to
+    the allocation (the job-step plugin's srun asks for them again)."""
+    from dflash_pipeline.core.slurm import cap, cpus_in_this_job
+
+    def cpus(wildcards, threads):
+        plan = slurm_plan()
+        if plan is not None:
+            return cap(threads, plan.cpu_caps.get(partition))
+        return cap(threads, config["slurm"]["max_cpus_per_job"] or cpus_in_this_job())
+
+    return cpus
+
+
+def slurm_account(wildcards):
+    """slurm.account, else (accounting on) the user's default account from sacctmgr: the
+    plugin's own guess fails on Slurm 22.05 and submits without one."""
+    plan = slurm_plan()
+    return config["slurm"]["account"] or (plan.account if plan else None)
 
 
 def slurm(gpus):
     """The SLURM resources of a job that takes `gpus` GPUs (profiles/slurm; other executors
-    ignore them): its partition, and the account, QoS and GPU node constraint of the config.
+    ignore them): its partition, its CPUs, and the account, QoS and GPU node constraint.
     """
     settings = config["slurm"]
-    found = {"slurm_partition": settings["gpu_partition" if gpus else "cpu_partition"]}
-    if settings["account"]:
-        found["slurm_account"] = settings["account"]
+    partition = slurm_partition(gpus)
+    found = {
+        "slurm_partition": partition,
+        "cpus_per_task": slurm_cpus(partition),
+        "slurm_account": slurm_account,
+    }
     if settings["qos"]:
         found["qos"] = settings["qos"]
     if gpus and settings["gpu_constraint"]:

@@ -196,3 +196,20 @@ def transformers_server(demo_model, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real single-node Slurm cluster with accounting (tests.support.slurm_cluster), for the
+    session. Skipped, with the reason, where Debian's slurm-wlm, slurmdbd, munge and
+    mariadb-server are not installed; in CI (``CI=true``, where .ci/run installs them) that fails."""
+    from tests.support.slurm_cluster import missing, start_slurm_cluster
+
+    reason = missing()
+    if reason:
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(f"no Slurm cluster: {reason} (CI=true: the Slurm tests must run)")
+        pytest.skip(f"no Slurm cluster: {reason}")
+    cluster = start_slurm_cluster(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    cluster.stop()

@@ -1,0 +1,275 @@
+"""What a SLURM run (``--profile profiles/slurm``) needs from the cluster, checked before the first
+``sbatch``, and the caps that keep every job's request within the nodes it is sent to.
+
+Snakemake's SLURM executor plugin submits each job with ``sbatch`` and learns that it ended from
+``sacct`` (its default status command). So:
+
+- **Accounting must be on** (``AccountingStorageType=accounting_storage/slurmdbd``). Without it
+  ``sacct`` sees no job and the driver waits for ever on jobs that finished long ago. The plugin's
+  other status command, ``--slurm-status-command squeue``, works without accounting only while
+  finished jobs stay in ``squeue``: ``MinJobAge`` of 120 s or more (the plugin falls back to
+  ``sacct`` below that).
+- **The account**: the plugin's own guess when none is given runs
+  ``sacct -nu USER -o Account%256 | tail -1`` as one command (``tail -1`` reaches sacct as
+  options; Slurm 22.05 answers "invalid option -- '1'") and goes on without an account. With
+  ``slurm.account: null`` the run takes the user's default account from ``sacctmgr`` instead; a
+  named account, QoS, partition or GPU constraint that the cluster does not have stops the run
+  here, not as a job that stays PENDING.
+- **Requests that fit**: a job that asks for more CPUs or memory than any node of its partition
+  has stays PENDING for ever (reason ``PartitionConfig``, or sbatch refuses it). A job asks for
+  ``min(threads, cap)`` CPUs (``cpus_per_task``), the cap being ``slurm.max_cpus_per_job`` or
+  else the fewest CPUs of a node in the job's partition (sinfo); its memory is capped at the
+  smallest node's memory.
+
+Everything here is plain Python over the text of ``scontrol``, ``sinfo`` and ``sacctmgr``
+(``read_cluster`` runs them), so it is tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+ACCOUNTING_NONE = "accounting_storage/none"
+# The plugin uses squeue for job status only when MinJobAge is at least this (seconds).
+SQUEUE_MIN_JOB_AGE_S = 120
+
+
+class SlurmClusterError(RuntimeError):
+    """The cluster cannot be asked (no Slurm client commands, slurmctld unreachable)."""
+
+
+@dataclass
+class Partition:
+    name: str
+    cpus: int  # the fewest CPUs of a node in it
+    memory_mb: int  # the least memory of a node in it
+    gpus: int  # the fewest GPUs (gres gpu) of a node in it
+    features: set[str] = field(default_factory=set)  # every node feature in it
+
+
+@dataclass
+class Cluster:
+    name: str
+    accounting: str
+    min_job_age_s: int | None
+    partitions: dict[str, Partition]
+    user: str
+    # None: not known (accounting off); else the user's associations.
+    accounts: set[str] | None = None
+    default_account: str | None = None
+    qos: set[str] | None = None
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """``scontrol show config``: its ``Key = Value`` lines."""
+    found = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and " " not in key.strip():
+            found[key.strip()] = value.strip()
+    return found
+
+
+def parse_seconds(value: str | None) -> int | None:
+    """``300 sec``, ``1h``, ``300`` -> seconds."""
+    match = re.match(r"^\s*(\d+)\s*([a-zA-Z]*)", value or "")
+    if not match:
+        return None
+    number, unit = int(match.group(1)), match.group(2).lower()
+    return number * 3600 if unit in ("h", "hour", "hours") else number * 60 if unit in ("min", "m") else number
+
+
+def parse_gpus(gres: str) -> int:
+    """GPUs in an sinfo gres field: ``gpu:2``, ``gpu:h100:8(S:0-1)``, ``gpu:a100:4,shard:8``."""
+    total = 0
+    for item in re.split(r",(?![^()]*\))", gres or ""):
+        parts = re.sub(r"\(.*\)", "", item).split(":")
+        if parts[0] == "gpu":
+            total += int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+    return total
+
+
+# One line per node and partition: partition|CPUs|memory MB|gres|features.
+SINFO_FORMAT = "%R|%c|%m|%G|%f"
+
+
+def parse_sinfo(text: str) -> dict[str, Partition]:
+    partitions: dict[str, Partition] = {}
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != 5:
+            continue
+        name, cpus, memory, gres, features = fields
+        name = name.rstrip("*")
+        cpus_n = int(re.sub(r"\D.*", "", cpus) or 0)
+        memory_n = int(re.sub(r"\D.*", "", memory) or 0)
+        node_features = {f for f in re.split(r"[,&|]", features) if f and f != "(null)"}
+        gpus = parse_gpus(gres)
+        known = partitions.get(name)
+        if known is None:
+            partitions[name] = Partition(name, cpus_n, memory_n, gpus, node_features)
+        else:
+            known.cpus = min(known.cpus, cpus_n)
+            known.memory_mb = min(known.memory_mb, memory_n)
+            known.gpus = min(known.gpus, gpus)
+            known.features |= node_features
+    return partitions
+
+
+def parse_associations(text: str) -> tuple[set[str], set[str]]:
+    """``sacctmgr -nP show assoc user=U format=account,qos``: (accounts, QoS names)."""
+    accounts, qos = set(), set()
+    for line in text.splitlines():
+        account, _, names = line.strip().partition("|")
+        if account:
+            accounts.add(account.strip().lower())
+        qos |= {q.strip().lower() for q in names.split(",") if q.strip()}
+    return accounts, qos
+
+
+def _run(args: list[str]) -> str:
+    if shutil.which(args[0]) is None:
+        raise SlurmClusterError(f"`{args[0]}` not found: profiles/slurm submits from a machine with Slurm's client commands")
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        raise SlurmClusterError(f"`{' '.join(args)}` failed: {(proc.stderr or proc.stdout).strip()}")
+    return proc.stdout
+
+
+def read_cluster(user: str | None = None, run=_run) -> Cluster:
+    """The facts of the cluster this machine submits to (scontrol, sinfo, sacctmgr)."""
+    user = user or getpass.getuser()
+    conf = parse_config(run(["scontrol", "show", "config"]))
+    accounting = conf.get("AccountingStorageType", ACCOUNTING_NONE)
+    cluster = Cluster(
+        name=conf.get("ClusterName", "?"),
+        accounting=accounting,
+        min_job_age_s=parse_seconds(conf.get("MinJobAge")),
+        partitions=parse_sinfo(run(["sinfo", "--noheader", "--Node", f"--format={SINFO_FORMAT}"])),
+        user=user,
+    )
+    if accounting != ACCOUNTING_NONE:
+        assoc = run(["sacctmgr", "--noheader", "--parsable2", "show", "associations", f"user={user}", "format=account,qos"])
+        cluster.accounts, cluster.qos = parse_associations(assoc)
+        default = run(["sacctmgr", "--noheader", "--parsable2", "show", "user", user, "format=defaultaccount"])
+        cluster.default_account = default.strip().splitlines()[0].strip() if default.strip() else None
+    return cluster
+
+
+@dataclass
+class SlurmPlan:
+    """What the check decided: the account to pass, the caps per partition, the one-line summary,
+    and the problems that stop the run."""
+
+    account: str | None
+    cpu_caps: dict[str, int]
+    memory_caps: dict[str, int]
+    line: str
+    problems: list[str]
+
+
+def check_cluster(settings: dict, cluster: Cluster, gpus_per_partition: dict[str, int], status_command: str = "sacct") -> SlurmPlan:
+    """Check the config's ``slurm`` section against the cluster.
+
+    ``gpus_per_partition``: the partitions the run's jobs go to, each with the most GPUs one of
+    its jobs asks for. ``status_command``: the plugin's (``--slurm-status-command``).
+    """
+    problems = []
+    # Accounting, and what the driver learns job ends from.
+    accounting_on = cluster.accounting != ACCOUNTING_NONE
+    if accounting_on:
+        status = f"accounting on ({cluster.accounting.split('/')[-1]}: job states from {status_command})"
+    else:
+        age = cluster.min_job_age_s
+        status = f"accounting off (job states from squeue, MinJobAge {age} s)"
+        if status_command != "squeue":
+            problems.append(
+                f"SLURM: accounting is off on cluster {cluster.name} (AccountingStorageType={cluster.accounting}): "
+                "sacct sees no job, and the driver would wait for ever on jobs that have ended. Turn "
+                "accounting on (slurmdbd), or run with --slurm-status-command squeue"
+                + ("" if (age or 0) >= SQUEUE_MIN_JOB_AGE_S else f" after raising MinJobAge to {SQUEUE_MIN_JOB_AGE_S} s or more (it is {age} s)")
+            )
+        elif (age or 0) < SQUEUE_MIN_JOB_AGE_S:
+            problems.append(
+                f"SLURM: accounting is off and MinJobAge is {age} s: squeue forgets ended jobs before the "
+                f"driver asks (the plugin needs {SQUEUE_MIN_JOB_AGE_S} s or more, else it falls back to sacct)"
+            )
+    # Account and QoS.
+    account = settings.get("account")
+    if account:
+        if cluster.accounts is not None and account.lower() not in cluster.accounts:
+            problems.append(
+                f"SLURM: slurm.account {account!r} is not one of {cluster.user}'s accounts "
+                f"({', '.join(sorted(cluster.accounts)) or 'none'}; sacctmgr show associations user={cluster.user})"
+            )
+        account_text = f"account {account}"
+    elif cluster.default_account:
+        account = cluster.default_account
+        account_text = f"account {account} ({cluster.user}'s default; slurm.account: null)"
+    else:
+        account_text = "no account (the cluster's default)"
+    qos = settings.get("qos")
+    if qos and cluster.qos is not None and qos.lower() not in cluster.qos:
+        problems.append(
+            f"SLURM: slurm.qos {qos!r} is not one {cluster.user} may use ({', '.join(sorted(cluster.qos)) or 'none'})"
+        )
+    qos_text = f"QoS {qos}" if qos else "no QoS"
+    # Partitions, GPUs, the constraint, and the caps.
+    cpu_caps, memory_caps, described = {}, {}, []
+    limit = settings.get("max_cpus_per_job")
+    constraint = settings.get("gpu_constraint")
+    for name, gpus in sorted(gpus_per_partition.items()):
+        partition = cluster.partitions.get(name)
+        if partition is None:
+            problems.append(
+                f"SLURM: partition {name!r} does not exist on cluster {cluster.name} "
+                f"(it has: {', '.join(sorted(cluster.partitions)) or 'none'}; config keys slurm.cpu_partition, slurm.gpu_partition)"
+            )
+            continue
+        if gpus and partition.gpus < gpus:
+            problems.append(
+                f"SLURM: jobs ask for {gpus} GPU(s) in partition {name!r}, whose nodes have "
+                f"{partition.gpus} (gres gpu): they would never start"
+            )
+        if gpus and constraint and not _constraint_met(constraint, partition.features):
+            problems.append(
+                f"SLURM: slurm.gpu_constraint {constraint!r} matches no node feature of partition "
+                f"{name!r} ({', '.join(sorted(partition.features)) or 'none'})"
+            )
+        cap = min(partition.cpus, limit) if limit else partition.cpus
+        cpu_caps[name] = max(1, cap)
+        memory_caps[name] = partition.memory_mb
+        gpu_text = f", {partition.gpus} GPU(s)" if partition.gpus else ""
+        described.append(f"{name} ({partition.cpus} CPUs{gpu_text}, {partition.memory_mb} MB a node)")
+    cap_text = f"jobs ask for at most {limit} CPUs (slurm.max_cpus_per_job) and what a node has" if limit else "jobs ask for at most what a node of their partition has"
+    line = (
+        f"SLURM cluster {cluster.name}: {status}; {account_text}; {qos_text}"
+        + (f"; constraint {constraint}" if constraint and any(gpus_per_partition.values()) else "")
+        + f"; partitions {', '.join(described) or 'none'}: {cap_text}"
+    )
+    return SlurmPlan(account, cpu_caps, memory_caps, line, problems)
+
+
+def _constraint_met(constraint: str, features: set[str]) -> bool:
+    """Whether any feature named in a constraint expression (``h200``, ``a100|h100``,
+    ``h200&ib``) exists in the partition: enough to catch a misspelt feature."""
+    names = [n for n in re.split(r"[&|,()\[\]*\d]+", constraint) if n]
+    return any(n in features for n in names) if names else True
+
+
+def cpus_in_this_job() -> int | None:
+    """Inside a Slurm job: the CPUs its allocation gives a task (None elsewhere)."""
+    for key in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def cap(value: int, limit: int | None) -> int:
+    return min(value, limit) if limit else value
