@@ -12,19 +12,19 @@ from dflash_pipeline.core.lease import (
     RunLease,
     describe_holder,
 )
-from dflash_pipeline.core.planning import (
+from dflash_pipeline.snakemake_patches.planning import (
     collect_as_usual,
     collect_rarely,
     install_planning_patches,
 )
-from dflash_pipeline.core.s3_inventory import install_folder_inventory
+from dflash_pipeline.snakemake_patches.s3_inventory import install_folder_inventory
 from dflash_pipeline.core.storage import S3Storage, open_storage
 
 # Planning against S3 reads absence from folder listings (one request per 1,000 objects, not
-# three per missing object); see dflash_pipeline/core/s3_inventory.py.
+# three per missing object); see dflash_pipeline/snakemake_patches/s3_inventory.py.
 install_folder_inventory()
 # Planning 10,000s of jobs: Snakemake's per-job checks without repeats, and the garbage collector
-# held back until the plan is built (dflash_pipeline.core.planning).
+# held back until the plan is built (dflash_pipeline.snakemake_patches.planning).
 install_planning_patches()
 collect_rarely()
 

@@ -16,9 +16,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash_pipeline"
 
 # Lowest first. Read as: stages -> report | status -> evaluation -> training | engines
-#                        -> data | demo -> model -> core.
+#                        -> data | demo -> model -> core | snakemake_patches (which only the
+#                        rules import).
 LAYERS: list[tuple[str, ...]] = [
-    ("core",),
+    ("core", "snakemake_patches"),
     ("model",),
     ("data", "demo"),
     ("training", "engines"),

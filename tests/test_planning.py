@@ -19,7 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_pipeline.core.planning import (
+from dflash_pipeline.snakemake_patches.planning import (
+    PATCHES,
     PLANNING_GC_THRESHOLDS,
     _absolute_parts,
     collect_as_usual,
@@ -37,7 +38,7 @@ import atexit, json, sys
 from collections import Counter
 
 sys.path.insert(0, {str(REPO)!r})
-from dflash_pipeline.core.planning import install_planning_patches
+from dflash_pipeline.snakemake_patches.planning import install_planning_patches
 
 import snakemake.rules
 import snakemake.script
@@ -157,7 +158,7 @@ def test_function_parameters_are_read_once_and_are_snakemakes():
     import snakemake.common
     import snakemake.rules
 
-    assert install_planning_patches()
+    assert install_planning_patches() == [p.name for p in PATCHES]
 
     def input_function(wildcards, input, threads=1):
         return []
@@ -217,7 +218,7 @@ rule child:
 def test_an_output_inside_another_is_refused_as_snakemake_refuses_it(tmp_path):
     (tmp_path / "Snakefile").write_text(
         f"import sys\nsys.path.insert(0, {str(REPO)!r})\n"
-        "from dflash_pipeline.core.planning import install_planning_patches\n\n"
+        "from dflash_pipeline.snakemake_patches.planning import install_planning_patches\n\n"
         "install_planning_patches()\n" + NESTED)
     patched, shipped = dry_run(tmp_path), dry_run(tmp_path, DFLASH_PLANNING_PATCHES="0")
     assert patched.returncode != 0 and shipped.returncode != 0
@@ -227,10 +228,43 @@ def test_an_output_inside_another_is_refused_as_snakemake_refuses_it(tmp_path):
         assert refusal in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
-def test_patches_apply_only_to_the_pinned_version(caplog):
-    from dflash_pipeline.core.planning import SNAKEMAKE_VERSION, installed_as_pinned
+def test_every_patch_is_written_against_the_installed_functions():
+    """The fingerprints pinned in the patches are those of the installed Snakemake, storage
+    interface and S3 plugin: a drift in any of them fails here first (and turns exactly that
+    patch off in a run, with a warning)."""
+    script = (  # a fresh interpreter: this one's functions may already be the patches
+        "import snakemake.api\n"
+        "from dflash_pipeline.snakemake_patches import planning, s3_inventory\n"
+        "for patch in planning.PATCHES + s3_inventory.PATCHES:\n"
+        "    print(patch.name, patch.changed())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True)
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 9 and all(line.endswith(" []") for line in lines), proc.stdout
 
-    assert installed_as_pinned("snakemake", SNAKEMAKE_VERSION, "unused")
-    assert not installed_as_pinned("snakemake", "0.0.1", "the plan is made as Snakemake makes it")
-    assert f"snakemake {SNAKEMAKE_VERSION} is not 0.0.1: the plan is made as Snakemake makes it" in caplog.text
-    assert not installed_as_pinned("no-such-distribution", "1.0", "unused")
+
+def test_a_patch_whose_function_changed_turns_itself_off_with_a_warning():
+    """Simulated drift: Snakemake's nested-output check replaced before install. That patch stays
+    off, named in one warning; the others are put in place."""
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.WARNING, format='%(message)s')\n"
+        "import snakemake.api\n"
+        "from snakemake.dag import DAG\n"
+        "def check_directory_outputs(self):\n"
+        "    pass  # a Snakemake release that does this differently\n"
+        "DAG.check_directory_outputs = check_directory_outputs\n"
+        "from dflash_pipeline.snakemake_patches.planning import install_planning_patches\n"
+        "applied = install_planning_patches()\n"
+        "print(sorted(applied))\n"
+        "print(DAG.check_directory_outputs is check_directory_outputs)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True)
+    from dflash_pipeline.snakemake_patches.planning import PATCHES
+
+    names = sorted(p.name for p in PATCHES if p.name != "nested-output check by path parts")
+    assert proc.stdout.splitlines() == [repr(names), "True"]
+    warnings = [line for line in proc.stderr.splitlines() if "is off" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert "snakemake patch 'nested-output check by path parts' is off" in warnings[0]
+    assert "snakemake.dag:DAG.check_directory_outputs" in warnings[0]

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_pipeline.core.s3_inventory import folder_prefix, install_folder_inventory, parse_query, parse_timestamp
+from dflash_pipeline.snakemake_patches.s3_inventory import folder_prefix, install_folder_inventory, parse_query, parse_timestamp
 from dflash_pipeline.core.storage import S3Storage
 from tests.conftest import parse_job_table
 
@@ -29,7 +29,7 @@ SNAKEFILE = f"""
 import sys
 
 sys.path.insert(0, {str(REPO)!r})
-from dflash_pipeline.core.s3_inventory import install_folder_inventory
+from dflash_pipeline.snakemake_patches.s3_inventory import install_folder_inventory
 
 install_folder_inventory()
 
@@ -138,7 +138,7 @@ def test_the_patched_query_check_agrees_with_the_plugin(query):
     # The patched check accepts plain queries without urlparse; every query gets the plugin's answer.
     from snakemake_storage_plugin_s3 import StorageProvider
 
-    from dflash_pipeline.core import s3_inventory
+    from dflash_pipeline.snakemake_patches import s3_inventory
 
     assert install_folder_inventory()
     assert bool(StorageProvider.is_valid_query(query)) == bool(s3_inventory._plugin_valid_query(query))

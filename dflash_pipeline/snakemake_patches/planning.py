@@ -42,8 +42,9 @@ error): 5.8 s of a 66 s planning of 40,000 jobs against S3 under cProfile, most 
 comparing ``pathlib`` objects. The same install makes the same comparison on tuples of path parts,
 which is what POSIX ``pathlib`` paths sort and compare by, and raises the same error.
 
-All five patch functions of the pinned Snakemake (``pyproject.toml``), whose internals they rely
-on; with another version nothing is patched and a warning says so.
+Each of the five is guarded by the fingerprints of the Snakemake functions it replaces or relies
+on (``dflash_pipeline.snakemake_patches``): one whose function changed is left out with a warning,
+the others still apply.
 
 The collector. Planning allocates millions of objects that all live until the plan is done (jobs,
 file objects, storage objects), and none of them is garbage; Python's cyclic collector, run every
@@ -60,14 +61,12 @@ a process of its own and is not affected.
 from __future__ import annotations
 
 import gc
-import importlib.metadata
-import logging
 import os
 import weakref
 
-log = logging.getLogger(__name__)
+from dflash_pipeline.snakemake_patches import Patch, install
 
-SNAKEMAKE_VERSION = "9.27.1"
+# Snakemake 9.27.1's functions, as each patch below was written against them.
 DISABLE_ENV = "DFLASH_PLANNING_PATCHES"
 _MARK = "_dflash_planning_patches"
 # While planning: a young-generation collection every 200,000 net allocations (not 700), and the
@@ -92,7 +91,7 @@ def _process_job_once_per_rule(self, job) -> None:
     if entry is None or "{" in str(entry):
         _snakemake_process_job(self, job)
         return
-    checked = self.__dict__.setdefault(_MARK, set())
+    checked = self.__dict__.setdefault("_dflash_checked_scripts", set())
     key = (job.rule.name, str(entry))
     if key not in checked:
         _snakemake_process_job(self, job)
@@ -152,49 +151,77 @@ def enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
-def installed_as_pinned(dist: str, pinned: str, otherwise: str) -> bool:
-    """Whether ``dist`` is installed at the ``pinned`` version whose internals a patch relies
-    on; with another version, a warning says what happens ``otherwise``. Not installed: False."""
-    try:
-        version = importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    if version != pinned:
-        log.warning("%s %s is not %s: %s", dist, version, pinned, otherwise)
-    return version == pinned
+def _keep_and_replace_script_check() -> None:
+    global _snakemake_process_job
+    from snakemake.dag import ScriptProcessor
+
+    _snakemake_process_job = ScriptProcessor.process_job
+    ScriptProcessor.process_job = _process_job_once_per_rule
 
 
-def install_planning_patches() -> bool:
+def _replace_log_check() -> None:
+    from snakemake.jobs import Job
+
+    Job.is_valid = _is_valid_from_kept_expansions
+
+
+def _replace_conda_env_spec() -> None:
+    global _snakemake_not_cached
+    import snakemake.rules
+    from snakemake.jobs import Job
+
+    _snakemake_not_cached = snakemake.rules._NOT_CACHED
+    Job.conda_env_spec = property(_conda_env_spec_from_the_rule)
+
+
+def _replace_nested_output_check() -> None:
+    from snakemake.dag import DAG
+
+    DAG.check_directory_outputs = _check_nested_outputs_by_parts
+
+
+def _memoize_function_params() -> None:
+    global _snakemake_function_params
+    import snakemake.common
+    import snakemake.rules
+
+    _snakemake_function_params = snakemake.common.get_function_params
+    # The module that defines it and the one that calls it by its imported name.
+    for module in (snakemake.common, snakemake.rules):
+        module.get_function_params = _memoized_function_params
+
+
+PATCHES = [
+    Patch("script check once per rule", {"snakemake.dag:ScriptProcessor.process_job": "168fffa9284a4cdf"},
+          _keep_and_replace_script_check),
+    Patch("log and benchmark check from kept expansions", {"snakemake.jobs:Job.is_valid": "74609fe120193ef6"},
+          _replace_log_check),
+    Patch("conda environment from the rule", {
+        "snakemake.jobs:Job.conda_env_spec": "4a98328beadaf1b9",
+        "snakemake.rules:Rule.expand_conda_env": "ca6b0b6e11a47804",
+    }, _replace_conda_env_spec),
+    Patch("nested-output check by path parts", {"snakemake.dag:DAG.check_directory_outputs": "d5a17c047b46b717"},
+          _replace_nested_output_check),
+    Patch("function parameters read once", {"snakemake.common:get_function_params": "ffd80f63645293c3"},
+          _memoize_function_params),
+]
+
+
+def install_planning_patches() -> list[str]:
     """Check each rule's fixed script path once, not once per job, each job's log and benchmark
     paths once, not twice, read each function's parameters once, take a rule's kept conda
     environment without expanding params, and compare outputs for nesting without pathlib
-    (module docstring); True when in place. Idempotent; a no-op with another Snakemake version
-    or ``DFLASH_PLANNING_PATCHES=0``."""
-    if not enabled() or not installed_as_pinned(
-        "snakemake", SNAKEMAKE_VERSION, "the plan is made as Snakemake makes it, with its per-job repeats"
-    ):
-        return False
-    global _snakemake_process_job, _snakemake_function_params, _snakemake_not_cached
-    import snakemake.api  # first: it imports the modules below in the order they need
+    (module docstring). Returns the patches in place. Idempotent; each patch whose Snakemake
+    function changed is left out with a warning; none with ``DFLASH_PLANNING_PATCHES=0``."""
+    if not enabled():
+        return []
+    import snakemake.api  # noqa: F401 (first: it imports the modules below in the order they need)
+    from snakemake.dag import ScriptProcessor
 
-    import snakemake.common
-    import snakemake.rules
-    from snakemake.dag import DAG, ScriptProcessor
-    from snakemake.jobs import Job
-
-    if not getattr(ScriptProcessor, _MARK, False):
-        _snakemake_process_job = ScriptProcessor.process_job
-        ScriptProcessor.process_job = _process_job_once_per_rule
-        Job.is_valid = _is_valid_from_kept_expansions
-        _snakemake_not_cached = snakemake.rules._NOT_CACHED
-        Job.conda_env_spec = property(_conda_env_spec_from_the_rule)
-        DAG.check_directory_outputs = _check_nested_outputs_by_parts
-        _snakemake_function_params = snakemake.common.get_function_params
-        # The module that defines it and the one that calls it by its imported name.
-        for module in (snakemake.common, snakemake.rules):
-            module.get_function_params = _memoized_function_params
-        setattr(ScriptProcessor, _MARK, True)
-    return True
+    if not hasattr(ScriptProcessor, _MARK):
+        applied = install(PATCHES, "Snakemake does that work as it ships")
+        setattr(ScriptProcessor, _MARK, applied)
+    return list(getattr(ScriptProcessor, _MARK))
 
 
 def collect_rarely() -> None:

@@ -30,8 +30,10 @@ botocore's parser for any other form; ``bench/dryrun_s3.py`` records the effect.
 It is a patch of a few methods rather than a storage plugin of its own because a separate plugin
 would have its own name, so its own ``SNAKEMAKE_STORAGE_<NAME>_*`` settings and profile keys,
 while the plugin's settings are the single source of truth of the pipeline's storage layer too.
-It applies only to the pinned plugin version, whose internals it relies on; with any other
-version it does nothing and says so once. ``DFLASH_S3_FOLDER_INVENTORY=0`` turns it off.
+Each change is guarded by the fingerprints of the functions it replaces or relies on (the
+plugin's, the storage interface's, and Snakemake's ``ExistsDict``, which trusts an absence only
+under a listed parent; ``dflash_pipeline.snakemake_patches``): one whose function changed is left
+out with a warning. ``DFLASH_S3_FOLDER_INVENTORY=0`` turns them all off.
 
 ``DFLASH_S3_REQUEST_LOG=<path>``: the process counts the S3 requests of the plugin by operation
 and writes them there as JSON when it exits (the dry-run benchmark and its test read them).
@@ -48,12 +50,9 @@ import posixpath
 import re
 from collections import Counter
 
-from dflash_pipeline.core.planning import installed_as_pinned
+from dflash_pipeline.snakemake_patches import Patch, install
 
-PLUGIN_DIST = "snakemake-storage-plugin-s3"
-# The plugin version whose StorageObject internals (key, bucket, _local_suffix_from_key,
-# provider.s3c, bucket_exists) these methods use.
-PLUGIN_VERSION = "0.3.6"
+PLUGIN = "snakemake_storage_plugin_s3"
 DISABLE_ENV = "DFLASH_S3_FOLDER_INVENTORY"
 REQUEST_LOG_ENV = "DFLASH_S3_REQUEST_LOG"
 
@@ -217,30 +216,71 @@ def count_requests(path: str) -> None:
     atexit.register(write)
 
 
-def install_folder_inventory() -> bool:
-    """Patch the S3 plugin's inventory to list folders (see the module docstring); True when it
-    is in place. Idempotent; a no-op without the plugin, with another plugin version or with
-    ``DFLASH_S3_FOLDER_INVENTORY=0``."""
+def _list_folders() -> None:
+    import snakemake_storage_plugin_s3 as plugin
+
+    plugin.StorageObject.get_inventory_parent = _folder_parent
+    plugin.StorageObject.inventory = _folder_inventory
+
+
+def _memoize_query_check() -> None:
+    global _plugin_valid_query, _valid_query_result
+    import snakemake_storage_plugin_s3 as plugin
+
+    _plugin_valid_query = plugin.StorageProvider.is_valid_query  # bound to the class
+    _valid_query_result = plugin.StorageQueryValidationResult
+    plugin.StorageProvider.is_valid_query = classmethod(_memoized_valid_query)
+
+
+def _parse_plain_queries() -> None:
+    global _plugin_post_init
+    import snakemake_storage_plugin_s3 as plugin
+
+    _plugin_post_init = plugin.StorageObject.__post_init__
+    plugin.StorageObject.__post_init__ = _post_init_from_plain_query
+
+
+def _memoize_paths() -> None:
+    import snakemake_storage_plugin_s3 as plugin
+
+    plugin.StorageObject.local_path = _memoized_local_path
+    plugin.StorageObject.cache_key = _memoized_cache_key
+
+
+# The plugin 0.3.6's functions (and those of the storage interface and Snakemake 9.27.1 they
+# rely on), as each patch was written against them.
+PATCHES = [
+    Patch("inventory by folder", {
+        f"{PLUGIN}:StorageObject.get_inventory_parent": "675db335307a725c",
+        f"{PLUGIN}:StorageObject.inventory": "b58d02c76172ba53",
+        f"{PLUGIN}:StorageObject._local_suffix_from_key": "a56309f3e211249b",
+        "snakemake.io:ExistsDict.__contains__": "52633c333e7bd863",
+        "snakemake.io:ExistsDict.__init__": "6ef8100d099c6e8d",
+    }, _list_folders),
+    Patch("query check memoized", {f"{PLUGIN}:StorageProvider.is_valid_query": "acf983d4ff04a1e3"},
+          _memoize_query_check),
+    Patch("plain queries parsed without urlparse", {f"{PLUGIN}:StorageObject.__post_init__": "d0f604574d7c8fde"},
+          _parse_plain_queries),
+    Patch("local paths and cache keys memoized", {
+        f"{PLUGIN}:StorageObject.local_path": "809557749fb918ec",
+        f"{PLUGIN}:StorageObject.cache_key": "60ea2332c4f7f231",
+    }, _memoize_paths),
+]
+
+
+def install_folder_inventory() -> list[str]:
+    """Patch the S3 plugin's inventory to list folders (see the module docstring); the patches
+    in place. Idempotent; each patch whose guarded function changed is left out with a warning;
+    none without the plugin or with ``DFLASH_S3_FOLDER_INVENTORY=0``."""
     if os.environ.get(REQUEST_LOG_ENV):
         count_requests(os.environ[REQUEST_LOG_ENV])
     if os.environ.get(DISABLE_ENV, "1") == "0":
-        return False
-    if not installed_as_pinned(
-        PLUGIN_DIST, PLUGIN_VERSION, "planning asks S3 about every missing object (3 requests each)"
-    ):
-        return False
-    import snakemake_storage_plugin_s3 as plugin
-    global _plugin_post_init, _plugin_valid_query, _valid_query_result
+        return []
+    try:
+        import snakemake_storage_plugin_s3 as plugin
+    except ImportError:
+        return []
     objects = plugin.StorageObject
-    if not getattr(objects, _MARK, False):
-        objects.get_inventory_parent = _folder_parent
-        objects.inventory = _folder_inventory
-        _plugin_valid_query = plugin.StorageProvider.is_valid_query  # bound to the class
-        _valid_query_result = plugin.StorageQueryValidationResult
-        plugin.StorageProvider.is_valid_query = classmethod(_memoized_valid_query)
-        _plugin_post_init = objects.__post_init__
-        objects.__post_init__ = _post_init_from_plain_query
-        objects.local_path = _memoized_local_path
-        objects.cache_key = _memoized_cache_key
-        setattr(objects, _MARK, True)
-    return True
+    if not hasattr(objects, _MARK):
+        setattr(objects, _MARK, install(PATCHES, "planning asks S3 more (3 requests per missing object)"))
+    return list(getattr(objects, _MARK))
