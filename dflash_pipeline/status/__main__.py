@@ -61,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--default-storage-prefix", help="the S3 prefix of an S3 run (as given to Snakemake)")
     p.add_argument("--num-shards", type=int, help="shards per stage; overrides the config")
     p.add_argument("--num-segments", type=int, help="training segments; overrides the config")
-    p.add_argument("--until", choices=["prepare", "generate", "tokenize", "train", "evaluate"],
+    p.add_argument("--until", choices=layout.STAGES,
                    help="the last stage the run builds; overrides the config")
     p.add_argument("--workdir", default=".", help="Snakemake's working directory (default: %(default)s)")
     p.add_argument("--events-file", default=DEFAULT_EVENTS_FILE,

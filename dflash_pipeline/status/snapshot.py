@@ -43,8 +43,6 @@ SHARD_STAGES = tuple(layout.SHARD_STAGES)
 # Shown even before their first object exists (up to the run's `until`); the others appear
 # once they have one.
 ALWAYS_SHOWN = ("prepare", "generate", "tokenize")
-# Config `until` values in pipeline order.
-UNTIL_STAGES = ["prepare", "generate", "tokenize", "train", "evaluate"]
 
 TELEMETRY_KEY = layout.SHARD_TELEMETRY
 TOTALS_KEY = re.compile(r"^_progress/(?P<stage>[a-z_]+)/totals\.json$")
@@ -472,7 +470,7 @@ class SnapshotBuilder:
 
     def _train_stage(self, segments, events, now, running, failed) -> dict | None:
         """Training as a stage whose units are checkpoint segments (progress: steps)."""
-        trains = UNTIL_STAGES.index(self.source.until) >= UNTIL_STAGES.index("train")
+        trains = layout.STAGES.index(self.source.until) >= layout.STAGES.index("train")
         total = (self.source.num_segments if trains else 0) or (max(segments) + 1 if segments else 0)
         if not total:
             return None
