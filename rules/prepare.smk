@@ -29,7 +29,10 @@ rule ingest:
 
 rule prepare:
     input:
-        prompts=run_path(layout.INGESTED_PROMPTS),
+        # The ingest job's summary (small) orders this job after ingest and reruns it when the
+        # ingested table changes; the table itself is read by byte range from the run root, one
+        # row group per shard, not downloaded whole by every prepare job.
+        summary=run_path(layout.INGEST_SUMMARY),
     output:
         prompts=shard_output("prepare"),
     log:
@@ -43,5 +46,7 @@ rule prepare:
         **slurm(0),
         mem_mb=2000,
         runtime=30,
+    params:
+        ingested=lambda wildcards: f"{RUN_URL}/{layout.INGESTED_PROMPTS}",
     script:
         "../scripts/prepare.py"

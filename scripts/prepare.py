@@ -7,7 +7,7 @@ from dflash_pipeline.stages.prepare import select_shard
 
 def run(smk) -> None:
     with job_logging(smk.log[0]):
-        select_shard(smk.input.prompts, int(smk.wildcards.shard), smk.output.prompts)
+        select_shard(smk.params.ingested, int(smk.wildcards.shard), smk.output.prompts)
         # The shard's sha256 and size, for every job that reads it (dflash_pipeline.core.checksums).
         record_outputs(smk, [smk.output.prompts], smk.wildcards.shard)
 

@@ -526,3 +526,28 @@ def test_the_summary_counts_rows_per_file_and_names_an_empty_one(tmp_path):
     _, summary = run_ingest(tmp_path, [good, empty])
     assert summary["rows_per_file"] == {str(good): 4, str(empty): 0}
     assert summary["files_without_rows"] == [str(empty)]
+
+
+def test_a_shard_is_read_from_s3_by_byte_range_not_whole(tmp_path, s3_server, s3_env, monkeypatch):
+    """A prepare job fetches the footer and its own row group of the ingested table, not the
+    whole object: with 16 shards, well under a quarter of its bytes."""
+    from dflash_pipeline.core.storage import S3Storage
+
+    import random
+
+    rng = random.Random(0)  # text that does not compress away: a table of ~1 MB
+    words = [f"w{rng.randrange(10**6)}" for _ in range(800 * 150)]
+    data = write_jsonl(tmp_path / "d.jsonl", [openai_row(" ".join(words[i * 150 : (i + 1) * 150])) for i in range(800)])
+    out, summary = run_ingest(tmp_path, [data], num_shards=16)
+    store = open_storage(f"s3://{s3_server.bucket}/ranged")
+    store.upload_file("prompts.parquet", out / "prompts.parquet")
+    opened = []
+    open_ranged = S3Storage.open_ranged
+    monkeypatch.setattr(S3Storage, "open_ranged", lambda self, key: opened.append(open_ranged(self, key)) or opened[-1])
+
+    table = read_shard(store.join("prompts.parquet"), 5)
+    assert table.equals(read_shard(out / "prompts.parquet", 5))
+    assert table.num_rows == summary["samples_per_shard"][5] > 0
+    size = (out / "prompts.parquet").stat().st_size
+    # The footer (pyarrow reads the last 64 KiB) and one row group of 16.
+    assert opened[0].bytes_fetched < size / 4, (opened[0].bytes_fetched, size)
