@@ -16,20 +16,24 @@ from dflash_pipeline.engines.launch import ServerSpec, server_command
 from dflash_pipeline.evaluation import serving
 from dflash_pipeline.evaluation.lossless import failure_message
 from dflash_pipeline.evaluation.metrics import aggregate, metrics_document
-from dflash_pipeline.evaluation.serving import (
-    DEFAULT_ENGINE_PARITY_TOLERANCE,
-    EngineParityError,
+from dflash_pipeline.evaluation.engine_counters import (
     EngineResponseError,
     acceptance_from_counters,
     acceptance_histogram_from_counters,
+    parse_vllm_metrics,
+)
+from dflash_pipeline.evaluation.parity import (
+    DEFAULT_ENGINE_PARITY_TOLERANCE,
+    EngineParityError,
     check_engine_parity,
-    drafter_block_size,
-    drafter_fields,
     engine_parity_report,
     known_engine_limitations,
+)
+from dflash_pipeline.evaluation.serving import (
+    drafter_block_size,
+    drafter_fields,
     sglang_mamba_flag,
     measure_in_engine,
-    parse_vllm_metrics,
     prompt_result,
     serving_server_spec,
 )

@@ -41,7 +41,8 @@ import pytest
 from dflash_pipeline.core.config import load_config
 from dflash_pipeline.engines.client import Sampling, SglangAdapter
 from dflash_pipeline.engines.launch import ServerSpec, server_command
-from dflash_pipeline.evaluation.serving import SGLANG_HISTOGRAM_FIELDS, serving_server_spec
+from dflash_pipeline.evaluation.engine_counters import SGLANG_HISTOGRAM_FIELDS
+from dflash_pipeline.evaluation.serving import serving_server_spec
 from dflash_pipeline.model.config import DrafterConfig
 from tests.support.engine_envs import REPO, vllm_python
 

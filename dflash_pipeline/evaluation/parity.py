@@ -9,6 +9,10 @@ causes, so nobody trusts a training number the serving loop does not reproduce (
 
 from __future__ import annotations
 
+import json
+
+from dflash_pipeline.engines.limits import DrafterShape, notes, refusals
+
 DEFAULT_TOLERANCE = 0.15
 
 CAUSES_LOOP_BELOW = (
@@ -70,5 +74,99 @@ def check_parity(
         f"acceptance parity failed: the real loop's tau {loop_tau:.3f} is "
         f"{abs(report['gap']):.0%} {'below' if below else 'above'} the simulated tau "
         f"{simulated_tau:.3f} from training (tolerance {tolerance:.0%}). Usual causes:\n"
+        + "\n".join(f"  - {cause}" for cause in causes)
+    )
+
+
+# --- the serving engine's tau against the loop's ---------------------------------------------------
+# The loop has the engines' semantics, so only implementation differences (and what the engine
+# reads from the export) separate the two: a tighter tolerance than training parity's.
+DEFAULT_ENGINE_PARITY_TOLERANCE = 0.05
+CAUSES_ENGINE_BELOW = (
+    "target layer ids tapped one layer off: the project's id i is the OUTPUT of layer i "
+    "(HF hidden_states[i + 1]); vLLM 0.20.1 hands dflash_config.target_layer_ids straight to its "
+    "aux-hidden-state hook, which captures hidden_states[i] (fixed later by vLLM PR #40727)",
+    "sliding-window fields not read: the engine runs sliding_attention drafter layers as full "
+    "attention (layer_types / sliding_window / dflash_config.use_swa, swa_window_size, causal)",
+    "mask token id: dflash_config.mask_token_id missing, different from training, or outside "
+    "the target vocab",
+    "RoPE: the engine builds the drafter's rotary embedding from rope_theta / rope_parameters "
+    "(vLLM defaults theta to 1e6 when absent), not what training used",
+    "dtype or target: the engine runs another dtype (bf16 vs the loop's fp32), a quantized or "
+    "different target checkpoint",
+    "block size: num_speculative_tokens (vLLM) / --speculative-num-draft-tokens (SGLang) differ "
+    "from the loop's B",
+)
+CAUSES_ENGINE_ABOVE = (
+    "the loop is wrong where the engine is right (loop verify, cache rollback, tap extraction)",
+    "counting differs: SGLang's completion_tokens include the prefill token (short replies read "
+    "high); the prompts, chat template or thinking mode differ between the two runs",
+)
+
+
+def known_engine_limitations(
+    engine: str, version: str | None, fields: dict, build: str = "gpu"
+) -> list[str]:
+    """What this engine version does not serve of the drafter whose config fields are given,
+    from the engine-limits table (``engines.limits``), plus its behaviours there; [] when none
+    is known (or the version is unknown)."""
+    shape = DrafterShape(layer_types=tuple(fields.get("layer_types") or ()))
+    return refusals(engine, version, build, shape) + notes(engine, version)
+
+
+class EngineParityError(AssertionError):
+    """The engine's tau and the loop's tau disagree beyond the tolerance."""
+
+
+# --- servers -------------------------------------------------------------------------------------
+
+
+def engine_parity_report(
+    loop_tau: float,
+    engine_tau: float,
+    tolerance: float = DEFAULT_ENGINE_PARITY_TOLERANCE,
+    *,
+    engine: str,
+    engine_version: str | None,
+    drafter_fields: dict,
+) -> dict:
+    """Both numbers side by side; ``gap`` is (engine - loop) / loop. The tolerance is tighter
+    than training parity's: the loop has the engines' semantics, so only implementation
+    differences (and what the engine reads from the export) separate them."""
+    gap, passed = relative_gap(loop_tau, engine_tau, tolerance, "loop tau")
+    return {
+        "loop_tau": round(loop_tau, 4),
+        "engine_tau": round(engine_tau, 4),
+        "gap": round(gap, 4),
+        "tolerance": tolerance,
+        "passed": passed,
+        "engine": engine,
+        "engine_version": engine_version,
+        "drafter_fields": dict(drafter_fields),
+        "known_limitations": known_engine_limitations(engine, engine_version, drafter_fields),
+    }
+
+
+def check_engine_parity(report: dict) -> dict:
+    """The report, or EngineParityError naming both taus, the gap, the engine and version, the
+    drafter fields it read, and where to look."""
+    if report["passed"]:
+        return report
+    below = report["gap"] < 0
+    causes = CAUSES_ENGINE_BELOW if below else CAUSES_ENGINE_ABOVE
+    fields = "\n".join(
+        f"    {key}: {json.dumps(value)}" for key, value in report["drafter_fields"].items()
+    )
+    version = report["engine_version"] or "(version unknown)"
+    known = "".join(
+        f"  Known limitation of this engine version (the likely cause):\n  - {limitation}\n"
+        for limitation in report.get("known_limitations", ())
+    )
+    raise EngineParityError(
+        f"engine parity failed: {report['engine']} {version} "
+        f"measured tau {report['engine_tau']:.3f}, {abs(report['gap']):.1%} "
+        f"{'below' if below else 'above'} the project loop's tau {report['loop_tau']:.3f} "
+        f"(gap {report['gap']:+.4f}, tolerance {report['tolerance']:.0%}).\n"
+        f"  Drafter config fields the engine read:\n{fields}\n{known}  Usual causes:\n"
         + "\n".join(f"  - {cause}" for cause in causes)
     )

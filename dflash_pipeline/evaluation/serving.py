@@ -6,24 +6,7 @@ without the drafter, decode the same prompts, stop, and compare token for token.
 gated on parity with the project's own loop (``check_engine_parity``): the number that matters is
 the one the serving engine reproduces, not the one our loop measures.
 
-Where the counters come from:
-
-- SGLang (``--speculative-algorithm DFLASH``) reports per request, in ``meta_info``:
-  ``completion_tokens``, ``spec_verify_ct`` (target verify steps) and, in recent versions, a
-  histogram of drafts accepted per step (``spec_correct_drafts_histogram``; older ones call it
-  ``spec_accept_histogram``). tau = completion_tokens / spec_verify_ct, as SGLang's own
-  ``spec_accept_length``; its completion tokens include the first token, which prefill produced
-  without a verify step, so on short replies it reads slightly above the loop's tau. Hybrid (GDN)
-  targets need the ``extra_buffer`` mamba cache strategy for correct state rollback
-  (dflash-spec.md §6, pitfall 9).
-- vLLM (``--speculative-config '{"method": "dflash", ...}'``) has no per-request counters, only
-  server-wide Prometheus counters on ``/metrics`` (vllm/v1/spec_decode/metrics.py,
-  ``SpecDecodingProm``; labels ``engine``, ``model_name``, plus ``position`` on the per-position
-  one). With requests sent one at a time, the difference of the counters around a request is that
-  request's: every verify step of it is one draft, A accepted drafts add A to the accepted count
-  and 1 to each position < A. So verify steps = delta drafts, committed tokens = delta accepted +
-  delta drafts (A + 1 per step), and the count of steps with A >= k is the delta of position k - 1.
-  Like the loop, the counters include drafts accepted past a stop token or the token limit.
+Where the counters come from, and how they are read: ``evaluation.engine_counters``.
 """
 
 from __future__ import annotations
@@ -32,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -45,22 +28,22 @@ from dflash_pipeline.engines.client import (
 )
 from dflash_pipeline.engines.environments import EngineInstall
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec
-from dflash_pipeline.engines.limits import DrafterShape, EngineUnsupportedError, notes, refusals
+from dflash_pipeline.engines.limits import DrafterShape, EngineUnsupportedError, refusals
 from dflash_pipeline.evaluation.lossless import compare_greedy, lossless_summary
 from dflash_pipeline.evaluation.metrics import PromptResult
-from dflash_pipeline.evaluation.parity import relative_gap
+from dflash_pipeline.evaluation.engine_counters import (
+    VllmCounters,
+    EngineResponseError,
+    SpecAcceptance,
+    acceptance_from_counters,
+    acceptance_from_response,
+    parse_vllm_metrics,
+    vllm_choice,
+)
 
 log = logging.getLogger(__name__)
 
 ENGINES = ("vllm", "sglang")
-SGLANG_HISTOGRAM_FIELDS = ("spec_correct_drafts_histogram", "spec_accept_histogram")
-
-# vLLM 0.20.1, vllm/v1/spec_decode/metrics.py (SpecDecodingProm): Counter names as declared;
-# the exposition text adds ``_total``. Summed over label sets (engine index, model name).
-VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
-VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
-VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-VLLM_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 # Measurement flags of the vLLM server, speculative and plain alike: a fixed seed; no prefix
 # caching, so every prompt is prefilled from scratch as in the loop and the plain reference; and
@@ -91,50 +74,6 @@ TOP_LEVEL_FIELDS = (
     "num_hidden_layers",
     "head_dim",
 )
-
-DEFAULT_ENGINE_PARITY_TOLERANCE = 0.05
-CAUSES_ENGINE_BELOW = (
-    "target layer ids tapped one layer off: the project's id i is the OUTPUT of layer i "
-    "(HF hidden_states[i + 1]); vLLM 0.20.1 hands dflash_config.target_layer_ids straight to its "
-    "aux-hidden-state hook, which captures hidden_states[i] (fixed later by vLLM PR #40727)",
-    "sliding-window fields not read: the engine runs sliding_attention drafter layers as full "
-    "attention (layer_types / sliding_window / dflash_config.use_swa, swa_window_size, causal)",
-    "mask token id: dflash_config.mask_token_id missing, different from training, or outside "
-    "the target vocab",
-    "RoPE: the engine builds the drafter's rotary embedding from rope_theta / rope_parameters "
-    "(vLLM defaults theta to 1e6 when absent), not what training used",
-    "dtype or target: the engine runs another dtype (bf16 vs the loop's fp32), a quantized or "
-    "different target checkpoint",
-    "block size: num_speculative_tokens (vLLM) / --speculative-num-draft-tokens (SGLang) differ "
-    "from the loop's B",
-)
-CAUSES_ENGINE_ABOVE = (
-    "the loop is wrong where the engine is right (loop verify, cache rollback, tap extraction)",
-    "counting differs: SGLang's completion_tokens include the prefill token (short replies read "
-    "high); the prompts, chat template or thinking mode differ between the two runs",
-)
-
-
-def known_engine_limitations(
-    engine: str, version: str | None, fields: dict, build: str = "gpu"
-) -> list[str]:
-    """What this engine version does not serve of the drafter whose config fields are given,
-    from the engine-limits table (``engines.limits``), plus its behaviours there; [] when none
-    is known (or the version is unknown)."""
-    shape = DrafterShape(layer_types=tuple(fields.get("layer_types") or ()))
-    return refusals(engine, version, build, shape) + notes(engine, version)
-
-
-class EngineResponseError(ValueError):
-    """A reply or metrics page lacks the counters the measurement needs; names the prompt."""
-
-
-class EngineParityError(AssertionError):
-    """The engine's tau and the loop's tau disagree beyond the tolerance."""
-
-
-# --- servers -------------------------------------------------------------------------------------
-
 
 def serving_server_spec(
     engine: str,
@@ -254,170 +193,6 @@ def drafter_block_size(drafter_dir: str | Path) -> int:
 # --- per-request acceptance ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SpecAcceptance:
-    """One request's speculative counters, engine-independent."""
-
-    committed_tokens: int  # tokens committed by verify steps
-    verify_steps: int
-    generated_tokens: int
-    accept_hist: list[int] | None
-    finish_reason: str
-    output_ids: list[int] | None
-    extra: dict = field(default_factory=dict)
-
-
-def acceptance_from_response(
-    data: dict, block_size: int, source: str = "response"
-) -> SpecAcceptance:
-    """Read one SGLang ``/generate`` reply's speculative counters; errors say what is missing."""
-    meta = data.get("meta_info")
-    if not isinstance(meta, dict):
-        raise EngineResponseError(f"{source}: SGLang reply has no meta_info object")
-    for key in ("completion_tokens", "spec_verify_ct"):
-        if not isinstance(meta.get(key), int):
-            hint = (
-                " (the server runs without speculative decoding: check --speculative-algorithm)"
-                if key == "spec_verify_ct"
-                else ""
-            )
-            raise EngineResponseError(f"{source}: meta_info.{key} missing or not an integer{hint}")
-    hist = next((meta[k] for k in SGLANG_HISTOGRAM_FIELDS if meta.get(k)), None)
-    if hist is not None:
-        if not all(isinstance(c, int) and c >= 0 for c in hist) or len(hist) > block_size:
-            raise EngineResponseError(
-                f"{source}: acceptance histogram {hist} is not {block_size} or fewer counts"
-            )
-        hist = list(hist) + [0] * (block_size - len(hist))
-        if sum(hist) != meta["spec_verify_ct"]:
-            raise EngineResponseError(
-                f"{source}: acceptance histogram counts {sum(hist)} steps, spec_verify_ct says "
-                f"{meta['spec_verify_ct']}"
-            )
-    return SpecAcceptance(
-        committed_tokens=meta["completion_tokens"],
-        verify_steps=meta["spec_verify_ct"],
-        generated_tokens=meta["completion_tokens"],
-        accept_hist=hist,
-        finish_reason=_sglang_finish_reason(meta),
-        output_ids=data.get("output_ids"),
-    )
-
-
-def _sglang_finish_reason(meta: dict) -> str:
-    reason = meta.get("finish_reason") or {}
-    return reason.get("type", "unknown") if isinstance(reason, dict) else str(reason)
-
-
-@dataclass(frozen=True)
-class VllmCounters:
-    """vLLM's speculative-decoding counters at one moment, summed over engines."""
-
-    drafts: float
-    draft_tokens: float
-    accepted: float
-    accepted_per_pos: dict[int, float]
-
-
-def parse_vllm_metrics(text: str, source: str = "/metrics") -> VllmCounters:
-    """The four spec-decode counters from a ``/metrics`` exposition text, summed over label sets
-    (one per engine index with data parallelism), the per-position one kept per ``position``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals = {VLLM_DRAFTS: 0.0, VLLM_DRAFT_TOKENS: 0.0, VLLM_ACCEPTED: 0.0}
-    seen: set[str] = set()
-    per_pos: dict[int, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
-                seen.add(sample.name)
-            elif sample.name == VLLM_ACCEPTED_PER_POS:
-                position = int(sample.labels["position"])
-                per_pos[position] = per_pos.get(position, 0.0) + sample.value
-    missing = sorted(set(totals) - seen)
-    if missing:
-        raise EngineResponseError(
-            f"{source}: no {', '.join(missing)} counters (the server runs without speculative "
-            "decoding, or with --disable-log-stats)"
-        )
-    return VllmCounters(
-        totals[VLLM_DRAFTS], totals[VLLM_DRAFT_TOKENS], totals[VLLM_ACCEPTED], per_pos
-    )
-
-
-def _count(value: float, what: str, source: str) -> int:
-    """A counter delta as a count: integral and not negative (a restarted server fails here)."""
-    if value < 0 or abs(value - round(value)) > 1e-6:
-        raise EngineResponseError(f"{source}: {what} changed by {value}, not a count")
-    return int(round(value))
-
-
-def acceptance_histogram_from_counters(
-    before: VllmCounters, after: VllmCounters, block_size: int, source: str = "request"
-) -> tuple[int, int, int, list[int]]:
-    """(verify steps, accepted drafts, draft tokens, histogram over A = 0..B-1) of the request
-    between two readings. Steps with A >= k number delta position k - 1; with A >= 0 all steps."""
-    steps = _count(after.drafts - before.drafts, "drafts", source)
-    accepted = _count(after.accepted - before.accepted, "accepted tokens", source)
-    draft_tokens = _count(after.draft_tokens - before.draft_tokens, "draft tokens", source)
-    positions = sorted(set(before.accepted_per_pos) | set(after.accepted_per_pos))
-    if positions != list(range(len(positions))) or len(positions) > block_size - 1:
-        raise EngineResponseError(
-            f"{source}: per-position counters cover positions {positions}, expected at most "
-            f"0..{block_size - 2}"
-        )
-    at_least = [steps] + [
-        _count(
-            after.accepted_per_pos.get(k, 0.0) - before.accepted_per_pos.get(k, 0.0),
-            f"accepted tokens at position {k}",
-            source,
-        )
-        for k in positions
-    ]
-    at_least += [0] * (block_size + 1 - len(at_least))
-    hist = [at_least[a] - at_least[a + 1] for a in range(block_size)]
-    if any(c < 0 for c in hist) or sum(at_least[1:]) != accepted:
-        raise EngineResponseError(
-            f"{source}: per-position accepted counts {at_least[1:]} are inconsistent with "
-            f"{steps} drafts and {accepted} accepted tokens"
-        )
-    return steps, accepted, draft_tokens, hist
-
-
-def acceptance_from_counters(
-    data: dict,
-    before: VllmCounters,
-    after: VllmCounters,
-    block_size: int,
-    source: str = "request",
-) -> SpecAcceptance:
-    """One vLLM ``/v1/completions`` reply with the counter readings around it."""
-    choice = _vllm_choice(data, source)
-    steps, accepted, draft_tokens, hist = acceptance_histogram_from_counters(
-        before, after, block_size, source
-    )
-    return SpecAcceptance(
-        committed_tokens=accepted + steps,
-        verify_steps=steps,
-        generated_tokens=len(choice["token_ids"]),
-        accept_hist=hist,
-        finish_reason=choice.get("finish_reason") or "unknown",
-        output_ids=list(choice["token_ids"]),
-        extra={"draft_tokens": draft_tokens},
-    )
-
-
-def _vllm_choice(data: dict, source: str) -> dict:
-    choices = data.get("choices")
-    if not choices or not isinstance(choices[0].get("token_ids"), list):
-        raise EngineResponseError(
-            f"{source}: vLLM reply has no choices[0].token_ids (the request must set "
-            "return_token_ids)"
-        )
-    return choices[0]
-
-
 def prompt_result(
     prompt_id: str, prompt_set: str, prompt_tokens: int, acceptance: SpecAcceptance, block_size: int
 ) -> PromptResult:
@@ -463,7 +238,7 @@ def _adapter(engine: str, model: str):
 def output_ids(engine: str, data: dict, source: str = "reply") -> list[int]:
     """The generated token ids of a reply (from either server kind)."""
     if engine == "vllm":
-        return list(_vllm_choice(data, source)["token_ids"])
+        return list(vllm_choice(data, source)["token_ids"])
     ids = data.get("output_ids")
     if not isinstance(ids, list):
         raise EngineResponseError(f"{source}: SGLang reply has no output_ids")
@@ -842,57 +617,3 @@ def _plain_reference(
             engine, plain.url, prompts, model=str(target), max_new_tokens=max_new_tokens,
             seed=seed, alive=server.alive,
         )
-
-
-# --- engine parity gate --------------------------------------------------------------------------
-
-
-def engine_parity_report(
-    loop_tau: float,
-    engine_tau: float,
-    tolerance: float = DEFAULT_ENGINE_PARITY_TOLERANCE,
-    *,
-    engine: str,
-    engine_version: str | None,
-    drafter_fields: dict,
-) -> dict:
-    """Both numbers side by side; ``gap`` is (engine - loop) / loop. The tolerance is tighter
-    than training parity's: the loop has the engines' semantics, so only implementation
-    differences (and what the engine reads from the export) separate them."""
-    gap, passed = relative_gap(loop_tau, engine_tau, tolerance, "loop tau")
-    return {
-        "loop_tau": round(loop_tau, 4),
-        "engine_tau": round(engine_tau, 4),
-        "gap": round(gap, 4),
-        "tolerance": tolerance,
-        "passed": passed,
-        "engine": engine,
-        "engine_version": engine_version,
-        "drafter_fields": dict(drafter_fields),
-        "known_limitations": known_engine_limitations(engine, engine_version, drafter_fields),
-    }
-
-
-def check_engine_parity(report: dict) -> dict:
-    """The report, or EngineParityError naming both taus, the gap, the engine and version, the
-    drafter fields it read, and where to look."""
-    if report["passed"]:
-        return report
-    below = report["gap"] < 0
-    causes = CAUSES_ENGINE_BELOW if below else CAUSES_ENGINE_ABOVE
-    fields = "\n".join(
-        f"    {key}: {json.dumps(value)}" for key, value in report["drafter_fields"].items()
-    )
-    version = report["engine_version"] or "(version unknown)"
-    known = "".join(
-        f"  Known limitation of this engine version (the likely cause):\n  - {limitation}\n"
-        for limitation in report.get("known_limitations", ())
-    )
-    raise EngineParityError(
-        f"engine parity failed: {report['engine']} {version} "
-        f"measured tau {report['engine_tau']:.3f}, {abs(report['gap']):.1%} "
-        f"{'below' if below else 'above'} the project loop's tau {report['loop_tau']:.3f} "
-        f"(gap {report['gap']:+.4f}, tolerance {report['tolerance']:.0%}).\n"
-        f"  Drafter config fields the engine read:\n{fields}\n{known}  Usual causes:\n"
-        + "\n".join(f"  - {cause}" for cause in causes)
-    )

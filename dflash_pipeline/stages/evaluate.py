@@ -148,7 +148,7 @@ def run_evaluation(
     from dflash_pipeline.evaluation.lossless import LosslessError, failure_message
     from dflash_pipeline.evaluation.metrics import metrics_document
     from dflash_pipeline.evaluation.parity import check_parity, parity_report
-    from dflash_pipeline.evaluation.serving import check_engine_parity, engine_parity_report
+    from dflash_pipeline.evaluation.parity import check_engine_parity, engine_parity_report
 
     document = metrics_document(
         results, _settings(target, drafter, prompts_path, options, **resolved), **sections
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_pipeline.evaluation.lossless import LosslessError
     from dflash_pipeline.evaluation.parity import ParityError
     from dflash_pipeline.evaluation.prompts import PromptFileError
-    from dflash_pipeline.evaluation.serving import EngineParityError
+    from dflash_pipeline.evaluation.parity import EngineParityError
 
     try:
         run_evaluation(args.target, args.drafter, args.prompts, args.out, options)
