@@ -48,7 +48,8 @@ from dflash_pipeline.model.config import DrafterConfig  # noqa: E402
 from dflash_pipeline.model.drafter import DFlashDrafter  # noqa: E402
 from dflash_pipeline.training.checkpoint import RollingCheckpoints, capture_rng  # noqa: E402
 from dflash_pipeline.training.step import optimizer_step  # noqa: E402
-from dflash_pipeline.training.trainer import Distributed, make_optimizer  # noqa: E402
+from dflash_pipeline.training.distributed import Distributed  # noqa: E402
+from dflash_pipeline.training.trainer import make_optimizer  # noqa: E402
 
 TINY = {  # small enough for 3 x 200 steps on a busy 2-core machine
     "seq_len": 96,

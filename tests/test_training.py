@@ -21,9 +21,9 @@ from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.stages.export import expected_tensor_shapes, export_drafter
 from dflash_pipeline.training.checkpoint import load_checkpoint
+from dflash_pipeline.training.distributed import Distributed
 from dflash_pipeline.training.trainer import (
     PREEMPTED_EXIT_CODE,
-    Distributed,
     SegmentJob,
     TrainingError,
     check_replicas,
@@ -263,7 +263,7 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
     from dflash_pipeline.model.taps import TargetTaps
     from dflash_pipeline.model.target import load_target
     from dflash_pipeline.training.data import collate, read_training_sequences
-    from dflash_pipeline.training.trainer import build_drafter_config
+    from dflash_pipeline.model.config import build_drafter_config
 
     config = build_drafter_config(settings(), str(demo_model))
     sequences = read_training_sequences(tokenized)[:3]

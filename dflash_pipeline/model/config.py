@@ -347,3 +347,38 @@ def drafter_config_for_target(
         algorithm=algorithm,
         **({key: (dflash2 or {})[key] for key in DFLASH2_KEYS} if algorithm == DFLASH2 else {}),
     )
+
+
+def resolve_mask_token_id(settings: dict, target_dir: str) -> int:
+    if settings.get("mask_token_id") is not None:
+        return int(settings["mask_token_id"])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    vocab = tokenizer.get_vocab()
+    for name in ("<|MASK|>", "<|mask|>"):
+        if name in vocab:
+            return vocab[name]
+    raise ValueError(
+        f"{target_dir}: the tokenizer has no <|MASK|> or <|mask|> token; set train.mask_token_id "
+        "to an unused row of the target's embedding table"
+    )
+
+
+def build_drafter_config(settings: dict, target_dir: str) -> DrafterConfig:
+    from transformers import AutoConfig
+
+    target_config = AutoConfig.from_pretrained(target_dir)
+    return drafter_config_for_target(
+        target_config,
+        num_layers=settings["num_layers"],
+        block_size=settings["block_size"],
+        mask_token_id=resolve_mask_token_id(settings, target_dir),
+        target_layer_ids=settings.get("target_layer_ids"),
+        layer_types=settings.get("layer_types"),
+        sliding_window=settings.get("sliding_window"),
+        intermediate_size=settings.get("intermediate_size"),
+        dtype=settings.get("export_dtype", "bfloat16"),
+        algorithm=settings.get("algorithm", DFLASH),
+        dflash2={key: settings.get(key) for key in DFLASH2_KEYS},
+    )

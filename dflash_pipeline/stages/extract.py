@@ -112,7 +112,7 @@ def extract_job(tokenized: str, target_dir: str, settings: dict, run_url: str, s
     run, name = open_storage(run_url), f"extract shard {layout.shard_name(shard)}"
     raise_if_halted(run, name)
     raise_if_driverless(run, name)  # a job queued by a driver that is gone since does not start
-    from dflash_pipeline.training.trainer import build_drafter_config
+    from dflash_pipeline.model.config import build_drafter_config
 
     layer_ids = build_drafter_config(settings, target_dir).target_layer_ids
     manifest = extract_shard(tokenized, target_dir, layer_ids, run_url, shard, manifest_out,

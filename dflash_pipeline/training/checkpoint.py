@@ -54,7 +54,7 @@ class CheckpointError(RuntimeError):
 
 
 class Collective(Protocol):
-    """What a save needs of the process group (``trainer.Distributed`` is one)."""
+    """What a save needs of the process group (``training.distributed.Distributed`` is one)."""
 
     rank: int
     world: int

@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.model.config import DFLASH, DFLASH2_KEYS, DrafterConfig, drafter_config_for_target
+from dflash_pipeline.model.config import build_drafter_config
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.core.jobstate import write_telemetry
 from dflash_pipeline.core.lease import DriverGone, raise_if_driverless
 from dflash_pipeline.core.storage import Storage, open_storage
 from dflash_pipeline.training.blocks import block_metrics, blocks_forward
+from dflash_pipeline.training.distributed import Distributed
 from dflash_pipeline.training.checkpoint import (
     INDEX,
     PendingSave,
@@ -91,112 +92,6 @@ def make_optimizer(drafter, settings: dict) -> torch.optim.Optimizer:
         weight_decay=settings["weight_decay"],
         fused=True if on_gpu else None,
     )
-
-
-def resolve_mask_token_id(settings: dict, target_dir: str) -> int:
-    if settings.get("mask_token_id") is not None:
-        return int(settings["mask_token_id"])
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    vocab = tokenizer.get_vocab()
-    for name in ("<|MASK|>", "<|mask|>"):
-        if name in vocab:
-            return vocab[name]
-    raise TrainingError(
-        f"{target_dir}: the tokenizer has no <|MASK|> or <|mask|> token; set train.mask_token_id "
-        "to an unused row of the target's embedding table"
-    )
-
-
-def build_drafter_config(settings: dict, target_dir: str) -> DrafterConfig:
-    from transformers import AutoConfig
-
-    target_config = AutoConfig.from_pretrained(target_dir)
-    return drafter_config_for_target(
-        target_config,
-        num_layers=settings["num_layers"],
-        block_size=settings["block_size"],
-        mask_token_id=resolve_mask_token_id(settings, target_dir),
-        target_layer_ids=settings.get("target_layer_ids"),
-        layer_types=settings.get("layer_types"),
-        sliding_window=settings.get("sliding_window"),
-        intermediate_size=settings.get("intermediate_size"),
-        dtype=settings.get("export_dtype", "bfloat16"),
-        algorithm=settings.get("algorithm", DFLASH),
-        dflash2={key: settings.get(key) for key in DFLASH2_KEYS},
-    )
-
-
-@dataclass
-class Distributed:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls, device_type: str | None = None) -> Distributed:
-        """The torchrun group; its backend follows the job's device (``device_type``, default:
-        CUDA when there is one), so CPU ranks on a GPU host use gloo, not NCCL."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1 and not torch.distributed.is_initialized():
-            on_gpu = (device_type or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
-            torch.distributed.init_process_group("nccl" if on_gpu else "gloo")
-        return cls(
-            rank=int(os.environ.get("RANK", "0")),
-            world=world,
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        )
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def any(self, flag: bool, device) -> bool:
-        if self.world == 1:
-            return flag
-        value = torch.tensor([1.0 if flag else 0.0], device=device)
-        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-        return bool(value.item())
-
-    def sum(self, value: float, device) -> float:
-        if self.world == 1:
-            return value
-        tensor = torch.tensor([value], device=device, dtype=torch.float64)
-        torch.distributed.all_reduce(tensor)
-        return float(tensor.item())
-
-    def flags_any(self, flags: list[bool], device) -> list[bool]:
-        """Each flag OR-ed over the ranks, in one all-reduce."""
-        if self.world == 1:
-            return list(flags)
-        value = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
-        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-        return [bool(v) for v in value.tolist()]
-
-    def gather_objects(self, obj) -> list:
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world
-        torch.distributed.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            torch.distributed.barrier()
-
-    def broadcast_object(self, obj, src: int):
-        """``src``'s ``obj`` on every rank (a checkpoint share's listing)."""
-        if self.world == 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=src)
-        return box[0]
-
-    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
-        """Fill ``tensor`` on every rank with ``src``'s, in place."""
-        if self.world > 1:
-            torch.distributed.broadcast(tensor, src=src)
 
 
 class MetricsLog:
