@@ -39,6 +39,14 @@ def _fill_defaults(instance: Any, schema: dict) -> None:
             _fill_defaults(instance[name], sub)
 
 
+def schema_defaults(section: str) -> dict:
+    """The defaults of one config section as ``config/schema.yaml`` gives them: the one source
+    of the defaults a stage's command line and its option objects show."""
+    config: dict = {section: {}}
+    _fill_defaults(config, load_schema())
+    return config[section]
+
+
 def _key_path(error: jsonschema.ValidationError) -> str:
     parts = [str(p) for p in error.absolute_path]
     if error.validator == "additionalProperties":

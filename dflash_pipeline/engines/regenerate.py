@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dflash_pipeline.core.jobstate import ShardProgress, raise_if_halted
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.lease import raise_if_driverless
 from dflash_pipeline.data.chat import assistant_message, render_prompt, split_reasoning
 from dflash_pipeline.data.prompts import messages_prompt_hash
@@ -66,16 +67,20 @@ GENERATED_SCHEMA = pa.schema(
 )
 
 
+_DEFAULTS = schema_defaults("generation")
+
+
 @dataclass
 class GenerationSettings:
     thinking: bool
     sampling: Sampling
-    concurrency: int = 16
-    part_every_samples: int = 64
-    part_every_seconds: float = 60
-    telemetry_every_seconds: float = 5
-    max_consecutive_failures: int = 8
-    max_error_fraction: float = 0.02
+    # The `generation` section's defaults (config/schema.yaml).
+    concurrency: int = _DEFAULTS["concurrency"]
+    part_every_samples: int = _DEFAULTS["part_every_samples"]
+    part_every_seconds: float = _DEFAULTS["part_every_seconds"]
+    telemetry_every_seconds: float = _DEFAULTS["telemetry_every_seconds"]
+    max_consecutive_failures: int = _DEFAULTS["max_consecutive_failures"]
+    max_error_fraction: float = _DEFAULTS["max_error_fraction"]
 
     @classmethod
     def from_config(cls, gen: dict, model_dir: str) -> GenerationSettings:

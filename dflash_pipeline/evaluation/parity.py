@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.engines.limits import DrafterShape, notes, refusals
 
-DEFAULT_TOLERANCE = 0.15
+# The config's evaluate.parity_tolerance and engine_parity_tolerance defaults.
+DEFAULT_TOLERANCE = schema_defaults("evaluate")["parity_tolerance"]
 
 CAUSES_LOOP_BELOW = (
     "chat template or thinking mode differs between training data and evaluation prompts",
@@ -81,7 +83,7 @@ def check_parity(
 # --- the serving engine's tau against the loop's ---------------------------------------------------
 # The loop has the engines' semantics, so only implementation differences (and what the engine
 # reads from the export) separate the two: a tighter tolerance than training parity's.
-DEFAULT_ENGINE_PARITY_TOLERANCE = 0.05
+DEFAULT_ENGINE_PARITY_TOLERANCE = schema_defaults("evaluate")["engine_parity_tolerance"]
 CAUSES_ENGINE_BELOW = (
     "target layer ids tapped one layer off: the project's id i is the OUTPUT of layer i "
     "(HF hidden_states[i + 1]); vLLM 0.20.1 hands dflash_config.target_layer_ids straight to its "

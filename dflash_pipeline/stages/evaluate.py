@@ -26,38 +26,44 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.storage import write_atomically
 from dflash_pipeline.evaluation.serving import ENGINES
 
 log = logging.getLogger(__name__)
 
 
+# The `evaluate` section's defaults (config/schema.yaml): the options and the CLI show these.
+DEFAULTS = schema_defaults("evaluate")
+
+
 @dataclass
 class EvalOptions:
-    max_new_tokens: int = 256
-    temperature: float = 0.0
+    max_new_tokens: int = DEFAULTS["max_new_tokens"]
+    temperature: float = float(DEFAULTS["temperature"])
     block_size: int | None = None  # default: the drafter's
     thinking: bool = True
     seed: int = 0
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
-    lossless_margin: float | None = None  # default by dtype (0 in fp32)
-    engine: str = "transformers"  # transformers | vllm | sglang (the loop, and that engine too)
+    lossless_margin: float | None = DEFAULTS["lossless_margin"]  # None: by dtype (0 in fp32)
+    engine: str = DEFAULTS["engine"]  # transformers | vllm | sglang (the loop, and that engine too)
     limit: int | None = None  # evaluate only the first N prompts
     split: str | None = None  # only rows of this split ("heldout" in the prepare stage's parquet)
     simulated_tau: float | None = None  # training's teacher-forced tau, for the parity gate
-    parity_tolerance: float = 0.15
-    engine_parity_tolerance: float = 0.05  # the serving engine's tau against the loop's
+    parity_tolerance: float = DEFAULTS["parity_tolerance"]
+    # The serving engine's tau against the loop's.
+    engine_parity_tolerance: float = DEFAULTS["engine_parity_tolerance"]
     warmup: bool = True
     engine_port: int | None = None  # None: a free port
     engine_tp: int = 1
-    engine_mem_fraction: float | None = None
-    engine_extra_args: tuple[str, ...] = ()
+    engine_mem_fraction: float | None = DEFAULTS["engine_mem_fraction"]
+    engine_extra_args: tuple[str, ...] = tuple(DEFAULTS["engine_extra_args"])
     runtime_dir: str | None = None  # the engine's log and pid files (default: beside --out)
     # How the serving engine is launched: the `engines` config section ({engine: {python, env}}).
     engines: dict | None = None
     # A running plain server of the engine with the same target: the lossless reference.
-    engine_reference_url: str | None = None
+    engine_reference_url: str | None = DEFAULTS["engine_reference_url"]
 
 
 def resolve_device_dtype(options: EvalOptions):
@@ -445,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--engine",
         choices=("transformers", *ENGINES),
-        default="transformers",
+        default=EvalOptions.engine,
         help="vllm, sglang: also measure the drafter inside that engine and gate on parity with the loop",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")

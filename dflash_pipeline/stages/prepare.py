@@ -26,9 +26,12 @@ import pyarrow.parquet as pq
 
 from dflash_pipeline.data.prompts import BadRow, Prompt, prompt_hash, read_prompt_file
 from dflash_pipeline.data.sharding import HELDOUT, shard_of, split_of
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.storage import open_object, write_atomically
 
 log = logging.getLogger(__name__)
+# The `dataset` section's defaults (config/schema.yaml), for ingest's keywords and command line.
+DATASET_DEFAULTS = schema_defaults("dataset")
 
 PROMPT_SCHEMA = pa.schema(
     [
@@ -222,10 +225,10 @@ def ingest(
     out_summary: str,
     out_quarantine: str,
     *,
-    heldout_fraction: float = 0.05,
-    max_bad_fraction: float = 0.05,
-    max_row_bytes: int = 1_000_000,
-    id_field: str = "id",
+    heldout_fraction: float = DATASET_DEFAULTS["heldout_fraction"],
+    max_bad_fraction: float = DATASET_DEFAULTS["max_bad_fraction"],
+    max_row_bytes: int = DATASET_DEFAULTS["max_row_bytes"],
+    id_field: str = DATASET_DEFAULTS["id_field"],
     refused_copy: str | Path | None = None,
 ) -> dict:
     """Validate, dedupe, id and shard the dataset; write the table, summary and quarantine.
@@ -322,10 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     ing.add_argument("--out-prompts", required=True)
     ing.add_argument("--out-summary", required=True)
     ing.add_argument("--out-quarantine", required=True)
-    ing.add_argument("--heldout-fraction", type=probability, default=0.05)
-    ing.add_argument("--max-bad-fraction", type=probability, default=0.05)
-    ing.add_argument("--max-row-bytes", type=positive_int, default=1_000_000)
-    ing.add_argument("--id-field", default="id")
+    ing.add_argument("--heldout-fraction", type=probability, default=DATASET_DEFAULTS["heldout_fraction"])
+    ing.add_argument("--max-bad-fraction", type=probability, default=DATASET_DEFAULTS["max_bad_fraction"])
+    ing.add_argument("--max-row-bytes", type=positive_int, default=DATASET_DEFAULTS["max_row_bytes"])
+    ing.add_argument("--id-field", default=DATASET_DEFAULTS["id_field"])
     sel = sub.add_parser("select", help="write one shard of an ingested table")
     sel.add_argument("ingested", type=or_s3(existing_file), help="the ingested prompts parquet")
     sel.add_argument("--shard", type=non_negative_int, required=True)
