@@ -36,7 +36,7 @@ from tokenizers import Tokenizer
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_pipeline.data.masks import conversation_pieces, conversation_pieces_many  # noqa: E402
+from dflash_pipeline.data.loss_masks import conversation_pieces, conversation_pieces_many  # noqa: E402
 from dflash_pipeline.demo.task import sample_problem  # noqa: E402
 from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA  # noqa: E402
 from dflash_pipeline.data.tokenized import ShardTokenizer, _messages  # noqa: E402

@@ -189,15 +189,15 @@ def run_case(name: str, reader: str, paths: dict[str, str], model: str, work: Pa
 
 def batch_order_identical(paths: dict[str, str], cache: Path, steps: int, seed: int = 0) -> bool:
     """The first ``steps`` global batches (2 ranks x 1 row) of both readers: same rows."""
-    from dflash_pipeline.training.data import BatchPlan, read_training_sequences
+    from dflash_pipeline.training.data import BatchOrder, read_training_sequences
     from tests.support.legacy_training_data import read_training_sequences as legacy
 
     new = read_training_sequences(paths, cache_dir=cache)
-    new_plan = BatchPlan(new.lengths, 2, seed)
+    new_plan = BatchOrder(new.lengths, 2, seed)
     new_ids = [[new[i].sample_id for i in new_plan.global_batch_at(s)] for s in range(steps)]
     del new
     old = legacy(paths)
-    old_plan = BatchPlan([r.length for r in old], 2, seed)
+    old_plan = BatchOrder([r.length for r in old], 2, seed)
     old_ids = [[old[i].sample_id for i in old_plan.global_batch_at(s)] for s in range(steps)]
     return new_ids == old_ids
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("project", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("project")
 
-from tests.support.seaweed import start_seaweed
+from tests.support.seaweed import start_seaweed  # noqa: E402 (after the profile, before any test module)
 
 REPO = Path(__file__).resolve().parent.parent
 # What a clone needs to run the workflow (the package itself is pip-installed).

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dflash_pipeline.model.config import FULL, SLIDING, DrafterConfig, default_target_layer_ids
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.model.inference import DFlashProposer
-from dflash_pipeline.model.masks import block_visibility, flex_block_mask
+from dflash_pipeline.model.block_masks import block_visibility, flex_block_mask
 from dflash_pipeline.training.blocks import (
     block_loss,
     block_metrics,

@@ -134,7 +134,7 @@ def test_evaluate_sampled_with_a_smaller_block_than_trained(demo_model, tmp_path
 
 
 def test_engine_vllm_measures_beside_the_loop_and_gates_on_parity(
-    demo_model, tmp_path, prompts_file, stand_in_servers
+    demo_model, tmp_path, prompts_file, stand_in_servers  # noqa: F811 (the fixture imported above)
 ):
     """`--engine vllm`: the drafter served by (a stand-in of) vLLM on the same prompts, its tau
     and lossless check recorded beside the loop's, and the engine parity gate failing the run

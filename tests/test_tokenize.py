@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from dflash_pipeline.data.masks import conversation_sequences
+from dflash_pipeline.data.loss_masks import conversation_sequences
 from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
 from dflash_pipeline.data.quality import DegenerateShard
 from dflash_pipeline.data.tokenized import ShardTokenizer
@@ -113,7 +113,7 @@ CHATML = (
 def test_one_row_per_conversation_supervises_every_turn_with_a_stable_template(tok):
     import copy
 
-    from dflash_pipeline.data.masks import needs_rows_per_turn
+    from dflash_pipeline.data.loss_masks import needs_rows_per_turn
 
     plain = copy.deepcopy(tok)
     plain.chat_template = CHATML
@@ -136,7 +136,7 @@ def test_one_row_per_conversation_supervises_every_turn_with_a_stable_template(t
 
 
 def test_a_template_whose_turns_change_later_is_refused_as_one_row(tok):
-    from dflash_pipeline.data.masks import TemplateMismatch
+    from dflash_pipeline.data.loss_masks import TemplateMismatch
 
     messages = [
         {"role": "user", "content": "What is 1 + 2?"},
@@ -224,7 +224,7 @@ def test_one_tokenization_of_the_whole_text_gives_the_piecewise_ids_and_masks(to
     """The stage tokenizes each whole text once and places the boundaries by offsets: on
     conversations with system prompts, non-ASCII text, several turns and tool results, the ids
     and masks are those of the pieces tokenized one by one, without falling back."""
-    from dflash_pipeline.data.masks import conversation_pieces_many, encode_pieces, tokenize_pieces
+    from dflash_pipeline.data.loss_masks import conversation_pieces_many, encode_pieces, tokenize_pieces
 
     conversations = [
         [
@@ -255,7 +255,7 @@ def test_one_tokenization_of_the_whole_text_gives_the_piecewise_ids_and_masks(to
 def test_a_boundary_inside_a_token_falls_back_to_the_pieces_and_is_a_template_mismatch(tok):
     import copy
 
-    from dflash_pipeline.data.masks import conversation_pieces, encode_pieces
+    from dflash_pipeline.data.loss_masks import conversation_pieces, encode_pieces
 
     plain = copy.deepcopy(tok)
     plain.chat_template = CHATML
@@ -512,7 +512,7 @@ def test_a_cut_turn_in_one_row_per_conversation_leaves_the_template_closing_unsu
 
 
 def test_special_tokens_are_the_special_ones_not_the_think_tags(tok, qwen3_tokenizer):
-    from dflash_pipeline.data.masks import special_token_texts
+    from dflash_pipeline.data.loss_masks import special_token_texts
 
     assert set(special_token_texts(tok)) == {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"}
     qwen3 = set(special_token_texts(qwen3_tokenizer))
@@ -768,7 +768,7 @@ def test_qwen3_per_turn_rows_take_the_engine_ids_of_every_turn(qwen3_tokenizer, 
     """Each turn's row is its prompt's ids (what the engine was given) + exactly the ids the
     engine returned for it, supervised there and only there: a stopped turn ends with one
     end-of-turn id, a cut turn with its last generated id."""
-    from dflash_pipeline.data.masks import needs_rows_per_turn
+    from dflash_pipeline.data.loss_masks import needs_rows_per_turn
 
     tok = qwen3_tokenizer
     assert needs_rows_per_turn(tok, thinking)
@@ -819,7 +819,7 @@ def chatml(tokenizer):
     row per conversation."""
     import copy
 
-    from dflash_pipeline.data.masks import needs_rows_per_turn
+    from dflash_pipeline.data.loss_masks import needs_rows_per_turn
 
     plain = copy.deepcopy(tokenizer)
     plain.chat_template = CHATML

@@ -14,7 +14,7 @@ import pytest
 from dflash_pipeline.data.tokenized import TOKENIZED_SCHEMA
 from dflash_pipeline.training.data import (
     CONVERT_BATCH_ROWS,
-    BatchPlan,
+    BatchOrder,
     TrainingDataError,
     collate,
     local_arrow_copy,
@@ -75,8 +75,8 @@ def test_rows_and_batch_order_equal_the_in_memory_reader(shards, tmp_path):
         assert b.input_ids.dtype == a.input_ids.dtype == np.int64
     # The batch order: same seed, same rows, for every rank of a 2-rank job, over three epochs.
     for seed in (0, 7):
-        plan_old = BatchPlan([r.length for r in old], 8, seed)
-        plan_new = BatchPlan(new.lengths, 8, seed)
+        plan_old = BatchOrder([r.length for r in old], 8, seed)
+        plan_new = BatchOrder(new.lengths, 8, seed)
         for step in range(3 * plan_old.batches_per_epoch):
             for rank in range(2):
                 i_old = plan_old.rank_batch_at(step, rank, 2)

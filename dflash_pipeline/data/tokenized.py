@@ -1,5 +1,5 @@
 """A generated shard becomes a tokenized one: every row's sequences with exact loss masks
-(``dflash_pipeline.data.masks``), in chunks of rows (one batched chat-template call and one batched
+(``dflash_pipeline.data.loss_masks``), in chunks of rows (one batched chat-template call and one batched
 tokenizer call each) spread over forked worker processes, then judged by the quality gate
 (``dflash_pipeline.data.quality``)."""
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from dflash_pipeline.data.masks import (
+from dflash_pipeline.data.loss_masks import (
     MaskedSequence,
     Pieces,
     conversation_pieces_many,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dflash_pipeline.model.config import SLIDING, DrafterConfig
 from dflash_pipeline.model.drafter import DFlashDrafter
-from dflash_pipeline.model.masks import block_visibility
+from dflash_pipeline.model.block_masks import block_visibility
 from dflash_pipeline.model.target import target_embeddings
 
 

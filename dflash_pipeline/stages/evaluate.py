@@ -351,7 +351,7 @@ def _run_transformers(target, drafter, prompts, options: EvalOptions, load_propo
     return results, {"lossless": lossless}, resolved
 
 
-def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[str], out: str | Path,
+def evaluate_job(target: str, drafter_dir: str, prompts: str, heldout: list[str], out: str | Path,
                  settings: dict, thinking: bool, failed_copy: str | Path,
                  runtime_dir: str | Path | None = None, engines: dict | None = None) -> dict:
     """What the `evaluate` rule runs: the simulated tau on held-out tokenized rows, the loop on
@@ -387,7 +387,7 @@ def evaluate_job(target: str, drafter_dir: str, prompts: str, tokenized: list[st
         engine_section = measure_engine(target, drafter_dir, prompts, options, out)
     # One copy of the target serves the simulated tau and the loop.
     model = load_target(target, *resolve_device_dtype(options))
-    simulated = simulated_tau(drafter_dir, target, tokenized, max_rows=settings["simulated_rows"], target=model)
+    simulated = simulated_tau(drafter_dir, target, heldout, max_rows=settings["simulated_rows"], target=model)
     print(f"simulated (teacher-forced, held-out) acceptance length: {simulated}")
     options.simulated_tau = simulated["tau"]
     try:

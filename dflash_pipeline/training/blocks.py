@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from dflash_pipeline.model.config import FULL, SLIDING
 from dflash_pipeline.model.drafter import DFlashDrafter
-from dflash_pipeline.model.masks import block_visibility, flex_block_mask
+from dflash_pipeline.model.block_masks import block_visibility, flex_block_mask
 
 
 @dataclass

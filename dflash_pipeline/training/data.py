@@ -214,7 +214,7 @@ def read_training_sequences(paths: dict[str, str], min_supervised: int = 2,
     return TrainingSet(shards, sources, np.concatenate(shard_of), np.concatenate(row_of), np.concatenate(lengths))
 
 
-class BatchPlan:
+class BatchOrder:
     def __init__(self, lengths: list[int], global_batch: int, seed: int):
         if len(lengths) < global_batch:
             raise TrainingDataError(

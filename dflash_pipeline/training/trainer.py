@@ -3,7 +3,7 @@
 The segment starts from, in order: its own latest in-segment checkpoint (a crash or preemption
 inside the segment), the previous segment's final checkpoint, or a fresh seeded drafter. Every
 source of randomness is a function of (seed, step, rank) -- anchors come from a generator seeded
-per step, batches from ``BatchPlan`` -- so weights, optimizer and scheduler state plus the step
+per step, batches from ``BatchOrder`` -- so weights, optimizer and scheduler state plus the step
 number reproduce the run exactly; RNG states are saved as well for anything else that draws.
 SIGTERM checkpoints at the end of the current step and exits (at the segment's last step it
 finishes the segment instead: its final checkpoint is the save); so does a job whose driver is
@@ -42,7 +42,7 @@ from dflash_pipeline.training.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from dflash_pipeline.training.data import BatchPlan, collate, read_training_sequences
+from dflash_pipeline.training.data import BatchOrder, collate, read_training_sequences
 from dflash_pipeline.training.selector import selector_metrics, selector_weight
 from dflash_pipeline.training.step import optimizer_step
 
@@ -351,7 +351,7 @@ class _SegmentRun:
             self.job.tokenized, cache_dir=s.get("data_cache_dir"), rank=self.dist.local_rank,
             world=int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world)),
         )
-        self.plan = BatchPlan(self.sequences.lengths, s["batch_size"] * self.dist.world, s["seed"])
+        self.plan = BatchOrder(self.sequences.lengths, s["batch_size"] * self.dist.world, s["seed"])
         self._build_model()
         source = self._restore()
         metrics = MetricsLog(
