@@ -98,6 +98,9 @@ def test_ranks_write_byte_balanced_shards_and_each_reads_its_own_rng(store):
     assert set(weights) == set(state["model"])
     assert all(torch.equal(weights[k], state["model"][k]) for k in weights)
     assert load_model_weights(store, "nothing/") is None
+    # ... straight into the export dtype (no fp32 copy of a bf16 export).
+    bf16 = load_model_weights(store, "c/", torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, state["model"][k].to(torch.bfloat16)) for k, t in bf16.items())
 
 
 def test_assignment_balances_bytes_and_is_the_same_on_every_rank():

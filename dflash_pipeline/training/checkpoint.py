@@ -352,11 +352,15 @@ def _checked_shard(storage: Storage, prefix: str, name: str, expected: dict) -> 
         raise CheckpointError(f"checkpoint {storage.join(prefix)}: {err}") from err
 
 
-def load_model_weights(storage: Storage, prefix: str) -> dict[str, torch.Tensor] | None:
+def load_model_weights(
+    storage: Storage, prefix: str, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor] | None:
     """Only the drafter's weights (``state["model"]``) of the checkpoint at ``prefix``, on the
-    CPU; None when it has no index. Each shard file is memory-mapped and only the model's tensors
-    are copied out: the AdamW moments (two thirds of the checkpoint's bytes) are never read into
-    memory. What export needs, at a third of ``load_checkpoint``'s memory."""
+    CPU, in ``dtype`` (default: as saved); None when it has no index. Each shard file is
+    memory-mapped and only the model's tensors are copied out, each straight into ``dtype``: the
+    AdamW moments (two thirds of the checkpoint's bytes) are never read into memory, nor is an
+    fp32 copy of weights exported in bf16. What export needs: for the 27B case's drafter
+    (1.7B parameters) 3.5 GB in bf16 instead of a 21 GB checkpoint."""
     index = read_index(storage, prefix)
     if index is None:
         return None
@@ -366,7 +370,8 @@ def load_model_weights(storage: Storage, prefix: str) -> dict[str, torch.Tensor]
             payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             for key, tensor in payload["tensors"].items():
                 if key.startswith(MODEL_PATH):
-                    weights[key[len(MODEL_PATH):]] = tensor.clone()  # before the copy goes
+                    # A copy, before the local file goes (a converted tensor is one already).
+                    weights[key[len(MODEL_PATH):]] = tensor.clone() if dtype in (None, tensor.dtype) else tensor.to(dtype)
             del payload
     return weights
 
