@@ -32,6 +32,12 @@ def test_snakefmt_leaves_the_workflow_unchanged():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_ruff_finds_nothing_in_the_python_tree():
+    ruff = Path(sys.executable).parent / "ruff"
+    proc = subprocess.run([ruff, "check", "."], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def project_pins() -> dict[str, str]:
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     pins = dict(re.match(r"([\w-]+)==([\w.]+)", d).groups() for d in deps if "==" in d)
