@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dflash_pipeline.core import layout  # noqa: E402
-from dflash_pipeline.core.storage import S3Storage  # noqa: E402
+from dflash_pipeline.core.s3 import S3Storage  # noqa: E402
 from tests.conftest import WORKFLOW_FILES, parse_job_table  # noqa: E402
 from tests.support.seaweed import start_seaweed  # noqa: E402
 

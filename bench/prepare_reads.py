@@ -22,7 +22,7 @@ from benchlib import cpu_model, emit, provenance
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_pipeline.core.storage import S3Storage  # noqa: E402
+from dflash_pipeline.core.s3 import S3Storage  # noqa: E402
 from dflash_pipeline.stages.prepare import ingest, read_shard  # noqa: E402
 from tests.support.seaweed import start_seaweed  # noqa: E402
 

@@ -27,7 +27,7 @@ from dflash_pipeline.core import layout  # noqa: E402
 from dflash_pipeline.core.jobstate import ShardProgress  # noqa: E402
 from dflash_pipeline.core.storage import ReadOnlyStorage  # noqa: E402
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder  # noqa: E402
-from dflash_pipeline.core.storage import S3Storage  # noqa: E402
+from dflash_pipeline.core.s3 import S3Storage  # noqa: E402
 from tests.support.seaweed import start_seaweed  # noqa: E402
 
 

@@ -18,7 +18,8 @@ from dflash_pipeline.snakemake_patches.planning import (
     install_planning_patches,
 )
 from dflash_pipeline.snakemake_patches.s3_inventory import install_folder_inventory
-from dflash_pipeline.core.storage import S3Storage, open_storage
+from dflash_pipeline.core.storage import open_storage
+from dflash_pipeline.core.s3 import S3Storage
 
 # Planning against S3 reads absence from folder listings (one request per 1,000 objects, not
 # three per missing object); see dflash_pipeline/snakemake_patches/s3_inventory.py.

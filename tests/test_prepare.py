@@ -531,7 +531,7 @@ def test_the_summary_counts_rows_per_file_and_names_an_empty_one(tmp_path):
 def test_a_shard_is_read_from_s3_by_byte_range_not_whole(tmp_path, s3_server, s3_env, monkeypatch):
     """A prepare job fetches the footer and its own row group of the ingested table, not the
     whole object: with 16 shards, well under a quarter of its bytes."""
-    from dflash_pipeline.core.storage import S3Storage
+    from dflash_pipeline.core.s3 import S3Storage
 
     import random
 

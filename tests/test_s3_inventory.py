@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_pipeline.snakemake_patches.s3_inventory import folder_prefix, install_folder_inventory, parse_query, parse_timestamp
-from dflash_pipeline.core.storage import S3Storage
+from dflash_pipeline.core.s3 import S3Storage
 from tests.conftest import parse_job_table
 
 pytestmark = pytest.mark.s3

@@ -7,15 +7,8 @@ import uuid
 import boto3
 import pytest
 
-from dflash_pipeline.core.storage import (
-    BUCKET_SENTINEL_KEY,
-    LocalStorage,
-    S3Storage,
-    StorageError,
-    open_object,
-    s3_settings_from_env,
-    write_atomically,
-)
+from dflash_pipeline.core.storage import LocalStorage, StorageError, open_object, write_atomically
+from dflash_pipeline.core.s3 import BUCKET_SENTINEL_KEY, S3Storage, s3_settings_from_env
 
 
 
@@ -149,7 +142,8 @@ def test_a_missing_object_is_a_typed_not_found(store):
 
 
 def test_no_access_to_a_bucket_never_creates_one(s3_server, s3_env, monkeypatch):
-    from dflash_pipeline.core.storage import S3Storage, StorageError
+    from dflash_pipeline.core.storage import StorageError
+    from dflash_pipeline.core.s3 import S3Storage
 
     monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_SECRET_KEY", "wrong")
     storage = S3Storage(f"s3://{s3_server.bucket}-other/run")
@@ -177,7 +171,8 @@ def test_storages_of_one_endpoint_share_one_client(s3_server, s3_env):
 def test_an_unreachable_endpoint_is_retried_with_backoff_and_logged(monkeypatch, caplog):
     """Each failed attempt is in the log (a job's log shows the outage it met), then a
     StorageError naming the object."""
-    from dflash_pipeline.core.storage import S3Storage, StorageError, s3_client
+    from dflash_pipeline.core.storage import StorageError
+    from dflash_pipeline.core.s3 import S3Storage, s3_client
     from tests.support.seaweed import free_port
 
     monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_pipeline.core.storage import BUCKET_SENTINEL_KEY
+from dflash_pipeline.core.s3 import BUCKET_SENTINEL_KEY
 
 pytestmark = [pytest.mark.workflow, pytest.mark.s3]
 

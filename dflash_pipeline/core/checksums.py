@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.storage import NotFound, S3Storage, Storage, is_s3_url, open_storage
+from dflash_pipeline.core.storage import NotFound, Storage, is_s3_url, open_storage
+from dflash_pipeline.core.s3 import S3Storage
 
 log = logging.getLogger(__name__)
 

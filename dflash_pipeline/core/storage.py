@@ -11,7 +11,7 @@ Rules the rest of the pipeline relies on:
   upload, which S3 makes visible all at once);
 * S3 endpoint and credentials come from the same environment variables as
   ``snakemake-storage-plugin-s3`` (``SNAKEMAKE_STORAGE_S3_*``), so the plugin and the jobs can
-  never disagree about where the run lives;
+  never disagree about where the run lives (``dflash_pipeline.core.s3``);
 * the bucket keeps a permanent sentinel object, because the S3 plugin deletes a bucket once it
   is empty.
 """
@@ -19,9 +19,7 @@ Rules the rest of the pipeline relies on:
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
-import logging
 import os
 import shutil
 import tempfile
@@ -31,12 +29,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-S3_ENV_PREFIX = "SNAKEMAKE_STORAGE_S3_"
-# botocore's standard mode backs off exponentially up to 20 s per attempt: 15 attempts ride out
-# an outage of about three minutes (the profiles give the S3 plugin the same); DFLASH_S3_MAX_ATTEMPTS
-# changes it.
-S3_MAX_ATTEMPTS = int(os.environ.get("DFLASH_S3_MAX_ATTEMPTS") or 15)
-BUCKET_SENTINEL_KEY = ".dflash-pipeline-bucket"
 # Local temp files carry this marker so listings never show a half-written object.
 PARTIAL_MARKER = ".partial-"
 # Lock files of local conditional writes (hidden from listings like partial files).
@@ -310,329 +302,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def s3_settings_from_env(env: dict[str, str] | None = None) -> dict[str, str | None]:
-    """The S3 plugin's settings, read from the same environment variables it reads."""
-    env = os.environ if env is None else env
-    return {
-        "endpoint_url": env.get(S3_ENV_PREFIX + "ENDPOINT_URL") or None,
-        "access_key": env.get(S3_ENV_PREFIX + "ACCESS_KEY") or None,
-        "secret_key": env.get(S3_ENV_PREFIX + "SECRET_KEY") or None,
-        "token": env.get(S3_ENV_PREFIX + "TOKEN") or None,
-        "region": env.get(S3_ENV_PREFIX + "REGION") or "us-east-1",
-    }
-
-
-_retry_log = logging.getLogger("dflash_pipeline.storage")
-
-
-def _log_retry(max_attempts, attempts=None, caught_exception=None, response=None, operation=None, **_):
-    """botocore's ``needs-retry`` event, seen by every attempt: a failed one is logged before
-    botocore's own handler backs off and retries it, so a job's log shows an outage it rode
-    out (returns None: the decision stays botocore's)."""
-    status = (response[1] if response else {}).get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-    if caught_exception is None and status < 500 and status != 429:
-        return None
-    cause = type(caught_exception).__name__ if caught_exception is not None else f"HTTP {status}"
-    name = getattr(operation, "name", "request")
-    # botocore's max_attempts counts the retries: one first try, then up to that many more.
-    tries = max_attempts + 1
-    then = "retrying with backoff" if (attempts or 0) < tries else "giving up"
-    _retry_log.warning("S3 %s failed (%s), try %s of %d; %s", name, cause, attempts, tries, then)
-    return None
-
-
-def s3_client(max_attempts: int | None = None, **timeouts):
-    """A boto3 S3 client configured as the S3 plugin is (``SNAKEMAKE_STORAGE_S3_*``), retrying
-    ``max_attempts`` times (default ``S3_MAX_ATTEMPTS``) with botocore's backoff, each failed
-    attempt logged; ``timeouts``: botocore's connect_timeout / read_timeout.
-
-    The default client (no arguments) is made once per process and endpoint and shared (boto3
-    clients are thread-safe): a job opens many storages, each of which would otherwise build
-    its own client, connection pool and credential chain."""
-    settings = s3_settings_from_env()
-    if max_attempts is None and not timeouts:
-        return _shared_client(tuple(sorted(settings.items())))
-    return _new_client(settings, max_attempts or S3_MAX_ATTEMPTS, timeouts)
-
-
-@functools.lru_cache(maxsize=8)
-def _shared_client(settings: tuple):
-    return _new_client(dict(settings), S3_MAX_ATTEMPTS, {})
-
-
-def _new_client(settings: dict, max_attempts: int, timeouts: dict):
-    import boto3
-    from botocore.config import Config
-
-    # Non-AWS servers (SeaweedFS, MinIO) store boto's default checksum trailers inside the
-    # object; the S3 plugin switches them off the same way.
-    config = Config(
-        retries={"max_attempts": max_attempts, "mode": "standard"},
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-        **timeouts,
-    )
-    client = boto3.client(
-        "s3",
-        endpoint_url=settings["endpoint_url"],
-        aws_access_key_id=settings["access_key"],
-        aws_secret_access_key=settings["secret_key"],
-        aws_session_token=settings["token"],
-        region_name=settings["region"],
-        config=config,
-    )
-    client.meta.events.register("needs-retry.s3", functools.partial(_log_retry, max_attempts))
-    return client
-
-
-def _listed(obj: dict, base: str) -> ObjectInfo:
-    """An entry of an S3 listing, its key relative to the storage root ``base``."""
-    return ObjectInfo(
-        obj["Key"][len(base) :], obj["Size"], obj["LastModified"].timestamp(), obj["ETag"].strip('"')
-    )
-
-
-def _client_error_code(err: BaseException | None) -> str:
-    response = getattr(err, "response", None) or {}
-    code = response.get("Error", {}).get("Code", "")
-    return str(code or response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-
-
-def _key_before(key: str) -> str:
-    """A string that sorts just before ``key``: its last character decremented."""
-    if not key:
-        return key
-    last = key[-1]
-    return key[:-1] + (chr(ord(last) - 1) if ord(last) > 0 else "")
-
-
-def split_s3_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/a/b`` -> (``bucket``, ``a/b``)."""
-    if not url.startswith("s3://"):
-        raise StorageError(f"{url!r} is not an s3:// URL")
-    bucket, _, prefix = url[len("s3://") :].partition("/")
-    if not bucket:
-        raise StorageError(f"{url!r} names no bucket")
-    return bucket, prefix.strip("/")
-
-
-class S3Storage(Storage):
-    def __init__(self, url: str, client=None):
-        self.bucket, self.prefix = split_s3_url(url)
-        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-        self.client = client or s3_client()
-
-    def _key(self, key: str) -> str:
-        key = key.lstrip("/")
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _call(self, what: str, key: str, fn, *args, **kwargs):
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            return fn(*args, **kwargs)
-        except ClientError as err:
-            code = err.response.get("Error", {}).get("Code", "")
-            if code in ("NoSuchKey", "404", "NotFound"):
-                raise NotFound(f"{self.join(key)} does not exist") from err
-            raise StorageError(f"{what} {self.join(key)} failed: {code or err}") from err
-        except BotoCoreError as err:
-            raise StorageError(f"{what} {self.join(key)} failed: {err}") from err
-
-    def read_bytes(self, key: str) -> bytes:
-        resp = self._call(
-            "reading", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key)
-        )
-        return resp["Body"].read()
-
-    def write_bytes(self, key: str, data: bytes) -> None:
-        self._call(
-            "writing",
-            key,
-            self.client.put_object,
-            Bucket=self.bucket,
-            Key=self._key(key),
-            Body=data,
-        )
-
-    def upload_file(self, key: str, local_path: str | os.PathLike) -> None:
-        # Multipart uploads become visible only when completed: still one atomic object.
-        self._call(
-            "uploading", key, self.client.upload_file, str(local_path), self.bucket, self._key(key)
-        )
-
-    def download_file(self, key: str, local_path: str | os.PathLike) -> None:
-        self._call(
-            "downloading",
-            key,
-            self.client.download_file,
-            self.bucket,
-            self._key(key),
-            str(local_path),
-        )
-
-    def open_ranged(self, key: str) -> io.RawIOBase:
-        head = self._call("checking", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
-        return S3RangedFile(self, key, int(head["ContentLength"]), head.get("ETag"))
-
-    def exists(self, key: str) -> bool:
-        try:
-            self._call("checking", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
-            return True
-        except NotFound:
-            return False
-
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        base = f"{self.prefix}/" if self.prefix else ""
-        paginator = self.client.get_paginator("list_objects_v2")
-        found = []
-        pages = self._call(
-            "listing",
-            prefix,
-            lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=base + prefix)),
-        )
-        for page in pages:
-            for obj in page.get("Contents", []):
-                found.append(_listed(obj, base))
-        return sorted(found, key=lambda o: o.key)
-
-    def list_range(self, prefix: str, start: str = "", stop: str | None = None) -> list[ObjectInfo]:
-        base = f"{self.prefix}/" if self.prefix else ""
-        kwargs = {"Bucket": self.bucket, "Prefix": base + prefix}
-        if start > prefix:
-            # StartAfter is exclusive; any key below `start` will do, since the keys are
-            # filtered below: one that sorts just before it skips everything else.
-            kwargs["StartAfter"] = base + _key_before(start)
-        found = []
-        paginator = self.client.get_paginator("list_objects_v2")
-
-        def collect():
-            for page in paginator.paginate(**kwargs):
-                for obj in page.get("Contents", []):
-                    key = obj["Key"][len(base) :]
-                    if stop is not None and key >= stop:
-                        return
-                    if key >= start:
-                        found.append(_listed(obj, base))
-
-        self._call("listing", prefix, collect)
-        return found
-
-    def delete(self, key: str) -> None:
-        self._call(
-            "deleting", key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key)
-        )
-
-    # Conditional writes use S3's If-None-Match: * (create only if absent) and If-Match: <ETag>
-    # (replace or delete only if unchanged); SeaweedFS 4.x, AWS and MinIO honour both and
-    # answer 412 PreconditionFailed otherwise.
-    def _conditional(self, what: str, key: str, fn, **kwargs):
-        """Run a conditional request: its response, or None when the condition did not hold."""
-        try:
-            return self._call(what, key, fn, Bucket=self.bucket, Key=self._key(key), **kwargs)
-        except StorageError as err:
-            code = _client_error_code(err.__cause__)
-            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
-                return None
-            if code in ("NotImplemented", "501"):
-                raise StorageError(
-                    f"{what} {self.join(key)} failed: the S3 server does not support conditional "
-                    "writes (If-None-Match / If-Match), which the run lease needs"
-                ) from err
-            if isinstance(err, NotFound):
-                return None  # If-Match on a missing object
-            raise
-
-    def read_tagged(self, key: str) -> tuple[bytes, str] | None:
-        try:
-            resp = self._call(
-                "reading", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key)
-            )
-        except NotFound:
-            return None
-        return resp["Body"].read(), resp["ETag"]
-
-    def create_if_absent(self, key: str, data: bytes) -> str | None:
-        resp = self._conditional("creating", key, self.client.put_object, Body=data, IfNoneMatch="*")
-        return None if resp is None else resp["ETag"]
-
-    def replace_if_tag(self, key: str, data: bytes, tag: str) -> str | None:
-        resp = self._conditional("replacing", key, self.client.put_object, Body=data, IfMatch=tag)
-        return None if resp is None else resp["ETag"]
-
-    def delete_if_tag(self, key: str, tag: str) -> bool:
-        return self._conditional("deleting", key, self.client.delete_object, IfMatch=tag) is not None
-
-    def ensure_bucket(self) -> None:
-        """Create the bucket if needed and put the permanent sentinel object into it."""
-        from botocore.exceptions import ClientError
-
-        try:
-            self.client.head_bucket(Bucket=self.bucket)
-        except ClientError as err:
-            # Only a bucket that is not there is created: a 403 (no access to someone else's
-            # bucket, or wrong credentials) is an error, never a reason to create one.
-            if _client_error_code(err) not in ("404", "NoSuchBucket", "NotFound"):
-                raise StorageError(
-                    f"s3://{self.bucket}: no access ({_client_error_code(err)}); check the "
-                    f"{S3_ENV_PREFIX}* credentials"
-                ) from err
-            self._call("creating bucket", "", self.client.create_bucket, Bucket=self.bucket)
-        try:
-            self.client.head_object(Bucket=self.bucket, Key=BUCKET_SENTINEL_KEY)
-        except ClientError:
-            self.client.put_object(
-                Bucket=self.bucket,
-                Key=BUCKET_SENTINEL_KEY,
-                Body=(
-                    b"Kept on purpose: the Snakemake S3 plugin deletes a bucket once it is empty.\n"
-                ),
-            )
-
-
-class S3RangedFile(io.RawIOBase):
-    """A read-only, seekable view of one S3 object: each read is one ranged GET (``If-Match``
-    on the ETag seen when it was opened, so an object replaced meanwhile fails the read instead
-    of mixing two versions). ``bytes_fetched`` counts what came over the network."""
-
-    def __init__(self, storage: S3Storage, key: str, size: int, etag: str | None):
-        super().__init__()
-        self.storage, self.key, self.size, self.etag = storage, key, size, etag
-        self.position = 0
-        self.bytes_fetched = 0
-        self.requests = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
-        self.position = max(0, base + offset)
-        return self.position
-
-    def readinto(self, buffer) -> int:
-        want = min(len(buffer), self.size - self.position)
-        if want <= 0:
-            return 0
-        extra = {"IfMatch": self.etag} if self.etag else {}
-        resp = self.storage._call(
-            "reading", self.key, self.storage.client.get_object, Bucket=self.storage.bucket,
-            Key=self.storage._key(self.key), Range=f"bytes={self.position}-{self.position + want - 1}", **extra,
-        )  # fmt: skip
-        data = resp["Body"].read()
-        buffer[: len(data)] = data
-        self.position += len(data)
-        self.bytes_fetched += len(data)
-        self.requests += 1
-        return len(data)
-
-
 @contextlib.contextmanager
 def write_atomically(url: str | os.PathLike) -> Iterator[Path]:
     """Yield a local temp path; when the block succeeds, it becomes the object at ``url`` at once.
@@ -651,13 +320,19 @@ def is_s3_url(url: str | os.PathLike) -> bool:
 
 def open_storage(url: str | os.PathLike) -> Storage:
     """A storage for a local directory or an ``s3://bucket/prefix`` URL."""
-    return S3Storage(str(url)) if is_s3_url(url) else LocalStorage(url)
+    if is_s3_url(url):
+        from dflash_pipeline.core.s3 import S3Storage
+
+        return S3Storage(str(url))
+    return LocalStorage(url)
 
 
 def open_object(url: str | os.PathLike) -> tuple[Storage, str]:
     """Split a full object URL (or local path) into its parent storage and the object's key."""
     url = str(url)
     if is_s3_url(url):
+        from dflash_pipeline.core.s3 import S3Storage, split_s3_url
+
         bucket, key = split_s3_url(url)
         parent, _, name = key.rpartition("/")
         return S3Storage(f"s3://{bucket}/{parent}" if parent else f"s3://{bucket}"), name

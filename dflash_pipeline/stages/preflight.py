@@ -21,13 +21,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from dflash_pipeline.core.storage import (
-    S3_ENV_PREFIX,
-    is_s3_url,
-    s3_client,
-    s3_settings_from_env,
-    split_s3_url,
-)
+from dflash_pipeline.core.storage import is_s3_url
+from dflash_pipeline.core.s3 import S3_ENV_PREFIX, s3_client, s3_settings_from_env, split_s3_url
 from dflash_pipeline.data.prompts import detect_format
 from dflash_pipeline.stages.cli import looks_like_hub_id
 from dflash_pipeline.engines.preflight import check_engines
