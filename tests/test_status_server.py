@@ -23,7 +23,8 @@ from dflash_pipeline.status.__main__ import parser, resolve_source
 from dflash_pipeline.core.storage import ReadOnlyStorage
 from dflash_pipeline.status.events import EventWriter
 from dflash_pipeline.status.server import HostPolicy, RedactingFilter, Redactor, StatusServer
-from dflash_pipeline.status.snapshot import RunJobBoard, RunSource, SnapshotBuilder, local_log_path
+from dflash_pipeline.status.events import RunJobBoard
+from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder, local_log_path
 from dflash_pipeline.core.storage import LocalStorage, open_storage
 from tests.support.seaweed import free_port
 from tests.support.status_run import RUNNING_LOG, write_run

@@ -3,18 +3,21 @@
 The plugin (``snakemake_logger_plugin_dflash``) runs in Snakemake's main process and appends one
 JSON object per job event to a local file. ``EventTail`` reads what was appended since its last
 call; ``JobBoard`` folds that into the state of every job of the latest run (planned, running,
-done, failed).
+done, failed); ``RunJobBoard`` keeps only the Snakemake runs whose jobs write into one run root.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 from logging import LogRecord
 from pathlib import Path
+
+from dflash_pipeline.core import layout
 
 # Relative to Snakemake's working directory, beside the local logs of the demo-model rule.
 DEFAULT_EVENTS_FILE = "logs/snakemake-events.jsonl"
@@ -228,3 +231,95 @@ class JobBoard:
         for event in events:
             self.run.apply(event)
         return self.run
+
+
+# A file name in a job event carries Snakemake's annotation, e.g. " (send to storage)".
+FILE_ANNOTATION = re.compile(r" \([^()]*\)$")
+
+
+class RunJobBoard:
+    """The job events of this run root's Snakemake runs, read incrementally from an events file
+    that may also hold other runs' (the plugin writes one file per working directory).
+
+    Each Snakemake run (from one ``workflow_started`` to the next) is this run root's once one of
+    its jobs names an output or log inside the root (S3 jobs name theirs by URL:
+    ``s3://bucket/prefix/results/<run>/outputs/... (send to storage)``); it is another run's once
+    a job names a run-root output elsewhere (``.../outputs/<name>`` of another root, local or in
+    storage) while none of its jobs has named this root. Until either (a run just started, or
+    its jobs name no files) it is shown as before. The board shows the latest Snakemake run that
+    is not another run's; when the latest is another run's, the last one of this root (ended by
+    the next run's start), or nothing.
+    """
+
+    def __init__(self, path, run_url: str, workdir: Path = Path(".")):
+        self.tail = EventTail(path)
+        root = run_url.rstrip("/")
+        self._remote = "://" in root
+        self._workdir = os.path.abspath(workdir)
+        # A local root, as given and with its links resolved (job paths are relative to workdir).
+        self._roots = {root} if self._remote else {os.path.abspath(root), os.path.realpath(root)}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._current: RunEvents | None = None  # the latest Snakemake run in the file
+        self._current_owner: str | None = None  # "this" | "another" | None (not known yet)
+        self._ours: RunEvents | None = None  # the latest run known to be this root's
+
+    @property
+    def source(self) -> str:
+        """Whose Snakemake run ``refresh`` returns: "this run"; "unknown" (the latest run's jobs
+        named no files yet); "another run" (the file holds only other runs': none is shown);
+        "none" (no run in the file)."""
+        if self._current is None:
+            return "none"
+        if self._current_owner is None:
+            return "unknown"
+        return "this run" if self._ours is not None else "another run"
+
+    @property
+    def run(self) -> RunEvents:
+        if self._current is not None and self._current_owner is None:
+            return self._current
+        return self._ours if self._ours is not None else RunEvents()
+
+    def refresh(self) -> RunEvents:
+        restarted, events = self.tail.read()
+        if restarted:
+            self._reset()
+        for event in events:
+            self._apply(event)
+        return self.run
+
+    def _apply(self, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "workflow_started" or self._current is None:
+            if self._current is not None and self._current_owner == "this" and self._current.ended_at is None:
+                # A new Snakemake run in this working directory: the last one is over (killed
+                # without its closing event); its running jobs are no longer running.
+                self._current.apply({"event": "run_ended", "time": event.get("time")})
+            self._current, self._current_owner = RunEvents(), None
+        self._current.apply(event)
+        if self._current_owner != "this" and kind in ("job_info", "job_error"):
+            owner = self._owner(event)
+            if owner == "this":
+                self._current_owner, self._ours = "this", self._current
+            elif owner == "another":
+                self._current_owner = "another"
+
+    def _owner(self, event: dict) -> str | None:
+        foreign = False
+        for kind in ("output", "log"):
+            for name in event.get(kind) or []:
+                name = FILE_ANNOTATION.sub("", str(name).strip())
+                if not name:
+                    continue
+                remote = "://" in name
+                if remote == self._remote:
+                    path = name if remote else os.path.normpath(os.path.join(self._workdir, name))
+                    if any(path.startswith(root + "/") for root in self._roots):
+                        return "this"
+                # Every output of a run root lies in its outputs/ folder (core/layout.py); the
+                # demo model and other local helpers lie elsewhere and say nothing.
+                if kind == "output" and os.path.basename(os.path.dirname(name.rstrip("/"))) == layout.OUTPUTS_DIR:
+                    foreign = True
+        return "another" if foreign else None

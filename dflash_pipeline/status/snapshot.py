@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,9 +33,9 @@ from pathlib import Path
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import parse_totals, read_train_metrics
-from dflash_pipeline.core.lease import describe_holder
 from dflash_pipeline.core.storage import ObjectInfo, ReadOnlyStorage, StorageError
-from dflash_pipeline.status.events import EventTail, RunEvents
+from dflash_pipeline.status.events import FILE_ANNOTATION, RunEvents, RunJobBoard
+from dflash_pipeline.status.summaries import evaluation_summary, halt_summary, lease_summary
 
 # Shard stages in pipeline order; each is named like the rule that builds its objects.
 SHARD_STAGES = tuple(layout.SHARD_STAGES)
@@ -89,94 +88,6 @@ class RunSource:
     # The whole run root is listed again this often (bytes of logs, checkpoints, settled
     # shards); in between only what can still change is (see the module's docstring).
     full_listing_every_s: float = 300.0
-
-
-class RunJobBoard:
-    """The job events of this run root's Snakemake runs, read incrementally from an events file
-    that may also hold other runs' (the plugin writes one file per working directory).
-
-    Each Snakemake run (from one ``workflow_started`` to the next) is this run root's once one of
-    its jobs names an output or log inside the root (S3 jobs name theirs by URL:
-    ``s3://bucket/prefix/results/<run>/outputs/... (send to storage)``); it is another run's once
-    a job names a run-root output elsewhere (``.../outputs/<name>`` of another root, local or in
-    storage) while none of its jobs has named this root. Until either (a run just started, or
-    its jobs name no files) it is shown as before. The board shows the latest Snakemake run that
-    is not another run's; when the latest is another run's, the last one of this root (ended by
-    the next run's start), or nothing.
-    """
-
-    def __init__(self, path, run_url: str, workdir: Path = Path(".")):
-        self.tail = EventTail(path)
-        root = run_url.rstrip("/")
-        self._remote = "://" in root
-        self._workdir = os.path.abspath(workdir)
-        # A local root, as given and with its links resolved (job paths are relative to workdir).
-        self._roots = {root} if self._remote else {os.path.abspath(root), os.path.realpath(root)}
-        self._reset()
-
-    def _reset(self) -> None:
-        self._current: RunEvents | None = None  # the latest Snakemake run in the file
-        self._current_owner: str | None = None  # "this" | "another" | None (not known yet)
-        self._ours: RunEvents | None = None  # the latest run known to be this root's
-
-    @property
-    def source(self) -> str:
-        """Whose Snakemake run ``refresh`` returns: "this run"; "unknown" (the latest run's jobs
-        named no files yet); "another run" (the file holds only other runs': none is shown);
-        "none" (no run in the file)."""
-        if self._current is None:
-            return "none"
-        if self._current_owner is None:
-            return "unknown"
-        return "this run" if self._ours is not None else "another run"
-
-    @property
-    def run(self) -> RunEvents:
-        if self._current is not None and self._current_owner is None:
-            return self._current
-        return self._ours if self._ours is not None else RunEvents()
-
-    def refresh(self) -> RunEvents:
-        restarted, events = self.tail.read()
-        if restarted:
-            self._reset()
-        for event in events:
-            self._apply(event)
-        return self.run
-
-    def _apply(self, event: dict) -> None:
-        kind = event.get("event")
-        if kind == "workflow_started" or self._current is None:
-            if self._current is not None and self._current_owner == "this" and self._current.ended_at is None:
-                # A new Snakemake run in this working directory: the last one is over (killed
-                # without its closing event); its running jobs are no longer running.
-                self._current.apply({"event": "run_ended", "time": event.get("time")})
-            self._current, self._current_owner = RunEvents(), None
-        self._current.apply(event)
-        if self._current_owner != "this" and kind in ("job_info", "job_error"):
-            owner = self._owner(event)
-            if owner == "this":
-                self._current_owner, self._ours = "this", self._current
-            elif owner == "another":
-                self._current_owner = "another"
-
-    def _owner(self, event: dict) -> str | None:
-        foreign = False
-        for kind in ("output", "log"):
-            for name in event.get(kind) or []:
-                name = FILE_ANNOTATION.sub("", str(name).strip())
-                if not name:
-                    continue
-                remote = "://" in name
-                if remote == self._remote:
-                    path = name if remote else os.path.normpath(os.path.join(self._workdir, name))
-                    if any(path.startswith(root + "/") for root in self._roots):
-                        return "this"
-                # Every output of a run root lies in its outputs/ folder (core/layout.py); the
-                # demo model and other local helpers lie elsewhere and say nothing.
-                if kind == "output" and os.path.basename(os.path.dirname(name.rstrip("/"))) == layout.OUTPUTS_DIR:
-                    foreign = True
-        return "another" if foreign else None
 
 
 def thin_points(points: list[dict], limit: int = MAX_CURVE_POINTS) -> list[dict]:
@@ -436,9 +347,9 @@ class SnapshotBuilder:
                 "events_source": self.board.source if self.board else "none",
             },
             # A tokenize shard failed the quality gate: generation is stopped until it is cleared.
-            "halt": _halt_summary(halt),
+            "halt": halt_summary(halt),
             # Which driver runs this run root (core/lease.py): where to look, whom to stop.
-            "lease": _lease_summary(lease, now),
+            "lease": lease_summary(lease, now),
             "stages": stages,
             "running": running,
             "failed": failed,
@@ -453,7 +364,7 @@ class SnapshotBuilder:
                 ),
             },
             "training": self._training(segments),
-            "evaluation": _evaluation_summary(eval_metrics),
+            "evaluation": evaluation_summary(eval_metrics),
             "storage": {
                 # Bytes outside the ranges listed between full listings are as of this time.
                 "full_listing_at": self._full_at,
@@ -576,7 +487,6 @@ class SnapshotBuilder:
 # Where Snakemake keeps the local copy of a storage file while the job writes it
 # (its --local-storage-prefix default, then provider, bucket and key).
 LOCAL_STORAGE_PREFIX = ".snakemake/storage"
-FILE_ANNOTATION = re.compile(r" \([^()]*\)$")
 
 
 def local_log_path(name: str) -> str:
@@ -601,44 +511,6 @@ def _last_lines(data: bytes, lines: int = LOG_TAIL_LINES) -> list[str]:
     return text.splitlines()[-lines:]
 
 
-def _evaluation_summary(metrics) -> dict | None:
-    if not isinstance(metrics, dict) or not isinstance(metrics.get("overall"), dict):
-        return None
-    overall = metrics["overall"]
-    return {
-        "tau": overall.get("tau"),
-        "per_position": overall.get("per_position", []),
-        "speedup_estimate": overall.get("speedup_estimate"),
-        "prompt_sets": _prompt_set_taus(metrics),
-        "engine": _engine_summary(metrics),
-        "algorithm": (metrics.get("settings") or {}).get("algorithm", "dflash"),
-    }
-
-
-def _prompt_set_taus(section: dict) -> dict:
-    return {
-        name: values.get("tau")
-        for name, values in (section.get("prompt_sets") or {}).items()
-        if isinstance(values, dict)
-    }
-
-
-def _engine_summary(metrics: dict) -> dict | None:
-    """The serving engine's measurement beside the loop's (evaluate.engine vllm or sglang)."""
-    engine = metrics.get("engine")
-    if not isinstance(engine, dict) or not isinstance(engine.get("overall"), dict):
-        return None
-    lossless = engine.get("lossless") or {}
-    return {
-        "name": engine.get("name"),
-        "version": engine.get("version"),
-        "tau": engine["overall"].get("tau"),
-        "prompt_sets": _prompt_set_taus(engine),
-        "lossless": lossless.get("passed") if lossless.get("checked") else None,
-        "parity": metrics.get("engine_parity"),
-    }
-
-
 def _totals(text: str) -> dict[int, dict]:
     return parse_totals(json.loads(text))
 
@@ -654,24 +526,3 @@ def _parser_for(key: str):
     return None
 
 
-def _halt_summary(halt) -> dict | None:
-    """What the page shows of the run's halt (``_progress/HALT.json``)."""
-    if halt is None:
-        return None
-    if not isinstance(halt, dict):
-        halt = {"cause": "unreadable halt object"}
-    return {k: halt.get(k) for k in ("stage", "shard", "cause", "halted_at_utc")}
-
-
-def _lease_summary(lease, now: float) -> dict | None:
-    """What the page shows of the run lease (``_progress/LEASE.json``): its holder, and whether
-    it has expired (a driver that stopped without releasing it; the next one takes it over)."""
-    if lease is None:
-        return None
-    if not isinstance(lease, dict):
-        return {"holder": "unreadable lease object", "expired": True}
-    try:
-        expired = float(lease["expires_at"]) <= now
-    except (KeyError, TypeError, ValueError):
-        expired = True
-    return {"holder": describe_holder(lease), "expired": expired}

@@ -1,0 +1,67 @@
+"""What the status page shows of the run's evaluation, halt and lease: small documents built from
+the objects the snapshot read (``status.snapshot``)."""
+
+from __future__ import annotations
+
+from dflash_pipeline.core.lease import describe_holder
+
+
+def evaluation_summary(metrics) -> dict | None:
+    if not isinstance(metrics, dict) or not isinstance(metrics.get("overall"), dict):
+        return None
+    overall = metrics["overall"]
+    return {
+        "tau": overall.get("tau"),
+        "per_position": overall.get("per_position", []),
+        "speedup_estimate": overall.get("speedup_estimate"),
+        "prompt_sets": prompt_set_taus(metrics),
+        "engine": engine_summary(metrics),
+        "algorithm": (metrics.get("settings") or {}).get("algorithm", "dflash"),
+    }
+
+
+def prompt_set_taus(section: dict) -> dict:
+    return {
+        name: values.get("tau")
+        for name, values in (section.get("prompt_sets") or {}).items()
+        if isinstance(values, dict)
+    }
+
+
+def engine_summary(metrics: dict) -> dict | None:
+    """The serving engine's measurement beside the loop's (evaluate.engine vllm or sglang)."""
+    engine = metrics.get("engine")
+    if not isinstance(engine, dict) or not isinstance(engine.get("overall"), dict):
+        return None
+    lossless = engine.get("lossless") or {}
+    return {
+        "name": engine.get("name"),
+        "version": engine.get("version"),
+        "tau": engine["overall"].get("tau"),
+        "prompt_sets": prompt_set_taus(engine),
+        "lossless": lossless.get("passed") if lossless.get("checked") else None,
+        "parity": metrics.get("engine_parity"),
+    }
+
+
+def halt_summary(halt) -> dict | None:
+    """What the page shows of the run's halt (``_progress/HALT.json``)."""
+    if halt is None:
+        return None
+    if not isinstance(halt, dict):
+        halt = {"cause": "unreadable halt object"}
+    return {k: halt.get(k) for k in ("stage", "shard", "cause", "halted_at_utc")}
+
+
+def lease_summary(lease, now: float) -> dict | None:
+    """What the page shows of the run lease (``_progress/LEASE.json``): its holder, and whether
+    it has expired (a driver that stopped without releasing it; the next one takes it over)."""
+    if lease is None:
+        return None
+    if not isinstance(lease, dict):
+        return {"holder": "unreadable lease object", "expired": True}
+    try:
+        expired = float(lease["expires_at"]) <= now
+    except (KeyError, TypeError, ValueError):
+        expired = True
+    return {"holder": describe_holder(lease), "expired": expired}
