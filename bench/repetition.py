@@ -1,5 +1,5 @@
 """Repetition-loop check throughput on long rows: rows/s and tokens/s of
-``quality.sequences_repetition`` (spans split at ``</think>``, every span measured) on rows of
+``repetition.sequences_repetition`` (spans split at ``</think>``, every span measured) on rows of
 16k supervised tokens, called as the tokenize stage calls it (once per chunk of rows), next to
 the demo tokenizer's own tokens/s on the same texts for scale.
 
@@ -30,7 +30,8 @@ from benchlib import cpu_model, emit, provenance
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_pipeline.data.quality import DEFAULT_GATE, sequences_repetition  # noqa: E402
+from dflash_pipeline.data.quality import DEFAULT_GATE  # noqa: E402
+from dflash_pipeline.data.repetition import sequences_repetition  # noqa: E402
 from dflash_pipeline.demo.task import sample_problem  # noqa: E402
 
 def demo_rows(tok, rows: int, length: int) -> tuple[list[np.ndarray], list[str]]:

@@ -13,9 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dflash_pipeline.data.quality import (
-    DEFAULT_GATE,
-    DegenerateShard,
+from dflash_pipeline.data.quality import DEFAULT_GATE, DegenerateShard
+from dflash_pipeline.data.repetition import (
     measure_repetition,
     measure_repetitions,
     repetition_loop,
@@ -243,7 +242,7 @@ def step_list(steps: int = 150) -> str:
 
 
 def code() -> str:
-    return "\n".join((REPO / "dflash_pipeline" / "data" / name).read_text() for name in ("masks.py", "tokenized.py"))
+    return "\n".join((REPO / "dflash_pipeline" / "data" / name).read_text() for name in ("loss_masks.py", "tokenized.py"))
 
 
 def word_ids(text: str) -> list[int]:

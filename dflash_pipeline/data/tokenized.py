@@ -25,7 +25,8 @@ from dflash_pipeline.data.loss_masks import (
     special_token_texts,
 )
 from dflash_pipeline.data.chat import THINK_END, THINK_START
-from dflash_pipeline.data.quality import DEFAULT_GATE, gate_shard, row_checks, sequences_repetition
+from dflash_pipeline.data.quality import DEFAULT_GATE, gate_shard, row_checks
+from dflash_pipeline.data.repetition import sequences_repetition
 
 TOKENIZED_SCHEMA = pa.schema(
     [
@@ -246,7 +247,7 @@ class TokenizedSequence:
     supervised: int
     round_trip_ok: bool
     fell_back: bool
-    repetition: dict | None  # the looping span's measurement (quality.sequences_repetition), or None
+    repetition: dict | None  # the looping span's measurement (repetition.sequences_repetition), or None
 
 
 class ShardTokenizer:
