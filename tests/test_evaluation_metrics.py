@@ -25,11 +25,8 @@ from dflash_pipeline.evaluation.metrics import (
 from dflash_pipeline.evaluation.parity import ParityError, check_parity, parity_report
 from dflash_pipeline.evaluation.prompts import PromptFileError, read_eval_prompts
 from dflash_pipeline.evaluation.engine_counters import EngineResponseError, acceptance_from_response
-from dflash_pipeline.evaluation.serving import (
-    prompt_result,
-    request_acceptance,
-    serving_server_spec,
-)
+from dflash_pipeline.evaluation.engine_requests import prompt_result, request_acceptance
+from dflash_pipeline.evaluation.serving import serving_server_spec
 
 
 def result(pid, prompt_set, accepted, block=4, seconds=None, plain=None):

@@ -29,13 +29,13 @@ from dflash_pipeline.evaluation.parity import (
     engine_parity_report,
     known_engine_limitations,
 )
+from dflash_pipeline.evaluation.engine_requests import prompt_result
 from dflash_pipeline.evaluation.serving import (
     drafter_block_size,
     drafter_fields,
-    sglang_mamba_flag,
     measure_in_engine,
-    prompt_result,
     serving_server_spec,
+    sglang_mamba_flag,
 )
 from tests.support.vllm_stand_in import StandInServer
 from tests.support.seaweed import free_port
