@@ -9,6 +9,10 @@ Builds are cached: the cache key is a hash of this file and ``task.py``, so a ch
 retrains, and anything else reuses ``<cache>/demo-target-<key>/``.
 
 Run by hand: ``python -m dflash_pipeline.demo.build_model --out DIR``.
+
+Its length (over 500 lines): the demo target's tokenizer, model and training are one recipe, and
+the model cache is keyed by this file's code; split, a change in another file would reuse a stale
+cached model.
 """
 
 from __future__ import annotations

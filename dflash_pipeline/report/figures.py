@@ -8,6 +8,9 @@ is summarized shard by shard in constant memory.
 
 Training: ``write_training_report`` reads the ``metrics.jsonl`` of every training segment;
 evaluation: ``write_evaluation_report`` reads ``evaluate-metrics.json``.
+
+Its length (over 400 lines): one loader and one plot per report section, kept together so the
+report's look (colours, bins, units) is decided in one place.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ prompt from the engine's own counters, losslessness against the engine's plain g
 the cross-engine parity gate (the engine's tau within ``--engine-parity-tolerance`` of the
 loop's). The metrics JSON is written before any gate fails, so a failed run still shows what it
 measured.
+
+Its length (over 400 lines): the evaluate job runs the loop, the serving engine and both parity gates over
+several prompt sets, and the stage's whole command line is here; the loop itself
+(``evaluation.transformers_loop``) and the engines' measurement (``evaluation.serving``) are not.
 """
 
 from __future__ import annotations

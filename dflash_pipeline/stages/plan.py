@@ -21,6 +21,9 @@ with ``--configfile A [B ...]``, those files alone, later ones updating earlier 
 mappings merged, by Snakemake's own ``update_config``), never over config.yaml; keys they leave
 out take config/schema.yaml's defaults. The logic is plain functions over that validated config
 and what was measured (``Measured``); the CLI only gathers those and prints.
+
+Its length (over 400 lines): one estimate per stage, each with its source and the rule that picks
+it, and the command line; split, the estimates of one table would be read in several files.
 """
 
 from __future__ import annotations

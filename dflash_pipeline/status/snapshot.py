@@ -19,6 +19,10 @@ Sources, cheapest first:
 
 No Snakemake dry-run is ever started (against S3 it costs requests per object); everything here
 only lists and reads. The result is plain JSON for the page and the ``/api/status`` route.
+
+Its length (over 500 lines): the builder is one pass over the run root's listing that sees every
+kind of object together (shard outputs, telemetry, stage totals, training segments, halt, lease);
+the job boards (``status.events``) and the summaries (``status.summaries``) are apart.
 """
 
 from __future__ import annotations

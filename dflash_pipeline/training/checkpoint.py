@@ -25,6 +25,10 @@ from.
 In-segment checkpoints go to step-named folders below the segment's progress prefix with a
 ``latest.json`` pointer (written after the index); older step folders are removed after the
 pointer moved, so there is always one complete checkpoint to resume from.
+
+Its length (over 500 lines): the checkpoint format (shares balanced by bytes, the index, the
+checks on read), its synchronous and background writers and its readers are one contract, read
+together when any of them changes.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ finishes the segment instead: its final checkpoint is the save); so does a job w
 gone (``dflash_pipeline.core.lease``, checked about once a minute); a periodic checkpoint every M steps
 (written in the background while training goes on) bounds what a SIGKILL loses. Checkpoints are
 written by every rank, each its share (``dflash_pipeline.training.checkpoint``).
+
+Its length (over 400 lines): the segment's run loop, with its checkpoint, SIGTERM and driver checks at
+each step boundary, is one state machine; the process group (``training.distributed``), the
+checkpoint format, the data and the drafter config live in their own modules.
 """
 
 from __future__ import annotations
