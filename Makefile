@@ -189,3 +189,17 @@ vllm-gpu-env:
 sglang-env:
 	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install --quiet -r envs/gpu/sglang-0.5.17.txt
+
+# Debian's Slurm, its accounting daemon, munge and MariaDB for the single-node test cluster of the
+# SLURM tests (tests/support/slurm_cluster.py: the daemons run from the test's own folder; no
+# service of the packages is used).
+.PHONY: slurm-deps
+slurm-deps:
+	@if [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmdbd ] && [ -x /usr/sbin/munged ] && \
+		[ -x /usr/sbin/mariadbd ]; then \
+		echo "slurm-wlm, slurmdbd, munge and mariadb-server are installed"; \
+	else \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq slurm-wlm slurmdbd munge mariadb-server; \
+	fi

@@ -131,6 +131,7 @@ def slurm_plan():
                 + "\n(check the config's `slurm` section, or the cluster)"
             )
         logger.info(plan.line)
+        slurm_checks.install_state_fix()
     _SLURM_PLAN.append(plan)
     return plan
 

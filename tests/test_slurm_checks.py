@@ -144,3 +144,28 @@ def test_caps_inside_a_job_follow_the_allocation(monkeypatch):
     assert cpus_in_this_job() is None and cap(4, None) == 4
     monkeypatch.setenv("SLURM_CPUS_ON_NODE", "2")
     assert cpus_in_this_job() == 2 and cap(4, 2) == 2 and cap(1, 2) == 1
+
+
+def test_a_scancelled_job_reaches_the_plugin_as_cancelled():
+    """sacct says `CANCELLED by 0`; the plugin (2.8.0) knows only `CANCELLED` and would wait for
+    ever on the job: its status query is wrapped to drop the qualifier."""
+    import asyncio
+
+    import snakemake_executor_plugin_slurm as plugin
+
+    from dflash_pipeline.core.slurm import install_state_fix, job_state
+
+    assert job_state("CANCELLED by 0") == "CANCELLED" and job_state("COMPLETED") == "COMPLETED"
+    original = plugin.query_job_status
+
+    async def fake(command, logger):
+        return {"7": "CANCELLED by 0", "8": "RUNNING"}, 0.01
+
+    plugin.query_job_status = fake
+    try:
+        install_state_fix()
+        install_state_fix()  # once only
+        states, _ = asyncio.run(plugin.query_job_status("sacct ...", None))
+        assert states == {"7": "CANCELLED", "8": "RUNNING"}
+    finally:
+        plugin.query_job_status = original
