@@ -12,11 +12,7 @@ from dflash_pipeline.core.lease import (
     RunLease,
     describe_holder,
 )
-from dflash_pipeline.snakemake_patches.planning import (
-    collect_as_usual,
-    collect_rarely,
-    install_planning_patches,
-)
+from dflash_pipeline.snakemake_patches.planning import install_planning_patches
 from dflash_pipeline.snakemake_patches.s3_inventory import install_folder_inventory
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.core.s3 import S3Storage
@@ -24,10 +20,9 @@ from dflash_pipeline.core.s3 import S3Storage
 # Planning against S3 reads absence from folder listings (one request per 1,000 objects, not
 # three per missing object); see dflash_pipeline/snakemake_patches/s3_inventory.py.
 install_folder_inventory()
-# Planning 10,000s of jobs: Snakemake's per-job checks without repeats, and the garbage collector
-# held back until the plan is built (dflash_pipeline.snakemake_patches.planning).
+# Planning 10,000s of jobs: Snakemake's per-job checks without repeats
+# (dflash_pipeline.snakemake_patches.planning).
 install_planning_patches()
-collect_rarely()
 
 
 def check_offline_budget():
@@ -166,8 +161,6 @@ def release_run_lease():
 
 
 onstart:
-    # The plan is built: the driver collects garbage as usual for the days of the run.
-    collect_as_usual()
     if DEFAULT_STORAGE == "s3":
         # The S3 plugin deletes a bucket once it is empty; keep one object in it for good.
         S3Storage(RUN_URL).ensure_bucket()

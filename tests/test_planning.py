@@ -2,12 +2,11 @@
 own functions): each rule's fixed script is checked once per plan, scripts named by wildcards job
 by job, a missing script is still refused; each job's log paths are expanded once; a rule's fixed
 conda environment is expanded once and costs no job its params, while an environment that is a
-function is still asked per job; function signatures are read once. And the garbage collector is
-held back while planning, as usual after."""
+function is still asked per job; function signatures are read once. Each patch is guarded by the
+fingerprints of the functions it replaces."""
 
 from __future__ import annotations
 
-import gc
 import inspect
 import json
 import os
@@ -21,10 +20,7 @@ from hypothesis import strategies as st
 
 from dflash_pipeline.snakemake_patches.planning import (
     PATCHES,
-    PLANNING_GC_THRESHOLDS,
     _absolute_parts,
-    collect_as_usual,
-    collect_rarely,
     install_planning_patches,
 )
 
@@ -168,22 +164,6 @@ def test_function_parameters_are_read_once_and_are_snakemakes():
     assert list(params.items()) == list(inspect.signature(input_function).parameters.items())
     # Neither hashable nor weakly referenceable (a builtin): answered each time, the same.
     assert list(snakemake.common.get_function_params(divmod)) == list(inspect.signature(divmod).parameters)
-
-
-def test_the_collector_is_held_back_while_planning_and_as_usual_after():
-    usual = gc.get_threshold()
-    try:
-        collect_rarely()
-        collect_rarely()  # loading the rules twice keeps the usual thresholds to come back to
-        assert gc.get_threshold() == PLANNING_GC_THRESHOLDS
-        assert gc.get_freeze_count() > 0
-        collect_as_usual()
-        assert gc.get_threshold() == usual
-        collect_as_usual()
-        assert gc.get_threshold() == usual
-    finally:
-        gc.set_threshold(*usual)
-        gc.unfreeze()
 
 
 @settings(max_examples=300)
