@@ -33,6 +33,10 @@ def few_prompts(workflow, n: int) -> str:
     return "data/few.jsonl"
 
 
+# Training steps of the fault test's segment.
+STEPS = 600
+
+
 def configure(workflow, demo_model, prompts=6, **overrides):
     """The demo, tiny: each stage's quality is other tests' business; here every job goes
     through Slurm."""
@@ -129,7 +133,7 @@ def wait_until(predicate, timeout, what):
 @pytest.mark.parametrize("profile", ["slurm", "slurm-s3"])
 def test_the_demo_runs_through_sbatch_to_the_evaluated_drafter(profile, workflow, demo_model, slurm_cluster, request):
     if profile == "slurm":
-        configure(workflow, demo_model, num_shards=2)
+        configure(workflow, demo_model, num_shards=1)
         args, env = ("--profile", "profiles/slurm"), None
     else:
         # Fewer jobs in S3 (every stage still runs): one shard, one segment.
@@ -151,7 +155,7 @@ def test_the_demo_runs_through_sbatch_to_the_evaluated_drafter(profile, workflow
     assert "trying to guess" not in out and "PartitionConfig" not in out
 
     # Every job a Slurm job: its rule, partition, account, QoS and requests as the profile says.
-    shards = 2 if profile == "slurm" else 1
+    shards = 1
     segments = 2 if profile == "slurm" else 1
     rules = by_rule(jobs_of(slurm_cluster, out))
     assert {rule: len(jobs) for rule, jobs in rules.items()} == {
@@ -174,7 +178,7 @@ def test_the_demo_runs_through_sbatch_to_the_evaluated_drafter(profile, workflow
         assert (root / "drafter/model.safetensors").exists()
         metrics = json.loads((root / "outputs/evaluate-metrics.json").read_text())
         assert metrics["overall"]["verify_steps"] > 0
-        for log in ("ingest.log", "generate/00000.log", "generate-engine/00001.log", "tokenize/00001.log",
+        for log in ("ingest.log", "generate/00000.log", "generate-engine/00000.log", "tokenize/00000.log",
                     "train/segment-0001.log", "evaluate.log", "evaluate-engine.log"):
             assert (root / "logs" / log).stat().st_size > 0, log
         assert (root / "logs/export.log").exists()
@@ -216,7 +220,9 @@ def test_scancel_and_the_time_limit_are_resumed_from_parts_and_checkpoints_on_gp
     configure(
         workflow, demo_model, prompts=prompts, num_shards=1, until="train",
         generation={"gpus_per_job": 1, "max_new_tokens": 48, "concurrency": 1, "part_every_samples": 2, "retries": 2},
-        train={"segments": 1, "steps_per_segment": 200, "checkpoint_every_steps": 10, "retries": 6},
+        # Steps enough that no attempt finishes within the 1-minute limit on any machine of this
+        # kind (~100-200 steps a minute on two cores): the limit is met, whatever the load.
+        train={"segments": 1, "steps_per_segment": STEPS, "checkpoint_every_steps": 10, "retries": 12},
     )
     run_root = workflow.root / "results/demo"
     progress = ShardProgress(open_storage(run_root), "generate", 0)
@@ -270,9 +276,9 @@ def test_scancel_and_the_time_limit_are_resumed_from_parts_and_checkpoints_on_gp
     ids = pq.read_table(run_root / "outputs/generate-00000.parquet").column("id").to_pylist()
     assert sorted(ids) == sorted(set(ids)) and len(ids) == prompts
     train_log = attempt_logs(run_root, "train-0000")
-    starts = [int(x) for x in re.findall(r"segment 0: steps (\d+)\.\.199 from", train_log)]
+    starts = [int(x) for x in re.findall(rf"segment 0: steps (\d+)\.\.{STEPS - 1} from", train_log)]
     # Each attempt starts where the one before it checkpointed (at scancel: its last checkpoint).
     assert len(starts) == len(train) and starts[0] == 0, (starts, train_log[-3000:])
     assert all(later > earlier for earlier, later in zip(starts, starts[1:])), starts
     metrics = [json.loads(x) for x in (run_root / "_progress/train/segment-0000/metrics.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in metrics) == 199
+    assert max(r["step"] for r in metrics) == STEPS - 1
