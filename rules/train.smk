@@ -1,6 +1,8 @@
 # Train: the drafter as a chain of checkpoint segments, then its export (dflash_pipeline.training).
 # Offline mode first stores the target's taps per shard (rule `extract`).
 
+from dflash_pipeline.model import speculators_format
+
 
 rule extract:
     input:
@@ -66,8 +68,18 @@ rule train:
 
 rule export:
     input:
+        # The speculators format carries the target's embedding and LM head.
+        unpack(target_model_input),
         manifest=segment_manifest(config["train"]["segments"] - 1),
     output:
+        # Beside the z-lab export, the speculators format, for a drafter that format expresses
+        # (for one it does not, the job's log says why in one line).
+        **{
+            name: run_path(key)
+            for name, key in speculators_format.run_outputs(
+                config["train"]["layer_types"]
+            ).items()
+        },
         config=run_path(layout.DRAFTER_CONFIG),
         weights=run_path(layout.DRAFTER_WEIGHTS),
     log:
@@ -84,5 +96,6 @@ rule export:
     params:
         run_url=lambda wildcards: RUN_URL,
         dtype=config["train"]["export_dtype"],
+        target=config["target"]["model"],
     script:
         "../scripts/export.py"

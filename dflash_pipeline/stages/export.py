@@ -4,6 +4,12 @@
 as the authors' ``DFlash2DraftModel`` (dflash2-spec.md §2): 15 tensors per layer + 6, bare
 codebook names, the conv/selector sizes in ``dflash_config``.
 
+Beside it, in ``speculators/``, the same drafter in the format of vllm-project/speculators 0.9
+(``dflash_pipeline.model.speculators_format``): its ``config.json`` with ``speculators_config``,
+its ``model.safetensors`` with the drafter's tensors and the verifier's embedding and LM head,
+read from the target. A drafter that format cannot express (sliding and full-attention layers
+mixed) is exported in the z-lab format only, and the export says why in one line.
+
 Run by hand: ``python -m dflash_pipeline.stages.export --help``."""
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dflash_pipeline.model import speculators_format
 from dflash_pipeline.model.config import DrafterConfig
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.core.storage import open_storage, write_atomically
@@ -32,7 +39,20 @@ def expected_tensor_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
 
 
-def export_drafter(run_url: str, manifest_path: str, config_out: str, weights_out: str, dtype: str) -> dict:
+def export_drafter(
+    run_url: str,
+    manifest_path: str,
+    config_out: str,
+    weights_out: str,
+    dtype: str,
+    *,
+    target: str | None = None,
+    speculators_out: tuple[str, str] | None = None,
+) -> dict:
+    """Write the z-lab export (``config_out``, ``weights_out``) and, with ``speculators_out``
+    ((config, weights) paths) and the ``target`` folder, the speculators-format one. A drafter
+    the speculators format cannot express gets its one-line reason printed instead (an error
+    when ``speculators_out`` was asked for: the rule declares it only for drafters it can)."""
     manifest = json.loads(Path(manifest_path).read_text())
     storage = open_storage(run_url)
     # The drafter's weights only: the optimizer state is never read into memory.
@@ -41,6 +61,12 @@ def export_drafter(run_url: str, manifest_path: str, config_out: str, weights_ou
         raise FileNotFoundError(f"no checkpoint at {storage.join(manifest['checkpoint_prefix'])}")
     config = DrafterConfig.from_zlab(manifest["drafter_config"], source=manifest_path)
     config.dtype = dtype
+    reason = speculators_format.refusal(config.layer_types)
+    if speculators_out is not None:  # checked before anything is written
+        if reason is not None:
+            raise ValueError(f"{manifest_path}: {reason}")
+        if target is None:
+            raise ValueError("the speculators format needs the target (its embedding and LM head)")
     expected = expected_tensor_shapes(config)
     if set(weights) != set(expected):
         raise ValueError(
@@ -58,11 +84,40 @@ def export_drafter(run_url: str, manifest_path: str, config_out: str, weights_ou
         tmp.write_text(json.dumps(config.to_zlab(), indent=2) + "\n")
     summary = {"tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values())}
     print(f"exported {summary['tensors']} tensors, {summary['parameters']:,} parameters")
+    del weights  # the fp32 copy: the verifier's embedding and LM head come next
+    if reason is not None:
+        print(reason)
+    elif speculators_out is not None:
+        summary["speculators"] = export_speculators(config, tensors, target, *speculators_out)
     return summary
 
 
+def export_speculators(
+    config: DrafterConfig, tensors: dict, target: str, config_out: str, weights_out: str
+) -> dict:
+    """The speculators-format folder: the drafter's ``tensors`` (as exported) with the target's
+    embedding and LM head, and the speculators config naming the target as the verifier."""
+    verifier = speculators_format.verifier_tensors(target, config)
+    document = speculators_format.speculators_config(
+        config,
+        speculators_format.verifier_name(target),
+        speculators_format.verifier_architectures(target),
+    )
+    everything = speculators_format.speculators_tensors(tensors, verifier)
+    with write_atomically(weights_out) as tmp:
+        save_file(everything, tmp, metadata={"format": "pt"})
+    with write_atomically(config_out) as tmp:
+        tmp.write_text(json.dumps(document, indent=2) + "\n")
+    print(
+        f"exported the speculators format ({document['speculators_model_type']}, "
+        f"speculators {speculators_format.SPECULATORS_VERSION}): {len(everything)} tensors with the "
+        f"verifier's {', '.join(speculators_format.VERIFIER_TENSORS)}"
+    )
+    return {"tensors": len(everything), "model_type": document["speculators_model_type"]}
+
+
 def main(argv: list[str] | None = None) -> int:
-    from dflash_pipeline.stages.cli import existing_dir, json_file, or_s3, shown
+    from dflash_pipeline.stages.cli import existing_dir, json_file, model_dir, or_s3, shown
 
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.export", description=__doc__)
     parser.add_argument("--run-url", type=or_s3(existing_dir), required=True,
@@ -71,16 +126,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="the last segment's manifest (outputs/train-segment-KKKK.json)")
     parser.add_argument("--out", required=True, help="drafter folder to write (config.json, model.safetensors)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--target", type=model_dir,
+                        help="the target's folder: also write the speculators format in "
+                             f"OUT/{speculators_format.FOLDER}/ (with the target's embedding and LM head)")
     args = parser.parse_args(argv)
-    missing = [key for key in ("checkpoint_prefix", "drafter_config")
-               if key not in json.loads(Path(args.manifest).read_text())]
+    manifest = json.loads(Path(args.manifest).read_text())
+    missing = [key for key in ("checkpoint_prefix", "drafter_config") if key not in manifest]
     if missing:
         parser.error(f"argument --manifest: {shown(args.manifest)} is not a segment manifest "
                      f"(no {', '.join(missing)})")
     out = Path(args.out)
+    # With --target, the speculators format too where it expresses the drafter (else the export
+    # prints why).
+    drafter = manifest["drafter_config"]
+    layer_types = drafter.get("layer_types") if isinstance(drafter, dict) else None
+    speculators = None
+    if args.target and speculators_format.refusal(layer_types) is None:
+        folder = out / speculators_format.FOLDER
+        speculators = tuple(str(folder / name) for name in (speculators_format.CONFIG_NAME,
+                                                            speculators_format.WEIGHTS_NAME))
     try:
         export_drafter(args.run_url, args.manifest, str(out / "config.json"), str(out / "model.safetensors"),
-                       args.dtype)
+                       args.dtype, target=args.target, speculators_out=speculators)
     except (FileNotFoundError, ValueError) as err:  # no checkpoint; tensors missing or non-finite
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 1
