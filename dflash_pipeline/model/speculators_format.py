@@ -32,8 +32,8 @@ would be served with the wrong mask. Such a drafter is exported in the z-lab for
 
 Sliding windows: vLLM and this pipeline count the window from each query's own position (HF
 semantics); speculators' own training mask counts it from the block's anchor. Served by vLLM the
-export is exact; training it further in speculators moves the window's edge by up to B - 1
-context tokens.
+export is exact; training it further in speculators moves the window's edge: slot k of a block
+sees context positions from anchor + k - W + 1 here and from anchor - W there (k + 1 more).
 """
 
 from __future__ import annotations
