@@ -97,10 +97,13 @@ def run_id(out: str) -> str:
 
 
 def jobs_of(cluster, out: str) -> list[dict]:
-    """sacct's record of every job this driver submitted, with its rule (from the comment)."""
-    records = cluster.sacct(*SACCT_FIELDS, extra=("--name", run_id(out)))
-    for record in records:
-        record["rule"] = re.match(r"rule_(\w+?)(_wildcards_|$)", record["Comment"]).group(1)
+    """sacct's record of every job this driver submitted that has ended, with its rule (from the
+    comment, which sacct records only when a job ends)."""
+    records = []
+    for record in cluster.sacct(*SACCT_FIELDS, extra=("--name", run_id(out))):
+        rule = re.match(r"rule_(\w+?)(_wildcards_|$)", record["Comment"])
+        if rule is not None:
+            records.append({**record, "rule": rule.group(1)})
     return records
 
 
