@@ -41,9 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.s3 import BUCKET_SENTINEL_KEY, S3Storage
 from dflash_pipeline.core.storage import (
-    BUCKET_SENTINEL_KEY,
-    S3Storage,
     Storage,
     StorageError,
     open_storage,
