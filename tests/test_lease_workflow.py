@@ -57,7 +57,8 @@ def test_second_driver_on_one_s3_prefix_stops_and_stale_lease_is_taken_over(
     # The holder vanished without releasing: its lease expired.
     run.write_bytes(layout.RUN_LEASE, stale_record())
     proc = workflow.snakemake(*args, env=s3_env)
-    assert "took over a stale run lease" in proc.stdout + proc.stderr
+    said = proc.stdout + proc.stderr
+    assert "took over the run lease of host gone-host pid 4242" in said and "expired" in said, said[-3000:]
     assert {o.key for o in run.list(layout.OUTPUTS_DIR + "/prepare-")} == {
         layout.shard_key("prepare", s) for s in range(NUM_SHARDS)
     }
