@@ -220,7 +220,7 @@ def test_missing_credentials_are_one_line(s3_server, s3_env, tmp_path, monkeypat
 def test_an_unreachable_server_is_one_line(s3_env, tmp_path, monkeypatch, capsys):
     from tests.support.seaweed import free_port
 
-    import dflash_pipeline.core.storage as storage
+    import dflash_pipeline.core.s3 as storage
 
     monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     # Two attempts: the default rides out minutes of outage, which this test need not wait for.
