@@ -169,7 +169,7 @@ def test_function_parameters_are_read_once_and_are_snakemakes():
 @settings(max_examples=300)
 @given(st.text(alphabet="ab/.", max_size=12))
 def test_path_parts_are_pathlibs(path):
-    cwd = "/work/run"
+    cwd = "/srv/run"
     assert _absolute_parts(path, cwd) == PurePosixPath(cwd, path).parts
 
 
