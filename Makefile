@@ -113,6 +113,8 @@ $(foreach v,$(SGLANG_ARGS_VERSIONS),$(eval $(call SGLANG_ARGS_RULE,$(v))))
 lint: setup
 	$(SNAKEMAKE) --lint
 	$(VENV)/bin/snakefmt --check Snakefile rules/
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 dryrun: setup
 	$(SNAKEMAKE) -n --quiet rules $(CONFIG_ARGS)

@@ -15,9 +15,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 def commit() -> str:
     """The checkout's commit; ``BENCH_COMMIT`` where the tree was copied without its .git."""
-    return os.environ.get("BENCH_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
+    return (
+        os.environ.get("BENCH_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+    )
 
 
 def provenance(device: str) -> dict:

@@ -55,9 +55,18 @@ TINY = {  # small enough for 3 x 200 steps on a busy 2-core machine
     "seq_len": 96,
     "num_anchors": 16,
     "drafter": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=512, block_size=4, mask_token_id=3,
-        num_target_layers=8, target_layer_ids=[1, 5], rope_theta=1e4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        block_size=4,
+        mask_token_id=3,
+        num_target_layers=8,
+        target_layer_ids=[1, 5],
+        rope_theta=1e4,
     ),
 }
 
@@ -113,12 +122,27 @@ def run_window(mode: str, args, spec: dict, device, group, storage) -> dict:
             torch.cuda.synchronize(device)
 
     def state(step):
-        return {"step": step, "model": drafter.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict()}
+        return {
+            "step": step,
+            "model": drafter.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+        }
 
     def step_once(step):
-        optimizer_step(drafter, optimizer, scheduler, taps, input_ids, loss_mask, embed, head,
-                       settings, torch.Generator().manual_seed(step), attention)
+        optimizer_step(
+            drafter,
+            optimizer,
+            scheduler,
+            taps,
+            input_ids,
+            loss_mask,
+            embed,
+            head,
+            settings,
+            torch.Generator().manual_seed(step),
+            attention,
+        )
 
     for step in range(args.warmup):
         step_once(step)
@@ -230,19 +254,23 @@ def main() -> None:
             steps = args.steps * args.windows
             r["cost_within_window"] = round(extra / (steps * r["median_plain_step_s"]), 4)
     if dist.is_main:
-        emit({
-            "benchmark": "checkpoint_cost",
-            **provenance(name),
-            "torch": torch.__version__,
-            "case": args.case,
-            "steps": args.steps,
-            "windows": args.windows,
-            "checkpoint_every_steps": args.every,
-            "ranks": dist.world if dist.world > 1 else args.share_of,
-            "storage": "s3" if (args.run_url or "").startswith("s3://") else "local folder",
-            "target": "cost <= 0.10 on the GPU (async)",
-            "results": results,
-        }, args.out, indent=1)
+        emit(
+            {
+                "benchmark": "checkpoint_cost",
+                **provenance(name),
+                "torch": torch.__version__,
+                "case": args.case,
+                "steps": args.steps,
+                "windows": args.windows,
+                "checkpoint_every_steps": args.every,
+                "ranks": dist.world if dist.world > 1 else args.share_of,
+                "storage": "s3" if (args.run_url or "").startswith("s3://") else "local folder",
+                "target": "cost <= 0.10 on the GPU (async)",
+                "results": results,
+            },
+            args.out,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -43,15 +43,34 @@ from tests.conftest import WORKFLOW_FILES, parse_job_table  # noqa: E402
 from tests.support.seaweed import start_seaweed  # noqa: E402
 
 # Upload order of a finished run (a rule's outputs are newer than its inputs').
-RULE_ORDER = ("ingest", "prepare", "generate", "tokenize", "extract", "train", "export", "evaluate",
-              "report_prompts", "report_generation", "report_tokenization", "report_training",
-              "report_evaluation", "report_storage")
+RULE_ORDER = (
+    "ingest",
+    "prepare",
+    "generate",
+    "tokenize",
+    "extract",
+    "train",
+    "export",
+    "evaluate",
+    "report_prompts",
+    "report_generation",
+    "report_tokenization",
+    "report_training",
+    "report_evaluation",
+    "report_storage",
+)
 
 
 def summary_outputs(wf: Path, env: dict) -> dict[str, list[str]]:
     """Every output of the planned run, by rule (``snakemake --summary`` on local files)."""
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--summary", "--cores", "1"],
-                          cwd=wf, capture_output=True, text=True, env=env, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--summary", "--cores", "1"],
+        cwd=wf,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     by_rule: dict[str, list[str]] = defaultdict(list)
     for line in proc.stdout.splitlines()[1:]:
         fields = line.split("\t")
@@ -76,11 +95,22 @@ def shard_of(key: str) -> str:
 
 def dry_run(wf: Path, bucket: str, env: dict, **extra) -> dict:
     log = wf / f"requests-{time.time_ns()}.json"
-    cmd = [sys.executable, "-m", "snakemake", "-n", "--cores", "1",
-           "--profile", "profiles/s3", "--default-storage-prefix", f"s3://{bucket}/bench"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-n",
+        "--cores",
+        "1",
+        "--profile",
+        "profiles/s3",
+        "--default-storage-prefix",
+        f"s3://{bucket}/bench",
+    ]
     t0, cpu0 = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run(cmd, cwd=wf, capture_output=True, text=True,
-                          env={**env, "DFLASH_S3_REQUEST_LOG": str(log), **extra})
+    proc = subprocess.run(
+        cmd, cwd=wf, capture_output=True, text=True, env={**env, "DFLASH_S3_REQUEST_LOG": str(log), **extra}
+    )
     seconds = time.time() - t0
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode or os.environ.get("BENCH_VERBOSE"):
@@ -101,10 +131,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=10000)
     parser.add_argument("--until", default="tokenize", help="config key `until` of the run")
-    parser.add_argument("--mode", choices=["online", "offline"], default="online",
-                        help="config key `train.mode` (offline adds the extract stage per shard)")
-    parser.add_argument("--missing-fraction", type=float, default=0.25,
-                        help="0: time the complete run only")
+    parser.add_argument(
+        "--mode",
+        choices=["online", "offline"],
+        default="online",
+        help="config key `train.mode` (offline adds the extract stage per shard)",
+    )
+    parser.add_argument("--missing-fraction", type=float, default=0.25, help="0: time the complete run only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
@@ -140,16 +173,19 @@ def main() -> None:
             complete = dry_run(wf, server.bucket, env)
             shards = sorted({shard_of(k) for k in by_rule.get("tokenize", [])})
             gone = set(random.Random(0).sample(shards, int(len(shards) * args.missing_fraction)))
-            doomed = [k for rule in ("generate", "tokenize") for k in by_rule.get(rule, [])
-                      if shard_of(k) in gone and "/benchmark." not in k]
+            doomed = [
+                k
+                for rule in ("generate", "tokenize")
+                for k in by_rule.get(rule, [])
+                if shard_of(k) in gone and "/benchmark." not in k
+            ]
             missing = plain = None
             if gone:
                 with ThreadPoolExecutor(16) as pool:
                     list(pool.map(store.delete, doomed))
                 missing = dry_run(wf, server.bucket, env)
                 # Snakemake and the S3 plugin as they ship: none of the pipeline's planning patches.
-                plain = dry_run(wf, server.bucket, env, DFLASH_S3_FOLDER_INVENTORY="0",
-                                DFLASH_PLANNING_PATCHES="0")
+                plain = dry_run(wf, server.bucket, env, DFLASH_S3_FOLDER_INVENTORY="0", DFLASH_PLANNING_PATCHES="0")
         finally:
             server.stop()
     expected = {"generate": len(gone), "tokenize": len(gone)}
@@ -164,8 +200,8 @@ def main() -> None:
         "missing_shards": len(gone),
         "missing_objects": len(doomed),
         "with_missing": missing,
-        "with_missing_plans_exactly_their_chains": missing and all(
-            missing["jobs"].get(rule) == n for rule, n in expected.items()),
+        "with_missing_plans_exactly_their_chains": missing
+        and all(missing["jobs"].get(rule) == n for rule, n in expected.items()),
         "with_missing_as_shipped": plain,
         "planning_local_all_missing_seconds": round(local_s, 2),
         "fill_seconds": round(fill_s, 1),

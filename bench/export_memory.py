@@ -56,10 +56,17 @@ def write_checkpoint(case: str, workdir: Path) -> dict:
     del drafter
     # AdamW's state as torch's optimizer keeps it: per parameter, a step and two moments.
     optimizer = {
-        "state": {i: {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(t) * 1e-3, "exp_avg_sq": torch.rand_like(t) * 1e-6}
-                  for i, t in enumerate(model.values())},
-        "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
-                          "params": list(range(len(model)))}],
+        "state": {
+            i: {
+                "step": torch.tensor(1.0),
+                "exp_avg": torch.randn_like(t) * 1e-3,
+                "exp_avg_sq": torch.rand_like(t) * 1e-6,
+            }
+            for i, t in enumerate(model.values())
+        },
+        "param_groups": [
+            {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": list(range(len(model)))}
+        ],
     }
     state = {"step": 1, "model": model, "optimizer": optimizer, "scheduler": {"last_epoch": 1}}
     index = save_checkpoint(open_storage(str(workdir / "run")), PREFIX, state, capture_rng(torch.device("cpu")))
@@ -76,8 +83,13 @@ def measure(mode: str, workdir: Path) -> dict:
     if mode == "export":
         from dflash_pipeline.stages.export import export_drafter
 
-        export_drafter(str(workdir / "run"), str(workdir / "manifest.json"), str(workdir / "out" / "config.json"),
-                       str(workdir / "out" / "model.safetensors"), "bfloat16")
+        export_drafter(
+            str(workdir / "run"),
+            str(workdir / "manifest.json"),
+            str(workdir / "out" / "config.json"),
+            str(workdir / "out" / "model.safetensors"),
+            "bfloat16",
+        )
     else:
         from dflash_pipeline.core.storage import open_storage
         from dflash_pipeline.model.drafter import DFlashDrafter
@@ -109,8 +121,12 @@ def main() -> None:
         written = write_checkpoint(args.case, workdir)
         runs = []
         for mode in args.modes:
-            proc = subprocess.run([sys.executable, __file__, "--measure", mode, "--workdir", str(workdir)],
-                                  capture_output=True, text=True, check=True)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--measure", mode, "--workdir", str(workdir)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     record = {
         "bench": "export_memory",

@@ -81,8 +81,12 @@ def make_model(out: Path, demo: Path | None, hidden: int, layers: int, heads: in
 def prompts(n: int) -> list[dict]:
     rng = random.Random(0)
     return [
-        {"id": f"b{i}", "shard": 0, "split": "train",
-         "messages": [dict(m) for m in prompt_messages(sample_problem(rng))]}
+        {
+            "id": f"b{i}",
+            "shard": 0,
+            "split": "train",
+            "messages": [dict(m) for m in prompt_messages(sample_problem(rng))],
+        }
         for i in range(n)
     ]
 
@@ -95,20 +99,29 @@ async def load_generator(url: str, model: str, texts: list[str], concurrency: in
     # of 100 would cap a concurrency of 256 and flatter the pipeline).
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+
         async def one(text):
             nonlocal tokens
             async with sem:
                 for attempt in range(3):  # a dropped keep-alive connection is retried, as ours does
                     try:
-                        r = await http.post(url + "/v1/completions", json={
-                            "model": model, "prompt": text, "max_tokens": max_new,
-                            "temperature": 0.0, "top_p": 1.0})
+                        r = await http.post(
+                            url + "/v1/completions",
+                            json={
+                                "model": model,
+                                "prompt": text,
+                                "max_tokens": max_new,
+                                "temperature": 0.0,
+                                "top_p": 1.0,
+                            },
+                        )
                         break
                     except httpx.TransportError:
                         if attempt == 2:
                             raise
                 r.raise_for_status()
                 tokens += r.json()["usage"]["completion_tokens"]
+
         t0 = time.perf_counter()
         await asyncio.gather(*(one(t) for t in texts))
         wall = time.perf_counter() - t0
@@ -118,9 +131,14 @@ async def load_generator(url: str, model: str, texts: list[str], concurrency: in
 async def pipeline(url, engine, model, tokenizer, rows, concurrency, max_new, run_dir) -> dict:
     import pyarrow as pa
 
-    settings = GenerationSettings(thinking=True, sampling=Sampling(max_new, 0.0),
-                                  concurrency=concurrency, part_every_samples=64,
-                                  part_every_seconds=30, telemetry_every_seconds=2)
+    settings = GenerationSettings(
+        thinking=True,
+        sampling=Sampling(max_new, 0.0),
+        concurrency=concurrency,
+        part_every_samples=64,
+        part_every_seconds=30,
+        telemetry_every_seconds=2,
+    )
     progress = ShardProgress(open_storage(run_dir), "generate", 0)
     progress.clear_parts()
     async with EngineClient([url], make_adapter(engine, model)) as client:
@@ -144,8 +162,12 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=6144)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--demo-model", type=Path, default=None,
-                   help="a folder with the tokenizer to use (a built demo target, or Qwen3's)")
+    p.add_argument(
+        "--demo-model",
+        type=Path,
+        default=None,
+        help="a folder with the tokenizer to use (a built demo target, or Qwen3's)",
+    )
     p.add_argument("--engine-arg", action="append", default=[], help="extra server argument")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -166,27 +188,58 @@ def main() -> None:
             asyncio.run(load_generator(spec.url, str(model), texts[:16], 16, 16))
             for _ in range(args.repeats):
                 base = asyncio.run(load_generator(spec.url, str(model), texts, args.concurrency, args.max_new_tokens))
-                ours = asyncio.run(pipeline(spec.url, args.engine, str(model), tokenizer, rows, args.concurrency,
-                                            args.max_new_tokens, str(tmp / "run")))
-                runs.append({"load_generator": base, "pipeline": ours,
-                             "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 3)})
+                ours = asyncio.run(
+                    pipeline(
+                        spec.url,
+                        args.engine,
+                        str(model),
+                        tokenizer,
+                        rows,
+                        args.concurrency,
+                        args.max_new_tokens,
+                        str(tmp / "run"),
+                    )
+                )
+                runs.append(
+                    {
+                        "load_generator": base,
+                        "pipeline": ours,
+                        "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 3),
+                    }
+                )
                 print(json.dumps(runs[-1]), flush=True)
             log_tail = server.log_tail(5)
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip() if os.path.exists("/usr/bin/nvidia-smi") else ""
+    gpu = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
+        if os.path.exists("/usr/bin/nvidia-smi")
+        else ""
+    )
     from importlib.metadata import version
 
-    engine = (f"vllm {version('vllm')}" if args.engine == "vllm"
-              else f"transformers serve {version('transformers')} --continuous-batching")
+    engine = (
+        f"vllm {version('vllm')}"
+        if args.engine == "vllm"
+        else f"transformers serve {version('transformers')} --continuous-batching"
+    )
     result = {
         "benchmark": "generation_client",
         "engine": engine,
-        "model_shape": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
-                        "kv_heads": args.kv_heads, "intermediate": args.intermediate,
-                        "vocab": len(tokenizer), "weights": "random, bf16"},
+        "model_shape": {
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "intermediate": args.intermediate,
+            "vocab": len(tokenizer),
+            "weights": "random, bf16",
+        },
         "tokenizer": str(args.demo_model or "demo target"),
         "engine_args": args.engine_arg,
-        "prompts": args.prompts, "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
+        "prompts": args.prompts,
+        "concurrency": args.concurrency,
+        "max_new_tokens": args.max_new_tokens,
         "runs": runs,
         "ratio_mean": round(sum(r["ratio"] for r in runs) / len(runs), 3),
         **provenance(gpu or platform.processor() or "cpu"),

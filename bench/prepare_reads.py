@@ -55,8 +55,14 @@ def main() -> None:
             jobs = []
             for shard in rng.sample(range(args.shards), args.read):
                 rows = read_shard(store.join("p.parquet"), shard).num_rows
-                jobs.append({"shard": shard, "rows": rows, "bytes_fetched": opened[-1].bytes_fetched,
-                             "requests": opened[-1].requests + 1})  # + the HEAD for the size
+                jobs.append(
+                    {
+                        "shard": shard,
+                        "rows": rows,
+                        "bytes_fetched": opened[-1].bytes_fetched,
+                        "requests": opened[-1].requests + 1,
+                    }
+                )  # + the HEAD for the size
         finally:
             server.stop()
     record = {

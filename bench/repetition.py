@@ -34,6 +34,7 @@ from dflash_pipeline.data.quality import DEFAULT_GATE  # noqa: E402
 from dflash_pipeline.data.repetition import sequences_repetition  # noqa: E402
 from dflash_pipeline.demo.task import sample_problem  # noqa: E402
 
+
 def demo_rows(tok, rows: int, length: int) -> tuple[list[np.ndarray], list[str]]:
     rng = random.Random(0)
     ids, texts = [], []
@@ -94,7 +95,9 @@ def main() -> None:
             cpu.append(time.process_time() - c0)
             flagged = sum(f is not None for f in found)
         results[shape] = {
-            "rows": len(rows), "supervised_tokens_per_row": tokens // len(rows), "flagged_rows": flagged,
+            "rows": len(rows),
+            "supervised_tokens_per_row": tokens // len(rows),
+            "flagged_rows": flagged,
             "rows_per_s_best": round(len(rows) / min(passes), 1),
             "rows_per_s_median": round(len(rows) / statistics.median(passes), 1),
             "tokens_per_s_best": round(tokens / min(passes)),
@@ -111,7 +114,8 @@ def main() -> None:
         cpu.append(time.process_time() - c0)
     tokens = sum(map(len, encoded))
     results["tokenizer_demo_trace"] = {
-        "rows": len(texts), "tokens_per_s_best": round(tokens / min(passes)),
+        "rows": len(texts),
+        "tokens_per_s_best": round(tokens / min(passes)),
         # CPU time of all the tokenizer's threads: on a shared machine steadier than wall time.
         "cpu_ms_per_16k_tokens_median": round(1000 * statistics.median(cpu) * 16384 / tokens, 2),
     }

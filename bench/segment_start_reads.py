@@ -39,8 +39,12 @@ READ_LINE = re.compile(r"segment 0: ([\d.]+) MB read from storage by this rank")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--for-ranks", type=int, default=8)
-    parser.add_argument("--checkpoint-gib", type=float, default=19.4,
-                        help="the checkpoint written down for --for-ranks (27B case: 1.73B params x 12 B)")
+    parser.add_argument(
+        "--checkpoint-gib",
+        type=float,
+        default=19.4,
+        help="the checkpoint written down for --for-ranks (27B case: 1.73B params x 12 B)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,19 +52,37 @@ def main() -> None:
         model = Path(build_demo_model(tmp / "demo-target"))
         tokenized = {"00000": str(write_tokenized_shard(model, tmp / "tokenize-00000.parquet", 24, seed=0))}
         settings = validate_config({"train": {}})["train"]
-        settings.update(mode="online", segments=2, steps_per_segment=2, checkpoint_every_steps=100, batch_size=1,
-                        gpus_per_job=0, num_layers=2, intermediate_size=128, block_size=4, num_anchors=16,
-                        metrics_every_seconds=0, attention="sdpa")
+        settings.update(
+            mode="online",
+            segments=2,
+            steps_per_segment=2,
+            checkpoint_every_steps=100,
+            batch_size=1,
+            gpus_per_job=0,
+            num_layers=2,
+            intermediate_size=128,
+            block_size=4,
+            num_anchors=16,
+            metrics_every_seconds=0,
+            attention="sdpa",
+        )
         settings_file = tmp / "settings.json"
         settings_file.write_text(json.dumps(settings))
         run = tmp / "run"
         logs = []
         for segment in (0, 1):
-            job = SegmentJob(run_url=str(run), segment=segment, settings=settings, target_dir=str(model),
-                             tokenized=tokenized, manifest_path=str(run / layout.segment_manifest_key(segment)))
+            job = SegmentJob(
+                run_url=str(run),
+                segment=segment,
+                settings=settings,
+                target_dir=str(model),
+                tokenized=tokenized,
+                manifest_path=str(run / layout.segment_manifest_key(segment)),
+            )
             command = torchrun_command(2, [*segment_args(job, str(settings_file)), "--device", "cpu"])
-            proc = subprocess.run(command, capture_output=True, text=True, check=True,
-                                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+            proc = subprocess.run(
+                command, capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+            )
             logs.append(proc.stderr)
         index = json.loads((run / layout.checkpoint_prefix(0) / "checkpoint.json").read_text())
     per_rank_mb = [float(x) for x in READ_LINE.findall(logs[1])]
@@ -69,13 +91,17 @@ def main() -> None:
     record = {
         "bench": "segment_start_reads",
         "measured": {
-            "ranks": 2, "checkpoint_mb": round(whole_mb, 2),
-            "read_per_rank_mb": per_rank_mb, "read_total_mb": round(sum(per_rank_mb), 2),
+            "ranks": 2,
+            "checkpoint_mb": round(whole_mb, 2),
+            "read_per_rank_mb": per_rank_mb,
+            "read_total_mb": round(sum(per_rank_mb), 2),
             "before_read_total_mb": round(2 * whole_mb, 2),
         },
         "written_down": {
-            "ranks": n, "checkpoint_gib": gib,
-            "before_read_total_gib": round(n * gib, 1), "after_read_total_gib": gib,
+            "ranks": n,
+            "checkpoint_gib": gib,
+            "before_read_total_gib": round(n * gib, 1),
+            "after_read_total_gib": gib,
             "after_read_per_rank_gib": round(gib / n, 2),
             "note": "each rank reads its share (split by bytes); the rest comes over the process group",
         },

@@ -61,31 +61,38 @@ CPU_VLLM_MEM_FRACTION = 0.1
 
 
 def gpu_name() -> str:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                         capture_output=True, text=True)
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=sorted(VARIANTS), action="append",
-                        help="drafter variant (repeatable; default full)")
+    parser.add_argument(
+        "--variant", choices=sorted(VARIANTS), action="append", help="drafter variant (repeatable; default full)"
+    )
     parser.add_argument("--out", help="result JSON")
     parser.add_argument("--max-prompts", type=int, default=64, help="held-out prompts evaluated")
     parser.add_argument("--max-new-tokens", type=int, help="tokens per evaluated prompt (default: config's)")
     parser.add_argument("--workdir", help="keep the run here (default: a temporary folder)")
     parser.add_argument("--engine-arg", action="append", default=[], help="extra vLLM argument")
     parser.add_argument("--target", help="a built demo target folder (default: the run builds one)")
-    parser.add_argument("--vllm-python", required=True, metavar="PYTHON",
-                        help="the Python of vLLM's environment (engines.vllm.python)")
+    parser.add_argument(
+        "--vllm-python", required=True, metavar="PYTHON", help="the Python of vLLM's environment (engines.vllm.python)"
+    )
     parser.add_argument("--cpu", action="store_true", help="no GPU: vLLM's CPU build")
-    parser.add_argument("--misexport", action="store_true",
-                        help="after a run of this variant (same --workdir): drop the capture indices "
-                             "from its exported config.json, as the export wrote it before, and "
-                             "evaluate again (a deliberately mis-exported drafter for the gate)")
-    parser.add_argument("--reuse-data-of", metavar="VARIANT",
-                        help="start from that variant's prompts, generations and tokenized shards "
-                             "(same --workdir): only training, export and evaluation run")
+    parser.add_argument(
+        "--misexport",
+        action="store_true",
+        help="after a run of this variant (same --workdir): drop the capture indices "
+        "from its exported config.json, as the export wrote it before, and "
+        "evaluate again (a deliberately mis-exported drafter for the gate)",
+    )
+    parser.add_argument(
+        "--reuse-data-of",
+        metavar="VARIANT",
+        help="start from that variant's prompts, generations and tokenized shards "
+        "(same --workdir): only training, export and evaluation run",
+    )
     args = parser.parse_args()
     variants = args.variant or ["full"]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="serving-parity-"))

@@ -201,8 +201,11 @@ async def half_open(port: int, pid: int, count: int, wait_s: float) -> dict:
         "closed_by_server": len(closed_at),
         "last_closed_after_s": round(max(closed_at), 2) if closed_at else None,
         "server_threads_max": max(threads, default=0),
-        "requests_meanwhile": {"count": len(during), "errors": during_errors,
-                               **{k: (round(v, 4) if v is not None else None) for k, v in summary(during).items()}},
+        "requests_meanwhile": {
+            "count": len(during),
+            "errors": during_errors,
+            **{k: (round(v, 4) if v is not None else None) for k, v in summary(during).items()},
+        },
     }
 
 
@@ -219,18 +222,35 @@ def start_server(kind: str, tmp: Path, root: Path, events: Path, shards: int, po
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     env.pop("DFLASH_STATUS_TOKEN", None)
     if kind == "checkout":
-        cmd = [sys.executable, "-m", "dflash_pipeline.status", "serve", "--run-url", str(root),
-               "--num-shards", str(shards), "--workdir", str(tmp), "--events-file", str(events),
-               "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.status",
+            "serve",
+            "--run-url",
+            str(root),
+            "--num-shards",
+            str(shards),
+            "--workdir",
+            str(tmp),
+            "--events-file",
+            str(events),
+            "--port",
+            str(port),
+        ]
     else:
         legacy = tmp / "legacy"
         legacy.mkdir(exist_ok=True)
-        source = subprocess.run(["git", "show", "HEAD:dflash_pipeline/status/server.py"], cwd=REPO,
-                                capture_output=True, text=True, check=True).stdout
+        source = subprocess.run(
+            ["git", "show", "HEAD:dflash_pipeline/status/server.py"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         (legacy / "legacy_status_server.py").write_text(source)
         cmd = [sys.executable, "-c", HEAD_RUNNER, str(legacy), str(root), str(shards), str(events), str(tmp), str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -268,8 +288,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--shards", type=int, default=200, help="shards of the served run")
     parser.add_argument("--half-open", type=int, default=1000, help="half-sent requests (0: skip that phase)")
-    parser.add_argument("--half-open-wait", type=float, default=60.0,
-                        help="how long the half-sent connections wait for the server to close them")
+    parser.add_argument(
+        "--half-open-wait",
+        type=float,
+        default=60.0,
+        help="how long the half-sent connections wait for the server to close them",
+    )
     parser.add_argument("--compare", choices=["head"], help="also measure the HEAD commit's server")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -277,9 +301,14 @@ def main() -> None:
         "benchmark": "status_clients",
         **provenance(f"CPU: {cpu_model()} ({os.cpu_count()} cores), loopback"),
         # The figures of "checkout" are those of the working tree, changes not yet committed included.
-        "status_server_uncommitted": bool(subprocess.run(
-            ["git", "status", "--porcelain", "--", "dflash_pipeline/status"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()),
+        "status_server_uncommitted": bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--", "dflash_pipeline/status"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+        ),
         "load_average_before": os.getloadavg(),
         "settings": {k: getattr(args, k) for k in ("clients", "seconds", "shards", "half_open", "half_open_wait")},
     }

@@ -56,15 +56,20 @@ def fill(store: S3Storage, shards: int) -> float:
 def write_totals(store: S3Storage, shards: int) -> None:
     """The stage totals objects the finished jobs would have left (Telemetry.write("done"))."""
     for stage in TELEMETRY_STAGES:
-        StageTotals(store, stage).replace({s: {k: v for k, v in TELEMETRY.items() if k != "state"} for s in range(shards)})
+        StageTotals(store, stage).replace(
+            {s: {k: v for k, v in TELEMETRY.items() if k != "state"} for s in range(shards)}
+        )
 
 
 def timed(builder: SnapshotBuilder, counter: RequestCounter) -> tuple[dict, dict]:
     counter.count = 0
     started = time.time()
     snap = builder.build()
-    return snap, {"seconds": round(time.time() - started, 3), "requests": counter.count,
-                  "listing": builder.last_listing}
+    return snap, {
+        "seconds": round(time.time() - started, 3),
+        "requests": counter.count,
+        "listing": builder.last_listing,
+    }
 
 
 def main() -> None:
@@ -74,8 +79,12 @@ def main() -> None:
     parser.add_argument("--data-dir", default=None, help="SeaweedFS data folder kept between runs")
     parser.add_argument("--out", default=None)
     parser.add_argument("--note", default="", help="what else ran on the machine")
-    parser.add_argument("--no-totals", dest="totals", action="store_false",
-                        help="without the stage totals objects (a run from before them)")
+    parser.add_argument(
+        "--no-totals",
+        dest="totals",
+        action="store_false",
+        help="without the stage totals objects (a run from before them)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         server = start_seaweed(Path(args.data_dir or Path(tmp) / "weed"))
@@ -111,7 +120,8 @@ def main() -> None:
             # listing; the job events unsettle it at once (tests/test_status_scale.py).
             store.delete(layout.shard_key("generate", last))
             ShardProgress(store, "generate", last).write_telemetry(
-                {"state": "running", "samples_total": 90, "samples_done": 10, "tokens_per_s": 500.0})
+                {"state": "running", "samples_total": 90, "samples_done": 10, "tokens_per_s": 500.0}
+            )
             source.full_listing_every_s = 0.0
             snap, _ = timed(builder, counter)
             generate = snap["stages"][1]

@@ -48,9 +48,14 @@ def main() -> None:
             t0 = time.time()
             with ThreadPoolExecutor(16) as pool:
                 list(pool.map(lambda k: store.write_bytes(k, b"x"), keys))
-                list(pool.map(lambda s: ShardProgress(store, "generate", s).write_telemetry(
-                    {"state": "running", "samples_total": 100, "samples_done": 10, "tokens_per_s": 1.0}),
-                    range(args.shards - args.running, args.shards)))
+                list(
+                    pool.map(
+                        lambda s: ShardProgress(store, "generate", s).write_telemetry(
+                            {"state": "running", "samples_total": 100, "samples_done": 10, "tokens_per_s": 1.0}
+                        ),
+                        range(args.shards - args.running, args.shards),
+                    )
+                )
             fill_s = time.time() - t0
             readonly = ReadOnlyStorage.open(url)
             counter = RequestCounter(readonly._storage.client)

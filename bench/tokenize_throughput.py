@@ -53,16 +53,31 @@ def synthetic_rows(n: int, shape: str = "short") -> list[dict]:
         reasoning = p.reasoning
         if shape == "long":
             reasoning = "\n".join(sample_problem(rng).reasoning for _ in range(rng.randint(*LONG_TRACES)))
-        rows.append({
-            "id": f"r{i}", "shard": 0, "split": "train",
-            "messages": [
-                {"role": "user", "content": p.question, "reasoning_content": None},
-                {"role": "assistant", "content": p.answer, "reasoning_content": reasoning},
-            ],
-            "turns": [{"message_index": 1, "finish_reason": "stop", "think_closed": True,
-                       "prompt_tokens": 0, "completion_tokens": 0, "output_ids": None}],
-            "prompt_tokens": 0, "completion_tokens": 0, "error": None, "fingerprint": "bench",
-        })
+        rows.append(
+            {
+                "id": f"r{i}",
+                "shard": 0,
+                "split": "train",
+                "messages": [
+                    {"role": "user", "content": p.question, "reasoning_content": None},
+                    {"role": "assistant", "content": p.answer, "reasoning_content": reasoning},
+                ],
+                "turns": [
+                    {
+                        "message_index": 1,
+                        "finish_reason": "stop",
+                        "think_closed": True,
+                        "prompt_tokens": 0,
+                        "completion_tokens": 0,
+                        "output_ids": None,
+                    }
+                ],
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "error": None,
+                "fingerprint": "bench",
+            }
+        )
     return rows
 
 
@@ -139,10 +154,16 @@ def main() -> None:
     parser.add_argument("--model", default="resources/demo-target")
     parser.add_argument("--rows", type=int, default=5000, help="rows of the short shape")
     parser.add_argument("--long-rows", type=int, default=500, help="rows of the long shape")
-    parser.add_argument("--shape", nargs="+", choices=["short", "long", "long-engine-ids"],
-                        default=["short", "long", "long-engine-ids"])
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, os.cpu_count() or 1],
-                        help="worker processes of the stage, one measurement each")
+    parser.add_argument(
+        "--shape", nargs="+", choices=["short", "long", "long-engine-ids"], default=["short", "long", "long-engine-ids"]
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[1, os.cpu_count() or 1],
+        help="worker processes of the stage, one measurement each",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -86,8 +86,11 @@ def write_shard(args) -> str:
 def synthetic_set(folder: Path, rows: int, tokens: int, shards: int, vocab: int, workers: int) -> dict[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     per = -(-rows // shards)
-    jobs = [(str(folder / f"tokenize-{i:05d}.parquet"), i, min(per, rows - i * per), tokens, vocab)
-            for i in range(shards) if rows - i * per > 0]
+    jobs = [
+        (str(folder / f"tokenize-{i:05d}.parquet"), i, min(per, rows - i * per), tokens, vocab)
+        for i in range(shards)
+        if rows - i * per > 0
+    ]
     with Pool(workers) as pool:
         paths = pool.map(write_shard, jobs, chunksize=1)
     return {Path(p).name.split("-")[1].split(".")[0]: p for p in paths}
@@ -143,26 +146,48 @@ def worker(args) -> None:
     paths = json.loads(Path(args.paths).read_text())
     settings = validate_config({"train": {}})["train"]
     settings.update(
-        mode="online", segments=1, steps_per_segment=args.steps, checkpoint_every_steps=10**9,
-        batch_size=1, gpus_per_job=0, num_layers=1, intermediate_size=128, block_size=4,
-        num_anchors=16, metrics_every_seconds=5, attention="sdpa", export_dtype="float32",
+        mode="online",
+        segments=1,
+        steps_per_segment=args.steps,
+        checkpoint_every_steps=10**9,
+        batch_size=1,
+        gpus_per_job=0,
+        num_layers=1,
+        intermediate_size=128,
+        block_size=4,
+        num_anchors=16,
+        metrics_every_seconds=5,
+        attention="sdpa",
+        export_dtype="float32",
         data_cache_dir=args.cache,
     )
     run_dir = Path(args.run_dir)
     started = time.perf_counter()
     trainer.SegmentJob(
-        run_url=str(run_dir), segment=0, settings=settings, target_dir=args.model, tokenized=paths,
-        manifest_path=str(run_dir / layout.segment_manifest_key(0)), device="cpu",
+        run_url=str(run_dir),
+        segment=0,
+        settings=settings,
+        target_dir=args.model,
+        tokenized=paths,
+        manifest_path=str(run_dir / layout.segment_manifest_key(0)),
+        device="cpu",
     ).run()
     wall = time.perf_counter() - started
     sampler.running = False
     sampler.join()
     status = _status()
     rank = int(os.environ.get("RANK", "0"))
-    Path(args.report, f"rank-{rank}.json").write_text(json.dumps({
-        "rank": rank, "peak_rss_bytes": status["VmHWM"], "peak_rss_anon_bytes": sampler.peak["RssAnon"],
-        "peak_rss_file_bytes": sampler.peak["RssFile"], "wall_s": round(wall, 1),
-    }))
+    Path(args.report, f"rank-{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "peak_rss_bytes": status["VmHWM"],
+                "peak_rss_anon_bytes": sampler.peak["RssAnon"],
+                "peak_rss_file_bytes": sampler.peak["RssFile"],
+                "wall_s": round(wall, 1),
+            }
+        )
+    )
 
 
 def run_case(name: str, reader: str, paths: dict[str, str], model: str, work: Path, cache: Path, steps: int) -> dict:
@@ -177,9 +202,18 @@ def run_case(name: str, reader: str, paths: dict[str, str], model: str, work: Pa
         "--steps", str(steps),
     ]  # fmt: skip
     started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                               "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})  # CPU ranks: gloo
+    proc = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+        },
+    )  # CPU ranks: gloo
     if proc.returncode != 0:
         raise SystemExit(f"case {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     ranks = [json.loads((case / "report" / f"rank-{r}.json").read_text()) for r in range(2)]
@@ -208,14 +242,23 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--tokens", type=int, default=3000, help="mean tokens per row")
     parser.add_argument("--shards", type=int, default=400)
-    parser.add_argument("--legacy-rows", type=int, default=100_000,
-                        help="rows (the first shards of the set) both readers are measured on")
+    parser.add_argument(
+        "--legacy-rows",
+        type=int,
+        default=100_000,
+        help="rows (the first shards of the set) both readers are measured on",
+    )
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--workers", type=int, default=2, help="processes writing the synthetic set")
     parser.add_argument("--skip-in-memory", action="store_true", help="measure the mapped reader only")
-    parser.add_argument("--cases", nargs="*", choices=CASES, default=list(CASES),
-                        help="the cases to run now; each case's figures are kept under --data, and the "
-                             "record holds every case measured there (a long run in several parts)")
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        choices=CASES,
+        default=list(CASES),
+        help="the cases to run now; each case's figures are kept under --data, and the "
+        "record holds every case measured there (a long run in several parts)",
+    )
     parser.add_argument("--out")
     # One rank of a case (started by torchrun).
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -258,8 +301,9 @@ def main() -> None:
         case["shards"] = len(subsets[subset])
         (kept / f"{name}.json").write_text(json.dumps(case))
         print(name, json.dumps(case), flush=True)
-    cases = {name: json.loads((kept / f"{name}.json").read_text())
-             for name in CASES if (kept / f"{name}.json").exists()}
+    cases = {
+        name: json.loads((kept / f"{name}.json").read_text()) for name in CASES if (kept / f"{name}.json").exists()
+    }
     if "model_only" not in cases or not any(n.startswith("mapped_full") for n in cases):
         print("partial: run the remaining cases with the same --data", flush=True)
         return
@@ -272,9 +316,14 @@ def main() -> None:
     record = {
         **provenance(f"{os.cpu_count()}-core {cpu_model()}, CPU ranks (gloo)"),
         "bench": "train_memory",
-        "set": {"rows": args.rows, "mean_tokens": args.tokens, "shards": args.shards,
-                "parquet_bytes": sum(Path(p).stat().st_size for p in paths.values()),
-                "mapped_copy_bytes": token_bytes, "generate_s": generate_s},
+        "set": {
+            "rows": args.rows,
+            "mean_tokens": args.tokens,
+            "shards": args.shards,
+            "parquet_bytes": sum(Path(p).stat().st_size for p in paths.values()),
+            "mapped_copy_bytes": token_bytes,
+            "generate_s": generate_s,
+        },
         "steps": args.steps,
         "ranks": 2,
         "cases": cases,

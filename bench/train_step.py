@@ -46,30 +46,63 @@ CASES = {
         "seq_len": 3072,
         "reference": {"step_s": 0.180, "tokens_per_s": 17100, "peak_gib": 23.8},
         "drafter": dict(
-            hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
-            num_key_value_heads=8, head_dim=128, vocab_size=151936, block_size=16,
-            mask_token_id=151669, num_target_layers=36, target_layer_ids=[1, 9, 17, 25, 33],
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=5,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            block_size=16,
+            mask_token_id=151669,
+            num_target_layers=36,
+            target_layer_ids=[1, 9, 17, 25, 33],
             rope_theta=1e6,
         ),
         "target": dict(
-            kind="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+            kind="qwen3",
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
         ),
     },
     "qwen3.6-27b": {
         "seq_len": 4096,
         "reference": {"step_s": 0.287, "peak_gib": 36.9},
         "drafter": dict(
-            hidden_size=5120, intermediate_size=17408, num_hidden_layers=5, num_attention_heads=32,
-            num_key_value_heads=8, head_dim=128, vocab_size=248320, block_size=16,
-            mask_token_id=248070, num_target_layers=64, target_layer_ids=[1, 16, 31, 46, 61],
-            layer_types=[SLIDING] * 4 + [FULL], sliding_window=2048, rope_theta=1e7,
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=5,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=248320,
+            block_size=16,
+            mask_token_id=248070,
+            num_target_layers=64,
+            target_layer_ids=[1, 16, 31, 46, 61],
+            layer_types=[SLIDING] * 4 + [FULL],
+            sliding_window=2048,
+            rope_theta=1e7,
         ),
         "target": dict(
-            kind="qwen3_5", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-            num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
-            linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-            linear_value_head_dim=128, linear_conv_kernel_dim=4,
+            kind="qwen3_5",
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=64,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            vocab_size=248320,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
         ),
     },
 }
@@ -78,7 +111,11 @@ CASES = {
 def drafter_step_flops(config: DrafterConfig, seq_len: int, num_blocks: int, supervised_rows: int) -> float:
     """Model FLOPs of one training step (forward + backward = 3x forward matmuls); attention
     counts only the visible keys (context before each anchor, on average S/2, plus the block)."""
-    h, q_dim, kv_dim = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    h, q_dim, kv_dim = (
+        config.hidden_size,
+        config.num_attention_heads * config.head_dim,
+        config.num_key_value_heads * config.head_dim,
+    )
     queries = num_blocks * config.block_size
     per_layer_block = 2 * queries * (h * q_dim + 2 * h * kv_dim + q_dim * h + 3 * h * config.intermediate_size)
     per_layer_context = 2 * seq_len * (2 * h * kv_dim)
@@ -170,8 +207,17 @@ def run_case(
         else:
             taps = fixed_taps
         out = optimizer_step(
-            drafter, optimizer, scheduler, taps, input_ids, loss_mask, embed, head, settings,
-            torch.Generator().manual_seed(step), attention,
+            drafter,
+            optimizer,
+            scheduler,
+            taps,
+            input_ids,
+            loss_mask,
+            embed,
+            head,
+            settings,
+            torch.Generator().manual_seed(step),
+            attention,
         )
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -184,8 +230,17 @@ def run_case(
             for step in range(2):
                 taps = taps_fn(input_ids) if mode == "online" else fixed_taps
                 optimizer_step(
-                    drafter, optimizer, scheduler, taps, input_ids, loss_mask, embed, head, settings,
-                    torch.Generator().manual_seed(step), attention,
+                    drafter,
+                    optimizer,
+                    scheduler,
+                    taps,
+                    input_ids,
+                    loss_mask,
+                    embed,
+                    head,
+                    settings,
+                    torch.Generator().manual_seed(step),
+                    attention,
                 )
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
@@ -247,8 +302,12 @@ def main() -> None:
                         args.profile, algorithm,
                     )  # fmt: skip
                 except Exception as err:  # record it and go on with the other cases
-                    record = {"case": case, "algorithm": algorithm, "mode": mode,
-                              "error": f"{type(err).__name__}: {err}"[:2000]}
+                    record = {
+                        "case": case,
+                        "algorithm": algorithm,
+                        "mode": mode,
+                        "error": f"{type(err).__name__}: {err}"[:2000],
+                    }
                     torch.cuda.empty_cache()
                 print(json.dumps(record), flush=True)
                 records.append(record)

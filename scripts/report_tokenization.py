@@ -8,9 +8,7 @@ from dflash_pipeline.stages.report import report_tokenization
 def run(smk) -> None:
     with job_logging(smk.log[0]):
         verify_inputs(smk, list(smk.input.stats))
-        report_tokenization(
-            list(smk.input.stats), smk.output.supervised, smk.output.degenerate, smk.output.table
-        )
+        report_tokenization(list(smk.input.stats), smk.output.supervised, smk.output.degenerate, smk.output.table)
 
 
 run(snakemake)  # noqa: F821 (injected by Snakemake)

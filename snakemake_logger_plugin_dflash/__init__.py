@@ -6,7 +6,6 @@ failed) and the run's overall progress, and appends them as JSON lines to a loca
 which ``python -m dflash_pipeline.status`` reads. Nothing here talks to storage or the network.
 """
 
-
 # No `from __future__ import annotations` here: the plugin registry turns the field types into
 # argparse types, and needs real types, not strings.
 from dataclasses import dataclass, field

@@ -108,8 +108,7 @@ class Workflow:
         proc = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
         if check and proc.returncode != 0:
             raise AssertionError(
-                f"snakemake {' '.join(args)} failed ({proc.returncode}):\n"
-                f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+                f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
             )
         return proc
 

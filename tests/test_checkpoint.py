@@ -32,8 +32,6 @@ from dflash_pipeline.training.checkpoint import (
 )
 
 
-
-
 def trained_state(step: int = 3) -> dict:
     """A real model + AdamW + scheduler state after a few steps."""
     torch.manual_seed(0)
@@ -100,7 +98,9 @@ def test_ranks_write_byte_balanced_shards_and_each_reads_its_own_rng(store):
     assert load_model_weights(store, "nothing/") is None
     # ... straight into the export dtype (no fp32 copy of a bf16 export).
     bf16 = load_model_weights(store, "c/", torch.bfloat16)
-    assert all(t.dtype == torch.bfloat16 and torch.equal(t, state["model"][k].to(torch.bfloat16)) for k, t in bf16.items())
+    assert all(
+        t.dtype == torch.bfloat16 and torch.equal(t, state["model"][k].to(torch.bfloat16)) for k, t in bf16.items()
+    )
 
 
 def test_assignment_balances_bytes_and_is_the_same_on_every_rank():
@@ -147,8 +147,13 @@ def test_next_segment_refuses_a_previous_checkpoint_without_index(demo_model, tm
     write_shard(store, prefix, stage_shard(trained_state(), capture_rng(), 0, 1, copy=False))
     tokenized = {"00000": str(write_tokenized_shard(demo_model, tmp_path / "t.parquet", 4, seed=0))}
     job = SegmentJob(
-        run_url=str(tmp_path), segment=1, settings=settings(segments=2), target_dir=str(demo_model),
-        tokenized=tokenized, manifest_path=str(tmp_path / layout.segment_manifest_key(1)), device="cpu",
+        run_url=str(tmp_path),
+        segment=1,
+        settings=settings(segments=2),
+        target_dir=str(demo_model),
+        tokenized=tokenized,
+        manifest_path=str(tmp_path / layout.segment_manifest_key(1)),
+        device="cpu",
     )
     with pytest.raises(TrainingError, match="its save did not finish"):
         job.run()

@@ -90,19 +90,22 @@ def test_a_missing_local_copy_is_an_error(tmp_path):
 def test_repair_command_names_the_prefix_of_an_s3_run():
     config = {"results_dir": "results", "run": "demo"}
     command = repair_command("s3://bucket/pre/fix/results/demo", config, None)
-    assert command.startswith("python -m dflash_pipeline.stages.verify --repair --default-storage-prefix "
-                              "s3://bucket/pre/fix")
+    assert command.startswith(
+        "python -m dflash_pipeline.stages.verify --repair --default-storage-prefix s3://bucket/pre/fix"
+    )
     assert "make verify REPAIR=1 PREFIX=s3://bucket/pre/fix" in command
-    assert repair_command("results/demo", config, None).startswith("python -m dflash_pipeline.stages.verify "
-                                                                   "--repair  (or: make verify REPAIR=1)")
+    assert repair_command("results/demo", config, None).startswith(
+        "python -m dflash_pipeline.stages.verify --repair  (or: make verify REPAIR=1)"
+    )
 
 
 def fake_job(output: str, params: dict | None = None):
     from snakemake.iocontainers import Namedlist
 
     named = Namedlist(fromdict=params or {})
-    return SimpleNamespace(output=[output], input=[], params=named, rule="prepare",
-                           config={"results_dir": "results", "run": "demo"})
+    return SimpleNamespace(
+        output=[output], input=[], params=named, rule="prepare", config={"results_dir": "results", "run": "demo"}
+    )
 
 
 def test_job_run_url_from_params_or_from_where_snakemake_put_the_output():
@@ -129,7 +132,9 @@ def test_flipped_and_truncated_s3_objects_are_caught_at_read_with_their_s3_name(
         if damage == "flip":
             data[7000] ^= 0x80
         store.write_bytes(key, bytes(data if damage == "flip" else data[: len(data) // 2]))
-        local_copy = tmp_path / ".snakemake/storage/s3" / s3_server.bucket / prefix.split("/", 3)[3] / "results/demo" / key
+        local_copy = (
+            tmp_path / ".snakemake/storage/s3" / s3_server.bucket / prefix.split("/", 3)[3] / "results/demo" / key
+        )
         local_copy.parent.mkdir(parents=True, exist_ok=True)
         store.download_file(key, local_copy)
         with pytest.raises(ChecksumError) as err:
@@ -144,12 +149,18 @@ def test_flipped_and_truncated_s3_objects_are_caught_at_read_with_their_s3_name(
 
 # --- the run check -------------------------------------------------------------------------------
 
+
 def small_run(tmp_path: Path, num_shards: int = 2) -> tuple[Path, dict]:
     """A local run root with every shard object of `until: tokenize` and its record."""
     root = tmp_path / "results/demo"
     store = open_storage(root)
-    config = {"results_dir": str(tmp_path / "results"), "run": "demo", "until": "tokenize",
-              "num_shards": num_shards, "train": {"mode": "online"}}
+    config = {
+        "results_dir": str(tmp_path / "results"),
+        "run": "demo",
+        "until": "tokenize",
+        "num_shards": num_shards,
+        "train": {"mode": "online"},
+    }
     for key in verify.expected_keys(config):
         path = write_shard(root, key, key.encode() * 100)
         record_checksum(store, path, key.split("/")[1].split("-")[0], key.split("-")[1][:5])
@@ -161,8 +172,11 @@ def test_expected_keys_follow_num_shards_and_until():
     keys = verify.expected_keys(config)
     assert len(keys) == 2 * 5 and "outputs/tokenize-00001.heldout.parquet" in keys
     assert verify.expected_keys({**config, "until": "generate"}) == [
-        "outputs/prepare-00000.parquet", "outputs/generate-00000.parquet",
-        "outputs/prepare-00001.parquet", "outputs/generate-00001.parquet"]
+        "outputs/prepare-00000.parquet",
+        "outputs/generate-00000.parquet",
+        "outputs/prepare-00001.parquet",
+        "outputs/generate-00001.parquet",
+    ]
     offline = verify.expected_keys({**config, "until": "train", "train": {"mode": "offline"}})
     assert "outputs/extract-00001.manifest.json" in offline
 
@@ -196,10 +210,18 @@ def test_check_run_lists_missing_damaged_and_orphaned_objects(tmp_path):
     assert lines[-1].endswith("1 missing, 2 damaged, 2 orphaned")
 
     command = verify.repair_command(report, "results/demo", ["my.yaml"], None, ["--cores", "2"])
-    assert command[1:] == ["-m", "snakemake", "--forcerun", "results/demo/outputs/generate-00001.parquet",
-                           "results/demo/outputs/tokenize-00000.parquet",
-                           "results/demo/outputs/tokenize-00001.stats.json",
-                           "--configfile", "my.yaml", "--cores", "2"]
+    assert command[1:] == [
+        "-m",
+        "snakemake",
+        "--forcerun",
+        "results/demo/outputs/generate-00001.parquet",
+        "results/demo/outputs/tokenize-00000.parquet",
+        "results/demo/outputs/tokenize-00001.stats.json",
+        "--configfile",
+        "my.yaml",
+        "--cores",
+        "2",
+    ]
     s3 = verify.repair_command(report, "results/demo", None, "s3://b/p", [])
     assert s3[-6:] == ["--default-storage-provider", "s3", "--default-storage-prefix", "s3://b/p", "--cores", "all"]
 
@@ -213,8 +235,9 @@ def test_check_run_lists_missing_damaged_and_orphaned_objects(tmp_path):
 def test_verify_cli_exit_codes_and_dry_run_repair(tmp_path, monkeypatch, capsys):
     root, config = small_run(tmp_path)
     config_file = tmp_path / "run.yaml"
-    config_file.write_text(json.dumps({"results_dir": config["results_dir"], "run": "demo",
-                                       "until": "tokenize", "num_shards": 2}))
+    config_file.write_text(
+        json.dumps({"results_dir": config["results_dir"], "run": "demo", "until": "tokenize", "num_shards": 2})
+    )
     monkeypatch.chdir(tmp_path)
     assert verify.main(["--configfile", str(config_file)]) == 0
     assert "0 missing, 0 damaged, 0 orphaned" in capsys.readouterr().out

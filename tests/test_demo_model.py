@@ -89,9 +89,7 @@ def test_special_tokens_are_single_ids(tokenizer):
 def test_chat_template_renders_a_thinking_conversation(tokenizer):
     reply = {"role": "assistant", "content": "50 - 7 = 43", "reasoning_content": "0<7, borrow"}
     rendered = tokenizer.apply_chat_template(CONVERSATION + [reply], tokenize=False)
-    assert rendered == (
-        HISTORY + "<|im_start|>assistant\n<think>\n0<7, borrow\n</think>\n\n50 - 7 = 43<|im_end|>\n"
-    )
+    assert rendered == (HISTORY + "<|im_start|>assistant\n<think>\n0<7, borrow\n</think>\n\n50 - 7 = 43<|im_end|>\n")
     prompt = tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
     assert prompt == HISTORY + "<|im_start|>assistant\n"
 
@@ -102,9 +100,7 @@ def test_chat_template_renders_thinking_off(tokenizer):
     )
     assert prompt == HISTORY + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     reply = {"role": "assistant", "content": "50 - 7 = 43"}
-    rendered = tokenizer.apply_chat_template(
-        CONVERSATION + [reply], tokenize=False, enable_thinking=False
-    )
+    rendered = tokenizer.apply_chat_template(CONVERSATION + [reply], tokenize=False, enable_thinking=False)
     assert rendered == prompt + "50 - 7 = 43<|im_end|>\n"
 
 

@@ -23,14 +23,29 @@ def train_and_export(demo_model, root, **overrides):
     from tests.support.train_data import write_tokenized_shard
 
     tokenized = {"00000": str(write_tokenized_shard(demo_model, root / "t.parquet", 96, seed=3))}
-    s = settings(steps_per_segment=160, checkpoint_every_steps=1000, batch_size=4, block_size=8,
-                 num_anchors=32, learning_rate=3e-3, warmup_ratio=0.05, min_lr_ratio=0.1,
-                 loss_decay_gamma=4, intermediate_size=256, **overrides)
+    s = settings(
+        steps_per_segment=160,
+        checkpoint_every_steps=1000,
+        batch_size=4,
+        block_size=8,
+        num_anchors=32,
+        learning_rate=3e-3,
+        warmup_ratio=0.05,
+        min_lr_ratio=0.1,
+        loss_decay_gamma=4,
+        intermediate_size=256,
+        **overrides,
+    )
     run_segment(root, 0, s, demo_model, tokenized)
     out = root / "drafter"
     out.mkdir()
-    export_drafter(str(root), str(root / layout.segment_manifest_key(0)),
-                   str(out / "config.json"), str(out / "model.safetensors"), "float32")
+    export_drafter(
+        str(root),
+        str(root / layout.segment_manifest_key(0)),
+        str(out / "config.json"),
+        str(out / "model.safetensors"),
+        "float32",
+    )
     return out
 
 
@@ -152,7 +167,11 @@ def test_dflash2_export_has_the_checkpoint_layout_the_authors_loaders_expect(tra
     assert config["is_causal"] is False  # the demo drafter's layers are all full attention
     dflash = config["dflash_config"]
     assert {k: dflash[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")} == {
-        "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 8}
+        "conv_kernel_size": 2,
+        "conv_group_size": 16,
+        "selector_rank": 32,
+        "selector_top_k": 8,
+    }
     assert config["block_size"] == dflash["block_size"] == 8
 
 
@@ -202,8 +221,10 @@ def test_authors_dflash2_loop_proposes_accepts_and_decodes_as_this_loop(dflash2_
     # The walk must matter, or equal proposals would only prove DFlash's parity again (36 of
     # 60 proposals differ from the argmax when this was written).
     assert differ > 0
-    print(f"DFlash2 loop tau {sum(accepted) / len(accepted):.3f} over {len(accepted)} steps; "
-          f"the selector walk differs from the logits' argmax in {differ} of {len(walked)} proposals")
+    print(
+        f"DFlash2 loop tau {sum(accepted) / len(accepted):.3f} over {len(accepted)} steps; "
+        f"the selector walk differs from the logits' argmax in {differ} of {len(walked)} proposals"
+    )
 
 
 def _record_argmax(logits, out: list):

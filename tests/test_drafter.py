@@ -136,8 +136,13 @@ def make_batch(seed=0, batch=2, S=14):
 def build(config, input_ids, loss_mask, num_anchors=6, seed=1, gamma=2.0):
     anchors, keep = sample_anchors(loss_mask, num_anchors, torch.Generator().manual_seed(seed))
     return build_blocks(
-        input_ids, loss_mask, anchors, keep,
-        block_size=config.block_size, mask_token_id=config.mask_token_id, gamma=gamma,
+        input_ids,
+        loss_mask,
+        anchors,
+        keep,
+        block_size=config.block_size,
+        mask_token_id=config.mask_token_id,
+        gamma=gamma,
     )
 
 
@@ -166,8 +171,16 @@ def test_training_logits_equal_inference_block_forward(layer_types, backend):
     with torch.no_grad():
         hidden = blocks_forward(drafter, taps, embed, blocks, backend=backend)
     logits = hidden @ head.t()
-    worst = worst_gap_to_inference(drafter, embed, head, taps, input_ids, blocks, logits,
-                                   lambda proposer, token, anchor: proposer.block_logits(token, anchor))
+    worst = worst_gap_to_inference(
+        drafter,
+        embed,
+        head,
+        taps,
+        input_ids,
+        blocks,
+        logits,
+        lambda proposer, token, anchor: proposer.block_logits(token, anchor),
+    )
     assert worst < 1e-5, worst
 
 
@@ -251,10 +264,21 @@ def test_the_export_writes_every_field_an_engine_reads(layer_types, window, caus
     is_causal / dflash_config.causal only where one value holds for every layer."""
     from dflash_pipeline.model.config import ENGINE_FIELDS, UNIFORM_ONLY_FIELDS
 
-    config = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, vocab_size=100, block_size=8, mask_token_id=99,
-                           num_target_layers=8, target_layer_ids=[1, 5], layer_types=layer_types,
-                           sliding_window=window)
+    config = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=100,
+        block_size=8,
+        mask_token_id=99,
+        num_target_layers=8,
+        target_layer_ids=[1, 5],
+        layer_types=layer_types,
+        sliding_window=window,
+    )
     exported = config.to_zlab()
 
     def lookup(path):
@@ -384,8 +408,16 @@ def test_dflash2_training_forward_equals_inference_block_forward(layer_types, ba
     blocks = build(config, input_ids, loss_mask)
     with torch.no_grad():
         hidden = blocks_forward(drafter, taps, embed, blocks, backend=backend)
-    worst = worst_gap_to_inference(drafter, embed, head, taps, input_ids, blocks, hidden,
-                                   lambda proposer, token, anchor: proposer.block_hidden(token, anchor))
+    worst = worst_gap_to_inference(
+        drafter,
+        embed,
+        head,
+        taps,
+        input_ids,
+        blocks,
+        hidden,
+        lambda proposer, token, anchor: proposer.block_hidden(token, anchor),
+    )
     assert worst < 1e-5, worst
 
 
@@ -407,11 +439,13 @@ def brute_force_walk(selector, hidden, logits, anchor):
     """The first-order walk spelled out: all K candidate scores with explicit sums."""
     K = selector.top_k
     P, S = selector.predecessor_codebook.double(), selector.successor_codebook.double()
-    gate = (hidden.double() @ selector.hidden_projection.weight.double().t())
+    gate = hidden.double() @ selector.hidden_projection.weight.double().t()
     prev, path = anchor, []
     for t in range(hidden.shape[0]):
         ids = logits[t].topk(K).indices.tolist()
-        scores = [float(logits[t, c]) + sum(float(P[prev, j] * gate[t, j] * S[c, j]) for j in range(P.shape[1])) for c in ids]
+        scores = [
+            float(logits[t, c]) + sum(float(P[prev, j] * gate[t, j] * S[c, j]) for j in range(P.shape[1])) for c in ids
+        ]
         prev = ids[max(range(K), key=scores.__getitem__)]
         path.append(prev)
     return path
@@ -453,8 +487,9 @@ def test_selector_loss_equals_hand_computed(policy, normalization):
     blocks = build(config, input_ids, loss_mask, gamma=2.0)
     hidden = blocks_forward(drafter, taps, embed, blocks)
     base = block_loss(hidden, head, blocks, chunk_rows=5, top_k=TOP_K)
-    result = selector_loss(selector, hidden, head, blocks, base.rows, base.top_ids,
-                           gold_policy=policy, normalization=normalization)
+    result = selector_loss(
+        selector, hidden, head, blocks, base.rows, base.top_ids, gold_policy=policy, normalization=normalization
+    )
     B = config.block_size
     num = den_all = den_in = 0.0
     covered = hits = total = 0
@@ -496,8 +531,9 @@ def test_selector_term_trains_the_backbone_unless_stopped():
         blocks = build(config, input_ids, loss_mask)
         hidden = blocks_forward(drafter, taps, embed, blocks)
         base = block_loss(hidden, head, blocks, top_k=TOP_K)
-        result = selector_loss(drafter.candidate_selector, hidden, head, blocks, base.rows, base.top_ids,
-                               stop_gradient=stop)
+        result = selector_loss(
+            drafter.candidate_selector, hidden, head, blocks, base.rows, base.top_ids, stop_gradient=stop
+        )
         result.loss.backward()
         selector_grads = [p.grad for p in drafter.candidate_selector.parameters()]
         assert all(g is not None and g.abs().sum() > 0 for g in selector_grads)

@@ -142,9 +142,7 @@ def example_with_engines(workflow, tmp_path, vllm_version: str, model) -> str:
 
 @pytest.mark.workflow
 def test_the_27b_example_plans_with_vllm_0_26_and_is_refused_with_0_20(workflow, tmp_path, demo_model):
-    accepted = workflow.snakemake(
-        "-n", "--configfile", example_with_engines(workflow, tmp_path, "0.26.0", demo_model)
-    )
+    accepted = workflow.snakemake("-n", "--configfile", example_with_engines(workflow, tmp_path, "0.26.0", demo_model))
     out = accepted.stdout + accepted.stderr
     served = [line for line in out.splitlines() if line.startswith("evaluate.engine: vllm 0.26.0")]
     assert len(served) == 1 and "serves the dflash drafter with layers [sliding, sliding" in served[0]

@@ -69,9 +69,7 @@ def prompts_file(tmp_path):
     return path
 
 
-def test_evaluate_writes_the_metrics_json_and_gates_after_writing(
-    demo_model, tmp_path, prompts_file
-):
+def test_evaluate_writes_the_metrics_json_and_gates_after_writing(demo_model, tmp_path, prompts_file):
     drafter = export_untrained_drafter(demo_model, tmp_path / "drafter")
     out = tmp_path / "eval" / "metrics.json"
     args = ["--target", str(demo_model), "--drafter", str(drafter), "--prompts", str(prompts_file)]
@@ -134,7 +132,10 @@ def test_evaluate_sampled_with_a_smaller_block_than_trained(demo_model, tmp_path
 
 
 def test_engine_vllm_measures_beside_the_loop_and_gates_on_parity(
-    demo_model, tmp_path, prompts_file, stand_in_servers  # noqa: F811 (the fixture imported above)
+    demo_model,
+    tmp_path,
+    prompts_file,
+    stand_in_servers,  # noqa: F811 (the fixture imported above)
 ):
     """`--engine vllm`: the drafter served by (a stand-in of) vLLM on the same prompts, its tau
     and lossless check recorded beside the loop's, and the engine parity gate failing the run

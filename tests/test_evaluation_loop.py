@@ -133,9 +133,7 @@ class RandomProposer(ContextCheckingProposer):
         self.vocab = vocab
 
     def drafts(self, anchor_token, anchor_position):
-        return torch.randint(
-            0, self.vocab, (self.block_size - 1,), generator=self.generator
-        ).tolist()
+        return torch.randint(0, self.vocab, (self.block_size - 1,), generator=self.generator).tolist()
 
 
 class CoinProposer(OracleProposer):
@@ -237,8 +235,7 @@ class NaiveCropRunner(TargetRunner):
 
     def keep(self, accepted, block_taps):
         after_block = [
-            {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None}
-            for layer in self.linear_layers
+            {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None} for layer in self.linear_layers
         ]
         taps = super().keep(accepted, block_taps)
         for layer, states in zip(self.linear_layers, after_block):
@@ -252,9 +249,7 @@ def test_a_naive_cache_crop_breaks_losslessness_on_the_hybrid_target(hybrid):
     max_new = 30
     continuation = greedy_continuation(hybrid, max_new + 4)
     proposer = CoinProposer(4, len(PROMPT), continuation)
-    trace = speculative_decode(
-        NaiveCropRunner(hybrid, TAPS), proposer, PROMPT, DecodeSettings(max_new)
-    )
+    trace = speculative_decode(NaiveCropRunner(hybrid, TAPS), proposer, PROMPT, DecodeSettings(max_new))
     assert any(a < 3 for a in trace.accepted_lengths)  # some drafts were rejected
     assert trace.tokens != continuation[:max_new]
 
@@ -287,9 +282,7 @@ def test_sampled_verification_reproduces_the_targets_distribution():
     vocab, runs, block = 4, 400, 3
     torch.manual_seed(1)
     # A narrower init than SHAPE's: every (t2, t3) cell stays likely enough for chi-square.
-    config = Qwen3Config(
-        vocab_size=vocab, **{**SHAPE, "num_hidden_layers": 2, "initializer_range": 0.1}
-    )
+    config = Qwen3Config(vocab_size=vocab, **{**SHAPE, "num_hidden_layers": 2, "initializer_range": 0.1})
     model = Qwen3ForCausalLM(config).eval()
     prompt = [0, 1, 2, 3]
     runner = TargetRunner(model, [0, 1])
@@ -326,9 +319,7 @@ def test_a_proposer_returning_the_wrong_number_of_drafts_is_named(dense):
             return super().drafts(anchor_token, anchor_position)[:-1]
 
     with pytest.raises(ProposerError, match="returned 2 drafts for block size 4"):
-        speculative_decode(
-            TargetRunner(dense, TAPS), Short(4, len(PROMPT)), PROMPT, DecodeSettings(10)
-        )
+        speculative_decode(TargetRunner(dense, TAPS), Short(4, len(PROMPT)), PROMPT, DecodeSettings(10))
 
 
 def test_tap_ids_outside_the_target_are_refused(dense):

@@ -124,9 +124,7 @@ def test_parity_gate_passes_within_tolerance_and_names_causes_outside():
 
 
 def write_jsonl(path, rows):
-    path.write_text(
-        "".join(json.dumps(r) + "\n" if not isinstance(r, str) else r + "\n" for r in rows)
-    )
+    path.write_text("".join(json.dumps(r) + "\n" if not isinstance(r, str) else r + "\n" for r in rows))
     return path
 
 
@@ -220,9 +218,7 @@ def test_sglang_is_launched_with_the_dflash_drafter_and_hybrid_rollback():
     assert "--speculative-dflash-block-size 16" in joined
     assert "--mamba-radix-cache-strategy extra_buffer" in joined
     assert "--tp-size 2" in joined and "--port 31000" in joined
-    dense = " ".join(
-        sglang_command(serving_server_spec("sglang", "/t", "/d", 8, 31000, hybrid=False, python="p"))
-    )
+    dense = " ".join(sglang_command(serving_server_spec("sglang", "/t", "/d", 8, 31000, hybrid=False, python="p")))
     assert "mamba" not in dense and "--speculative-dflash-block-size 8" in dense
 
 
@@ -241,9 +237,7 @@ def test_sglang_acceptance_is_read_from_meta_info():
     assert acceptance.accept_hist == [2, 3, 5, 0]
     record = prompt_result("p", "s", 12, acceptance, 4)
     assert record.tau == 4.0 and record.verify_steps == 10 and record.generated_tokens == 40
-    older = {
-        "meta_info": {"completion_tokens": 9, "spec_verify_ct": 3, "spec_accept_histogram": [1, 2]}
-    }
+    older = {"meta_info": {"completion_tokens": 9, "spec_verify_ct": 3, "spec_accept_histogram": [1, 2]}}
     assert acceptance_from_response(older, 4).accept_hist == [1, 2, 0, 0]
     bare = {"meta_info": {"completion_tokens": 9, "spec_verify_ct": 3}}
     assert acceptance_from_response(bare, 4).accept_hist is None

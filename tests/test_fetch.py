@@ -65,8 +65,9 @@ def write_run(storage) -> None:
 
 
 def fetched_files(dest) -> dict[str, bytes]:
-    return {p.relative_to(dest).as_posix(): p.read_bytes()
-            for p in dest.rglob("*") if p.is_file() and p.name != MANIFEST}
+    return {
+        p.relative_to(dest).as_posix(): p.read_bytes() for p in dest.rglob("*") if p.is_file() and p.name != MANIFEST
+    }
 
 
 @pytest.fixture
@@ -85,6 +86,7 @@ def local_run(tmp_path):
 
 
 # --- selection and comparison, without a server ---
+
 
 def test_selection_follows_the_layout():
     assert {k for k in ARTIFACTS if kind(k) != "artifact"} == set()
@@ -112,6 +114,7 @@ def test_a_local_file_is_the_object_when_its_record_matches(tmp_path):
 
 # --- a run in S3 ---
 
+
 def test_fetch_from_s3_copies_what_a_user_reads_then_only_what_changed(s3_run, tmp_path, capsys):
     url, storage = s3_run
     dest = tmp_path / "laptop"
@@ -125,8 +128,7 @@ def test_fetch_from_s3_copies_what_a_user_reads_then_only_what_changed(s3_run, t
     assert set(records) == set(ARTIFACTS)
 
     assert main(["--run-url", url, "--to", str(dest)]) == 0
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        f"0 copied (0 B), {len(ARTIFACTS)} already there, 0 skipped")
+    assert capsys.readouterr().err.splitlines()[-1] == (f"0 copied (0 B), {len(ARTIFACTS)} already there, 0 skipped")
 
     storage.write_bytes(layout.EVAL_METRICS, b'{"acceptance_length": 3.5}\n')
     summary = fetch(url, dest)
@@ -171,6 +173,7 @@ def test_an_object_gone_between_listing_and_reading_is_skipped(s3_run, tmp_path,
 
 # --- a local run folder ---
 
+
 def test_fetch_from_a_local_run_folder(local_run, tmp_path):
     dest = tmp_path / "copy"
     assert fetch(str(local_run), dest).copied == len(ARTIFACTS)
@@ -183,6 +186,7 @@ def test_fetch_from_a_local_run_folder(local_run, tmp_path):
 
 
 # --- errors: one line naming the URL, exit code 1 ---
+
 
 def one_line_error(capsys, argv) -> str:
     assert main(argv) == 1
@@ -206,8 +210,14 @@ def test_a_bad_bucket_is_one_line(s3_env, tmp_path, capsys):
 
 
 def test_missing_credentials_are_one_line(s3_server, s3_env, tmp_path, monkeypatch, capsys):
-    for name in ("SNAKEMAKE_STORAGE_S3_ACCESS_KEY", "SNAKEMAKE_STORAGE_S3_SECRET_KEY",
-                 "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+    for name in (
+        "SNAKEMAKE_STORAGE_S3_ACCESS_KEY",
+        "SNAKEMAKE_STORAGE_S3_SECRET_KEY",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))

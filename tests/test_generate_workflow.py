@@ -105,9 +105,7 @@ def pid_alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_sigkilled_generation_resumes_with_exactly_the_prompt_set(
-    where, workflow, demo_model, tmp_path, request
-):
+def test_sigkilled_generation_resumes_with_exactly_the_prompt_set(where, workflow, demo_model, tmp_path, request):
     configure(workflow, demo_model, tmp_path, prompts=32, max_new_tokens=48)
     args, env = (), {}
     run_url = workflow.root / "results/demo"
@@ -134,8 +132,7 @@ def test_sigkilled_generation_resumes_with_exactly_the_prompt_set(
             os.killpg(run.pid, signal.SIGKILL)
     # What the parts hold, not what they should: every part is 4 samples, none repeated.
     parts = [
-        pq.read_table(io.BytesIO(progress.run.read_bytes(key)), schema=GENERATED_SCHEMA)
-        for key in progress.part_keys()
+        pq.read_table(io.BytesIO(progress.run.read_bytes(key)), schema=GENERATED_SCHEMA) for key in progress.part_keys()
     ]
     saved_ids = [i for part in parts for i in part.column("id").to_pylist()]
     assert len(parts) >= 2 and all(part.num_rows == 4 for part in parts)
@@ -157,9 +154,10 @@ def test_sigkilled_generation_resumes_with_exactly_the_prompt_set(
         prompts = pq.read_table(workflow.root / PROMPTS)
     else:
         store = open_storage(run_url)
-        with store.local_copy("outputs/generate-00000.parquet") as g, store.local_copy(
-            "outputs/prepare-00000.parquet"
-        ) as p:
+        with (
+            store.local_copy("outputs/generate-00000.parquet") as g,
+            store.local_copy("outputs/prepare-00000.parquet") as p,
+        ):
             generated, prompts = pq.read_table(g), pq.read_table(p)
     ids = generated.column("id").to_pylist()
     assert ids == prompts.column("id").to_pylist()  # every prompt, once, in order
@@ -279,9 +277,7 @@ def job_pids(marker: str) -> list[int]:
     return found
 
 
-def test_a_job_whose_driver_is_sigkilled_stops_after_its_part_and_the_next_run_resumes(
-    workflow, demo_model, tmp_path
-):
+def test_a_job_whose_driver_is_sigkilled_stops_after_its_part_and_the_next_run_resumes(workflow, demo_model, tmp_path):
     """SIGKILL of the Snakemake driver alone (its jobs live on): the generate job finds at its
     next part that the run's lease names a driver that no longer exists, saves and stops; no
     process of the run writes afterwards, and the next driver resumes from the parts."""
@@ -312,9 +308,7 @@ def test_a_job_whose_driver_is_sigkilled_stops_after_its_part_and_the_next_run_r
     assert generated == pq.read_table(workflow.root / PROMPTS).column("id").to_pylist()
 
 
-def test_a_twenty_second_s3_outage_during_generate_is_ridden_out(
-    workflow, demo_model, tmp_path, monkeypatch
-):
+def test_a_twenty_second_s3_outage_during_generate_is_ridden_out(workflow, demo_model, tmp_path, monkeypatch):
     """SeaweedFS stopped for 20 s while a generate job writes its parts (and the driver waits on
     it): the job's storage calls and the S3 plugin's retry with backoff, the job's log says so,
     and the run finishes with every prompt once, without a rerun."""
@@ -344,9 +338,10 @@ def test_a_twenty_second_s3_outage_during_generate_is_ridden_out(
         assert "retrying with backoff" in job_log  # the outage was met, and said
         # One attempt: the job rode the outage out instead of failing into a retry.
         assert len(re.findall(r"attempt \d+ of this job", job_log)) == 1, job_log[-3000:]
-        with store.local_copy("outputs/generate-00000.parquet") as g, store.local_copy(
-            "outputs/prepare-00000.parquet"
-        ) as p:
+        with (
+            store.local_copy("outputs/generate-00000.parquet") as g,
+            store.local_copy("outputs/prepare-00000.parquet") as p,
+        ):
             ids = pq.read_table(g).column("id").to_pylist()
             assert ids == pq.read_table(p).column("id").to_pylist()
     finally:

@@ -64,8 +64,17 @@ def test_a_failed_gate_halts_the_run_naming_its_shard(demo_model, tmp_path):
     run = tmp_path / "run"
     for shard in (7, 8):  # a second failing shard leaves the first cause in place
         with pytest.raises(DegenerateShard):
-            tokenize_file(str(generated), str(demo_model), str(tmp_path / "t.parquet"),
-                          str(tmp_path / "t.stats.json"), True, {}, run_url=str(run), shard=shard, workers=1)
+            tokenize_file(
+                str(generated),
+                str(demo_model),
+                str(tmp_path / "t.parquet"),
+                str(tmp_path / "t.stats.json"),
+                True,
+                {},
+                run_url=str(run),
+                shard=shard,
+                workers=1,
+            )
     halt = read_halt(open_storage(run))
     assert halt["stage"] == "tokenize" and halt["shard"] == "00007"
     assert halt["cause"].startswith("failed the data-quality gate: 87 of 100 samples (87.0%) degenerate")
@@ -80,8 +89,19 @@ def test_without_a_run_the_tokenize_cli_halts_nothing(demo_model, tmp_path):
 
     rows = [generated_row(100 + i, "OK.", "") for i in range(20)]
     pq.write_table(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), tmp_path / "g.parquet")
-    code = main([str(tmp_path / "g.parquet"), "--model", str(demo_model), "--out", str(tmp_path / "t.parquet"),
-                 "--stats", str(tmp_path / "s.json"), "--workers", "1"])
+    code = main(
+        [
+            str(tmp_path / "g.parquet"),
+            "--model",
+            str(demo_model),
+            "--out",
+            str(tmp_path / "t.parquet"),
+            "--stats",
+            str(tmp_path / "s.json"),
+            "--workers",
+            "1",
+        ]
+    )
     assert code == 1 and not list(tmp_path.rglob("HALT.json"))
 
 
@@ -121,8 +141,25 @@ def test_halted_generate_extract_and_train_jobs_refuse_before_loading_anything(t
     prompts.write_bytes(b"")
     model.mkdir()
     (model / "config.json").write_text("{}")
-    assert generate_main(["--prompts", str(prompts), "--out", "o", "--run-url", str(tmp_path), "--shard", "4",
-                          "--model", str(model), "--generation-json", "{}"]) == 1
+    assert (
+        generate_main(
+            [
+                "--prompts",
+                str(prompts),
+                "--out",
+                "o",
+                "--run-url",
+                str(tmp_path),
+                "--shard",
+                "4",
+                "--model",
+                str(model),
+                "--generation-json",
+                "{}",
+            ]
+        )
+        == 1
+    )
 
 
 class LongRequests:
@@ -132,8 +169,12 @@ class LongRequests:
     def __init__(self, run):
         self.run = run
         self.settings = GenerationSettings(
-            thinking=True, sampling=Sampling(max_new_tokens=8, temperature=0.0), concurrency=12,
-            part_every_samples=2, part_every_seconds=3600, telemetry_every_seconds=0.5,
+            thinking=True,
+            sampling=Sampling(max_new_tokens=8, temperature=0.0),
+            concurrency=12,
+            part_every_samples=2,
+            part_every_seconds=3600,
+            telemetry_every_seconds=0.5,
         )
         self.fingerprint = "f"
         self.cancelled = 0
@@ -155,8 +196,15 @@ def test_a_running_generate_job_stops_at_its_next_part_and_keeps_its_finished_sa
     run = open_storage(tmp_path)
     progress = ShardProgress(run, "generate", 1)
     prompts = pa.Table.from_pylist(
-        [{"id": f"s{i}", "shard": 1, "split": "train",
-          "messages": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(12)]
+        [
+            {
+                "id": f"s{i}",
+                "shard": 1,
+                "split": "train",
+                "messages": [{"role": "user", "content": f"What is {i} + {i}?"}],
+            }
+            for i in range(12)
+        ]
     )
     generator = LongRequests(run)
     with pytest.raises(RunHalted, match=r"^generate shard 00001 stopped: .*tokenize shard 00005 failed"):

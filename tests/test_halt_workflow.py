@@ -40,10 +40,12 @@ class SeedIncidentEndpoint:
                     endpoint.requests += 1
                 opened = body["prompt"].rstrip().endswith("<think>")
                 text = ("" if opened else "<think>") + "\n\n</think>\n\nOK."
-                reply = json.dumps({
-                    "choices": [{"text": text, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 20, "completion_tokens": 6},
-                }).encode()
+                reply = json.dumps(
+                    {
+                        "choices": [{"text": text, "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 20, "completion_tokens": 6},
+                    }
+                ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(reply)))
@@ -122,10 +124,7 @@ def test_the_first_failed_gate_stops_every_other_generate_job(
     assert not store.list("outputs/tokenize-")
 
     # Every other generate job was refused before it started, naming the cause and the fix.
-    logs = {
-        shard: store.read_text(f"logs/generate/{shard}.log")
-        for shard in (f"{i:05d}" for i in range(NUM_SHARDS))
-    }
+    logs = {shard: store.read_text(f"logs/generate/{shard}.log") for shard in (f"{i:05d}" for i in range(NUM_SHARDS))}
     assert sum("to generate" in text for text in logs.values()) == 1 and "to generate" in logs[first]
     for shard, text in logs.items():
         if shard != first:

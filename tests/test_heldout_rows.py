@@ -26,8 +26,16 @@ def test_tokenize_writes_the_shards_heldout_rows_on_their_own(demo_model, tmp_pa
     generated = tmp_path / "generate-00003.parquet"
     pq.write_table(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), generated)
     out, heldout = tmp_path / layout.shard_key("tokenize", 3), tmp_path / layout.heldout_key(3)
-    tokenize_file(str(generated), str(demo_model), str(out), str(tmp_path / "stats.json"), True, {},
-                  workers=1, heldout_out=str(heldout))
+    tokenize_file(
+        str(generated),
+        str(demo_model),
+        str(out),
+        str(tmp_path / "stats.json"),
+        True,
+        {},
+        workers=1,
+        heldout_out=str(heldout),
+    )
     assert heldout.name == "tokenize-00003.heldout.parquet"
     full, small = pq.read_table(out), pq.read_table(heldout)
     assert small.schema == full.schema
@@ -42,8 +50,9 @@ def shards(demo_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("heldout")
     full, small = [], []
     for shard, (count, every) in enumerate([(30, 4), (20, 3), (25, 5)]):
-        path = write_tokenized_shard(demo_model, root / layout.shard_key("tokenize", shard), count, seed=shard,
-                                     heldout_every=every)
+        path = write_tokenized_shard(
+            demo_model, root / layout.shard_key("tokenize", shard), count, seed=shard, heldout_every=every
+        )
         pq.write_table(heldout_rows(pq.read_table(path)), root / layout.heldout_key(shard))
         full.append(str(path))
         small.append(str(root / layout.heldout_key(shard)))
@@ -65,8 +74,9 @@ def test_simulated_tau_selects_the_same_rows_from_the_heldout_objects(demo_model
     # Now: the held-out objects alone (the whole shards are not there to be opened); a file is
     # opened only while rows are still needed, so a path after them is never touched.
     tail = [str(tmp_path / "never-opened.parquet")] if max_rows == 10 else []
-    after = simulated_tau(str(drafter), str(demo_model), small[:2] + tail if tail else small,
-                          max_rows=max_rows, device="cpu")
+    after = simulated_tau(
+        str(drafter), str(demo_model), small[:2] + tail if tail else small, max_rows=max_rows, device="cpu"
+    )
     assert after == before
     assert after["rows"] == min(max_rows, 20) and len(after["row_ids"]) == after["rows"]
 

@@ -23,8 +23,6 @@ from dflash_pipeline.core.lease import (
 from dflash_pipeline.core.storage import StorageError, open_storage
 
 
-
-
 class FakeClock:
     """A clock the test moves by hand: expiry is tested without waiting."""
 
@@ -167,8 +165,9 @@ def test_a_failed_heartbeat_is_retried_within_seconds(store):
 
 
 def test_lease_of_a_dead_local_process_is_stale_at_once(store):
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(proc.stdout)
     RunLease(store, ttl_s=3600, pid=dead_pid).acquire()  # this host, a process that has exited
     lease = RunLease(store, ttl_s=3600).acquire()

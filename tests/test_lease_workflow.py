@@ -35,9 +35,7 @@ def stale_record() -> bytes:
 
 
 @pytest.mark.s3
-def test_second_driver_on_one_s3_prefix_stops_and_stale_lease_is_taken_over(
-    workflow, s3_server, s3_env, demo_model
-):
+def test_second_driver_on_one_s3_prefix_stops_and_stale_lease_is_taken_over(workflow, s3_server, s3_env, demo_model):
     small_run(workflow, demo_model)
     prefix = f"s3://{s3_server.bucket}/lease-{uuid.uuid4().hex[:8]}"
     args = ("--profile", "profiles/s3", "--default-storage-prefix", prefix)

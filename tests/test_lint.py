@@ -18,9 +18,7 @@ PINNED = ("snakemake", "snakemake-storage-plugin-s3", "snakemake-interface-stora
 
 
 def test_snakemake_lint_is_clean():
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--lint"], cwd=REPO, capture_output=True, text=True
-    )
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Congratulations" in proc.stdout + proc.stderr
 
@@ -32,9 +30,10 @@ def test_snakefmt_leaves_the_workflow_unchanged():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_ruff_finds_nothing_in_the_python_tree():
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=" ".join)
+def test_ruff_finds_nothing_in_the_python_tree(command):
     ruff = Path(sys.executable).parent / "ruff"
-    proc = subprocess.run([ruff, "check", "."], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run([ruff, *command, "."], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

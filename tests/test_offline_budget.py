@@ -72,10 +72,15 @@ def test_only_a_sample_of_many_stats_is_read(tmp_path):
 
 def test_without_stats_tokens_come_from_prompts_at_the_expected_length(tmp_path):
     storage = open_storage(tmp_path)
-    c = validate_config({
-        "num_shards": 4, "train": {"mode": "offline"}, "tokenize": {"max_length": 4096},
-        "generation": {"max_new_tokens": 3000}, "dataset": {"heldout_fraction": 0.1, "paths": [str(tmp_path / "p.jsonl")]},
-    })
+    c = validate_config(
+        {
+            "num_shards": 4,
+            "train": {"mode": "offline"},
+            "tokenize": {"max_length": 4096},
+            "generation": {"max_new_tokens": 3000},
+            "dataset": {"heldout_fraction": 0.1, "paths": [str(tmp_path / "p.jsonl")]},
+        }
+    )
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": i}) + "\n" for i in range(20)) + "\n")
     count = count_tokens(c, storage)
     assert (count.tokens, count.sequences) == (18 * 3000, 18) and "rows of dataset.paths" in count.source
@@ -94,8 +99,14 @@ def test_target_shape_from_config_json_and_its_text_config(tmp_path):
 
 
 def test_refusal_names_the_bytes_the_limit_and_what_online_would_cost():
-    c = config(target_layer_ids=[1, 16, 31, 46, 61], offline_max_bytes=2**40, gpus_per_job=8,
-               segments=20, steps_per_segment=2000, batch_size=1)
+    c = config(
+        target_layer_ids=[1, 16, 31, 46, 61],
+        offline_max_bytes=2**40,
+        gpus_per_job=8,
+        segments=20,
+        steps_per_segment=2000,
+        batch_size=1,
+    )
     count = tokens_from_samples(902_000, c, "test")  # ~3.7B tokens
     with pytest.raises(OfflineBudgetError) as err:
         check_offline_budget(c, SEEDS_TARGET, count)
@@ -122,7 +133,10 @@ def test_check_run_is_silent_when_the_run_cannot_be_sized_yet_or_is_online(tmp_p
 
 def test_train_start_refuses_from_the_extract_manifests():
     train = config(offline_max_bytes=1000)["train"]
-    manifests = {"00000": {"size": 600, "tokens": 10, "rows": 2, "width": 30}, "00001": {"size": 600, "tokens": 10, "rows": 2, "width": 30}}
+    manifests = {
+        "00000": {"size": 600, "tokens": 10, "rows": 2, "width": 30},
+        "00001": {"size": 600, "tokens": 10, "rows": 2, "width": 30},
+    }
     with pytest.raises(OfflineBudgetError, match="the 2 extract shards' manifests: 20 tokens x 30 values"):
         check_stored(train, manifests, 2)
     train["offline_max_bytes"] = 1200
@@ -136,13 +150,28 @@ def test_training_job_refuses_before_downloading(demo_model, tmp_path):
 
     manifest = tmp_path / "extract-00000.manifest.json"
     # The object it names does not exist: the refusal must come before any download.
-    manifest.write_text(json.dumps({"key": "extract/missing.safetensors", "size": 10**12, "tokens": 10**6,
-                                    "rows": 10, "width": 128, "layer_ids": [1, 5]}))
+    manifest.write_text(
+        json.dumps(
+            {
+                "key": "extract/missing.safetensors",
+                "size": 10**12,
+                "tokens": 10**6,
+                "rows": 10,
+                "width": 128,
+                "layer_ids": [1, 5],
+            }
+        )
+    )
     tokenized = {"00000": str(write_tokenized_shard(demo_model, tmp_path / "t.parquet", 4, seed=0))}
     job = SegmentJob(
-        run_url=str(tmp_path), segment=0, settings=settings(mode="offline", offline_max_bytes=10**9),
-        target_dir=str(demo_model), tokenized=tokenized, hidden={"00000": str(manifest)},
-        manifest_path=str(tmp_path / layout.segment_manifest_key(0)), device="cpu",
+        run_url=str(tmp_path),
+        segment=0,
+        settings=settings(mode="offline", offline_max_bytes=10**9),
+        target_dir=str(demo_model),
+        tokenized=tokenized,
+        hidden={"00000": str(manifest)},
+        manifest_path=str(tmp_path / layout.segment_manifest_key(0)),
+        device="cpu",
     )
     with pytest.raises(TrainingError, match="train.mode offline would store 931.3 GiB"):
         job.run()

@@ -40,8 +40,15 @@ def seeds_config(**plan):
 
 
 BENCH = [
-    {"case": "qwen3.6-27b", "mode": "online", "seq_len": 4096, "tokens_per_s": 5657.4,
-     "drafter_params": 1730213120, "file": "train_step-h200.json", "device": "NVIDIA H200"},
+    {
+        "case": "qwen3.6-27b",
+        "mode": "online",
+        "seq_len": 4096,
+        "tokens_per_s": 5657.4,
+        "drafter_params": 1730213120,
+        "file": "train_step-h200.json",
+        "device": "NVIDIA H200",
+    },
     {"case": "qwen3.6-27b", "mode": "online", "seq_len": 1024, "tokens_per_s": 9999.0, "file": "x", "device": "x"},
     {"case": "qwen3.6-27b", "mode": "drafter", "seq_len": 4096, "tokens_per_s": 14787.3, "file": "x", "device": "x"},
     {"case": "qwen3-8b", "mode": "online", "seq_len": 4096, "tokens_per_s": 11559.2, "file": "x", "device": "x"},
@@ -56,8 +63,15 @@ def test_benchmark_pick_matches_target_mode_and_context():
 
 
 def test_benchmark_pick_takes_the_configs_algorithm_and_averages_files_of_one_context():
-    dflash2 = {"case": "qwen3.6-27b", "mode": "online", "seq_len": 4096, "tokens_per_s": 5043.1,
-               "algorithm": "dflash2", "file": "train_step-dflash2-h200.json", "device": "NVIDIA H200"}
+    dflash2 = {
+        "case": "qwen3.6-27b",
+        "mode": "online",
+        "seq_len": 4096,
+        "tokens_per_s": 5043.1,
+        "algorithm": "dflash2",
+        "file": "train_step-dflash2-h200.json",
+        "device": "NVIDIA H200",
+    }
     again = {**dflash2, "algorithm": "dflash", "tokens_per_s": 5576.6}  # DFlash, measured beside it
     records = [*BENCH, dflash2, again]
     picked = pick_train_benchmark(records, "qwen3.6-27b", "online", 4096, "dflash2")
@@ -88,7 +102,8 @@ def test_seeds_case_from_config_and_benchmark():
     assert plan["wall"]["train_h"] == pytest.approx(plan["train"]["gpu_hours"] / 8)
     assert plan["train"]["steps"] == 20 * 2000 and plan["train"]["sequences"] == 40000 * 8
     assert make_plan(config, Measured(bench_train=BENCH[0]), gpus=16)["wall"]["generate_h"] == pytest.approx(
-        plan["wall"]["generate_h"] / 2)
+        plan["wall"]["generate_h"] / 2
+    )
 
 
 def test_offline_mode_counts_the_hidden_state_bytes():
@@ -106,10 +121,17 @@ def test_measured_figures_replace_the_assumptions(tmp_path):
     for shard, size in ((0, 300), (1, 500)):
         run.write_bytes(layout.shard_key("generate", shard), b"g" * size)
         ShardProgress(run, "generate", shard).write_telemetry(
-            {"state": "done", "samples_done": 100, "samples_resumed": 0, "tokens_generated": 250_000,
-             "elapsed_s": 100.0})
+            {
+                "state": "done",
+                "samples_done": 100,
+                "samples_resumed": 0,
+                "tokens_generated": 250_000,
+                "elapsed_s": 100.0,
+            }
+        )
     ShardProgress(run, "generate", 2).write_telemetry(  # still running: not a measurement
-        {"state": "running", "samples_done": 5, "tokens_generated": 9, "elapsed_s": 1.0})
+        {"state": "running", "samples_done": 5, "tokens_generated": 9, "elapsed_s": 1.0}
+    )
     run.write_text(layout.train_progress_prefix(0) + "telemetry.json", json.dumps({"tokens_per_s": 40000.0}))
     measured = measure_run(str(tmp_path / "run"), config)
     plan = make_plan(config, measured, gpus=8)
@@ -159,16 +181,27 @@ def test_a_configfile_is_a_complete_config_not_layered_over_config_yaml(tmp_path
 def test_several_configfiles_are_layered_by_snakemakes_own_update(tmp_path):
     from snakemake.settings.types import ConfigSettings
 
-    base = write_yaml(tmp_path / "a.yaml", {
-        "run": "a", "num_shards": 4, "generation": {"max_new_tokens": 64, "sampling": {"temperature": 0.6, "top_p": 0.9}},
-        "dataset": {"paths": ["x.jsonl", "y.jsonl"]},
-    })
-    over = write_yaml(tmp_path / "b.yaml", {
-        "generation": {"sampling": {"temperature": 0}}, "dataset": {"paths": ["z.jsonl"]}, "plan": {"prompts": 5},
-    })
+    base = write_yaml(
+        tmp_path / "a.yaml",
+        {
+            "run": "a",
+            "num_shards": 4,
+            "generation": {"max_new_tokens": 64, "sampling": {"temperature": 0.6, "top_p": 0.9}},
+            "dataset": {"paths": ["x.jsonl", "y.jsonl"]},
+        },
+    )
+    over = write_yaml(
+        tmp_path / "b.yaml",
+        {
+            "generation": {"sampling": {"temperature": 0}},
+            "dataset": {"paths": ["z.jsonl"]},
+            "plan": {"prompts": 5},
+        },
+    )
     layered = layered_config([base, over])
     assert layered == {
-        "run": "a", "num_shards": 4,
+        "run": "a",
+        "num_shards": 4,
         "generation": {"max_new_tokens": 64, "sampling": {"temperature": 0, "top_p": 0.9}},  # nested: merged
         "dataset": {"paths": ["z.jsonl"]},  # lists: replaced
         "plan": {"prompts": 5},
@@ -218,17 +251,25 @@ def snakemakes_config(workflow, tmp_path, *configfiles) -> dict:
 def differences(got, want, key: str = "") -> list[str]:
     """Dotted keys whose values differ (a key missing on one side included)."""
     if isinstance(got, dict) and isinstance(want, dict):
-        return [d for k in sorted(set(got) | set(want), key=str)
-                for d in differences(got.get(k, "<missing>"), want.get(k, "<missing>"), f"{key}.{k}".lstrip("."))]
+        return [
+            d
+            for k in sorted(set(got) | set(want), key=str)
+            for d in differences(got.get(k, "<missing>"), want.get(k, "<missing>"), f"{key}.{k}".lstrip("."))
+        ]
     return [] if got == want and type(got) is type(want) else [f"{key}: plan {got!r}, snakemake {want!r}"]
 
 
 @pytest.mark.workflow
 def test_plan_reads_the_config_snakemake_reads(workflow, tmp_path):
     example = workflow.root / "config/examples/qwen3.6-27b.yaml"
-    over = write_yaml(tmp_path / "over.yaml", {
-        "num_shards": 8, "generation": {"sampling": {"temperature": 0}}, "tokenize": {"max_length": 2048},
-    })
+    over = write_yaml(
+        tmp_path / "over.yaml",
+        {
+            "num_shards": 8,
+            "generation": {"sampling": {"temperature": 0}},
+            "tokenize": {"max_length": 2048},
+        },
+    )
     seen = {}
     for name, files in (("example", [example]), ("layered", [example, over]), ("plain", [])):
         seen[name] = snakemakes_config(workflow, tmp_path, *files)
@@ -240,18 +281,36 @@ def test_plan_reads_the_config_snakemake_reads(workflow, tmp_path):
     # The example alone: its own values and the schema's defaults, nothing of the demo's.
     example_config = seen["example"]["validated"]
     assert example_config["run"] == "qwen36-27b" and example_config["target"]["build_demo"] is False
-    assert example_config["evaluate"]["simulated_rows"] == load_schema()["properties"]["evaluate"]["properties"][
-        "simulated_rows"]["default"] != seen["plain"]["validated"]["evaluate"]["simulated_rows"]
+    assert (
+        example_config["evaluate"]["simulated_rows"]
+        == load_schema()["properties"]["evaluate"]["properties"]["simulated_rows"]["default"]
+        != seen["plain"]["validated"]["evaluate"]["simulated_rows"]
+    )
     assert seen["layered"]["validated"]["generation"]["sampling"] == {
-        **example_config["generation"]["sampling"], "temperature": 0}
+        **example_config["generation"]["sampling"],
+        "temperature": 0,
+    }
     assert seen["plain"]["validated"]["run"] == "demo"
 
 
 def test_cli_prints_the_seeds_case():
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", str(EXAMPLE), "--gpus", "8",
-         "--run-url", str(REPO / "no-such-run"), "--json"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.stages.plan",
+            "--configfile",
+            str(EXAMPLE),
+            "--gpus",
+            "8",
+            "--run-url",
+            str(REPO / "no-such-run"),
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     plan = json.loads(proc.stdout)
     assert plan["shards"] == 400 and plan["prompts"]["value"] == 902000
@@ -259,21 +318,32 @@ def test_cli_prints_the_seeds_case():
     assert "bench/results/train_step-h200.json" in plan["train"]["tokens_per_s_per_gpu"]["source"]
     text = subprocess.run(
         [sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", str(EXAMPLE), "--gpus", "8"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "GPU-hours" in text and "per epoch" in text and "Wall time on 8 GPUs" in text
 
 
 def test_cli_names_a_missing_config_file():
-    proc = subprocess.run([sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", "nope.yaml"],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", "nope.yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "nope.yaml" in proc.stderr
 
 
 def test_cli_names_an_invalid_config_key(tmp_path):
     bad = write_yaml(tmp_path / "bad.yaml", {"tokenize": {"max_lenght": 100}})
-    proc = subprocess.run([sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", str(bad)],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", str(bad)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "tokenize.max_lenght" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -281,7 +351,9 @@ def test_cli_names_an_invalid_config_key(tmp_path):
 def test_cli_refuses_fewer_than_one_gpu_in_one_line(gpus):
     proc = subprocess.run(
         [sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", str(EXAMPLE), "--gpus", gpus],
-        cwd=REPO, capture_output=True, text=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == f"plan: --gpus must be at least 1, got {gpus}\n"
@@ -291,8 +363,10 @@ def test_cli_refuses_fewer_than_one_gpu_in_one_line(gpus):
 
 
 def prompt_rows(n: int, start: int = 0) -> list[dict]:
-    return [{"id": f"p{i}", "messages": [{"role": "user", "content": f"What is {i} + {i}?"}]}
-            for i in range(start, start + n)]
+    return [
+        {"id": f"p{i}", "messages": [{"role": "user", "content": f"What is {i} + {i}?"}]}
+        for i in range(start, start + n)
+    ]
 
 
 def test_the_plan_counts_the_prompts_of_local_dataset_files(tmp_path):
@@ -303,28 +377,49 @@ def test_the_plan_counts_the_prompts_of_local_dataset_files(tmp_path):
     parquet = tmp_path / "more.parquet"
     pq.write_table(pa.Table.from_pylist(prompt_rows(7, start=100)), parquet, row_group_size=3)
     assert count_dataset_rows([str(jsonl)]) == (
-        20, "counted by the plan: non-empty JSONL lines of the local dataset files, before validation "
-        "and deduplication")
+        20,
+        "counted by the plan: non-empty JSONL lines of the local dataset files, before validation and deduplication",
+    )
     rows, source = count_dataset_rows([str(jsonl), str(parquet)])
     assert rows == 27 and "non-empty JSONL lines and parquet rows from the metadata" in source
     assert count_dataset_rows([str(parquet)])[0] == 7
     assert count_dataset_rows(["prompts.jsonl"], workdir=tmp_path)[0] == 20  # relative to the workdir
     # Not countable here: the reason comes back instead.
     assert count_dataset_rows([str(jsonl), "s3://bucket/prompts.jsonl"]) == (
-        None, "dataset file s3://bucket/prompts.jsonl is remote (not counted by the plan)")
+        None,
+        "dataset file s3://bucket/prompts.jsonl is remote (not counted by the plan)",
+    )
     assert count_dataset_rows([str(tmp_path / "gone.jsonl")])[1].endswith("gone.jsonl not found")
     (tmp_path / "prompts.csv").write_text("a,b\n")
     assert "unknown dataset format" in count_dataset_rows([str(tmp_path / "prompts.csv")])[1]
 
     # The CLI, without plan.prompts: the counted figure, named as such.
-    config = write_yaml(tmp_path / "run.yaml", {
-        "run": "counted", "num_shards": 3, "dataset": {"paths": [str(jsonl), str(parquet)]},
-        "plan": {"generation_tokens_per_s_per_gpu": 100, "train_tokens_per_s_per_gpu": 1000},
-    })
+    config = write_yaml(
+        tmp_path / "run.yaml",
+        {
+            "run": "counted",
+            "num_shards": 3,
+            "dataset": {"paths": [str(jsonl), str(parquet)]},
+            "plan": {"generation_tokens_per_s_per_gpu": 100, "train_tokens_per_s_per_gpu": 1000},
+        },
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", str(config), "--gpus", "1",
-         "--run-url", str(tmp_path / "no-run"), "--json"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.stages.plan",
+            "--configfile",
+            str(config),
+            "--gpus",
+            "1",
+            "--run-url",
+            str(tmp_path / "no-run"),
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     plan = json.loads(proc.stdout)
     assert plan["prompts"] == {"value": 27, "source": source}
@@ -332,9 +427,22 @@ def test_the_plan_counts_the_prompts_of_local_dataset_files(tmp_path):
     # plan.prompts, when given, is the figure (the files are not counted).
     with_prompts = write_yaml(tmp_path / "given.yaml", {**yaml.safe_load(config.read_text()), "plan": {"prompts": 500}})
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash_pipeline.stages.plan", "--configfile", str(with_prompts), "--gpus", "1",
-         "--run-url", str(tmp_path / "no-run"), "--json"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.stages.plan",
+            "--configfile",
+            str(with_prompts),
+            "--gpus",
+            "1",
+            "--run-url",
+            str(tmp_path / "no-run"),
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert json.loads(proc.stdout)["prompts"] == {"value": 500, "source": "config plan.prompts"}
 

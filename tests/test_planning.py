@@ -99,8 +99,13 @@ rule named:
 def dry_run(workdir: Path, **extra_env) -> subprocess.CompletedProcess:
     env = {**os.environ, **extra_env}
     # mtime alone, as the S3 profile plans: no rerun trigger reads params.
-    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--rerun-triggers", "mtime"],
-                          cwd=workdir, capture_output=True, text=True, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--rerun-triggers", "mtime"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
 
 
 @pytest.fixture
@@ -130,8 +135,7 @@ def test_planning_does_each_rule_level_thing_once(workflow):
     assert calls.pop("expand_params of fixed") <= 2
     assert calls.pop("expand_conda_env of named") == 2  # a function of wildcards: asked per job
     assert calls.pop("expand_params of named") == 2
-    assert set(calls) <= {"expand_log of named", "expand_log of all", "expand_params of all",
-                          "expand_conda_env of all"}
+    assert set(calls) <= {"expand_log of named", "expand_log of all", "expand_params of all", "expand_conda_env of all"}
 
 
 def test_snakemake_as_it_ships_repeats_them(workflow):
@@ -199,11 +203,14 @@ def test_an_output_inside_another_is_refused_as_snakemake_refuses_it(tmp_path):
     (tmp_path / "Snakefile").write_text(
         f"import sys\nsys.path.insert(0, {str(REPO)!r})\n"
         "from dflash_pipeline.snakemake_patches.planning import install_planning_patches\n\n"
-        "install_planning_patches()\n" + NESTED)
+        "install_planning_patches()\n" + NESTED
+    )
     patched, shipped = dry_run(tmp_path), dry_run(tmp_path, DFLASH_PLANNING_PATCHES="0")
     assert patched.returncode != 0 and shipped.returncode != 0
-    refusal = (f"File/directory is a child to another output:\n({tmp_path / 'out/x'!r}, parent)\n"
-               f"({tmp_path / 'out/x/y'!r}, child)")
+    refusal = (
+        f"File/directory is a child to another output:\n({tmp_path / 'out/x'!r}, parent)\n"
+        f"({tmp_path / 'out/x/y'!r}, child)"
+    )
     for proc in (patched, shipped):
         assert refusal in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 

@@ -147,9 +147,7 @@ def test_ingest_dedupes_ids_and_quarantines(tmp_path):
         {"file": str(data), "row": 44, "reason": "malformed_json", "detail": quarantined[0]["detail"]}
     ]
     assert table.column("shard").to_pylist() == sorted(table.column("shard").to_pylist())
-    for sample_id, shard, split in zip(
-        ids, table.column("shard").to_pylist(), table.column("split").to_pylist()
-    ):
+    for sample_id, shard, split in zip(ids, table.column("shard").to_pylist(), table.column("split").to_pylist()):
         assert shard == shard_of(sample_id, 3)
         assert split == split_of(sample_id, 0.2)
     assert sum(summary["samples_per_shard"]) == 42
@@ -206,8 +204,14 @@ def test_a_refused_dataset_keeps_its_summary_and_quarantine_beside_the_log(tmp_p
     out.mkdir()
     logs.mkdir()
     with pytest.raises(PrepareError) as err:
-        ingest([str(data)], 2, str(out / "prompts.parquet"), str(out / "summary.json"),
-               str(out / "quarantine.jsonl"), refused_copy=logs / "ingest")
+        ingest(
+            [str(data)],
+            2,
+            str(out / "prompts.parquet"),
+            str(out / "summary.json"),
+            str(out / "quarantine.jsonl"),
+            refused_copy=logs / "ingest",
+        )
     for path in out.iterdir():  # what Snakemake does to a failed job's outputs
         path.unlink()
     kept_summary = logs / "ingest.refused-summary.json"
@@ -367,9 +371,7 @@ def test_parquet_rows_get_the_same_validation(tmp_path):
         [[{"role": "user", "content": f"q{i}"}] for i in range(3)]
         + [[{"role": "user", "content": "has\x00nul"}], [{"role": "user", "content": " "}]]
     )
-    pq.write_table(
-        pa.table({"id": broken, "messages": turns, "conversations": pa.nulls(5, turns.type)}), path
-    )
+    pq.write_table(pa.table({"id": broken, "messages": turns, "conversations": pa.nulls(5, turns.type)}), path)
     out, summary = run_ingest(tmp_path, [path], max_bad_fraction=0.9)
     quarantined = [json.loads(x) for x in (out / "quarantine.jsonl").read_text().splitlines()]
     assert [(q["row"], q["reason"]) for q in quarantined] == [
@@ -459,8 +461,12 @@ ROWS = st.one_of(
     # Close to real rows, so the later checks (roles, NUL, empty turns, ids) are reached.
     st.builds(lambda turns, id_: {"messages": turns, "id": id_}, PLAUSIBLE_TURNS, IDS),
     st.builds(
-        lambda turns, id_: {"conversations": [{"from": t.get("role", t.get("from")), "value": t.get(
-            "content", t.get("value"))} for t in turns], "id": id_},
+        lambda turns, id_: {
+            "conversations": [
+                {"from": t.get("role", t.get("from")), "value": t.get("content", t.get("value"))} for t in turns
+            ],
+            "id": id_,
+        },
         PLAUSIBLE_TURNS,
         IDS,
     ),

@@ -56,9 +56,11 @@ def varied_ids(n: int, seed: int = 1) -> list[int]:
     return [rng.randrange(*WORDS) for _ in range(n)]
 
 
-LOOPS = [(5, "exact"), (5, "counter")] + [
-    (period, variation) for period in (22, 100, 500) for variation in ("counter", "sub1", "sub2", "number")
-] + [(1024, "sub2")]
+LOOPS = (
+    [(5, "exact"), (5, "counter")]
+    + [(period, variation) for period in (22, 100, 500) for variation in ("counter", "sub1", "sub2", "number")]
+    + [(1024, "sub2")]
+)
 
 
 @pytest.mark.parametrize(("period", "variation"), LOOPS, ids=[f"{p}-{v}" for p, v in LOOPS])
@@ -225,24 +227,37 @@ def markdown_table(rows: int = 120) -> str:
     cities = ["Berlin", "Paris", "Madrid", "Rome", "Vienna", "Warsaw", "Prague", "Lisbon"]
     lines = ["| Year | City | Population | Area (km2) | Growth |", "|---|---|---|---|---|"]
     for i in range(rows):
-        lines.append(f"| {2000 + i % 24} | {rng.choice(cities)} | {rng.randint(100000, 9999999):,} | "
-                     f"{rng.uniform(50, 999):.1f} | {rng.uniform(-3, 3):+.2f}% |")
+        lines.append(
+            f"| {2000 + i % 24} | {rng.choice(cities)} | {rng.randint(100000, 9999999):,} | "
+            f"{rng.uniform(50, 999):.1f} | {rng.uniform(-3, 3):+.2f}% |"
+        )
     return "\n".join(lines)
 
 
 def step_list(steps: int = 150) -> str:
     rng = random.Random(3)
     verbs = ["add", "subtract", "carry", "check", "compare", "write", "multiply", "divide", "round", "verify"]
-    things = ["the ones column", "the tens digit", "the partial sum", "the remainder", "both operands",
-              "the carry bit", "the final result", "the estimate"]
+    things = [
+        "the ones column",
+        "the tens digit",
+        "the partial sum",
+        "the remainder",
+        "both operands",
+        "the carry bit",
+        "the final result",
+        "the estimate",
+    ]
     return "\n".join(
         f"Step {i}: {rng.choice(verbs)} {rng.choice(things)}, giving {rng.randint(0, 9999)}; "
-        f"then {rng.choice(verbs)} {rng.choice(things)}." for i in range(1, steps + 1)
+        f"then {rng.choice(verbs)} {rng.choice(things)}."
+        for i in range(1, steps + 1)
     )
 
 
 def code() -> str:
-    return "\n".join((REPO / "dflash_pipeline" / "data" / name).read_text() for name in ("loss_masks.py", "tokenized.py"))
+    return "\n".join(
+        (REPO / "dflash_pipeline" / "data" / name).read_text() for name in ("loss_masks.py", "tokenized.py")
+    )
 
 
 def word_ids(text: str) -> list[int]:
@@ -351,8 +366,12 @@ class FakeSequence:
 
 
 def healthy_row(i: int, **kw) -> dict:
-    return generated_row(i, f"So {i} + {i} = {2 * i}, as the ones column shows.",
-                         f"Add the ones: {i % 10} + {i % 10}; carry where needed; {i} + {i} = {2 * i}.", **kw)
+    return generated_row(
+        i,
+        f"So {i} + {i} = {2 * i}, as the ones column shows.",
+        f"Add the ones: {i % 10} + {i % 10}; carry where needed; {i} + {i} = {2 * i}.",
+        **kw,
+    )
 
 
 def judge(rows: list[dict], sampling: dict | None = None, mismatched: tuple[str, ...] = (), **settings):
@@ -381,14 +400,16 @@ def fingerprint_of(temperature: float, seed: int | None = 0, max_new_tokens: int
     from dflash_pipeline.engines.regenerate import GenerationSettings, fingerprint
 
     sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=0.95, seed=seed)
-    return fingerprint("/models/none", "{{ template }}", GenerationSettings(thinking=True, sampling=sampling),
-                       "sglang", "0.5.17")
+    return fingerprint(
+        "/models/none", "{{ template }}", GenerationSettings(thinking=True, sampling=sampling), "sglang", "0.5.17"
+    )
 
 
 def seeds_like(total: int, degenerate: int, fingerprint: str = "f") -> list[dict]:
     """The incident's shard: an empty think block and "OK." for ``degenerate`` of ``total`` prompts."""
-    return ([healthy_row(i, fingerprint=fingerprint) for i in range(total - degenerate)]
-            + [generated_row(1000 + i, "OK.", "", fingerprint=fingerprint) for i in range(degenerate)])
+    return [healthy_row(i, fingerprint=fingerprint) for i in range(total - degenerate)] + [
+        generated_row(1000 + i, "OK.", "", fingerprint=fingerprint) for i in range(degenerate)
+    ]
 
 
 def test_the_new_key_is_in_the_schema_with_the_gates_default():
@@ -397,8 +418,12 @@ def test_the_new_key_is_in_the_schema_with_the_gates_default():
     from dflash_pipeline.data.tokenized import DEFAULTS
 
     schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]["tokenize"]["properties"]
-    assert schema["min_degenerate_rows"]["default"] == DEFAULT_GATE["min_degenerate_rows"] == DEFAULTS[
-        "min_degenerate_rows"] == 5
+    assert (
+        schema["min_degenerate_rows"]["default"]
+        == DEFAULT_GATE["min_degenerate_rows"]
+        == DEFAULTS["min_degenerate_rows"]
+        == 5
+    )
     for key, value in DEFAULT_GATE.items():
         assert schema[key]["default"] == value, key
 
@@ -406,10 +431,14 @@ def test_the_new_key_is_in_the_schema_with_the_gates_default():
 def test_one_odd_sample_of_a_13_sample_trial_passes():
     rows = [healthy_row(i) for i in range(12)] + [generated_row(50, " ", "")]  # one empty response
     kept, summary = judge(rows)
-    assert summary["degenerate_samples"] == 1 and summary["degenerate_fraction"] > DEFAULT_GATE[
-        "max_degenerate_fraction"]
-    assert summary["gate"] == {"max_degenerate_fraction": 0.05, "min_degenerate_rows": 5,
-                               "verdict": "passed: too few degenerate samples to judge"}
+    assert (
+        summary["degenerate_samples"] == 1 and summary["degenerate_fraction"] > DEFAULT_GATE["max_degenerate_fraction"]
+    )
+    assert summary["gate"] == {
+        "max_degenerate_fraction": 0.05,
+        "min_degenerate_rows": 5,
+        "verdict": "passed: too few degenerate samples to judge",
+    }
     assert len(kept) == 12 and "s50" not in {row["id"] for row, _ in kept}  # passed without it
     # Four of 13 still pass; the fifth is evidence.
     rows = [healthy_row(i) for i in range(9)] + [generated_row(50 + i, " ", "") for i in range(4)]
@@ -446,7 +475,9 @@ def test_the_seeds_incident_names_greedy_generation_and_off_domain_prompts():
     assert "likely causes: off-domain prompts, greedy generation)" in cause
     assert "What to do: Many prompts got an empty, a too short or the same answer" in message
     assert "filter them out of dataset.paths" in message
-    assert "The generation is greedy (temperature 0): regenerating with the same settings gives the same text" in message
+    assert (
+        "The generation is greedy (temperature 0): regenerating with the same settings gives the same text" in message
+    )
     assert "samples at temperature" not in message and "Raise generation.max_new_tokens" not in message
     assert err.value.summary["sampling"]["temperature"] == 0.0  # read from the rows' fingerprints
 
@@ -489,22 +520,27 @@ def test_a_length_cut_is_advised_to_raise_max_new_tokens():
     # max_new_tokens 8: every trace cut short, too few supervised tokens to train on.
     fp = fingerprint_of(0.6, max_new_tokens=8)
     rows = [healthy_row(i, fingerprint=fp) for i in range(30)]
-    rows += [generated_row(100 + i, "", f"Let me {i}", finish="length", closed=False, fingerprint=fp)
-             for i in range(10)]
+    rows += [
+        generated_row(100 + i, "", f"Let me {i}", finish="length", closed=False, fingerprint=fp) for i in range(10)
+    ]
     with pytest.raises(DegenerateShard) as err:
         judge(rows)
     message = str(err.value)
     summary = err.value.summary
     assert summary["length_cut"] == {"samples": 10, "reasons": {"too_few_supervised": 10}}
-    assert ("What to do: A length cut: 10 degenerate samples were cut by the token limit (finish_reason length). "
-            "Raise generation.max_new_tokens (now 8), and the server's context length with it") in message
+    assert (
+        "What to do: A length cut: 10 degenerate samples were cut by the token limit (finish_reason length). "
+        "Raise generation.max_new_tokens (now 8), and the server's context length with it"
+    ) in message
     # The cut explains the short answers: no advice on the prompts or the sampling.
     assert "off-domain" not in message and "samples at temperature" not in message
     assert "likely cause: a length cut)" in err.value.cause
     # Thinking that never closed although the engine said stop: the same advice.
     rows = [healthy_row(i, fingerprint=fp) for i in range(30)]
-    rows += [generated_row(100 + i, "", f"Let me think about {i} for a while", closed=False, fingerprint=fp)
-             for i in range(10)]
+    rows += [
+        generated_row(100 + i, "", f"Let me think about {i} for a while", closed=False, fingerprint=fp)
+        for i in range(10)
+    ]
     with pytest.raises(DegenerateShard) as err:
         judge(rows)
     assert "think_not_closed 10" in str(err.value)

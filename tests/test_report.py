@@ -23,21 +23,37 @@ def svg_text(path: Path) -> str:
 
 def generated_row(i: int, thinking: str, answer: str, tokens: int, finish: str) -> dict:
     return {
-        "id": f"s{i}", "shard": 3, "split": "train", "error": None, "fingerprint": "f",
+        "id": f"s{i}",
+        "shard": 3,
+        "split": "train",
+        "error": None,
+        "fingerprint": "f",
         "messages": [
             {"role": "user", "content": "q", "reasoning_content": None},
             {"role": "assistant", "content": answer, "reasoning_content": thinking},
         ],
-        "turns": [{"message_index": 1, "finish_reason": finish, "think_closed": finish == "stop",
-                   "prompt_tokens": 5, "completion_tokens": tokens, "output_ids": list(range(tokens))}],
-        "prompt_tokens": 5, "completion_tokens": tokens,
+        "turns": [
+            {
+                "message_index": 1,
+                "finish_reason": finish,
+                "think_closed": finish == "stop",
+                "prompt_tokens": 5,
+                "completion_tokens": tokens,
+                "output_ids": list(range(tokens)),
+            }
+        ],
+        "prompt_tokens": 5,
+        "completion_tokens": tokens,
     }
 
 
 @pytest.fixture
 def generated(tmp_path) -> Path:
-    rows = [generated_row(0, "a" * 40, "yes", 20, "stop"), generated_row(1, "", "b" * 100, 300, "length"),
-            generated_row(2, "c" * 40, "no", 40, "stop")]
+    rows = [
+        generated_row(0, "a" * 40, "yes", 20, "stop"),
+        generated_row(1, "", "b" * 100, 300, "length"),
+        generated_row(2, "c" * 40, "no", 40, "stop"),
+    ]
     path = tmp_path / "generated-00003.parquet"
     pq.write_table(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), path)
     return path
@@ -63,8 +79,9 @@ def test_throughput_per_shard_uses_the_benchmark_and_the_telemetry(generated, tm
     bench = tmp_path / "benchmark.generate-00003.tsv"
     bench.write_text("s\th:m:s\tmax_rss\n12.0\t0:00:12\t100\n")
     s = report.summarize_generated(generated)
-    [row] = report.generation_throughput([s], {"00003": report.read_benchmark_seconds(bench)},
-                                         {"00003": {"tokens_per_s": 55.0}})
+    [row] = report.generation_throughput(
+        [s], {"00003": report.read_benchmark_seconds(bench)}, {"00003": {"tokens_per_s": 55.0}}
+    )
     assert row["job_tokens_per_s"] == pytest.approx(30.0) and row["generation_tokens_per_s"] == 55.0
     out = tmp_path / "throughput.svg"
     report.plot_generation_throughput([row], out)
@@ -88,10 +105,20 @@ def test_generation_figures_show_lengths_and_finish_reasons(generated, tmp_path)
 
 
 def test_prompt_figure_and_quarantine_table(tmp_path):
-    summary = {"rows_read": 10, "samples": 7, "heldout_samples": 1, "duplicates_dropped": 1, "bad_rows": 2,
-               "bad_fraction": 0.2, "samples_per_shard": [4, 3], "heldout_per_shard": [1, 0]}
-    quarantine = [{"file": "d.jsonl", "row": 3, "reason": "malformed_json", "detail": "<b>x</b>"},
-                  {"file": "d.jsonl", "row": 5, "reason": "unknown_role", "detail": "narrator"}]
+    summary = {
+        "rows_read": 10,
+        "samples": 7,
+        "heldout_samples": 1,
+        "duplicates_dropped": 1,
+        "bad_rows": 2,
+        "bad_fraction": 0.2,
+        "samples_per_shard": [4, 3],
+        "heldout_per_shard": [1, 0],
+    }
+    quarantine = [
+        {"file": "d.jsonl", "row": 3, "reason": "malformed_json", "detail": "<b>x</b>"},
+        {"file": "d.jsonl", "row": 5, "reason": "unknown_role", "detail": "narrator"},
+    ]
     report.plot_prompts(summary, quarantine, tmp_path / "prompts.svg")
     assert "quarantined rows (2)" in svg_text(tmp_path / "prompts.svg")
     report.write_quarantine_table(summary, quarantine, tmp_path / "q.html")
@@ -100,9 +127,18 @@ def test_prompt_figure_and_quarantine_table(tmp_path):
 
 
 def tokenize_stats(shard: str, reasons: dict, counts: list[int]) -> dict:
-    return {"shard": f"generate-{shard}.parquet", "samples": 10, "sequences_out": 9, "degenerate_samples": sum(reasons.values()),
-            "degenerate_fraction": 0.1, "reasons": reasons, "truncated_sequences": 0, "supervised_tokens_total": 500,
-            "tokens_total": 900, "supervised_histogram": {"edges": report.TOKEN_EDGES, "counts": counts}}
+    return {
+        "shard": f"generate-{shard}.parquet",
+        "samples": 10,
+        "sequences_out": 9,
+        "degenerate_samples": sum(reasons.values()),
+        "degenerate_fraction": 0.1,
+        "reasons": reasons,
+        "truncated_sequences": 0,
+        "supervised_tokens_total": 500,
+        "tokens_total": 900,
+        "supervised_histogram": {"edges": report.TOKEN_EDGES, "counts": counts},
+    }
 
 
 def test_tokenization_figures_sum_histograms_and_stack_reasons(tmp_path):
@@ -121,9 +157,14 @@ def test_tokenization_figures_sum_histograms_and_stack_reasons(tmp_path):
 
 
 def test_storage_by_stage_groups_shards_outputs_and_folders(tmp_path):
-    objects = [ObjectInfo("outputs/generate-00000.parquet", 100, 0), ObjectInfo("outputs/generate-00001.parquet", 50, 0),
-               ObjectInfo("outputs/tokenize-00000.stats.json", 7, 0), ObjectInfo("outputs/benchmark.generate-00000.tsv", 3, 0),
-               ObjectInfo("_progress/generate/shard-00000/telemetry.json", 9, 0), ObjectInfo("logs/x.log", 2, 0)]
+    objects = [
+        ObjectInfo("outputs/generate-00000.parquet", 100, 0),
+        ObjectInfo("outputs/generate-00001.parquet", 50, 0),
+        ObjectInfo("outputs/tokenize-00000.stats.json", 7, 0),
+        ObjectInfo("outputs/benchmark.generate-00000.tsv", 3, 0),
+        ObjectInfo("_progress/generate/shard-00000/telemetry.json", 9, 0),
+        ObjectInfo("logs/x.log", 2, 0),
+    ]
     use = report.storage_by_stage(objects)
     assert use == {"generate": 150, "_progress": 9, "tokenize": 7, "benchmark": 3, "logs": 2}
     report.plot_storage(use, tmp_path / "storage.svg")
@@ -136,10 +177,27 @@ def test_training_curves_from_the_segments_metrics_in_the_run(tmp_path):
 
     run = LocalStorage(tmp_path / "run")
     for segment, steps in ((0, range(1, 4)), (1, range(4, 7))):
-        run.write_text(layout.train_progress_prefix(segment) + layout.TRAIN_METRICS, "".join(json.dumps({
-            "segment": segment, "step": s, "loss": 2.0 / s, "accuracy": 0.1 * s, "accuracy_per_position": [0.9, 0.5, 0.2],
-            "accept_len": 1 + 0.2 * s, "tokens_per_s": 1000.0, "lr": 1e-4, "gpu_mem_gib": None, "time": float(s)}) + "\n"
-            for s in steps))
+        run.write_text(
+            layout.train_progress_prefix(segment) + layout.TRAIN_METRICS,
+            "".join(
+                json.dumps(
+                    {
+                        "segment": segment,
+                        "step": s,
+                        "loss": 2.0 / s,
+                        "accuracy": 0.1 * s,
+                        "accuracy_per_position": [0.9, 0.5, 0.2],
+                        "accept_len": 1 + 0.2 * s,
+                        "tokens_per_s": 1000.0,
+                        "lr": 1e-4,
+                        "gpu_mem_gib": None,
+                        "time": float(s),
+                    }
+                )
+                + "\n"
+                for s in steps
+            ),
+        )
     report.write_training_report(str(tmp_path / "run"), [1, 0], tmp_path / "train.svg")
     text = svg_text(tmp_path / "train.svg")
     assert "simulated acceptance length" in text and "accuracy per draft position (last step)" in text
@@ -148,11 +206,21 @@ def test_training_curves_from_the_segments_metrics_in_the_run(tmp_path):
 
 
 def test_acceptance_figure_per_position_and_prompt_set(tmp_path):
-    metrics = {"overall": {"tau": 2.4, "accept_hist": [3, 2, 1, 4], "per_position": [0.8, 0.5, 0.3],
-                           "generated_tokens": 100, "verify_steps": 10, "speedup_estimate": 2.0},
-               "prompt_sets": {"math": {"tau": 2.9, "per_position": [0.9, 0.7, 0.4]},
-                               "chat": {"tau": 1.8, "per_position": [0.6, 0.3, 0.1]}},
-               "per_prompt": []}
+    metrics = {
+        "overall": {
+            "tau": 2.4,
+            "accept_hist": [3, 2, 1, 4],
+            "per_position": [0.8, 0.5, 0.3],
+            "generated_tokens": 100,
+            "verify_steps": 10,
+            "speedup_estimate": 2.0,
+        },
+        "prompt_sets": {
+            "math": {"tau": 2.9, "per_position": [0.9, 0.7, 0.4]},
+            "chat": {"tau": 1.8, "per_position": [0.6, 0.3, 0.1]},
+        },
+        "per_prompt": [],
+    }
     (tmp_path / "evaluate-metrics.json").write_text(json.dumps(metrics))
     report.write_evaluation_report(tmp_path / "evaluate-metrics.json", tmp_path / "acc.svg")
     text = svg_text(tmp_path / "acc.svg")
@@ -166,16 +234,38 @@ def test_figures_name_the_algorithm_and_draw_the_selector_walk(tmp_path):
     from dflash_pipeline.core.storage import LocalStorage
 
     run = LocalStorage(tmp_path / "run")
-    run.write_text(layout.train_progress_prefix(0) + layout.TRAIN_METRICS, "".join(json.dumps({
-        "segment": 0, "step": s, "algorithm": "dflash2", "loss": 2.0 / s, "accuracy": 0.1 * s,
-        "accuracy_per_position": [0.9, 0.5, 0.2], "accept_len": 1 + 0.2 * s, "selector_accuracy": 0.12 * s,
-        "selector_accept_len": 1 + 0.25 * s, "tokens_per_s": 1000.0, "lr": 1e-4, "time": float(s)}) + "\n"
-        for s in range(1, 4)))
+    run.write_text(
+        layout.train_progress_prefix(0) + layout.TRAIN_METRICS,
+        "".join(
+            json.dumps(
+                {
+                    "segment": 0,
+                    "step": s,
+                    "algorithm": "dflash2",
+                    "loss": 2.0 / s,
+                    "accuracy": 0.1 * s,
+                    "accuracy_per_position": [0.9, 0.5, 0.2],
+                    "accept_len": 1 + 0.2 * s,
+                    "selector_accuracy": 0.12 * s,
+                    "selector_accept_len": 1 + 0.25 * s,
+                    "tokens_per_s": 1000.0,
+                    "lr": 1e-4,
+                    "time": float(s),
+                }
+            )
+            + "\n"
+            for s in range(1, 4)
+        ),
+    )
     report.write_training_report(str(tmp_path / "run"), [0], tmp_path / "train.svg")
     text = svg_text(tmp_path / "train.svg")
     assert "drafter: DFlash2" in text and "selector walk" in text and "logits argmax" in text
-    metrics = {"overall": {"tau": 2.4, "accept_hist": [3, 2, 1, 4], "per_position": [0.8, 0.5, 0.3]},
-               "prompt_sets": {}, "per_prompt": [], "settings": {"algorithm": "dflash2"}}
+    metrics = {
+        "overall": {"tau": 2.4, "accept_hist": [3, 2, 1, 4], "per_position": [0.8, 0.5, 0.3]},
+        "prompt_sets": {},
+        "per_prompt": [],
+        "settings": {"algorithm": "dflash2"},
+    }
     report.plot_acceptance(metrics, tmp_path / "acc.svg")
     assert "drafter: DFlash2" in svg_text(tmp_path / "acc.svg")
     report.plot_acceptance({**metrics, "settings": {}}, tmp_path / "acc1.svg")

@@ -55,8 +55,12 @@ class EchoGenerator(ShardGenerator):
 
     def __init__(self, fingerprint: str = FP):
         settings = GenerationSettings(
-            thinking=False, sampling=Sampling(max_new_tokens=8, temperature=0.0), concurrency=4,
-            part_every_samples=2, part_every_seconds=3600, telemetry_every_seconds=60,
+            thinking=False,
+            sampling=Sampling(max_new_tokens=8, temperature=0.0),
+            concurrency=4,
+            part_every_samples=2,
+            part_every_seconds=3600,
+            telemetry_every_seconds=60,
         )
         super().__init__(SimpleNamespace(eos_token="<eos>"), None, settings, fingerprint)
         self.asked: list[str] = []
@@ -65,8 +69,14 @@ class EchoGenerator(ShardGenerator):
         question = history[-1]["content"]
         self.asked.append(question)
         reply = {"role": "assistant", "content": f"answer to {question}", "reasoning_content": None}
-        turn = {"message_index": len(history), "finish_reason": "stop", "think_closed": True,
-                "prompt_tokens": 5, "completion_tokens": 3, "output_ids": [1, 2, 3]}
+        turn = {
+            "message_index": len(history),
+            "finish_reason": "stop",
+            "think_closed": True,
+            "prompt_tokens": 5,
+            "completion_tokens": 3,
+            "output_ids": [1, 2, 3],
+        }
         return reply, turn
 
 
@@ -80,13 +90,29 @@ def finish_shard(progress: ShardProgress, table: pa.Table) -> None:
     progress.clear_parts()
 
 
-def saved_row(sample_id: str, messages: list[dict], *, digest: str | None, fingerprint: str = FP,
-              error: str | None = None, answer: str = "old answer") -> dict:
+def saved_row(
+    sample_id: str,
+    messages: list[dict],
+    *,
+    digest: str | None,
+    fingerprint: str = FP,
+    error: str | None = None,
+    answer: str = "old answer",
+) -> dict:
     generated = [{**m, "reasoning_content": None} for m in messages]
     generated.append({"role": "assistant", "content": answer, "reasoning_content": None})
-    return {"id": sample_id, "shard": 0, "split": "train", "messages": generated, "turns": [],
-            "prompt_tokens": 0, "completion_tokens": 0, "error": error, "fingerprint": fingerprint,
-            "prompt_hash": digest}
+    return {
+        "id": sample_id,
+        "shard": 0,
+        "split": "train",
+        "messages": generated,
+        "turns": [],
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "error": error,
+        "fingerprint": fingerprint,
+        "prompt_hash": digest,
+    }
 
 
 def wanted_of(*prompts: dict) -> dict[str, Wanted]:
@@ -99,8 +125,14 @@ def wanted_of(*prompts: dict) -> dict[str, Wanted]:
 def test_the_rows_hash_is_the_ingests_hash_of_the_prompt_turns(tmp_path):
     """One hash: the prompt shard's messages give the hash the ingest dedupes by (and ids
     hash-identified samples by); assistant turns are not part of it."""
-    source = {"messages": [{"role": "system", "content": "Be brief."}, user("What is 1 + 2?"),
-                           {"role": "assistant", "content": "placeholder"}, user("And 3 + 4?")]}
+    source = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            user("What is 1 + 2?"),
+            {"role": "assistant", "content": "placeholder"},
+            user("And 3 + 4?"),
+        ]
+    }
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps(source) + "\n")  # no id field: the id is the prompt hash
     ingest([str(data)], 1, str(tmp_path / "p.parquet"), str(tmp_path / "s.json"), str(tmp_path / "q.jsonl"))
@@ -124,16 +156,23 @@ def test_generated_rows_carry_the_prompt_hash(tmp_path):
 
 
 def test_only_rows_of_the_same_id_fingerprint_and_prompt_are_reused():
-    kept, edited, other = (prompt("kept", user("What is 1 + 1?")), prompt("edited", user("What is 2 + 2?")),
-                           prompt("other", user("What is 3 + 3?")))
+    kept, edited, other = (
+        prompt("kept", user("What is 1 + 1?")),
+        prompt("edited", user("What is 2 + 2?")),
+        prompt("other", user("What is 3 + 3?")),
+    )
     old_edited = [user("What is 2 + 3?")]  # the text "edited" had when its row was generated
-    saved = pa.Table.from_pylist([
-        saved_row("kept", kept["messages"], digest=messages_prompt_hash(kept["messages"])),
-        saved_row("edited", old_edited, digest=messages_prompt_hash(old_edited)),
-        saved_row("other", other["messages"], digest=messages_prompt_hash(other["messages"]),
-                  fingerprint="another model"),
-        saved_row("gone", [user("x")], digest=messages_prompt_hash([user("x")])),  # not wanted
-    ], schema=GENERATED_SCHEMA)
+    saved = pa.Table.from_pylist(
+        [
+            saved_row("kept", kept["messages"], digest=messages_prompt_hash(kept["messages"])),
+            saved_row("edited", old_edited, digest=messages_prompt_hash(old_edited)),
+            saved_row(
+                "other", other["messages"], digest=messages_prompt_hash(other["messages"]), fingerprint="another model"
+            ),
+            saved_row("gone", [user("x")], digest=messages_prompt_hash([user("x")])),  # not wanted
+        ],
+        schema=GENERATED_SCHEMA,
+    )
     found = reusable_rows(saved, FP, wanted_of(kept, edited, other))
     assert list(found) == ["kept"]
     assert found["kept"]["messages"][-1]["content"] == "old answer"
@@ -141,10 +180,13 @@ def test_only_rows_of_the_same_id_fingerprint_and_prompt_are_reused():
 
 def test_a_row_without_a_prompt_hash_or_with_an_error_is_not_reused():
     a, b = prompt("a", user("What is 1 + 1?")), prompt("b", user("What is 2 + 2?"))
-    saved = pa.Table.from_pylist([
-        saved_row("a", a["messages"], digest=None),
-        saved_row("b", b["messages"], digest=messages_prompt_hash(b["messages"]), error="timed out"),
-    ], schema=GENERATED_SCHEMA)
+    saved = pa.Table.from_pylist(
+        [
+            saved_row("a", a["messages"], digest=None),
+            saved_row("b", b["messages"], digest=messages_prompt_hash(b["messages"]), error="timed out"),
+        ],
+        schema=GENERATED_SCHEMA,
+    )
     assert reusable_rows(saved, FP, wanted_of(a, b)) == {}
 
 
@@ -163,9 +205,13 @@ def test_assistant_turns_moved_under_the_same_prompt_hash_are_not_reused():
 def test_the_latest_matching_row_of_an_id_wins():
     p = prompt("s", user("What is 1 + 1?"))
     digest = messages_prompt_hash(p["messages"])
-    saved = pa.Table.from_pylist([saved_row("s", p["messages"], digest=digest, answer="first"),
-                                  saved_row("s", p["messages"], digest=digest, answer="second")],
-                                 schema=GENERATED_SCHEMA)
+    saved = pa.Table.from_pylist(
+        [
+            saved_row("s", p["messages"], digest=digest, answer="first"),
+            saved_row("s", p["messages"], digest=digest, answer="second"),
+        ],
+        schema=GENERATED_SCHEMA,
+    )
     assert reusable_rows(saved, FP, wanted_of(p))["s"]["messages"][-1]["content"] == "second"
 
 
@@ -212,8 +258,9 @@ def test_parts_and_reuse_objects_without_the_hash_column_are_regenerated_not_fat
         return sink.getvalue()
 
     run.write_bytes(layout.reuse_key("generate", 0), old_object(old_rows[:2]))
-    run.write_bytes(layout.progress_prefix("generate", 0) + "part-00000000000000000001-aaaaaa.parquet",
-                    old_object(old_rows[2:]))
+    run.write_bytes(
+        layout.progress_prefix("generate", 0) + "part-00000000000000000001-aaaaaa.parquet", old_object(old_rows[2:])
+    )
     assert progress.load_reusable(GENERATED_SCHEMA).column("prompt_hash").null_count == 2
     assert progress.load_parts(GENERATED_SCHEMA).column("prompt_hash").null_count == 2
     generator = EchoGenerator()
@@ -229,8 +276,16 @@ def test_choosing_reads_whole_rows_only_for_the_wanted_ones():
     for i in range(3000):
         messages = [user(f"q{i}")]
         row = saved_row(f"s{i}", messages, digest=messages_prompt_hash(messages))
-        row["turns"] = [{"message_index": 1, "finish_reason": "stop", "think_closed": True,
-                         "prompt_tokens": 5, "completion_tokens": 256, "output_ids": list(range(256))}]
+        row["turns"] = [
+            {
+                "message_index": 1,
+                "finish_reason": "stop",
+                "think_closed": True,
+                "prompt_tokens": 5,
+                "completion_tokens": 256,
+                "output_ids": list(range(256)),
+            }
+        ]
         rows.append(row)
     saved = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
     wanted = wanted_of(*(prompt(f"s{i}", user(f"q{i}")) for i in range(0, 3000, 100)))

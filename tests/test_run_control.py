@@ -33,8 +33,15 @@ OPERATIONAL_CHANGES = {
         "part_every_samples": 5,
         "part_every_seconds": 10,
         "telemetry_every_seconds": 1,
-        "server": {"port_base": 31000, "tp": 2, "mem_fraction": 0.5, "startup_timeout_s": 60,
-                   "extra_args": [], "speculative": {"algorithm": "NEXTN"}, "reasoning_parser": "qwen3"},
+        "server": {
+            "port_base": 31000,
+            "tp": 2,
+            "mem_fraction": 0.5,
+            "startup_timeout_s": 60,
+            "extra_args": [],
+            "speculative": {"algorithm": "NEXTN"},
+            "reasoning_parser": "qwen3",
+        },
         "retries": 0,
     },
     "train": {
@@ -59,11 +66,23 @@ OPERATIONAL_CHANGES = {
 }
 
 # Rules downstream of each stage in this run (offline mode, so `extract` is in the chain).
-AFTER_TRAIN = {"train": NUM_SHARDS, "export": 1, "evaluate": 1, "report_training": 1,
-               "report_evaluation": 1, "report_storage": 1, "all": 1}
+AFTER_TRAIN = {
+    "train": NUM_SHARDS,
+    "export": 1,
+    "evaluate": 1,
+    "report_training": 1,
+    "report_evaluation": 1,
+    "report_storage": 1,
+    "all": 1,
+}
 AFTER_EXTRACT = {"extract": NUM_SHARDS, **AFTER_TRAIN}
-AFTER_GENERATE = {"generate": NUM_SHARDS, "tokenize": NUM_SHARDS, "report_generation": 1,
-                  "report_tokenization": 1, **AFTER_EXTRACT}
+AFTER_GENERATE = {
+    "generate": NUM_SHARDS,
+    "tokenize": NUM_SHARDS,
+    "report_generation": 1,
+    "report_tokenization": 1,
+    **AFTER_EXTRACT,
+}
 
 
 def merge(config: dict, changes: dict) -> dict:
@@ -125,8 +144,10 @@ DEFINING_CHANGES = [
     ({"generation": {"sampling": {"temperature": 0.7}}}, AFTER_GENERATE),
     ({"train": {"hidden_dtype": "float32"}}, AFTER_EXTRACT),
     ({"train": {"learning_rate": 0.01}}, AFTER_TRAIN),
-    ({"train": {"export_dtype": "float32"}},
-     {"export": 1, "evaluate": 1, "report_evaluation": 1, "report_storage": 1, "all": 1}),
+    (
+        {"train": {"export_dtype": "float32"}},
+        {"export": 1, "evaluate": 1, "report_evaluation": 1, "report_storage": 1, "all": 1},
+    ),
     ({"evaluate": {"max_prompts": 3}}, {"evaluate": 1, "report_evaluation": 1, "report_storage": 1, "all": 1}),
 ]
 
@@ -144,7 +165,9 @@ def test_a_defining_key_reruns_its_stage_and_what_follows(workflow, demo_model):
 def test_a_configfile_is_read_alone_with_the_schema_defaults(workflow, demo_model):
     """`--configfile` replaces the demo's config.yaml: keys the file leaves out take the schema's
     defaults (train.segments: 4; the demo says 2). Naming config.yaml first layers over it."""
-    (workflow.root / "mine.yaml").write_text(yaml.safe_dump({"target": {"model": str(demo_model), "build_demo": False}}))
+    (workflow.root / "mine.yaml").write_text(
+        yaml.safe_dump({"target": {"model": str(demo_model), "build_demo": False}})
+    )
     assert workflow.planned_jobs("--configfile", "mine.yaml")["train"] == 4
     assert workflow.planned_jobs("--configfile", "config.yaml", "mine.yaml")["train"] == 2
     assert workflow.planned_jobs()["train"] == 2  # no --configfile: the demo

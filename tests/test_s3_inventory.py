@@ -16,7 +16,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_pipeline.snakemake_patches.s3_inventory import folder_prefix, install_folder_inventory, parse_query, parse_timestamp
+from dflash_pipeline.snakemake_patches.s3_inventory import (
+    folder_prefix,
+    install_folder_inventory,
+    parse_query,
+    parse_timestamp,
+)
 from dflash_pipeline.core.s3 import S3Storage
 from tests.conftest import parse_job_table
 
@@ -161,7 +166,9 @@ def test_memoized_storage_objects_match_the_plugin(monkeypatch):
     from snakemake_storage_plugin_s3 import StorageProvider
 
     provider = SimpleNamespace(
-        local_prefix=Path(".snakemake/storage/s3"), safe_print=lambda q: q, is_valid_query=StorageProvider.is_valid_query
+        local_prefix=Path(".snakemake/storage/s3"),
+        safe_print=lambda q: q,
+        is_valid_query=StorageProvider.is_valid_query,
     )
     queries = ["s3://bkt/run/outputs/generate-00001.parquet", "s3://bkt/a//b/../c.txt", "s3://bkt/x"]
     for query in queries * 2:  # the second round comes from the memo

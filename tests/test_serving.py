@@ -187,9 +187,7 @@ def steps_for(prompt_ids):
 
 
 def tokens_for(prompt_ids, plain: bool):
-    tokens = [
-        (sum(prompt_ids) + i) % 1000 for i in range(1 + sum(a + 1 for a in steps_for(prompt_ids)))
-    ]
+    tokens = [(sum(prompt_ids) + i) % 1000 for i in range(1 + sum(a + 1 for a in steps_for(prompt_ids)))]
     if plain and prompt_ids[0] == 9:  # prompt p2: the plain server decodes differently at 5
         tokens[5] += 1
     return tokens
@@ -361,9 +359,7 @@ def test_measurement_in_an_engine_end_to_end(tmp_path, stand_in_servers, engine)
         assert [r["seed"] for r in sent[:3]] == [7, 8, 9]  # one seed per prompt, as the loop
     else:
         assert [r["input_ids"] for r in sent[:3]] == [p[2] for p in PROMPTS]
-    document = metrics_document(
-        measurement.results, measurement.settings(), lossless=measurement.lossless
-    )
+    document = metrics_document(measurement.results, measurement.settings(), lossless=measurement.lossless)
     assert document["overall"]["speedup_estimate"] is not None
     json.dumps(document)
 
@@ -519,9 +515,7 @@ MIXED_FIELDS = {"layer_types": ["sliding_attention", "full_attention"], "sliding
         ("vllm", "0.20.1", {"layer_types": None}, "gpu", []),
     ],
 )
-def test_known_engine_limitations_come_from_the_engine_limits_table(
-    engine, version, fields, build, expected
-):
+def test_known_engine_limitations_come_from_the_engine_limits_table(engine, version, fields, build, expected):
     found = [line for line in known_engine_limitations(engine, version, fields, build) if "cannot serve" in line]
     assert len(found) == len(expected)
     for line, words in zip(found, expected):

@@ -128,9 +128,7 @@ def run_parser(version: str, items: list) -> list[dict]:
         timeout=PARSE_TIMEOUT,
     )
     if proc.returncode != 0 or not proc.stdout.strip():
-        pytest.fail(
-            f"the SGLang {version} parser failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
+        pytest.fail(f"the SGLang {version} parser failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     answer = json.loads(proc.stdout.strip().splitlines()[-1])
     assert answer["sglang_version"] == version, f"{folder} holds SGLang {answer['sglang_version']}"
     return answer["results"]
@@ -268,9 +266,7 @@ CASES = {
 }
 
 
-def generation_spec(
-    model: Path, speculative: dict, reasoning_parser: str | None = None
-) -> ServerSpec:
+def generation_spec(model: Path, speculative: dict, reasoning_parser: str | None = None) -> ServerSpec:
     """The generation server of config/examples/qwen3.6-27b.yaml (its `generation.server` and
     `engines` sections, schema defaults filled), as generate jobs build it."""
     config = load_config(EXAMPLE)
@@ -310,9 +306,9 @@ def flag_values(argv: list[str]) -> dict[str, str]:
     values = {}
     tokens = iter(argv)
     for flag in tokens:
-        assert (
-            flag in FLAG_FIELDS
-        ), f"the project passes {flag!r}, which this test does not check yet: add it to FLAG_FIELDS"
+        assert flag in FLAG_FIELDS, (
+            f"the project passes {flag!r}, which this test does not check yet: add it to FLAG_FIELDS"
+        )
         values[flag] = next(tokens)
     return values
 
@@ -336,9 +332,7 @@ def parse_version(version: str, models: dict[str, Path]) -> dict:
     commands = {case: project_command(case, models) for case in CASES}
     hybrid = [case for case, (target, _) in CASES.items() if target == "hybrid"]
     items = [server_argv(commands[case]) for case in CASES]
-    items += [
-        {"argv": server_argv(commands[case]), "allow_extra_buffer_on_cpu": True} for case in hybrid
-    ]
+    items += [{"argv": server_argv(commands[case]), "allow_extra_buffer_on_cpu": True} for case in hybrid]
     items += [inferred_block_size_argv(models)]
     results = run_parser(version, items)
     plain = dict(zip(CASES, results[: len(CASES)]))
@@ -371,10 +365,7 @@ def sglang(models) -> dict:
 
 
 def describe(result: dict) -> str:
-    return (
-        f"{result.get('error')}\nargparse: {result.get('argparse_error')}\n"
-        f"{result.get('traceback') or ''}"
-    )
+    return f"{result.get('error')}\nargparse: {result.get('argparse_error')}\n{result.get('traceback') or ''}"
 
 
 def cases():
@@ -397,31 +388,25 @@ def test_sglang_accepts_the_projects_server(sglang, version, case):
     command = parsed["commands"][case]
     result = parsed["results"][case]
     shown = " ".join(command)
-    assert result[
-        "ok"
-    ], f"SGLang {version} refuses the project's {case} server:\n{shown}\n{describe(result)}"
+    assert result["ok"], f"SGLang {version} refuses the project's {case} server:\n{shown}\n{describe(result)}"
 
     # Round trip: every flag the project set reads back from SGLang's argparse as set.
     got = result["parsed"]
     for flag, value in flag_values(server_argv(command)).items():
         field, kind = FLAG_FIELDS[flag]
         assert field in got, f"SGLang {version} has no field {field} for {flag}"
-        assert got[field] == kind(
-            value
-        ), f"SGLang {version}: {flag} {value} reads back as {field}={got[field]!r}\n{shown}"
+        assert got[field] == kind(value), (
+            f"SGLang {version}: {flag} {value} reads back as {field}={got[field]!r}\n{shown}"
+        )
 
     # Resolution: what the server would run with.
     resolved = result["resolved"]
     for field in ("model_path", "host", "port", "tp_size", "dp_size", "device", "context_length"):
-        assert (
-            resolved[field] == got[field]
-        ), f"SGLang {version} changed {field}: {resolved[field]!r}"
+        assert resolved[field] == got[field], f"SGLang {version} changed {field}: {resolved[field]!r}"
     if got["mem_fraction_static"] is not None:
         assert resolved["mem_fraction_static"] == got["mem_fraction_static"]
     target, expect = CASES[case]
-    steps = {
-        k: resolved[f"speculative_{k}"] for k in ("num_steps", "eagle_topk", "num_draft_tokens")
-    }
+    steps = {k: resolved[f"speculative_{k}"] for k in ("num_steps", "eagle_topk", "num_draft_tokens")}
     if expect == "dflash":
         assert resolved["speculative_algorithm"] == "DFLASH", resolved
         assert steps == {"num_steps": 1, "eagle_topk": 1, "num_draft_tokens": BLOCK_SIZE}, steps
@@ -513,9 +498,7 @@ def test_sglang_writes_the_reply_fields_the_project_reads(version):
         for field, (name, literal) in REPLY_SOURCES.items()
         if literal not in sources[name]
     ]
-    assert not missing, f"SGLang {version} does not write what the project reads:\n" + "\n".join(
-        missing
-    )
+    assert not missing, f"SGLang {version} does not write what the project reads:\n" + "\n".join(missing)
 
     tokenizer_manager = sources["tokenizer_manager.py"]
     written = {h for h in SGLANG_HISTOGRAM_FIELDS if f'meta_info["{h}"]' in tokenizer_manager}
@@ -555,9 +538,5 @@ def test_sglang_takes_the_request_the_project_sends(version):
     }
     wanted = [("GenerateReqInput", key) for key in body]
     wanted += [("SamplingParams", key) for key in body["sampling_params"]]
-    undeclared = [
-        f"{cls}.{key}" for cls, key in wanted if not re.search(rf"^    {key}:", declared[cls], re.M)
-    ]
-    assert (
-        not undeclared
-    ), f"SGLang {version} declares no field {undeclared} of the project's request"
+    undeclared = [f"{cls}.{key}" for cls, key in wanted if not re.search(rf"^    {key}:", declared[cls], re.M)]
+    assert not undeclared, f"SGLang {version} declares no field {undeclared} of the project's request"

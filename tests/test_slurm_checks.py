@@ -20,8 +20,14 @@ from dflash_pipeline.core.slurm import (
     read_cluster,
 )
 
-SETTINGS = {"gpu_partition": "gpu", "cpu_partition": "cpu", "account": None, "qos": None,
-            "gpu_constraint": None, "max_cpus_per_job": None}
+SETTINGS = {
+    "gpu_partition": "gpu",
+    "cpu_partition": "cpu",
+    "account": None,
+    "qos": None,
+    "gpu_constraint": None,
+    "max_cpus_per_job": None,
+}
 
 
 def cluster(**changes) -> Cluster:
@@ -45,9 +51,7 @@ def cluster(**changes) -> Cluster:
 
 def test_sinfo_per_node_lines_give_the_smallest_node_of_each_partition():
     text = (
-        "cpu*|2|23081|(null)|(null)\n"
-        "gpu|64|1000000|gpu:h200:8(S:0-1)|h200,ib\n"
-        "gpu|32|500000|gpu:h100:4,shard:8|h100\n"
+        "cpu*|2|23081|(null)|(null)\ngpu|64|1000000|gpu:h200:8(S:0-1)|h200,ib\ngpu|32|500000|gpu:h100:4,shard:8|h100\n"
     )
     parts = parse_sinfo(text)
     assert parts["cpu"] == Partition("cpu", 2, 23081, 0, set())
@@ -57,7 +61,9 @@ def test_sinfo_per_node_lines_give_the_smallest_node_of_each_partition():
 
 
 def test_scontrol_config_and_times():
-    conf = parse_config("Configuration data as of ...\nAccountingStorageType   = accounting_storage/slurmdbd\nMinJobAge               = 300 sec\n")
+    conf = parse_config(
+        "Configuration data as of ...\nAccountingStorageType   = accounting_storage/slurmdbd\nMinJobAge               = 300 sec\n"
+    )
     assert conf["AccountingStorageType"] == "accounting_storage/slurmdbd"
     assert parse_seconds(conf["MinJobAge"]) == 300 and parse_seconds("1h") == 3600 and parse_seconds(None) is None
 
@@ -72,7 +78,9 @@ def test_a_fitting_config_passes_in_one_line_with_the_default_account_and_the_ca
     assert plan.account == "dflash"
     assert plan.cpu_caps == {"cpu": 2, "gpu": 16} and plan.memory_caps == {"cpu": 23000, "gpu": 500000}
     assert "\n" not in plan.line
-    assert plan.line.startswith("SLURM cluster lab: accounting on (slurmdbd: job states from sacct); account dflash (alice's default")
+    assert plan.line.startswith(
+        "SLURM cluster lab: accounting on (slurmdbd: job states from sacct); account dflash (alice's default"
+    )
     assert "cpu (2 CPUs, 23000 MB a node), gpu (16 CPUs, 8 GPU(s), 500000 MB a node)" in plan.line
     limited = check_cluster({**SETTINGS, "max_cpus_per_job": 4}, cluster(), {"cpu": 0, "gpu": 1})
     assert limited.cpu_caps == {"cpu": 2, "gpu": 4} and "slurm.max_cpus_per_job" in limited.line
@@ -98,7 +106,11 @@ def test_accounting_off_stops_a_sacct_run_and_says_what_to_do():
         ({"qos": "high"}, {"cpu": 0}, "slurm.qos 'high' is not one alice may use (long, normal)"),
         ({"cpu_partition": "small"}, {"small": 0}, "partition 'small' does not exist on cluster lab (it has: cpu, gpu"),
         ({}, {"cpu": 0, "gpu": 16}, "jobs ask for 16 GPU(s) in partition 'gpu', whose nodes have 8"),
-        ({"gpu_constraint": "a100"}, {"cpu": 0, "gpu": 1}, "slurm.gpu_constraint 'a100' matches no node feature of partition 'gpu' (h200, ib)"),
+        (
+            {"gpu_constraint": "a100"},
+            {"cpu": 0, "gpu": 1},
+            "slurm.gpu_constraint 'a100' matches no node feature of partition 'gpu' (h200, ib)",
+        ),
     ],
 )
 def test_what_the_cluster_lacks_stops_the_run_before_any_submission(settings, used, problem):
@@ -107,7 +119,9 @@ def test_what_the_cluster_lacks_stops_the_run_before_any_submission(settings, us
 
 
 def test_a_named_account_qos_and_constraint_are_used_and_said():
-    plan = check_cluster({**SETTINGS, "account": "other", "qos": "long", "gpu_constraint": "h200&ib"}, cluster(), {"cpu": 0, "gpu": 8})
+    plan = check_cluster(
+        {**SETTINGS, "account": "other", "qos": "long", "gpu_constraint": "h200&ib"}, cluster(), {"cpu": 0, "gpu": 8}
+    )
     assert plan.problems == [] and plan.account == "other"
     assert "account other; QoS long; constraint h200&ib" in plan.line
 
@@ -129,7 +143,15 @@ def test_read_cluster_asks_scontrol_sinfo_and_sacctmgr():
     found = read_cluster(user="alice", run=run)
     assert found.name == "lab" and found.partitions["gpu"].gpus == 2
     assert found.accounts == {"dflash"} and found.default_account == "dflash" and found.qos == {"normal"}
-    assert ["sacctmgr", "--noheader", "--parsable2", "show", "associations", "user=alice", "format=account,qos"] in asked
+    assert [
+        "sacctmgr",
+        "--noheader",
+        "--parsable2",
+        "show",
+        "associations",
+        "user=alice",
+        "format=account,qos",
+    ] in asked
 
 
 def test_without_slurm_commands_the_reason_is_named(monkeypatch):

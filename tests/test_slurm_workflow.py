@@ -22,7 +22,19 @@ pytestmark = [pytest.mark.workflow, pytest.mark.slurm]
 # The first status check comes this many seconds after a submission (the plugin's default, 40 s,
 # is for real clusters); later checks back off by 10 s while no job ends.
 FAST_STATUS = ("--slurm-init-seconds-before-status-checks", "2")
-SACCT_FIELDS = ("JobID", "JobName", "Comment", "Partition", "Account", "QOS", "State", "ReqCPUS", "ReqMem", "AllocTRES", "Timelimit")
+SACCT_FIELDS = (
+    "JobID",
+    "JobName",
+    "Comment",
+    "Partition",
+    "Account",
+    "QOS",
+    "State",
+    "ReqCPUS",
+    "ReqMem",
+    "AllocTRES",
+    "Timelimit",
+)
 
 
 def few_prompts(workflow, n: int) -> str:
@@ -70,7 +82,10 @@ def start(workflow, cluster, *args, env=None, log: Path) -> subprocess.Popen:
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "snakemake", *FAST_STATUS, *args],
-            cwd=workflow.root, env=snakemake_env(cluster, env), stdout=sink, stderr=subprocess.STDOUT,
+            cwd=workflow.root,
+            env=snakemake_env(cluster, env),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     finally:
@@ -153,7 +168,10 @@ def test_the_demo_runs_through_sbatch_to_the_evaluated_drafter(profile, workflow
     line = next(x for x in out.splitlines() if x.startswith("SLURM cluster dflashtest:"))
     assert out.index(line) < out.index("has been submitted with SLURM jobid")
     user = getpass.getuser()
-    assert f"accounting on (slurmdbd: job states from sacct); account dflash ({user}'s default; slurm.account: null)" in line, line
+    assert (
+        f"accounting on (slurmdbd: job states from sacct); account dflash ({user}'s default; slurm.account: null)"
+        in line
+    ), line
     assert "QoS normal" in line and f"cpu ({slurm_cluster.cpus} CPUs" in line
     assert "trying to guess" not in out and "PartitionConfig" not in out
 
@@ -162,11 +180,24 @@ def test_the_demo_runs_through_sbatch_to_the_evaluated_drafter(profile, workflow
     segments = 2 if profile == "slurm" else 1
     rules = by_rule(jobs_of(slurm_cluster, out))
     assert {rule: len(jobs) for rule, jobs in rules.items()} == {
-        "ingest": 1, "prepare": shards, "generate": shards, "tokenize": shards, "train": segments,
-        "export": 1, "evaluate": 1,
+        "ingest": 1,
+        "prepare": shards,
+        "generate": shards,
+        "tokenize": shards,
+        "train": segments,
+        "export": 1,
+        "evaluate": 1,
     }, rules
     threads = {"ingest": 1, "prepare": 1, "generate": 2, "tokenize": 4, "train": 2, "export": 1, "evaluate": 2}
-    memory = {"ingest": 4000, "prepare": 2000, "tokenize": 4000, "generate": 8000, "train": 16000, "export": 8000, "evaluate": 16000}
+    memory = {
+        "ingest": 4000,
+        "prepare": 2000,
+        "tokenize": 4000,
+        "generate": 8000,
+        "train": 16000,
+        "export": 8000,
+        "evaluate": 16000,
+    }
     for rule, jobs in rules.items():
         for job in jobs:
             assert job["State"] == "COMPLETED", job
@@ -181,21 +212,36 @@ def test_the_demo_runs_through_sbatch_to_the_evaluated_drafter(profile, workflow
         assert (root / "drafter/model.safetensors").exists()
         metrics = json.loads((root / "outputs/evaluate-metrics.json").read_text())
         assert metrics["overall"]["verify_steps"] > 0
-        for log in ("ingest.log", "generate/00000.log", "generate-engine/00000.log", "tokenize/00000.log",
-                    "train/segment-0001.log", "evaluate.log", "evaluate-engine.log"):
+        for log in (
+            "ingest.log",
+            "generate/00000.log",
+            "generate-engine/00000.log",
+            "tokenize/00000.log",
+            "train/segment-0001.log",
+            "evaluate.log",
+            "evaluate-engine.log",
+        ):
             assert (root / "logs" / log).stat().st_size > 0, log
         assert (root / "logs/export.log").exists()
     else:
         import boto3
 
         client = boto3.client(
-            "s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.env["SNAKEMAKE_STORAGE_S3_ACCESS_KEY"],
-            aws_secret_access_key=s3.env["SNAKEMAKE_STORAGE_S3_SECRET_KEY"], region_name="us-east-1",
+            "s3",
+            endpoint_url=s3.endpoint,
+            aws_access_key_id=s3.env["SNAKEMAKE_STORAGE_S3_ACCESS_KEY"],
+            aws_secret_access_key=s3.env["SNAKEMAKE_STORAGE_S3_SECRET_KEY"],
+            region_name="us-east-1",
         )
         listed = client.list_objects_v2(Bucket=s3.bucket, Prefix=f"{prefix}/results/demo/")
         keys = {o["Key"].split("/results/demo/", 1)[1] for o in listed.get("Contents", [])}
-        assert {"drafter/model.safetensors", "outputs/evaluate-metrics.json", "logs/generate/00000.log",
-                "logs/train/segment-0000.log", "logs/evaluate.log"} <= keys, keys
+        assert {
+            "drafter/model.safetensors",
+            "outputs/evaluate-metrics.json",
+            "logs/generate/00000.log",
+            "logs/train/segment-0000.log",
+            "logs/evaluate.log",
+        } <= keys, keys
         assert not (workflow.root / "results").exists(), "an S3 run must leave no local results"
     print(f"{profile}: the demo through Slurm took {elapsed:.0f} s")
 
@@ -222,7 +268,11 @@ def test_scancel_and_the_time_limit_are_resumed_from_parts_and_checkpoints_on_gp
         pytest.skip(slurm_cluster.no_gpus_reason)
     prompts = 12
     configure(
-        workflow, demo_model, prompts=prompts, num_shards=1, until="train",
+        workflow,
+        demo_model,
+        prompts=prompts,
+        num_shards=1,
+        until="train",
         generation={"gpus_per_job": 1, "max_new_tokens": 48, "concurrency": 1, "part_every_samples": 2, "retries": 2},
         # More steps than any attempt gets through before its 1-minute limit: the limit is met
         # whatever the machine's speed. The test stops the run once an attempt has resumed
@@ -234,17 +284,25 @@ def test_scancel_and_the_time_limit_are_resumed_from_parts_and_checkpoints_on_gp
 
     def train_starts() -> list[int]:
         """The step each train attempt started from, in order (every attempt keeps its log)."""
-        return [int(x) for x in re.findall(rf"segment 0: steps (\d+)\.\.{STEPS - 1} from", attempt_logs(run_root, "train-0000"))]
+        return [
+            int(x)
+            for x in re.findall(rf"segment 0: steps (\d+)\.\.{STEPS - 1} from", attempt_logs(run_root, "train-0000"))
+        ]
+
     log = workflow.root / "driver.log"
-    driver = start(workflow, slurm_cluster, "--profile", "profiles/slurm", "--set-resources", "train:runtime=1", log=log)
+    driver = start(
+        workflow, slurm_cluster, "--profile", "profiles/slurm", "--set-resources", "train:runtime=1", log=log
+    )
     try:
+
         def running(rule):
             """Running Slurm jobs of the rule (squeue: sacct stores the comment at the end)."""
             found = re.search(r"SLURM run ID: (\S+)", log.read_text())
             if not found:
                 return []
-            listed = slurm_cluster.command("squeue", "--noheader", "--states=RUNNING", "--name", found.group(1),
-                                           "--format=%i|%k").stdout.split()
+            listed = slurm_cluster.command(
+                "squeue", "--noheader", "--states=RUNNING", "--name", found.group(1), "--format=%i|%k"
+            ).stdout.split()
             return [line.split("|")[0] for line in listed if line.split("|")[1].startswith(f"rule_{rule}")]
 
         wait_until(lambda: running("generate") and len(progress.part_keys()) >= 2, 900, "two generate parts")
@@ -255,7 +313,9 @@ def test_scancel_and_the_time_limit_are_resumed_from_parts_and_checkpoints_on_gp
         slurm_cluster.command("scancel", running("train")[0])
 
         def resumed_after_timeout() -> bool:
-            states = [job["State"].split()[0] for job in by_rule(jobs_of(slurm_cluster, log.read_text())).get("train", [])]
+            states = [
+                job["State"].split()[0] for job in by_rule(jobs_of(slurm_cluster, log.read_text())).get("train", [])
+            ]
             return "TIMEOUT" in states and len(train_starts()) > states.index("TIMEOUT") + 1
 
         wait_until(resumed_after_timeout, 1500, "a train attempt resumed after the time limit")
@@ -286,8 +346,9 @@ def test_scancel_and_the_time_limit_are_resumed_from_parts_and_checkpoints_on_gp
     locks = {p.name for p in (workflow.root / "locks").glob("gpu*.lock")}
     assert locks and locks <= {f"gpu{i}.lock" for i in range(slurm_cluster.gpus)}, locks
     # Every attempt resumed from the parts before it: nothing lost, nothing generated twice.
-    accounts = re.findall(r"(\d+) prompts, (\d+) resumed from earlier work, (\d+) to generate",
-                          attempt_logs(run_root, "generate-00000"))
+    accounts = re.findall(
+        r"(\d+) prompts, (\d+) resumed from earlier work, (\d+) to generate", attempt_logs(run_root, "generate-00000")
+    )
     assert len(accounts) == 2 and accounts[0][1] == "0" and int(accounts[1][1]) >= 4, accounts
     assert all(int(total) == prompts and int(reused) + int(fresh) == prompts for total, reused, fresh in accounts)
     import pyarrow.parquet as pq
@@ -300,5 +361,7 @@ def test_scancel_and_the_time_limit_are_resumed_from_parts_and_checkpoints_on_gp
     assert len(starts) == len(train) and starts[0] == 0, (starts, train)
     assert all(later > earlier for earlier, later in zip(starts, starts[1:])), starts
     after_timeout = starts[train.index("TIMEOUT") + 1]
-    metrics = [json.loads(x) for x in (run_root / "_progress/train/segment-0000/metrics.jsonl").read_text().splitlines()]
+    metrics = [
+        json.loads(x) for x in (run_root / "_progress/train/segment-0000/metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in metrics if r["step"] < after_timeout] == list(range(after_timeout))

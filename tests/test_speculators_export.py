@@ -145,8 +145,14 @@ def test_a_mixed_drafter_is_exported_in_the_zlab_format_only_saying_why(demo_mod
     # before anything is written.
     (out / "config.json").unlink()
     with pytest.raises(ValueError, match="speculators format not written"):
-        export_drafter(str(tmp_path), str(manifest), *zlab, "bfloat16", target=str(demo_model),
-                       speculators_out=(str(out / "s" / "config.json"), str(out / "s" / "model.safetensors")))
+        export_drafter(
+            str(tmp_path),
+            str(manifest),
+            *zlab,
+            "bfloat16",
+            target=str(demo_model),
+            speculators_out=(str(out / "s" / "config.json"), str(out / "s" / "model.safetensors")),
+        )
     assert not (out / "s").exists() and not (out / "config.json").exists()
 
 
@@ -248,9 +254,7 @@ def checked(demo_model, tmp_path_factory):
     for flag in (False, True):
         folder = root / f"mixed-{flag}"
         folder.mkdir()
-        uniform = speculators_format.speculators_config(
-            drafter_config(demo_model, "full"), str(demo_model), []
-        )
+        uniform = speculators_format.speculators_config(drafter_config(demo_model, "full"), str(demo_model), [])
         uniform.update(
             sliding_window_non_causal=flag,
             transformer_layer_config=speculators_format.transformer_layer_config(mixed_config),
@@ -290,7 +294,8 @@ def test_the_speculators_package_loads_it_without_missing_or_unexpected_weights(
     assert loading["errors"] == [] and loading["differing"] == []
     # Only the training-time verifier copies are not in the file (speculators never saves them).
     assert set(loading["model_tensors"]) - set(loading["file_tensors"]) == {
-        "verifier_lm_head.weight", "verifier_norm.weight"
+        "verifier_lm_head.weight",
+        "verifier_norm.weight",
     }
     # As a user loads it (the verifier's embedding and head read again from name_or_path): the
     # same values, all finite.

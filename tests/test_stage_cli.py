@@ -175,9 +175,7 @@ def test_the_valid_arguments_pass_the_parser(stage, paths, monkeypatch):
     assert seen["args"] is not None
 
 
-@pytest.mark.parametrize(
-    "stage, option, value, reason", CASES, ids=[f"{s}{o}={v.strip('@')}" for s, o, v, _ in CASES]
-)
+@pytest.mark.parametrize("stage, option, value, reason", CASES, ids=[f"{s}{o}={v.strip('@')}" for s, o, v, _ in CASES])
 def test_bad_input_is_one_error_line_with_exit_code_2(stage, option, value, reason, paths, capsys):
     with pytest.raises(SystemExit) as exit_info:
         stage_main(stage)(argv_for(stage, paths, (option, value)))

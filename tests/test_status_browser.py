@@ -47,8 +47,13 @@ def browser():
 
     options = Options()
     options.binary_location = binary
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,1400"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1400",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(options=options, service=Service(driver_path))
     driver.set_page_load_timeout(60)
@@ -63,7 +68,11 @@ def start_run(workflow) -> subprocess.Popen:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return subprocess.Popen(
         [sys.executable, "-m", "snakemake", "--cores", "2", "--logger", "dflash"],
-        cwd=workflow.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=workflow.root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -145,8 +154,9 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
             time.sleep(0.5)
         output = run.stdout.read()
         assert run.returncode == 0, output[-4000:]
-        final = wait_for(lambda: read_page(browser),
-                         lambda page: page["overall"] == 100.0 and page["state"] == "finished")
+        final = wait_for(
+            lambda: read_page(browser), lambda page: page["overall"] == 100.0 and page["state"] == "finished"
+        )
         browser.save_screenshot(str(ARTIFACTS / "status-page-finished.png"))
     finally:
         if run.poll() is None:
@@ -168,12 +178,20 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
 
     workflow.snakemake("--report", "report.html")
     browser.get((workflow.root / "report.html").as_uri())
+
     def body_text() -> str:
         return browser.find_element("tag name", "body").text
 
     body = wait_for(body_text, lambda text: "6. Storage" in text)
-    for section in ("Workflow", "1. Prompts", "2. Generation", "3. Tokenization", "4. Training", "5. Evaluation",
-                    "6. Storage"):
+    for section in (
+        "Workflow",
+        "1. Prompts",
+        "2. Generation",
+        "3. Tokenization",
+        "4. Training",
+        "5. Evaluation",
+        "6. Storage",
+    ):
         assert section in body, f"report section {section!r} missing"
     assert "data-quality gate" in body  # the workflow description page
     browser.find_element("xpath", "//*[normalize-space(text())='2. Generation']").click()

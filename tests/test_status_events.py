@@ -56,18 +56,28 @@ def fold(events: list[dict]) -> RunEvents:
 
 
 def job_info(jobid, rule="generate", shard="00000"):
-    return {"event": "job_info", "time": 1, "jobid": jobid, "rule": rule, "wildcards": {"shard": shard},
-            "log": [], "output": []}
+    return {
+        "event": "job_info",
+        "time": 1,
+        "jobid": jobid,
+        "rule": rule,
+        "wildcards": {"shard": shard},
+        "log": [],
+        "output": [],
+    }
 
 
 def test_a_job_started_before_its_details_is_running_then_done_or_failed():
-    run = fold([
-        {"event": "workflow_started", "time": 0},
-        {"event": "job_started", "time": 1, "jobids": [1, 2]},  # Snakemake's actual order
-        job_info(1), job_info(2, shard="00001"),
-        {"event": "job_finished", "time": 5, "jobid": 1},
-        {"event": "job_error", "time": 6, "jobid": 2, "rule": "generate", "log": ["x.log"], "message": "boom"},
-    ])
+    run = fold(
+        [
+            {"event": "workflow_started", "time": 0},
+            {"event": "job_started", "time": 1, "jobids": [1, 2]},  # Snakemake's actual order
+            job_info(1),
+            job_info(2, shard="00001"),
+            {"event": "job_finished", "time": 5, "jobid": 1},
+            {"event": "job_error", "time": 6, "jobid": 2, "rule": "generate", "log": ["x.log"], "message": "boom"},
+        ]
+    )
     assert run.jobs[1].state == "done" and run.jobs[1].started_at == 1
     assert run.jobs[2].state == "failed" and run.jobs[2].message == "boom"
     assert run.jobs[2].wildcards == {"shard": "00001"}
@@ -75,11 +85,14 @@ def test_a_job_started_before_its_details_is_running_then_done_or_failed():
 
 
 def test_jobs_still_running_when_snakemake_exits_are_interrupted_and_a_new_run_starts_clean():
-    run = fold([
-        {"event": "workflow_started", "time": 0},
-        {"event": "job_started", "time": 1, "jobids": [1]}, job_info(1),
-        {"event": "run_ended", "time": 2},
-    ])
+    run = fold(
+        [
+            {"event": "workflow_started", "time": 0},
+            {"event": "job_started", "time": 1, "jobids": [1]},
+            job_info(1),
+            {"event": "run_ended", "time": 2},
+        ]
+    )
     assert run.jobs[1].state == "interrupted" and run.state == "stopped"
     run.apply({"event": "workflow_started", "time": 3})
     assert run.jobs == {} and run.state == "running"
@@ -129,9 +142,23 @@ def test_snakemake_with_logger_dflash_records_started_finished_and_failed_jobs(t
     # The plugin is found by module name on the path, as when the package is installed.
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--cores", "1", "--keep-going", "--logger", "dflash",
-         "--logger-dflash-events-file", "events.jsonl"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--cores",
+            "1",
+            "--keep-going",
+            "--logger",
+            "dflash",
+            "--logger-dflash-events-file",
+            "events.jsonl",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode != 0  # rule bad fails on purpose
     run = JobBoard(tmp_path / "events.jsonl").refresh()

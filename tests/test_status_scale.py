@@ -46,7 +46,8 @@ def finish(run, stage, shard, tokens=7):
     run.write_bytes(layout.shard_key(stage, shard), b"x")
     if stage != "prepare":
         ShardProgress(run, stage, shard).write_telemetry(
-            {"state": "done", "samples_total": 4, "samples_done": 4, "tokens_generated": tokens})
+            {"state": "done", "samples_total": 4, "samples_done": 4, "tokens_generated": tokens}
+        )
 
 
 def comparable(snapshot):
@@ -61,8 +62,7 @@ def test_settled_blocks_are_not_listed_or_read_again(run):
         finish(run, "prepare", shard)
     for shard in range(SETTLED_BLOCK):  # generate: block 0 done, the rest not yet
         finish(run, "generate", shard)
-    source = RunSource(CountingStorage(run), num_shards=NUM_SHARDS, until="tokenize",
-                       full_listing_every_s=1e9)
+    source = RunSource(CountingStorage(run), num_shards=NUM_SHARDS, until="tokenize", full_listing_every_s=1e9)
     builder = SnapshotBuilder(source)
     storage = source.storage
 
@@ -86,7 +86,8 @@ def test_settled_blocks_are_not_listed_or_read_again(run):
     finish(run, "generate", SETTLED_BLOCK + 3, tokens=100)
     finish(run, "tokenize", 0)
     ShardProgress(run, "generate", NUM_SHARDS - 1).write_telemetry(
-        {"state": "running", "samples_total": 4, "samples_done": 1})
+        {"state": "running", "samples_total": 4, "samples_done": 1}
+    )
     storage.calls.clear()
     third = builder.build()
     assert builder.last_listing == "incremental"
@@ -102,8 +103,7 @@ def test_settled_blocks_are_not_listed_or_read_again(run):
 def test_a_change_in_a_settled_block_shows_at_the_next_full_listing(run):
     for shard in range(NUM_SHARDS):
         finish(run, "prepare", shard)
-    source = RunSource(ReadOnlyStorage(run), num_shards=NUM_SHARDS, until="prepare",
-                       full_listing_every_s=1e9)
+    source = RunSource(ReadOnlyStorage(run), num_shards=NUM_SHARDS, until="prepare", full_listing_every_s=1e9)
     builder = SnapshotBuilder(source)
     assert builder.build()["stages"][0]["done"] == NUM_SHARDS
     run.delete(layout.shard_key("prepare", 5))  # e.g. removed by hand to rebuild it
@@ -122,16 +122,26 @@ def test_a_running_job_unsettles_its_block(tmp_path):
     for shard in range(NUM_SHARDS):
         finish(run, "prepare", shard)
     events = tmp_path / "events.jsonl"
-    source = RunSource(ReadOnlyStorage(run), num_shards=NUM_SHARDS, until="prepare",
-                       events_file=events, full_listing_every_s=1e9)
+    source = RunSource(
+        ReadOnlyStorage(run), num_shards=NUM_SHARDS, until="prepare", events_file=events, full_listing_every_s=1e9
+    )
     writer = EventWriter(events)
     writer.write({"event": "workflow_started", "time": time.time()})
     builder = SnapshotBuilder(source)
     assert builder.build()["stages"][0]["done"] == NUM_SHARDS
     # Snakemake reruns shard 5: it deletes the output, the job starts.
     run.delete(layout.shard_key("prepare", 5))
-    writer.write({"event": "job_info", "time": time.time(), "jobid": 1, "rule": "prepare",
-                  "wildcards": {"shard": "00005"}, "log": [], "output": []})
+    writer.write(
+        {
+            "event": "job_info",
+            "time": time.time(),
+            "jobid": 1,
+            "rule": "prepare",
+            "wildcards": {"shard": "00005"},
+            "log": [],
+            "output": [],
+        }
+    )
     writer.write({"event": "job_started", "time": time.time(), "jobids": [1]})
     stage = builder.build()["stages"][0]
     assert builder.last_listing == "incremental"
@@ -172,7 +182,9 @@ def test_a_cold_refresh_reads_the_stage_totals_not_every_finished_shards_telemet
     source.storage.calls.clear()
     again = SnapshotBuilder(source).build()
     reads = sorted(k for kind, k in source.storage.calls if kind == "read")
-    assert reads == sorted([layout.stage_totals_key("generate"), layout.progress_prefix("generate", 0) + "telemetry.json"])
+    assert reads == sorted(
+        [layout.stage_totals_key("generate"), layout.progress_prefix("generate", 0) + "telemetry.json"]
+    )
     assert again["throughput"]["tokens_generated"] == snapshot["throughput"]["tokens_generated"]
     rebuilt = StageTotals(run, "generate").rebuild(list(range(1, NUM_SHARDS)))
     assert sorted(rebuilt) == list(range(1, NUM_SHARDS))

@@ -29,6 +29,7 @@ from dflash_pipeline.core.storage import LocalStorage, open_storage
 from tests.support.seaweed import free_port
 from tests.support.status_run import RUNNING_LOG, write_run
 
+
 @pytest.fixture
 def local_run(tmp_path):
     root = tmp_path / "results/demo"
@@ -42,13 +43,25 @@ def test_snapshot_counts_shards_and_shows_running_failed_training_and_storage(lo
     assert [s["stage"] for s in snap["stages"]] == ["prepare", "generate", "tokenize", "train"]
     assert (stages["prepare"]["done"], stages["prepare"]["percent"]) == (2, 100.0)
     assert {k: stages["generate"][k] for k in ("done", "running", "failed", "missing")} == {
-        "done": 1, "running": 1, "failed": 0, "missing": 1 - 1}
+        "done": 1,
+        "running": 1,
+        "failed": 0,
+        "missing": 1 - 1,
+    }
     assert stages["generate"]["percent"] == 70.0  # one shard done, the other 4 of 10 samples
     assert {k: stages["tokenize"][k] for k in ("done", "running", "failed", "missing")} == {
-        "done": 0, "running": 0, "failed": 1, "missing": 1}
+        "done": 0,
+        "running": 0,
+        "failed": 1,
+        "missing": 1,
+    }
     # Training: segment 0 done, segment 1 at 3 of its 10 steps.
     assert {k: stages["train"][k] for k in ("total", "done", "running", "percent")} == {
-        "total": 2, "done": 1, "running": 1, "percent": 65.0}
+        "total": 2,
+        "done": 1,
+        "running": 1,
+        "percent": 65.0,
+    }
     assert snap["progress_percent"] == pytest.approx((100 + 70 + 0 + 65) / 4, abs=0.01)
     running, training = snap["running"]
     assert (training["shard"], training["percent"], training["samples_done"]) == ("segment-0001", 30.0, 3)
@@ -94,7 +107,8 @@ def test_stale_telemetry_without_a_job_is_not_shown_as_running(tmp_path):
 
 def test_log_names_of_s3_jobs_map_to_snakemakes_local_copies():
     assert local_log_path("s3://b/p/results/demo/logs/generate/00001.log (send to storage)") == (
-        ".snakemake/storage/s3/b/p/results/demo/logs/generate/00001.log")
+        ".snakemake/storage/s3/b/p/results/demo/logs/generate/00001.log"
+    )
     assert local_log_path("results/demo/logs/x.log") == "results/demo/logs/x.log"
 
 
@@ -124,11 +138,23 @@ def test_page_assets_and_json_are_served(server):
     assert status == 200 and json.loads(body)["stages"][0]["stage"] == "prepare"
 
 
-@pytest.mark.parametrize("path", [
-    "/../config.yaml", "/assets/../__init__.py", "/assets/..%2f__main__.py", "/assets/%2e%2e/server.py",
-    "/assets/", "/assets/index.html/../app.js", "//etc/passwd", "/api/status/../../etc/passwd",
-    "/results/demo/outputs/prepare-00000.parquet", "/logs/events.jsonl", "/nope", "/api",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/../config.yaml",
+        "/assets/../__init__.py",
+        "/assets/..%2f__main__.py",
+        "/assets/%2e%2e/server.py",
+        "/assets/",
+        "/assets/index.html/../app.js",
+        "//etc/passwd",
+        "/api/status/../../etc/passwd",
+        "/results/demo/outputs/prepare-00000.parquet",
+        "/logs/events.jsonl",
+        "/nope",
+        "/api",
+    ],
+)
 def test_path_traversal_and_unknown_routes_get_404(server, path):
     assert get(server, path)[0] == 404
 
@@ -242,8 +268,18 @@ def test_snapshot_is_rebuilt_in_the_background_and_picks_up_new_shards(tmp_path)
 # -- Host header (DNS rebinding) -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.1.evil.example:{port}",
-                                  "localhost.evil.example", "[::1]evil", "::1", "127.0.0.1:80x"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "evil.example",
+        "evil.example:{port}",
+        "127.0.0.1.evil.example:{port}",
+        "localhost.evil.example",
+        "[::1]evil",
+        "::1",
+        "127.0.0.1:80x",
+    ],
+)
 def test_a_foreign_host_header_is_refused_without_data(server, host):
     host = host.format(port=server.port)
     for path in ("/api/status", "/", "/assets/app.js"):
@@ -252,8 +288,9 @@ def test_a_foreign_host_header_is_refused_without_data(server, host):
     assert get(server, "/api/status", headers={"Host": host}, method="POST")[0] == 421
 
 
-@pytest.mark.parametrize("host", ["localhost:{port}", "127.0.0.1:{port}", "[::1]:{port}", "LOCALHOST",
-                                  "localhost.:{port}", "127.0.0.1:9999"])  # any port: an SSH tunnel
+@pytest.mark.parametrize(
+    "host", ["localhost:{port}", "127.0.0.1:{port}", "[::1]:{port}", "LOCALHOST", "localhost.:{port}", "127.0.0.1:9999"]
+)  # any port: an SSH tunnel
 def test_loopback_host_headers_are_answered(server, host):
     status, body = get(server, "/api/status", headers={"Host": host.format(port=server.port)})
     assert status == 200 and json.loads(body)["num_shards"] == 2
@@ -346,9 +383,13 @@ CLI = [sys.executable, "-m", "dflash_pipeline.status"]
 
 
 def cli(*args, env=None, timeout=60) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env if env is not None else {k: v for k, v in os.environ.items()
-                                                           if k != "DFLASH_STATUS_TOKEN"})
+    return subprocess.run(
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env if env is not None else {k: v for k, v in os.environ.items() if k != "DFLASH_STATUS_TOKEN"},
+    )
 
 
 def make_tree(path, shards=1):
@@ -449,8 +490,10 @@ def test_stop_leaves_a_pid_that_is_no_longer_this_trees_status_server_alone(tmp_
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         (tree / "logs").mkdir()
-        for record in (f"{other.pid}\n",  # a pid file of an older version: the pid alone
-                       json.dumps({"pid": other.pid, "workdir": str(tree.resolve()), "port": 1})):
+        for record in (
+            f"{other.pid}\n",  # a pid file of an older version: the pid alone
+            json.dumps({"pid": other.pid, "workdir": str(tree.resolve()), "port": 1}),
+        ):
             (tree / "logs/status-server.pid").write_text(record)
             stopped = cli("stop", "--workdir", str(tree))
             assert stopped.returncode == 0 and "no longer this tree's status page" in stopped.stdout
@@ -494,16 +537,29 @@ def job_events(writer: EventWriter, files: list[tuple[str, str]], ended: bool = 
     ids = list(range(1, len(files) + 1))
     writer.write({"event": "job_started", "time": now, "jobids": ids})
     for jobid, (rule, shard, output, log) in zip(ids, files):
-        writer.write({"event": "job_info", "time": now, "jobid": jobid, "rule": rule, "wildcards": {"shard": shard},
-                      "log": [log], "output": [output]})
+        writer.write(
+            {
+                "event": "job_info",
+                "time": now,
+                "jobid": jobid,
+                "rule": rule,
+                "wildcards": {"shard": shard},
+                "log": [log],
+                "output": [output],
+            }
+        )
     writer.write({"event": "job_finished", "time": now, "jobid": 1})
     if ended:
         writer.write_closed_marker()
 
 
 def s3_job(url: str, rule: str, shard: str):
-    return (rule, shard, f"{url}/outputs/{rule}-{shard}.parquet (send to storage)",
-            f"{url}/logs/{rule}/{shard}.log (send to storage)")
+    return (
+        rule,
+        shard,
+        f"{url}/outputs/{rule}-{shard}.parquet (send to storage)",
+        f"{url}/logs/{rule}/{shard}.log (send to storage)",
+    )
 
 
 def local_job(root: str, rule: str, shard: str):
@@ -517,8 +573,15 @@ def test_the_board_keeps_only_the_snakemake_runs_of_its_run_root(tmp_path):
     s3 = RunJobBoard(events, url, tmp_path)
     local = RunJobBoard(events, str(tmp_path / "results/demo"), tmp_path)
     # The S3 run's demo model (a local helper) first, then its shards; it is still running.
-    job_events(writer, [("build_demo_model", "", "resources/demo-target", "logs/build_demo_model.log"),
-                        s3_job(url, "prepare", "00000"), s3_job(url, "generate", "00001")], ended=False)
+    job_events(
+        writer,
+        [
+            ("build_demo_model", "", "resources/demo-target", "logs/build_demo_model.log"),
+            s3_job(url, "prepare", "00000"),
+            s3_job(url, "generate", "00001"),
+        ],
+        ended=False,
+    )
     assert {j.rule for j in s3.refresh().jobs.values()} == {"build_demo_model", "prepare", "generate"}
     assert s3.source == "this run" and s3.run.state == "running"
     assert local.refresh().jobs == {} and local.source == "another run"
@@ -544,13 +607,24 @@ def test_the_page_of_an_s3_run_shows_that_runs_events_not_a_local_runs(s3_env, s
     writer = EventWriter(tmp_path / "logs/snakemake-events.jsonl")
     # The S3 run, driven from this checkout: prepare 00000 done, generate 00001 failed.
     job_events(writer, [s3_job(url, "prepare", "00000"), s3_job(url, "generate", "00001")], ended=False)
-    writer.write({"event": "job_error", "time": time.time(), "jobid": 2, "rule": "generate",
-                  "log": [s3_job(url, "generate", "00001")[3]], "message": "the S3 run's failure"})
+    writer.write(
+        {
+            "event": "job_error",
+            "time": time.time(),
+            "jobid": 2,
+            "rule": "generate",
+            "log": [s3_job(url, "generate", "00001")[3]],
+            "message": "the S3 run's failure",
+        }
+    )
     writer.write_closed_marker()
     # Then a local run from the same checkout, still running (its page is the local one).
     LocalStorage(tmp_path / "results/demo").write_bytes("outputs/prepare-00000.parquet", b"p")
-    job_events(writer, [local_job("results/demo", "prepare", "00000"), local_job("results/demo", "prepare", "00001")],
-               ended=False)
+    job_events(
+        writer,
+        [local_job("results/demo", "prepare", "00000"), local_job("results/demo", "prepare", "00001")],
+        ended=False,
+    )
     prefix = url[: -len("/results/demo")]
     args = parser().parse_args(["--workdir", str(tmp_path), "--default-storage-prefix", prefix])
     srv = StatusServer(SnapshotBuilder(resolve_source(args)), port=0).start()
@@ -561,7 +635,8 @@ def test_the_page_of_an_s3_run_shows_that_runs_events_not_a_local_runs(s3_env, s
     assert snap["run"] == url and snap["workflow"]["events_source"] == "this run"
     assert snap["workflow"]["state"] == "failed"
     assert [(f["stage"], f["shard"], f["message"]) for f in snap["failed"]] == [
-        ("generate", "00001", "the S3 run's failure")]
+        ("generate", "00001", "the S3 run's failure")
+    ]
     stages = {s["stage"]: s for s in snap["stages"]}
     assert (stages["prepare"]["done"], stages["prepare"]["running"]) == (1, 0)  # not the local run's
     assert snap["running"] == []

@@ -11,8 +11,6 @@ from dflash_pipeline.core.storage import LocalStorage, StorageError, open_object
 from dflash_pipeline.core.s3 import BUCKET_SENTINEL_KEY, S3Storage, s3_settings_from_env
 
 
-
-
 def test_write_read_list_delete_round_trip(store):
     store.write_bytes("a/one.bin", b"\x00\x01")
     store.write_text("a/b/two.txt", "two")

@@ -13,8 +13,14 @@ def tiny_qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
     )
     torch.manual_seed(0)
     return Qwen3ForCausalLM(config).eval()
@@ -24,11 +30,20 @@ def tiny_hybrid():
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
     )
     torch.manual_seed(0)
     return Qwen3_5ForCausalLM(config).eval()

@@ -44,7 +44,10 @@ def test_single_turn_thinking_with_system_prompt(tok):
     seq = only(conversation_sequences(tok, messages, thinking=True, per_turn=True))
     assert (seq.input_ids, seq.loss_mask) == pieces(
         tok,
-        ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n", 0),
+        (
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n",
+            0,
+        ),
         ("<think>\n2+0=2, write 2\n1+3=4, write 4\n</think>\n\n12 + 30 = 42<|im_end|>", 1),
     )
     assert seq.input_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>") and seq.loss_mask[-1] == 1
@@ -199,7 +202,9 @@ def test_a_healthy_shard_passes_and_counts_cut_traces_without_failing(tok):
     out, stats = ShardTokenizer(tok, thinking=True).run(table, "g")
     assert stats["degenerate_samples"] == 0 and out.num_rows == 41
     assert stats["finish_reasons"] == {"stop": 40, "length": 1}
-    assert all(sum(m) == n for m, n in zip(out.column("loss_mask").to_pylist(), out.column("num_supervised").to_pylist()))
+    assert all(
+        sum(m) == n for m, n in zip(out.column("loss_mask").to_pylist(), out.column("num_supervised").to_pylist())
+    )
 
 
 def test_each_degenerate_reason_is_counted(tok):
@@ -286,8 +291,15 @@ def test_the_stage_writes_live_telemetry_and_the_table_matches_the_stats(tok, de
     run = tmp_path / "run"
     run.mkdir()
     summary = tokenize_file(
-        str(tmp_path / "generated-00003.parquet"), str(demo_model), str(tmp_path / "tok.parquet"),
-        str(tmp_path / "tok.stats.json"), True, {}, run_url=str(run), shard=3, workers=1,
+        str(tmp_path / "generated-00003.parquet"),
+        str(demo_model),
+        str(tmp_path / "tok.parquet"),
+        str(tmp_path / "tok.stats.json"),
+        True,
+        {},
+        run_url=str(run),
+        shard=3,
+        workers=1,
     )
     telemetry = ShardProgress(open_storage(str(run)), "tokenize", 3).read_telemetry()
     assert telemetry["state"] == "done" and telemetry["stage"] == "tokenize"
@@ -328,24 +340,31 @@ def test_engine_ids_are_kept_after_the_prompt_and_a_non_canonical_split_is_a_mis
     split = generated_row(2, "1 + 1 = 2", reasoning)
     added = set(tok.get_added_vocab())
     spelled = [
-        [token] if token in added else list(token) for token in tok.convert_ids_to_tokens(canonical["turns"][0]["output_ids"])
+        [token] if token in added else list(token)
+        for token in tok.convert_ids_to_tokens(canonical["turns"][0]["output_ids"])
     ]
     split["turns"][0]["output_ids"] = tok.convert_tokens_to_ids([t for parts in spelled for t in parts])
     assert len(split["turns"][0]["output_ids"]) > len(canonical["turns"][0]["output_ids"])
     # The engine wrote a blank line the template strips from stored reasoning: its ids are not
     # the rendering's tokens, but they are the tokenizer's own split of their text, so they stay.
     blank = generated_row(3, "1 + 1 = 2", reasoning)
-    blank["turns"][0]["output_ids"] = tok(text.replace("<think>\n", "<think>\n\n"), add_special_tokens=False)["input_ids"]
+    blank["turns"][0]["output_ids"] = tok(text.replace("<think>\n", "<think>\n\n"), add_special_tokens=False)[
+        "input_ids"
+    ]
     rows = [healthy(i) for i in range(20, 40)] + [canonical, split, blank]
     out, stats = ShardTokenizer(tok, thinking=True, settings={"max_degenerate_fraction": 0.5}).run(
         pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), "g"
     )
     assert stats["examples"]["template_mismatch"] == ["s2"] and stats["round_trip_mismatches"] == 1
     kept = {r["id"]: r for r in out.to_pylist()}
-    prompt = tok.apply_chat_template(canonical["messages"][:1], tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    prompt = tok.apply_chat_template(
+        canonical["messages"][:1], tokenize=False, add_generation_prompt=True, enable_thinking=True
+    )
     assert (kept["s1"]["input_ids"], kept["s1"]["loss_mask"]) == pieces(tok, (prompt, 0), (text + "<|im_end|>", 1))
     engine_text = text.replace("<think>\n", "<think>\n\n") + "<|im_end|>"
-    prompt = tok.apply_chat_template(blank["messages"][:1], tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    prompt = tok.apply_chat_template(
+        blank["messages"][:1], tokenize=False, add_generation_prompt=True, enable_thinking=True
+    )
     assert (kept["s3"]["input_ids"], kept["s3"]["loss_mask"]) == pieces(tok, (prompt, 0), (engine_text, 1))
 
 
@@ -459,7 +478,7 @@ def test_a_turn_gives_the_same_ids_and_mask_from_the_engine_ids_and_from_its_tex
         assert got == expected
         for key in expected:
             if key[0].startswith("engine"):
-                assert got[key] == got[("text" + key[0][len("engine"):], -1)]
+                assert got[key] == got[("text" + key[0][len("engine") :], -1)]
 
 
 def test_a_cut_turn_in_a_conversation_is_supervised_as_generated_and_is_history_as_rendered(qwen3_tokenizer):
@@ -531,9 +550,17 @@ def test_a_special_token_literal_in_generated_text_never_cuts_the_turn(tokenizer
     rows, prompts = [], {}
     for name, generated, with_ids in [
         ("text-answer", answer, False),
-        ("text-reasoning", "<think>\nMaybe <|im_start|> opens one.\n</think>\n\nA turn ends with its end token.", False),
+        (
+            "text-reasoning",
+            "<think>\nMaybe <|im_start|> opens one.\n</think>\n\nA turn ends with its end token.",
+            False,
+        ),
         ("engine-answer", answer, True),
-        ("tags-answer", "<think>\nTags.\n</think>\n\nA <think> block closes with </think>; a call is <tool_call>.", False),
+        (
+            "tags-answer",
+            "<think>\nTags.\n</think>\n\nA <think> block closes with </think>; a call is <tool_call>.",
+            False,
+        ),
     ]:
         row, prompts[name] = as_generated(tokenizer, name, history, generated, True, "stop", with_ids)
         rows.append(row)
@@ -560,7 +587,10 @@ def test_a_special_token_literal_in_generated_text_never_cuts_the_turn(tokenizer
     ids, mask = got[("user-literal", -1)]
     assert (ids, mask) == pieces(
         tokenizer,
-        ("<|im_start|>user\nWhy does <|im_end|> end a turn and <think> open reasoning?<|im_end|>\n<|im_start|>assistant\n", 0),
+        (
+            "<|im_start|>user\nWhy does <|im_end|> end a turn and <think> open reasoning?<|im_end|>\n<|im_start|>assistant\n",
+            0,
+        ),
         ("<think>\nExplain the tokens.\n</think>\n\nThey are the template's tokens.<|im_end|>", 1),
     )
     assert ids.count(eos) == 3  # the user's literal is the token the engine's prompt held
@@ -609,20 +639,27 @@ def test_qwen3_single_turns_with_and_without_thinking_and_a_system_prompt(qwen3_
         {"role": "assistant", "content": "12 + 30 = 42", "reasoning_content": "2 + 0 = 2, then 1 + 3 = 4."},
     ]
     got, stats = tokenized(tok, [conversation_row("sys", system)], thinking=True)
-    assert got == {("sys", -1): pieces(
-        tok,
-        ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n", 0),
-        ("<think>\n2 + 0 = 2, then 1 + 3 = 4.\n</think>\n\n12 + 30 = 42<|im_end|>", 1),
-    )}
+    assert got == {
+        ("sys", -1): pieces(
+            tok,
+            (
+                "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n",
+                0,
+            ),
+            ("<think>\n2 + 0 = 2, then 1 + 3 = 4.\n</think>\n\n12 + 30 = 42<|im_end|>", 1),
+        )
+    }
     assert stats["rows_per_turn"] is True
     off = [{"role": "user", "content": "Add 5 and 7."}, {"role": "assistant", "content": "5 + 7 = 12"}]
     got, _ = tokenized(tok, [conversation_row("off", off)], thinking=False)
     # The empty think block is the prompt's (the generation prompt with thinking off): not supervised.
-    assert got == {("off", -1): pieces(
-        tok,
-        ("<|im_start|>user\nAdd 5 and 7.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
-        ("5 + 7 = 12<|im_end|>", 1),
-    )}
+    assert got == {
+        ("off", -1): pieces(
+            tok,
+            ("<|im_start|>user\nAdd 5 and 7.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
+            ("5 + 7 = 12<|im_end|>", 1),
+        )
+    }
 
 
 def test_qwen3_multi_turn_rows_per_turn_with_and_without_thinking(qwen3_tokenizer):
@@ -666,7 +703,12 @@ def test_qwen3_tool_turn_is_never_supervised(qwen3_tokenizer):
         ("tool", 1): pieces(tok, (user, 0), (call, 1)),
         ("tool", 3): pieces(
             tok,
-            (user + call + "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n", 0),
+            (
+                user
+                + call
+                + "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+                0,
+            ),
             ("<think>\nThe tool said 42.\n</think>\n\n40 + 2 = 42<|im_end|>", 1),
         ),
     }
@@ -680,15 +722,17 @@ def test_qwen3_non_ascii_text(qwen3_tokenizer):
         {"role": "assistant", "content": "等于 4 🎉", "reasoning_content": "2 + 2 = 4，很简单 ✓"},
     ]
     got, stats = tokenized(tok, [conversation_row("zh", messages)], thinking=True)
-    assert got == {("zh", -1): pieces(
-        tok,
-        (
-            "<|im_start|>system\nRéponds vite — naïve café ☕<|im_end|>\n"
-            "<|im_start|>user\n用中文回答：2 + 2 等于几？😀<|im_end|>\n<|im_start|>assistant\n",
-            0,
-        ),
-        ("<think>\n2 + 2 = 4，很简单 ✓\n</think>\n\n等于 4 🎉<|im_end|>", 1),
-    )}
+    assert got == {
+        ("zh", -1): pieces(
+            tok,
+            (
+                "<|im_start|>system\nRéponds vite — naïve café ☕<|im_end|>\n"
+                "<|im_start|>user\n用中文回答：2 + 2 等于几？😀<|im_end|>\n<|im_start|>assistant\n",
+                0,
+            ),
+            ("<think>\n2 + 2 = 4，很简单 ✓\n</think>\n\n等于 4 🎉<|im_end|>", 1),
+        )
+    }
     assert stats["offset_fallbacks"] == 0 and stats["round_trip_mismatches"] == 0
 
 
@@ -710,10 +754,16 @@ def generated_conversation(tokenizer, name, exchanges, thinking, ids=None):
         stopped = finish == "stop"
         split = split_reasoning(prompt, generated + tokenizer.eos_token * stopped, tokenizer.eos_token)
         output_ids = ids(k, generated, stopped) if ids else engine_ids(tokenizer, generated, stopped)
-        turns.append({
-            "message_index": len(history), "finish_reason": finish, "think_closed": split.think_closed,
-            "prompt_tokens": 10, "completion_tokens": 10, "output_ids": output_ids,
-        })
+        turns.append(
+            {
+                "message_index": len(history),
+                "finish_reason": finish,
+                "think_closed": split.think_closed,
+                "prompt_tokens": 10,
+                "completion_tokens": 10,
+                "output_ids": output_ids,
+            }
+        )
         history.append(assistant_message(split))
         prompts.append(prompt)
     row = conversation_row(name, history)
@@ -750,16 +800,22 @@ def supervised(ids, mask):
 # (thinking, exchanges): turn 2's engine wrote a blank line (thinking) or trailing spaces that
 # the stored text drops, so its ids are not the rendered text's tokens; turn 3 is cut at the limit.
 PER_TURN_CONVERSATIONS = [
-    (True, [
-        ("What is 1 + 2?", "<think>\nOne plus two.\n</think>\n\n1 + 2 = 3", "stop"),
-        ("And 2 + 2?", "<think>\n\nTwo plus two.\n</think>\n\n2 + 2 = 4", "stop"),
-        ("And 3 + 3?", "<think>\nThree plus three is", "length"),
-    ]),
-    (False, [
-        ("What is 1 + 2?", "1 + 2 = 3", "stop"),
-        ("And 2 + 2?", "2 + 2 = 4  ", "stop"),
-        ("And 3 + 3?", "3 + 3 is", "length"),
-    ]),
+    (
+        True,
+        [
+            ("What is 1 + 2?", "<think>\nOne plus two.\n</think>\n\n1 + 2 = 3", "stop"),
+            ("And 2 + 2?", "<think>\n\nTwo plus two.\n</think>\n\n2 + 2 = 4", "stop"),
+            ("And 3 + 3?", "<think>\nThree plus three is", "length"),
+        ],
+    ),
+    (
+        False,
+        [
+            ("What is 1 + 2?", "1 + 2 = 3", "stop"),
+            ("And 2 + 2?", "2 + 2 = 4  ", "stop"),
+            ("And 3 + 3?", "3 + 3 is", "length"),
+        ],
+    ),
 ]
 
 
@@ -857,7 +913,13 @@ def test_one_row_per_conversation_takes_the_engine_ids_of_every_turn(tokenizer_n
     between = [tok(text, add_special_tokens=False)["input_ids"] for text in WHOLE_BETWEEN]
     ids, mask = got[("w", -1)]
     assert (ids, mask) == joined(
-        (between[0], 0), (engine[0], 1), (between[1], 0), (engine[1], 1), (between[2], 0), (engine[2], 1), (between[3], 0)
+        (between[0], 0),
+        (engine[0], 1),
+        (between[1], 0),
+        (engine[1], 1),
+        (between[2], 0),
+        (engine[2], 1),
+        (between[3], 0),
     )
     assert supervised(ids, mask) == engine[0] + engine[1] + engine[2]
     eos = tok.eos_token_id
@@ -894,7 +956,12 @@ def test_one_row_per_conversation_keeps_a_split_the_tokenizer_would_not_give(tok
     assert stats["round_trip_mismatches"] == 1 and stats["reasons"] == {"template_mismatch": 1}
     between = [tok(text, add_special_tokens=False)["input_ids"] for text in WHOLE_BETWEEN]
     assert got[("w", -1)] == joined(
-        (between[0], 0), (engine[0], 1), (between[1], 0), (engine[1], 1), (between[2], 0), (engine[2] + [eos], 1),
+        (between[0], 0),
+        (engine[0], 1),
+        (between[1], 0),
+        (engine[1], 1),
+        (between[2], 0),
+        (engine[2] + [eos], 1),
         (between[3], 0),
     )
     assert got[("w", -1)][0].count(eos) == 6
@@ -943,8 +1010,18 @@ def test_a_turn_cut_before_it_wrote_anything_keeps_the_next_turns_ids_in_place(t
     second = row["turns"][1]["output_ids"]
     assert second != plain("4, because 2 + 2 = 4.<|im_end|>", add_special_tokens=False)["input_ids"]
     assert got[("empty", -1)] == joined(
-        (plain("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"], 0),
-        (plain("<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"], 0),
+        (
+            plain("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
+                "input_ids"
+            ],
+            0,
+        ),
+        (
+            plain("<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
+                "input_ids"
+            ],
+            0,
+        ),
         (second, 1),
         (plain("\n", add_special_tokens=False)["input_ids"], 0),
     )

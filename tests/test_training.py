@@ -148,11 +148,23 @@ def start_training(run_dir: Path, s: dict, demo_model, tokenized) -> subprocess.
     settings_file.write_text(json.dumps(s))
     return subprocess.Popen(
         [
-            sys.executable, "-m", "dflash_pipeline.stages.train",
-            "--run-url", str(run_dir), "--segment", "0", "--settings", str(settings_file),
-            "--target", str(demo_model), "--device", "cpu",
-            "--manifest", str(run_dir / layout.segment_manifest_key(0)),
-            "--tokenized", *[f"{k}={v}" for k, v in tokenized.items()],
+            sys.executable,
+            "-m",
+            "dflash_pipeline.stages.train",
+            "--run-url",
+            str(run_dir),
+            "--segment",
+            "0",
+            "--settings",
+            str(settings_file),
+            "--target",
+            str(demo_model),
+            "--device",
+            "cpu",
+            "--manifest",
+            str(run_dir / layout.segment_manifest_key(0)),
+            "--tokenized",
+            *[f"{k}={v}" for k, v in tokenized.items()],
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -252,9 +264,14 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
         written = json.loads(manifest.read_text())
         assert (tmp_path / written["key"]).stat().st_size == written["size"]
     job = SegmentJob(
-        run_url=str(tmp_path), segment=0, settings=settings(mode="offline", hidden_dtype=hidden_dtype),
-        target_dir=str(demo_model), tokenized=tokenized, hidden=hidden,
-        manifest_path=str(tmp_path / layout.segment_manifest_key(0)), device="cpu",
+        run_url=str(tmp_path),
+        segment=0,
+        settings=settings(mode="offline", hidden_dtype=hidden_dtype),
+        target_dir=str(demo_model),
+        tokenized=tokenized,
+        hidden=hidden,
+        manifest_path=str(tmp_path / layout.segment_manifest_key(0)),
+        device="cpu",
     )
     job.run()
     # The stored taps are the target's taps (up to the rounding of a different batch shape, or
@@ -268,7 +285,9 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
     config = build_drafter_config(settings(), str(demo_model))
     sequences = read_training_sequences(tokenized)[:3]
     ids, _ = collate(sequences, "cpu")
-    stored = HiddenShards(open_storage(str(tmp_path)), hidden, config).taps(sequences, ids.shape[1], "cpu", torch.float32)
+    stored = HiddenShards(open_storage(str(tmp_path)), hidden, config).taps(
+        sequences, ids.shape[1], "cpu", torch.float32
+    )
     online = TargetTaps(load_target(str(demo_model)), [1, 5])(ids)
     for i, seq in enumerate(sequences):
         n = len(seq.input_ids)
@@ -287,8 +306,13 @@ def two_rank_segment(tmp_path, s, demo_model, tokenized):
     settings_file = tmp_path / "settings.json"
     settings_file.write_text(json.dumps(s))
     job = SegmentJob(
-        run_url=str(tmp_path), segment=0, settings=s, target_dir=str(demo_model), tokenized=tokenized,
-        manifest_path=str(tmp_path / layout.segment_manifest_key(0)), device="cpu",
+        run_url=str(tmp_path),
+        segment=0,
+        settings=s,
+        target_dir=str(demo_model),
+        tokenized=tokenized,
+        manifest_path=str(tmp_path / layout.segment_manifest_key(0)),
+        device="cpu",
     )
     return job, settings_file, torchrun_command(2, [*segment_args(job, str(settings_file)), "--device", "cpu"])
 
@@ -302,8 +326,9 @@ def test_ddp_over_two_processes_trains_and_resumes_after_sigterm(demo_model, tok
     s = settings(steps_per_segment=12, checkpoint_every_steps=100, batch_size=1)
     job, settings_file, command = two_rank_segment(tmp_path, s, demo_model, tokenized)
     metrics = tmp_path / layout.train_progress_prefix(0) / layout.TRAIN_METRICS
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     wait_for(lambda: metrics.exists(), proc)
     os.killpg(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=PATIENCE_S)
@@ -338,9 +363,16 @@ def test_ddp_over_two_processes_trains_and_resumes_after_sigterm(demo_model, tok
 
 
 def test_a_dflash2_segment_logs_selector_metrics_and_exports_the_authors_format(demo_model, tokenized, tmp_path):
-    s = settings(algorithm="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4,
-                 selector_warmup_ratio=0.25, selector_ramp_ratio=0.25, steps_per_segment=STEPS,
-                 checkpoint_every_steps=STEPS)
+    s = settings(
+        algorithm="dflash2",
+        conv_group_size=16,
+        selector_rank=8,
+        selector_top_k=4,
+        selector_warmup_ratio=0.25,
+        selector_ramp_ratio=0.25,
+        steps_per_segment=STEPS,
+        checkpoint_every_steps=STEPS,
+    )
     manifest = run_segment(tmp_path, 0, s, demo_model, tokenized)
     assert manifest["algorithm"] == "dflash2"
     assert manifest["drafter_config"]["architectures"] == ["DFlash2DraftModel"]
@@ -356,8 +388,13 @@ def test_a_dflash2_segment_logs_selector_metrics_and_exports_the_authors_format(
         assert r["total_loss"] == pytest.approx(r["loss"] + r["selector_weight"] * r["selector_loss"], rel=1e-4)
     out = tmp_path / "drafter"
     out.mkdir()
-    export_drafter(str(tmp_path), str(tmp_path / layout.segment_manifest_key(0)),
-                   str(out / "config.json"), str(out / "model.safetensors"), "bfloat16")
+    export_drafter(
+        str(tmp_path),
+        str(tmp_path / layout.segment_manifest_key(0)),
+        str(out / "config.json"),
+        str(out / "model.safetensors"),
+        "bfloat16",
+    )
     tensors = load_file(out / "model.safetensors")
     assert len(tensors) == 15 * 2 + 6 and "candidate_selector.successor_codebook" in tensors
 
@@ -384,8 +421,15 @@ def test_diverged_replicas_are_refused_naming_the_parameters():
 def test_ddp_trains_dflash2_with_the_selector_reduced_across_ranks(demo_model, tokenized, tmp_path):
     """The selector's loss is computed outside the DDP-wrapped block forward; its gradients must
     still be all-reduced, or the ranks' weights drift apart (check_replicas fails the segment)."""
-    s = settings(algorithm="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4,
-                 steps_per_segment=4, checkpoint_every_steps=100, batch_size=1)
+    s = settings(
+        algorithm="dflash2",
+        conv_group_size=16,
+        selector_rank=8,
+        selector_top_k=4,
+        steps_per_segment=4,
+        checkpoint_every_steps=100,
+        batch_size=1,
+    )
     _, _, command = two_rank_segment(tmp_path, s, demo_model, tokenized)
     proc = subprocess.run(command, capture_output=True, text=True, timeout=PATIENCE_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -474,8 +518,15 @@ def test_torchrun_gets_the_shard_lists_in_a_file_not_in_argv(tmp_path):
     from dflash_pipeline.stages.train import segment_args
 
     shards = {f"{i:05d}": f"s3://bucket/run/outputs/tokenize-{i:05d}.parquet" for i in range(10_000)}
-    job = SegmentJob(run_url="s3://bucket/run", segment=3, settings={}, target_dir="/models/target",
-                     tokenized=shards, hidden=dict(shards), manifest_path="m.json")
+    job = SegmentJob(
+        run_url="s3://bucket/run",
+        segment=3,
+        settings={},
+        target_dir="/models/target",
+        tokenized=shards,
+        hidden=dict(shards),
+        manifest_path="m.json",
+    )
     args = segment_args(job, str(tmp_path / "settings.json"), logs=["logs/train/segment-0003.log"])
     assert len(" ".join(args)) < 1000
     listed = json.loads(Path(args[args.index("--shards") + 1]).read_text())

@@ -59,7 +59,9 @@ def shards(demo_model, tmp_path):
     # More rows than one conversion batch: the mapped table has several chunks per column.
     return {
         "00002": write_random_shard(tmp_path / "tokenize-00002.parquet", 2 * CONVERT_BATCH_ROWS + 300, seed=2),
-        "00000": str(write_tokenized_shard(demo_model, tmp_path / "tokenize-00000.parquet", 40, seed=0, heldout_every=5)),
+        "00000": str(
+            write_tokenized_shard(demo_model, tmp_path / "tokenize-00000.parquet", 40, seed=0, heldout_every=5)
+        ),
         "00001": write_random_shard(tmp_path / "tokenize-00001.parquet", 500, seed=1),
     }
 

@@ -19,8 +19,14 @@ def run_verify(workflow, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-m", "dflash_pipeline.stages.verify", *args], cwd=workflow.root,
-                          env=env, capture_output=True, text=True, timeout=2400)
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_pipeline.stages.verify", *args],
+        cwd=workflow.root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
 
 
 def test_a_deleted_intermediate_is_found_and_only_its_chain_rebuilt(workflow, demo_model, tmp_path):
@@ -33,7 +39,8 @@ def test_a_deleted_intermediate_is_found_and_only_its_chain_rebuilt(workflow, de
     # reading job checked its input against it.
     recorded = {p.name.removesuffix(".json") for p in records.glob("*.json")}
     expected = [f"{stage}-{shard:05d}.parquet" for stage in ("prepare", "generate") for shard in range(2)] + [
-        f"tokenize-{shard:05d}.{ext}" for shard in range(2) for ext in ("parquet", "heldout.parquet", "stats.json")]
+        f"tokenize-{shard:05d}.{ext}" for shard in range(2) for ext in ("parquet", "heldout.parquet", "stats.json")
+    ]
     assert recorded == set(expected)
     tokenize_log = (workflow.root / "results/demo/logs/tokenize/00001.log").read_text()
     assert "checksum of results/demo/outputs/generate-00001.parquet verified" in tokenize_log
@@ -46,12 +53,18 @@ def test_a_deleted_intermediate_is_found_and_only_its_chain_rebuilt(workflow, de
     assert workflow.planned_jobs() == {}  # Snakemake: "Nothing to be done"
     found = run_verify(workflow)
     assert found.returncode == 1, found.stdout + found.stderr
-    assert "missing   results/demo/outputs/generate-00001.parquet  (made by rule generate (shard 00001)" \
-        in found.stdout
+    assert "missing   results/demo/outputs/generate-00001.parquet  (made by rule generate (shard 00001)" in found.stdout
     assert "1 missing, 0 damaged, 0 orphaned" in found.stdout
 
-    untouched = {name: (outputs / name).stat().st_mtime_ns for name in (
-        "prepare-00000.parquet", "prepare-00001.parquet", "generate-00000.parquet", "tokenize-00000.parquet")}
+    untouched = {
+        name: (outputs / name).stat().st_mtime_ns
+        for name in (
+            "prepare-00000.parquet",
+            "prepare-00001.parquet",
+            "generate-00000.parquet",
+            "tokenize-00000.parquet",
+        )
+    }
     before = (outputs / "tokenize-00001.parquet").stat().st_mtime_ns
     repaired = run_verify(workflow, "--repair", "--", "--cores", "2")
     output = repaired.stdout + repaired.stderr

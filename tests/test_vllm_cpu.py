@@ -114,9 +114,7 @@ def test_generation_stores_the_engines_ids_for_every_turn_and_tokenize_uses_them
         for turn in row["turns"]:
             ids = list(turn["output_ids"])
             candidates = [seq for (rid, _), seq in tokenized.items() if rid == row["id"]]
-            supervised = [
-                [t for t, m in zip(seq["input_ids"], seq["loss_mask"]) if m] for seq in candidates
-            ]
+            supervised = [[t for t, m in zip(seq["input_ids"], seq["loss_mask"]) if m] for seq in candidates]
             # Every turn's engine ids are supervised, as generated (plus the end of turn added
             # to a stopped turn that did not emit it).
             assert any(_contains(sup, ids) for sup in supervised), (row["id"], turn["message_index"])
@@ -248,9 +246,7 @@ def serve_speculators_export(folder, root, metrics, vllm_reference, tmp_path):
     assert relative_gap(zlab["overall"]["tau"], tau, tolerance, "the z-lab export's tau")[1]
     assert relative_gap(loop["tau"], tau, tolerance, "the loop's tau")[1]
     # Both exports decode the same tokens (each exactly the plain reference's).
-    assert [p["generated_tokens"] for p in section["per_prompt"]] == [
-        p["generated_tokens"] for p in zlab["per_prompt"]
-    ]
+    assert [p["generated_tokens"] for p in section["per_prompt"]] == [p["generated_tokens"] for p in zlab["per_prompt"]]
 
 
 # --- what vLLM's CPU build cannot serve -----------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.workflow
 
+
 def use_built_demo_model(demo_model):
     return {"target": {"model": str(demo_model), "build_demo": False}, "until": "tokenize"}
 
@@ -55,8 +56,12 @@ def test_demo_trains_a_drafter_that_the_real_loop_accepts(workflow, demo_model):
     assert workflow.planned_jobs() == {}
     # A crash in the last segment: it is retrained from the one before it, and what depends on
     # it follows (a lost manifest alone is not rebuilt while its products exist).
-    for key in ("outputs/train-segment-0001.json", "drafter/config.json", "drafter/model.safetensors",
-                "outputs/evaluate-metrics.json"):
+    for key in (
+        "outputs/train-segment-0001.json",
+        "drafter/config.json",
+        "drafter/model.safetensors",
+        "outputs/evaluate-metrics.json",
+    ):
         (root / key).unlink()
     assert workflow.planned_jobs() == {
         "train": 1,
@@ -77,9 +82,7 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
     # This test is about planning. The demo's greedy generation changes with CPU batching under
     # load and may hold a degenerate sample or two; whether a shard passes is the gate's business
     # (tests/test_tokenize.py), so the limit here leaves room for them.
-    workflow.write_config(
-        num_shards=3, tokenize={"max_degenerate_fraction": 0.5}, **use_built_demo_model(demo_model)
-    )
+    workflow.write_config(num_shards=3, tokenize={"max_degenerate_fraction": 0.5}, **use_built_demo_model(demo_model))
     workflow.snakemake()
     shards = workflow.root / "results/demo/outputs"
     names = sorted(p.name for p in shards.glob("prepare-*"))

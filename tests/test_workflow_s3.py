@@ -54,8 +54,12 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
     # The evaluate rule's engine log is declared, so it reaches the bucket (with a real engine
     # it holds the server logs and the captured /metrics).
     assert {"results/demo/logs/evaluate.log", "results/demo/logs/evaluate-engine.log"} <= keys
-    assert {"results/demo/checkpoints/segment-0001/checkpoint.json", "results/demo/drafter/model.safetensors",
-            "results/demo/outputs/evaluate-metrics.json", "results/demo/_progress/train/segment-0001/metrics.jsonl"} <= keys
+    assert {
+        "results/demo/checkpoints/segment-0001/checkpoint.json",
+        "results/demo/drafter/model.safetensors",
+        "results/demo/outputs/evaluate-metrics.json",
+        "results/demo/_progress/train/segment-0001/metrics.jsonl",
+    } <= keys
     assert not (workflow.root / "results").exists(), "an S3 run must leave no local results"
     sentinel = client.head_object(Bucket=s3_server.bucket, Key=BUCKET_SENTINEL_KEY)
     assert sentinel["ContentLength"] > 0

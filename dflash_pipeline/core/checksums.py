@@ -97,8 +97,7 @@ def sha256_and_size(path: str | os.PathLike) -> tuple[str, int]:
 def stored_sha256(storage: Storage, key: str) -> tuple[str, int]:
     """sha256 and size of a stored object, streamed (an S3 object is never written to disk)."""
     if isinstance(storage, S3Storage):
-        resp = storage._call("reading", key, storage.client.get_object, Bucket=storage.bucket,
-                             Key=storage._key(key))
+        resp = storage._call("reading", key, storage.client.get_object, Bucket=storage.bucket, Key=storage._key(key))
         digest, size = hashlib.sha256(), 0
 
         def read():
@@ -128,8 +127,14 @@ class Record:
     @classmethod
     def parse(cls, key: str, data: bytes) -> Record:
         doc = json.loads(data)
-        return cls(key, str(doc["sha256"]), int(doc["size"]), str(doc.get("rule", "?")),
-                   str(doc.get("shard", "?")), float(doc.get("written_at", 0.0)))
+        return cls(
+            key,
+            str(doc["sha256"]),
+            int(doc["size"]),
+            str(doc.get("rule", "?")),
+            str(doc.get("shard", "?")),
+            float(doc.get("written_at", 0.0)),
+        )
 
 
 def producer_of(key: str) -> str:
@@ -138,17 +143,24 @@ def producer_of(key: str) -> str:
     return f"rule {match['stage']} (shard {match['shard']})" if match else "an unknown rule"
 
 
-def record_checksum(run_url: str | Storage, local_path: str | os.PathLike, rule: str,
-                    shard: int | str, key: str | None = None) -> Record:
+def record_checksum(
+    run_url: str | Storage, local_path: str | os.PathLike, rule: str, shard: int | str, key: str | None = None
+) -> Record:
     """Hash the file a job just wrote and store its record in the run root (before Snakemake
     uploads the file: what it states is what the job wrote)."""
     storage = run_url if isinstance(run_url, Storage) else open_storage(run_url)
     key = key or object_key(local_path)
     sha, size = sha256_and_size(local_path)
     record = Record(key, sha, size, rule, layout.shard_name(shard), time.time())
-    doc = {"key": key, "sha256": sha, "size": size, "rule": rule, "shard": record.shard,
-           "written_at": record.written_at,
-           "written_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.written_at))}
+    doc = {
+        "key": key,
+        "sha256": sha,
+        "size": size,
+        "rule": rule,
+        "shard": record.shard,
+        "written_at": record.written_at,
+        "written_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.written_at)),
+    }
     storage.write_text(sidecar_key(key), json.dumps(doc, indent=1) + "\n")
     log.info("recorded the checksum of %s: sha256 %s, %d bytes", storage.join(key), sha[:16], size)
     return record
@@ -163,8 +175,10 @@ def read_record(storage: Storage, key: str) -> Record | None:
     try:
         return Record.parse(key, data)
     except (ValueError, KeyError, TypeError) as err:
-        raise ChecksumError(f"the checksum record {storage.join(sidecar_key(key))} is unreadable "
-                            f"({err}); remove it or run verify --repair") from None
+        raise ChecksumError(
+            f"the checksum record {storage.join(sidecar_key(key))} is unreadable "
+            f"({err}); remove it or run verify --repair"
+        ) from None
 
 
 def repair_command(run_url: str, config: dict | None = None, configfiles: str | None = None) -> str:
@@ -203,8 +217,9 @@ def _config_hint(config: dict | None) -> str | None:
     return "<this run's config files>"
 
 
-def verify_local_copy(local_path: str | os.PathLike, run_url: str, reader: str,
-                      config: dict | None = None, key: str | None = None) -> Record | None:
+def verify_local_copy(
+    local_path: str | os.PathLike, run_url: str, reader: str, config: dict | None = None, key: str | None = None
+) -> Record | None:
     """Check the local copy of a shard object that a job is about to read against the record of
     the job that wrote it. Raises ChecksumError naming the stored object (its ``s3://`` URL or
     run path, never Snakemake's local cache path), its producer and the repair command; returns
@@ -216,35 +231,45 @@ def verify_local_copy(local_path: str | os.PathLike, run_url: str, reader: str,
     local = Path(local_path)
     if record is None:
         if not local.is_file():
-            raise ChecksumError(_message(where, f"is missing (checked by {reader})", producer_of(key),
-                                         run_url, config))
-        log.info("note: %s has no checksum record (written before checksums were recorded); "
-                 "read unchecked by %s", where, reader)
+            raise ChecksumError(_message(where, f"is missing (checked by {reader})", producer_of(key), run_url, config))
+        log.info(
+            "note: %s has no checksum record (written before checksums were recorded); read unchecked by %s",
+            where,
+            reader,
+        )
         return None
     if not local.is_file():
         problem = "is missing"
     else:
         sha, size = sha256_and_size(local)
         if size != record.size:
-            problem = (f"is {'short' if size < record.size else 'too long'}: {size} bytes, not the "
-                       f"{record.size} it was written with")
+            problem = (
+                f"is {'short' if size < record.size else 'too long'}: {size} bytes, not the "
+                f"{record.size} it was written with"
+            )
         elif sha != record.sha256:
-            problem = (f"is damaged: its sha256 is {sha}, not the {record.sha256} it was written "
-                       f"with (same size, {size} bytes)")
+            problem = (
+                f"is damaged: its sha256 is {sha}, not the {record.sha256} it was written "
+                f"with (same size, {size} bytes)"
+            )
         else:
             log.info("checksum of %s verified (sha256 %s, %d bytes)", where, sha[:16], size)
             return record
     written = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(record.written_at))
-    raise ChecksumError(_message(where, f"{problem} (written {written}; checked by {reader})",
-                                 record.producer(), run_url, config))
+    raise ChecksumError(
+        _message(where, f"{problem} (written {written}; checked by {reader})", record.producer(), run_url, config)
+    )
 
 
 def _message(where: str, problem: str, producer: str, run_url: str, config: dict | None) -> str:
-    return (f"{where} {problem}. It was produced by {producer}. Repair it (deletes it and reruns "
-            f"{producer} and everything downstream): {repair_command(run_url, config, _config_hint(config))}")
+    return (
+        f"{where} {problem}. It was produced by {producer}. Repair it (deletes it and reruns "
+        f"{producer} and everything downstream): {repair_command(run_url, config, _config_hint(config))}"
+    )
 
 
 # --- the Snakemake glue: scripts/*.py call these two ------------------------------------------
+
 
 def job_run_url(smk) -> str | None:
     """The run root of a Snakemake job: its ``run_url`` param, or (for a rule without one, e.g.
@@ -266,8 +291,9 @@ def job_run_url(smk) -> str | None:
             return root
         # The S3 plugin's local copies sit under <local storage prefix>/s3/<bucket>/<key>.
         default = (".snakemake", "storage", "s3")
-        index = len(default) if tuple(base[: len(default)]) == default else (
-            base.index("s3") + 1 if "s3" in base else None)
+        index = (
+            len(default) if tuple(base[: len(default)]) == default else (base.index("s3") + 1 if "s3" in base else None)
+        )
         if index is not None and len(base) > index:
             return "s3://" + "/".join([*base[index:], *Path(root).parts])
         return str(Path(*base, root))
@@ -296,4 +322,3 @@ def verify_inputs(smk, paths: Iterable[str]) -> None:
     reader = f"rule {smk.rule}" + (f" (shard {shard})" if shard else "")
     for path in paths:
         verify_local_copy(path, run_url, reader, config=dict(smk.config))
-

@@ -121,8 +121,7 @@ class GpuLease:
         while not self._try_take():
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"no {self.count} free GPUs out of {len(self.pool)} after {timeout} s "
-                    f"(locks in {self.lock_dir})"
+                    f"no {self.count} free GPUs out of {len(self.pool)} after {timeout} s (locks in {self.lock_dir})"
                 )
             if not waited:
                 log.warning(

@@ -140,8 +140,11 @@ class JobAttempt:
                 )  # fmt: skip
                 earlier = self.earlier()
                 if earlier:
-                    log.info("%d earlier attempt(s) of this job, the last %s: their logs are kept there too",
-                             len(earlier), earlier[-1])
+                    log.info(
+                        "%d earlier attempt(s) of this job, the last %s: their logs are kept there too",
+                        len(earlier),
+                        earlier[-1],
+                    )
                 yield log
         finally:
             self.keep()
@@ -267,10 +270,12 @@ class JobAttempt:
         with open(out, "w", encoding="utf-8") as fh:
             if earlier:
                 shown = earlier[-EARLIER_IN_DETAIL:]
-                fh.write(f"===== {len(earlier)} earlier attempt(s) of this job; their full logs are kept in "
-                         f"{self.storage().join(self.prefix)} =====\n")
+                fh.write(
+                    f"===== {len(earlier)} earlier attempt(s) of this job; their full logs are kept in "
+                    f"{self.storage().join(self.prefix)} =====\n"
+                )
                 if len(earlier) > len(shown):
-                    fh.write(f"(only the last {len(shown)} are shown: {', '.join(earlier[:-len(shown)])} are not)\n")
+                    fh.write(f"(only the last {len(shown)} are shown: {', '.join(earlier[: -len(shown)])} are not)\n")
                 for name in shown:
                     for part in ("job", kind):
                         found = self._read(f"{name}.{part}.log")

@@ -53,8 +53,9 @@ def read_halt(storage: Storage) -> dict | None:
     return halt
 
 
-def write_halt(storage: Storage, stage: str, shard: int | str, cause: str, message: str,
-               details: dict | None = None) -> dict:
+def write_halt(
+    storage: Storage, stage: str, shard: int | str, cause: str, message: str, details: dict | None = None
+) -> dict:
     """Halt the run. The first cause stays: a later failure is logged by its own job, and
     re-writing the object would hide which shard stopped the run (two shards failing at the same
     moment may leave either one's record; both halt)."""
@@ -91,8 +92,7 @@ def describe_halt(halt: dict, storage: Storage) -> str:
         f"{storage.join(layout.HALT)} exists (it holds the full message). Do what that message "
         "advises for the cause (with unchanged settings a greedy run regenerates the same text), "
         "regenerate that shard (delete its outputs/generate-NNNNN.parquet, or change the "
-        "generation config), then clear the halt: "
-        + CLEAR_HALT_COMMAND.format(run_url=storage.url)
+        "generation config), then clear the halt: " + CLEAR_HALT_COMMAND.format(run_url=storage.url)
     )
 
 
@@ -156,8 +156,12 @@ class StageTotals:
             if written is not None:
                 return True
             time.sleep(0.05 * (attempt + 1))  # another job wrote in between: read it again
-        log.warning("%s: shard %s not added after %d conflicting writes", self.storage.join(self.key),
-                    layout.shard_name(shard), TOTALS_ATTEMPTS)
+        log.warning(
+            "%s: shard %s not added after %d conflicting writes",
+            self.storage.join(self.key),
+            layout.shard_name(shard),
+            TOTALS_ATTEMPTS,
+        )
         return False
 
     def rebuild(self, shards: list[int]) -> dict[int, dict]:
@@ -189,9 +193,18 @@ class Telemetry:
     steps) done of a total, tokens, rate and ETA; written at most every ``every_s`` seconds while
     running (``update``) and at every state change (``write``). Without storage it only counts."""
 
-    def __init__(self, storage: Storage | None, prefix: str, identity: dict, total: int, *,
-                 resumed: int = 0, unit: str = "samples", token_field: str | None = None,
-                 every_s: float = TELEMETRY_EVERY_S):
+    def __init__(
+        self,
+        storage: Storage | None,
+        prefix: str,
+        identity: dict,
+        total: int,
+        *,
+        resumed: int = 0,
+        unit: str = "samples",
+        token_field: str | None = None,
+        every_s: float = TELEMETRY_EVERY_S,
+    ):
         self.storage, self.prefix, self.identity = storage, prefix, identity
         self.total, self.resumed, self.done = total, resumed, resumed
         self.unit, self.token_field, self.every_s = unit, token_field, every_s
@@ -247,11 +260,7 @@ class ShardProgress:
         self.prefix = layout.progress_prefix(stage, shard)
 
     def part_keys(self) -> list[str]:
-        return [
-            o.key
-            for o in self.run.list(self.prefix + "part-")
-            if o.key.endswith(".parquet")
-        ]
+        return [o.key for o in self.run.list(self.prefix + "part-") if o.key.endswith(".parquet")]
 
     def load_parts(self, schema: pa.Schema) -> pa.Table:
         """Every row saved so far (later parts win for a repeated id)."""

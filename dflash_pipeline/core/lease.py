@@ -117,9 +117,16 @@ def describe_holder(record: dict) -> str:
 class RunLease:
     """This process's claim on one run root."""
 
-    def __init__(self, storage: Storage, ttl_s: float = DEFAULT_TTL_S, *, host: str | None = None,
-                 pid: int | None = None, clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        storage: Storage,
+        ttl_s: float = DEFAULT_TTL_S,
+        *,
+        host: str | None = None,
+        pid: int | None = None,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         if ttl_s <= 0:
             raise ValueError(f"lease ttl_s must be positive, got {ttl_s}")
         self.storage, self.ttl_s, self.clock, self.sleep = storage, float(ttl_s), clock, sleep
@@ -148,8 +155,13 @@ class RunLease:
 
     def _record(self) -> bytes:
         now = self.clock()
-        record = {"owner": self.owner, "heartbeat_at": now, "expires_at": now + self.ttl_s,
-                  "ttl_s": self.ttl_s, "heartbeat_every_s": self.beat_every_s}
+        record = {
+            "owner": self.owner,
+            "heartbeat_at": now,
+            "expires_at": now + self.ttl_s,
+            "ttl_s": self.ttl_s,
+            "heartbeat_every_s": self.beat_every_s,
+        }
         return json.dumps(record, indent=1).encode("utf-8")
 
     def _silent_holder(self, record: dict, tag: str) -> bool:
@@ -291,8 +303,7 @@ def raise_if_driverless(storage: Storage, job: str) -> None:
         return
     problem = driver_problem(storage, token)
     if problem:
-        raise DriverGone(f"{job} stopped: {problem}. What it finished is saved; run the workflow "
-                         "again to resume")
+        raise DriverGone(f"{job} stopped: {problem}. What it finished is saved; run the workflow again to resume")
 
 
 def read_lease(storage: Storage) -> dict | None:
@@ -307,8 +318,9 @@ def read_lease(storage: Storage) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.core.lease",
-                                     description="Show or break a run's lease.")
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_pipeline.core.lease", description="Show or break a run's lease."
+    )
     parser.add_argument("action", choices=["show", "break"])
     parser.add_argument("--run-url", required=True, help="the run root (local folder or s3:// URL)")
     args = parser.parse_args(argv)

@@ -100,9 +100,7 @@ def _new_client(settings: dict, max_attempts: int, timeouts: dict):
 
 def _listed(obj: dict, base: str) -> ObjectInfo:
     """An entry of an S3 listing, its key relative to the storage root ``base``."""
-    return ObjectInfo(
-        obj["Key"][len(base) :], obj["Size"], obj["LastModified"].timestamp(), obj["ETag"].strip('"')
-    )
+    return ObjectInfo(obj["Key"][len(base) :], obj["Size"], obj["LastModified"].timestamp(), obj["ETag"].strip('"'))
 
 
 def _client_error_code(err: BaseException | None) -> str:
@@ -153,9 +151,7 @@ class S3Storage(Storage):
             raise StorageError(f"{what} {self.join(key)} failed: {err}") from err
 
     def read_bytes(self, key: str) -> bytes:
-        resp = self._call(
-            "reading", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key)
-        )
+        resp = self._call("reading", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
         return resp["Body"].read()
 
     def write_bytes(self, key: str, data: bytes) -> None:
@@ -170,9 +166,7 @@ class S3Storage(Storage):
 
     def upload_file(self, key: str, local_path: str | os.PathLike) -> None:
         # Multipart uploads become visible only when completed: still one atomic object.
-        self._call(
-            "uploading", key, self.client.upload_file, str(local_path), self.bucket, self._key(key)
-        )
+        self._call("uploading", key, self.client.upload_file, str(local_path), self.bucket, self._key(key))
 
     def download_file(self, key: str, local_path: str | os.PathLike) -> None:
         self._call(
@@ -232,9 +226,7 @@ class S3Storage(Storage):
         return found
 
     def delete(self, key: str) -> None:
-        self._call(
-            "deleting", key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key)
-        )
+        self._call("deleting", key, self.client.delete_object, Bucket=self.bucket, Key=self._key(key))
 
     # Conditional writes use S3's If-None-Match: * (create only if absent) and If-Match: <ETag>
     # (replace or delete only if unchanged); SeaweedFS 4.x, AWS and MinIO honour both and
@@ -258,9 +250,7 @@ class S3Storage(Storage):
 
     def read_tagged(self, key: str) -> tuple[bytes, str] | None:
         try:
-            resp = self._call(
-                "reading", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key)
-            )
+            resp = self._call("reading", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
         except NotFound:
             return None
         return resp["Body"].read(), resp["ETag"]
@@ -287,8 +277,7 @@ class S3Storage(Storage):
             # bucket, or wrong credentials) is an error, never a reason to create one.
             if _client_error_code(err) not in ("404", "NoSuchBucket", "NotFound"):
                 raise StorageError(
-                    f"s3://{self.bucket}: no access ({_client_error_code(err)}); check the "
-                    f"{S3_ENV_PREFIX}* credentials"
+                    f"s3://{self.bucket}: no access ({_client_error_code(err)}); check the {S3_ENV_PREFIX}* credentials"
                 ) from err
             self._call("creating bucket", "", self.client.create_bucket, Bucket=self.bucket)
         try:
@@ -297,9 +286,7 @@ class S3Storage(Storage):
             self.client.put_object(
                 Bucket=self.bucket,
                 Key=BUCKET_SENTINEL_KEY,
-                Body=(
-                    b"Kept on purpose: the Snakemake S3 plugin deletes a bucket once it is empty.\n"
-                ),
+                Body=(b"Kept on purpose: the Snakemake S3 plugin deletes a bucket once it is empty.\n"),
             )
 
 

@@ -134,7 +134,9 @@ def parse_associations(text: str) -> tuple[set[str], set[str]]:
 
 def _run(args: list[str]) -> str:
     if shutil.which(args[0]) is None:
-        raise SlurmClusterError(f"`{args[0]}` not found: profiles/slurm submits from a machine with Slurm's client commands")
+        raise SlurmClusterError(
+            f"`{args[0]}` not found: profiles/slurm submits from a machine with Slurm's client commands"
+        )
     proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         raise SlurmClusterError(f"`{' '.join(args)}` failed: {(proc.stderr or proc.stdout).strip()}")
@@ -154,7 +156,9 @@ def read_cluster(user: str | None = None, run=_run) -> Cluster:
         user=user,
     )
     if accounting != ACCOUNTING_NONE:
-        assoc = run(["sacctmgr", "--noheader", "--parsable2", "show", "associations", f"user={user}", "format=account,qos"])
+        assoc = run(
+            ["sacctmgr", "--noheader", "--parsable2", "show", "associations", f"user={user}", "format=account,qos"]
+        )
         cluster.accounts, cluster.qos = parse_associations(assoc)
         default = run(["sacctmgr", "--noheader", "--parsable2", "show", "user", user, "format=defaultaccount"])
         cluster.default_account = default.strip().splitlines()[0].strip() if default.strip() else None
@@ -173,7 +177,9 @@ class SlurmPlan:
     problems: list[str]
 
 
-def check_cluster(settings: dict, cluster: Cluster, gpus_per_partition: dict[str, int], status_command: str = "sacct") -> SlurmPlan:
+def check_cluster(
+    settings: dict, cluster: Cluster, gpus_per_partition: dict[str, int], status_command: str = "sacct"
+) -> SlurmPlan:
     """Check the config's ``slurm`` section against the cluster.
 
     ``gpus_per_partition``: the partitions the run's jobs go to, each with the most GPUs one of
@@ -192,7 +198,11 @@ def check_cluster(settings: dict, cluster: Cluster, gpus_per_partition: dict[str
                 f"SLURM: accounting is off on cluster {cluster.name} (AccountingStorageType={cluster.accounting}): "
                 "sacct sees no job, and the driver would wait for ever on jobs that have ended. Turn "
                 "accounting on (slurmdbd), or run with --slurm-status-command squeue"
-                + ("" if (age or 0) >= SQUEUE_MIN_JOB_AGE_S else f" after raising MinJobAge to {SQUEUE_MIN_JOB_AGE_S} s or more (it is {age} s)")
+                + (
+                    ""
+                    if (age or 0) >= SQUEUE_MIN_JOB_AGE_S
+                    else f" after raising MinJobAge to {SQUEUE_MIN_JOB_AGE_S} s or more (it is {age} s)"
+                )
             )
         elif (age or 0) < SQUEUE_MIN_JOB_AGE_S:
             problems.append(
@@ -246,7 +256,11 @@ def check_cluster(settings: dict, cluster: Cluster, gpus_per_partition: dict[str
         memory_caps[name] = partition.memory_mb
         gpu_text = f", {partition.gpus} GPU(s)" if partition.gpus else ""
         described.append(f"{name} ({partition.cpus} CPUs{gpu_text}, {partition.memory_mb} MB a node)")
-    cap_text = f"jobs ask for at most {limit} CPUs (slurm.max_cpus_per_job) and what a node has" if limit else "jobs ask for at most what a node of their partition has"
+    cap_text = (
+        f"jobs ask for at most {limit} CPUs (slurm.max_cpus_per_job) and what a node has"
+        if limit
+        else "jobs ask for at most what a node of their partition has"
+    )
     line = (
         f"SLURM cluster {cluster.name}: {status}; {account_text}; {qos_text}"
         + (f"; constraint {constraint}" if constraint and any(gpus_per_partition.values()) else "")

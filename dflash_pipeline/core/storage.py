@@ -340,7 +340,6 @@ def open_object(url: str | os.PathLike) -> tuple[Storage, str]:
     return LocalStorage(path.parent), path.name
 
 
-
 def sha256_file(path: str | os.PathLike) -> str:
     """Hex sha256 of a local file, read in 16 MiB chunks (checkpoints and hidden shards are GBs)."""
     import hashlib

@@ -32,7 +32,11 @@ class StreamingSafetensors:
         self.sizes = {}
         for name, (dtype, shape) in tensors.items():
             size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPE[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
             self.sizes[name] = size
             offset += size
         raw = json.dumps(header, separators=(",", ":")).encode()

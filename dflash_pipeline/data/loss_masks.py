@@ -31,6 +31,7 @@ import numpy as np
 
 from dflash_pipeline.data.chat import render, render_many
 
+
 class TemplateMismatch(ValueError):
     pass
 
@@ -298,7 +299,9 @@ def _encode_prompt_and_turn(tokenizer, all_pieces: list[Pieces], which: list[int
     if not which:
         return
     backend = plain_backend(tokenizer)
-    wholes = backend.encode_batch_fast([all_pieces[k][0][0] + all_pieces[k][1][0] for k in which], add_special_tokens=False)
+    wholes = backend.encode_batch_fast(
+        [all_pieces[k][0][0] + all_pieces[k][1][0] for k in which], add_special_tokens=False
+    )
     prompts = backend.encode_batch_fast([all_pieces[k][0][0] for k in which], add_special_tokens=False)
     for k, whole, prompt in zip(which, wholes, prompts):
         ids, prompt_ids = whole.ids, prompt.ids

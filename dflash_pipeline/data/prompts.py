@@ -237,9 +237,7 @@ def parse_row(row, file: str, number: int, id_field: str = "id") -> Prompt | Bad
         return bad_row(file, number, "unreadable_row", f"{type(err).__name__}: {err}")
 
 
-def parse_json_line(
-    line: bytes, file: str, number: int, max_row_bytes: int, id_field: str = "id"
-) -> Prompt | BadRow:
+def parse_json_line(line: bytes, file: str, number: int, max_row_bytes: int, id_field: str = "id") -> Prompt | BadRow:
     """Decode and validate one JSONL line (bytes, without its newline); never raises."""
     if len(line) > max_row_bytes:
         return BadRow(file, number, "too_large", f"{len(line)} bytes > {max_row_bytes}")
@@ -268,22 +266,18 @@ def parse_jsonl_lines(
     for number, line in enumerate(lines, start=1):
         line = line.rstrip(b"\r\n")
         if number == 1 and line.startswith(_BOM):
-            line = line[len(_BOM):]
+            line = line[len(_BOM) :]
         if line.strip():
             yield parse_json_line(line, file, number, max_row_bytes, id_field)
 
 
-def read_jsonl(
-    path: Path, file: str, max_row_bytes: int, id_field: str = "id"
-) -> Iterator[Prompt | BadRow]:
+def read_jsonl(path: Path, file: str, max_row_bytes: int, id_field: str = "id") -> Iterator[Prompt | BadRow]:
     """Rows of a JSONL file; blank lines are skipped but still counted in row numbers."""
     with open(path, "rb") as fh:
         yield from parse_jsonl_lines(fh, file, max_row_bytes, id_field)
 
 
-def parse_decoded_row(
-    row, file: str, number: int, max_row_bytes: int, id_field: str = "id"
-) -> Prompt | BadRow:
+def parse_decoded_row(row, file: str, number: int, max_row_bytes: int, id_field: str = "id") -> Prompt | BadRow:
     """Validate one row already decoded by a reader (parquet): its size, then ``parse_row``."""
     try:
         encoded = json.dumps(row, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
@@ -342,9 +336,7 @@ def detect_format(name: str) -> str:
     raise ValueError(f"{name}: unknown dataset format (expected .jsonl or .parquet)")
 
 
-def read_prompt_file(
-    path: Path, file: str, max_row_bytes: int, id_field: str = "id"
-) -> Iterator[Prompt | BadRow]:
+def read_prompt_file(path: Path, file: str, max_row_bytes: int, id_field: str = "id") -> Iterator[Prompt | BadRow]:
     """Rows of one dataset file; ``file`` is the name used in messages (local path or URL)."""
     reader = read_jsonl if detect_format(file) == "jsonl" else read_parquet
     return reader(path, file, max_row_bytes, id_field)

@@ -112,8 +112,15 @@ def generation_sampling(rows: list[dict]) -> dict | None:
     return json.loads(found.pop()) if len(found) == 1 else None
 
 
-def gate_shard(rows: list[dict], checks: dict[str, list[str]], encoded: dict, cfg: dict,
-               shard_name: str, per_turn: bool, sampling: dict | None = None) -> tuple[list, dict]:
+def gate_shard(
+    rows: list[dict],
+    checks: dict[str, list[str]],
+    encoded: dict,
+    cfg: dict,
+    shard_name: str,
+    per_turn: bool,
+    sampling: dict | None = None,
+) -> tuple[list, dict]:
     """Judge a shard: (the kept (row, sequence) pairs, the stats summary), or DegenerateShard.
 
     ``checks`` are each row's ``row_checks``; ``encoded`` maps a row id to its tokenized sequences
@@ -186,9 +193,7 @@ def gate_shard(rows: list[dict], checks: dict[str, list[str]], encoded: dict, cf
         "degenerate_samples": len(degenerate),
         "degenerate_fraction": round(fraction, 6),
         "reasons": dict(reason_counts.most_common()),
-        "examples": {
-            reason: [i for i, rs in reasons_by_id.items() if reason in rs][:5] for reason in reason_counts
-        },
+        "examples": {reason: [i for i, rs in reasons_by_id.items() if reason in rs][:5] for reason in reason_counts},
         "finish_reasons": dict(finish),
         "truncated_sequences": stats["truncated"],
         "round_trip_mismatches": stats["round_trip_mismatches"],
@@ -230,7 +235,13 @@ def gate_shard(rows: list[dict], checks: dict[str, list[str]], encoded: dict, cf
             "%s: %d of %d samples (%.1f%%) are degenerate, above tokenize.max_degenerate_fraction=%s, "
             "but fewer than tokenize.min_degenerate_rows=%d: too few to judge the generation by; the "
             "shard passes without them (reasons: %s)",
-            shard_name, len(degenerate), len(rows), 100 * fraction, limit, min_rows, summary["degenerate_reasons"],
+            shard_name,
+            len(degenerate),
+            len(rows),
+            100 * fraction,
+            limit,
+            min_rows,
+            summary["degenerate_reasons"],
         )
     else:
         summary["gate"]["verdict"] = "passed"
@@ -320,67 +331,99 @@ def failure_advice(summary: dict) -> list[tuple[str, str]]:
         advice.append((weight, cause, text))
 
     if "generation_error" in causes:
-        add(uncut["generation_error"], "engine errors",
+        add(
+            uncut["generation_error"],
+            "engine errors",
             f"The engine gave no response for {counts['generation_error']} samples (generation_error): see the "
             "generate job's log for the errors (timeouts: generation.request_timeout_s), fix the engine and "
-            "regenerate this shard; these rows say nothing about the model.")
+            "regenerate this shard; these rows say nothing about the model.",
+        )
     if "template_mismatch" in causes:
-        add(uncut["template_mismatch"], "a chat template problem",
+        add(
+            uncut["template_mismatch"],
+            "a chat template problem",
             f"A chat template problem ({counts['template_mismatch']} template_mismatch): the template's renderings "
             "of these conversations do not extend each other, so their loss masks cannot be placed, and "
             "regenerating gives the same mismatch. Check the chat template of target.model (and "
             "generation.thinking) on the example ids; if the rows are fine, leave template_mismatch out of "
-            "tokenize.degenerate_reasons.")
+            "tokenize.degenerate_reasons.",
+        )
     if "special_token_in_text" in causes:
-        add(uncut["special_token_in_text"], "special tokens in text",
+        add(
+            uncut["special_token_in_text"],
+            "special tokens in text",
             f"{counts['special_token_in_text']} generated turns hold a special token's literal and the engine "
             "returned no token ids (special_token_in_text): use an engine that returns the ids (sglang, vllm), "
-            "or leave special_token_in_text out of tokenize.degenerate_reasons to train on the text as written.")
+            "or leave special_token_in_text out of tokenize.degenerate_reasons to train on the text as written.",
+        )
     not_closed = uncut.get("think_not_closed", 0) if "think_not_closed" in causes else 0
     if cut >= CAUSE_MIN_SHARE * total or not_closed:
         what = []
         if cut >= CAUSE_MIN_SHARE * total:
             what.append(f"{cut} degenerate samples were cut by the token limit (finish_reason length)")
         if not_closed:
-            what.append(f"{not_closed} ended inside the thinking (think_not_closed: the engine said stop, as some "
-                        "do for a cut at the server's context length)")
-        add(max(cut, not_closed), "a length cut",
+            what.append(
+                f"{not_closed} ended inside the thinking (think_not_closed: the engine said stop, as some "
+                "do for a cut at the server's context length)"
+            )
+        add(
+            max(cut, not_closed),
+            "a length cut",
             f"A length cut: {' and '.join(what)}. Raise generation.max_new_tokens{now}, and the server's "
-            "context length with it, so that the thinking fits, then regenerate this shard.")
+            "context length with it, so that the thinking fits, then regenerate this shard.",
+        )
     if causes & set(SHORT_ANSWER_REASONS):
         n = max(uncut.get(r, 0) for r in SHORT_ANSWER_REASONS if r in causes)
-        add(n, "off-domain prompts",
+        add(
+            n,
+            "off-domain prompts",
             "Many prompts got an empty, a too short or the same answer (empty_response, too_few_supervised, "
             "identical_response): read the prompts of the example ids. Prompts the target has nothing to say "
             "to (no request in them, placeholders, tool output, another domain) get answers like 'OK.': "
             "filter them out of dataset.paths. An empty think block before a short answer can also mean the "
-            "thinking mode is off (generation.thinking).")
+            "thinking mode is off (generation.thinking).",
+        )
     if causes & set(CONTENT_REASONS):
         n = max(uncut.get(r, 0) for r in CONTENT_REASONS if r in causes)
         temperature = sampling.get("temperature")
         if temperature is not None and float(temperature) == 0:
-            add(n, "greedy generation",
+            add(
+                n,
+                "greedy generation",
                 "The generation is greedy (temperature 0): regenerating with the same settings gives the same "
                 "text, so deleting the shard to regenerate it changes nothing. Change the sampling "
                 "(generation.sampling.temperature, top_p: the model card's recommended values for this "
-                "thinking mode) or the prompts, then regenerate.")
+                "thinking mode) or the prompts, then regenerate.",
+            )
         elif temperature is not None:
             seed = sampling.get("seed")
-            seeded = (f" with generation.seed {seed} sent with every request, regenerating repeats much the same "
-                      "samples" if seed is not None else ", regenerating draws new samples from the same distribution")
-            add(n, "the sampling or the prompts",
+            seeded = (
+                f" with generation.seed {seed} sent with every request, regenerating repeats much the same samples"
+                if seed is not None
+                else ", regenerating draws new samples from the same distribution"
+            )
+            add(
+                n,
+                "the sampling or the prompts",
                 f"The generation samples at temperature {temperature}{seeded}: the degenerate share will be about "
                 "the same. Change what produces them (generation.sampling, generation.thinking or the prompts), "
-                "then regenerate.")
+                "then regenerate.",
+            )
         else:
-            add(n, "the generation settings or the prompts",
+            add(
+                n,
+                "the generation settings or the prompts",
                 "Fix what produces these answers (the sampling, the thinking mode, the prompts) before regenerating "
                 "this shard: regenerating with the same settings gives the same kind of output (at temperature 0, "
-                "the same text).")
+                "the same text).",
+            )
     if not advice:
-        add(1, "the generation settings",
+        add(
+            1,
+            "the generation settings",
             "Fix the generation (template, thinking mode, sampling, max tokens) and regenerate this shard before "
-            "spending GPU time on it.")
+            "spending GPU time on it.",
+        )
     advice.sort(key=lambda item: -item[0])
     return [(cause, text) for _, cause, text in advice]
 

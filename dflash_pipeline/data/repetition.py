@@ -74,8 +74,9 @@ def _block_periodicity(x: np.ndarray, floor: np.ndarray, max_period: int, block:
     if len(voters):
         # 32-bit keys where they fit (sorting them is about twice as fast).
         kind = np.int32 if nb * (block + 1) * (max_period + 1) < 2**31 else np.int64
-        keys, counts = np.unique((voters // block).astype(kind) * (max_period + 1) + first[voters].astype(kind),
-                                 return_counts=True)
+        keys, counts = np.unique(
+            (voters // block).astype(kind) * (max_period + 1) + first[voters].astype(kind), return_counts=True
+        )
         blocks, periods = keys // (max_period + 1), keys % (max_period + 1)
         # Per block: most votes first, then the shorter period (one sort of a composite key).
         ranked = np.sort((blocks * (block + 1) + block - counts.astype(kind)) * (max_period + 1) + periods)
@@ -120,8 +121,9 @@ def _extent(hits: np.ndarray, min_match: float) -> int:
     return int(ok[-1]) + 1 if len(ok) else 0
 
 
-def measure_repetitions(spans: list, max_period: int = 1024, min_match: float = 0.75,
-                        min_repeats: int = 4) -> list[dict]:
+def measure_repetitions(
+    spans: list, max_period: int = 1024, min_match: float = 0.75, min_repeats: int = 4
+) -> list[dict]:
     """The loops of each span of ids and the fraction of the span they cover.
 
     A loop is a run of consecutive blocks each with at least ``min_match`` of its tokens repeating
@@ -184,8 +186,11 @@ def _loops(x: np.ndarray, periods: np.ndarray, match: np.ndarray, min_match: flo
         if longest is None or length > longest["loop_tokens"]:
             lengths = np.minimum(LOOP_BLOCK, n - np.arange(b0, b1) * LOOP_BLOCK)
             longest = {
-                "loop_tokens": int(length), "period": period, "repeats": round(float(length / period), 1),
-                "match": round(float((match[b0:b1] * lengths).sum() / lengths.sum()), 3), "start": int(start),
+                "loop_tokens": int(length),
+                "period": period,
+                "repeats": round(float(length / period), 1),
+                "match": round(float((match[b0:b1] * lengths).sum() / lengths.sum()), 3),
+                "start": int(start),
             }
     if longest:
         out.update(longest)
@@ -199,8 +204,9 @@ def measure_repetition(ids, max_period: int = 1024, min_match: float = 0.75, min
     return measure_repetitions([ids], max_period, min_match, min_repeats)[0]
 
 
-def repetition_loop(ids, max_period: int = 1024, min_match: float = 0.75, min_repeats: int = 4,
-                    min_fraction: float = 0.3) -> dict | None:
+def repetition_loop(
+    ids, max_period: int = 1024, min_match: float = 0.75, min_repeats: int = 4, min_fraction: float = 0.3
+) -> dict | None:
     """The span's measurement (``measure_repetition``) if loops cover ``min_fraction`` of it."""
     found = measure_repetition(ids, max_period, min_match, min_repeats)
     return found if found["loop_tokens"] and found["fraction"] >= min_fraction else None
@@ -230,8 +236,9 @@ def response_spans(ids, mask, think_start: int | None, think_end: int | None) ->
     return spans
 
 
-def sequences_repetition(sequences: list[tuple], cfg: dict, think_start: int | None = None,
-                         think_end: int | None = None) -> list[dict | None]:
+def sequences_repetition(
+    sequences: list[tuple], cfg: dict, think_start: int | None = None, think_end: int | None = None
+) -> list[dict | None]:
     """For each (ids, mask) sequence, its looping span that loops over the largest fraction of
     itself (the measurement, ``span`` naming it), or None. All spans measured together."""
     spans, owners = [], []
@@ -242,8 +249,9 @@ def sequences_repetition(sequences: list[tuple], cfg: dict, think_start: int | N
             if len(span) >= MIN_LOOP_TOKENS:
                 spans.append(span)
                 owners.append((k, name))
-    found = measure_repetitions(spans, cfg["repetition_max_period"], cfg["repetition_min_match"],
-                                cfg["repetition_min_repeats"])
+    found = measure_repetitions(
+        spans, cfg["repetition_max_period"], cfg["repetition_min_match"], cfg["repetition_min_repeats"]
+    )
     out: list[dict | None] = [None] * len(sequences)
     for (k, name), m in zip(owners, found):
         if m["loop_tokens"] and m["fraction"] >= cfg["repetition_min_fraction"]:
@@ -252,13 +260,17 @@ def sequences_repetition(sequences: list[tuple], cfg: dict, think_start: int | N
     return out
 
 
-def sequence_repetition(ids, mask, cfg: dict, think_start: int | None = None,
-                        think_end: int | None = None) -> dict | None:
+def sequence_repetition(
+    ids, mask, cfg: dict, think_start: int | None = None, think_end: int | None = None
+) -> dict | None:
     """``sequences_repetition`` of one sequence."""
     return sequences_repetition([(ids, mask)], cfg, think_start, think_end)[0]
 
 
 REPETITION_SETTINGS = (
-    "repetition_max_period", "repetition_min_match", "repetition_min_repeats", "repetition_min_fraction",
+    "repetition_max_period",
+    "repetition_min_match",
+    "repetition_min_repeats",
+    "repetition_min_fraction",
 )
 REPETITION_EXAMPLES = 20  # flagged sequences whose measurements the stats keep

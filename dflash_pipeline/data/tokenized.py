@@ -60,8 +60,12 @@ def _pack(part: list) -> tuple:
         if isinstance(item, str):
             meta.append(item)
             continue
-        meta.append([(s.turn, len(s.input_ids), s.truncated, s.supervised, s.round_trip_ok, s.fell_back, s.repetition)
-                     for s in item])
+        meta.append(
+            [
+                (s.turn, len(s.input_ids), s.truncated, s.supervised, s.round_trip_ok, s.fell_back, s.repetition)
+                for s in item
+            ]
+        )
         ids += [s.input_ids for s in item]
         masks += [s.loss_mask for s in item]
     return meta, np.concatenate(ids or [np.zeros(0, np.int32)]), np.concatenate(masks or [np.zeros(0, np.int8)])
@@ -76,8 +80,18 @@ def _unpack(packed: tuple) -> list:
             continue
         seqs = []
         for turn, n, truncated, supervised, round_trip_ok, fell_back, repetition in item:
-            seqs.append(TokenizedSequence(turn, ids[pos : pos + n], masks[pos : pos + n], truncated, supervised,
-                                   round_trip_ok, fell_back, repetition))
+            seqs.append(
+                TokenizedSequence(
+                    turn,
+                    ids[pos : pos + n],
+                    masks[pos : pos + n],
+                    truncated,
+                    supervised,
+                    round_trip_ok,
+                    fell_back,
+                    repetition,
+                )
+            )
             pos += n
         out.append(seqs)
     return out
@@ -306,7 +320,9 @@ class ShardTokenizer:
             seq.repetition = repetition
         return out
 
-    def _checked(self, turn: int, ids: np.ndarray, mask: np.ndarray, round_trip_ok: bool, fell_back: bool) -> TokenizedSequence:
+    def _checked(
+        self, turn: int, ids: np.ndarray, mask: np.ndarray, round_trip_ok: bool, fell_back: bool
+    ) -> TokenizedSequence:
         cfg = self.cfg
         limit = cfg["max_length"]
         truncated = len(ids) > limit

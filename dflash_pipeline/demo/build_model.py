@@ -370,15 +370,11 @@ def new_model(tokenizer: PreTrainedTokenizerFast) -> Qwen3ForCausalLM:
     config = Qwen3Config(vocab_size=len(tokenizer), **MODEL_SHAPE, **special)
     model = Qwen3ForCausalLM(config)
     # Qwen3's sampling defaults; greedy decoding overrides them with do_sample=False.
-    model.generation_config = GenerationConfig(
-        **special, do_sample=True, temperature=0.6, top_p=0.95, top_k=20
-    )
+    model.generation_config = GenerationConfig(**special, do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
     return model
 
 
-def train(
-    model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, examples: list[Example]
-) -> float:
+def train(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, examples: list[Example]) -> float:
     """Next-token prediction with the loss on the assistant's tokens only; returns the last loss."""
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=SETTINGS.lr, betas=(0.9, 0.95), weight_decay=SETTINGS.weight_decay
@@ -458,9 +454,7 @@ def greedy_responses(
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
         prompts = [
-            tokenizer.apply_chat_template(
-                task.prompt_messages(p), tokenize=False, add_generation_prompt=True
-            )
+            tokenizer.apply_chat_template(task.prompt_messages(p), tokenize=False, add_generation_prompt=True)
             for p in chunk
         ]
         inputs = _left_padded(tokenizer, prompts)
@@ -487,9 +481,7 @@ def _left_padded(tokenizer, prompts: list[str]) -> dict[str, torch.Tensor]:
         tokenizer.padding_side = side
 
 
-def measure_format_rate(
-    model, tokenizer, problems: list[Problem], *, batch_size: int = 60
-) -> float:
+def measure_format_rate(model, tokenizer, problems: list[Problem], *, batch_size: int = 60) -> float:
     """Share of greedy replies that keep the task format and end their turn."""
     replies = greedy_responses(model, tokenizer, problems, batch_size=batch_size)
     good = [task.follows_format(r, require_end_of_turn=True) for r in replies]
@@ -506,9 +498,7 @@ def measure_format_rate(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="directory to write the model to")
-    parser.add_argument(
-        "--cache-dir", type=Path, help="build cache (default: $DFLASH_DEMO_CACHE or ~/.cache/...)"
-    )
+    parser.add_argument("--cache-dir", type=Path, help="build cache (default: $DFLASH_DEMO_CACHE or ~/.cache/...)")
     parser.add_argument("--no-cache", action="store_true", help="train even if a build is cached")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -34,9 +34,7 @@ def _conversation(rng: random.Random) -> list[dict[str, str]]:
 
 
 def _as_sharegpt(messages: list[dict[str, str]]) -> dict:
-    return {
-        "conversations": [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in messages]
-    }
+    return {"conversations": [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in messages]}
 
 
 def demo_rows(n: int = 160, seed: int = 20261202) -> list[str]:

@@ -53,9 +53,7 @@ class ServerSpec:
         return f"http://{self.host}:{self.port}"
 
     @classmethod
-    def from_config(
-        cls, engine: str, model: str, port: int, server: dict, engines: dict | None = None
-    ) -> ServerSpec:
+    def from_config(cls, engine: str, model: str, port: int, server: dict, engines: dict | None = None) -> ServerSpec:
         """From the `generation.server` config section and the `engines` section."""
         keys = ("tp", "dp", "mem_fraction", "reasoning_parser", "speculative", "extra_args")
         return cls(
@@ -262,8 +260,7 @@ class ManagedServer:
 
     def fail(self, what: str) -> EngineError:
         return EngineError(
-            f"{self.spec.engine} server {what}; see its log {self.log_label}. Last lines:\n"
-            f"{self.log_tail()}"
+            f"{self.spec.engine} server {what}; see its log {self.log_label}. Last lines:\n{self.log_tail()}"
         )
 
     def start(self) -> None:

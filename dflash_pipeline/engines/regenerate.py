@@ -35,9 +35,7 @@ from dflash_pipeline.engines.client import Completion, EngineClient, EngineError
 
 log = logging.getLogger(__name__)
 
-MESSAGE = pa.struct(
-    [("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())]
-)
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
 TURN = pa.struct(
     [
         ("message_index", pa.int32()),
@@ -88,10 +86,17 @@ class GenerationSettings:
         return cls(
             thinking=gen["thinking"],
             sampling=sampling_from_config(model_dir, gen["sampling"], gen["max_new_tokens"], gen["seed"]),
-            **{k: gen[k] for k in (
-                "concurrency", "part_every_samples", "part_every_seconds",
-                "telemetry_every_seconds", "max_consecutive_failures", "max_error_fraction",
-            )},
+            **{
+                k: gen[k]
+                for k in (
+                    "concurrency",
+                    "part_every_samples",
+                    "part_every_seconds",
+                    "telemetry_every_seconds",
+                    "max_consecutive_failures",
+                    "max_error_fraction",
+                )
+            },
         )
 
 
@@ -117,7 +122,9 @@ def sampling_from_config(model_dir: str, overrides: dict, max_new_tokens: int, s
     )
 
 
-def fingerprint(model_dir: str, chat_template: str, settings: GenerationSettings, engine: str, engine_version: str) -> str:
+def fingerprint(
+    model_dir: str, chat_template: str, settings: GenerationSettings, engine: str, engine_version: str
+) -> str:
     """Identifies what produced a row: reused rows must match it exactly."""
     config_path = Path(model_dir) / "config.json"
     model_config = config_path.read_bytes() if config_path.is_file() else model_dir.encode()
@@ -219,12 +226,14 @@ class Wanted:
 
     @classmethod
     def of(cls, row: dict) -> Wanted:
-        return cls(row.get("prompt_hash") or messages_prompt_hash(row["messages"]),
-                   tuple(generated_roles(row["messages"])))
+        return cls(
+            row.get("prompt_hash") or messages_prompt_hash(row["messages"]), tuple(generated_roles(row["messages"]))
+        )
 
 
-def reusable_rows(saved: pa.Table, fingerprint_value: str, wanted: dict[str, Wanted],
-                  what: str = "saved") -> dict[str, dict]:
+def reusable_rows(
+    saved: pa.Table, fingerprint_value: str, wanted: dict[str, Wanted], what: str = "saved"
+) -> dict[str, dict]:
     """Rows from earlier attempts that need no new request: a wanted sample id, the same
     fingerprint and prompt hash, no error, and assistant turns where the prompt has them (the
     prompt hash, like the ingest's dedupe, leaves assistant turns out). A row without a prompt hash
@@ -256,8 +265,12 @@ def reusable_rows(saved: pa.Table, fingerprint_value: str, wanted: dict[str, Wan
             found.pop(row["id"], None)  # a later row for another shape of the prompt
             stale += 1
     if stale:
-        log.info("%d %s rows not reused: their prompt changed since (or they predate prompt "
-                 "hashes); those prompts are generated again", stale, what)
+        log.info(
+            "%d %s rows not reused: their prompt changed since (or they predate prompt "
+            "hashes); those prompts are generated again",
+            stale,
+            what,
+        )
     return found
 
 
@@ -277,14 +290,17 @@ async def generate_shard(
         row["prompt_hash"] = wanted[row["id"]].prompt_hash  # computed once, carried by the result
     # Rows of an earlier finished build of this shard (the shard was re-planned, e.g. after data
     # was added or edited), then rows saved in parts by an interrupted attempt.
-    done = reusable_rows(progress.load_reusable(GENERATED_SCHEMA), generator.fingerprint, wanted,
-                         "earlier build's")
-    done.update(reusable_rows(progress.load_parts(GENERATED_SCHEMA), generator.fingerprint, wanted,
-                              "progress part"))
+    done = reusable_rows(progress.load_reusable(GENERATED_SCHEMA), generator.fingerprint, wanted, "earlier build's")
+    done.update(reusable_rows(progress.load_parts(GENERATED_SCHEMA), generator.fingerprint, wanted, "progress part"))
     todo = [r for r in rows if r["id"] not in done]
     telemetry = progress.telemetry(len(rows), resumed=len(rows) - len(todo), token_field="tokens_generated")
-    log.info("shard %05d: %d prompts, %d resumed from earlier work, %d to generate",
-             progress.shard, len(rows), telemetry.resumed, len(todo))
+    log.info(
+        "shard %05d: %d prompts, %d resumed from earlier work, %d to generate",
+        progress.shard,
+        len(rows),
+        telemetry.resumed,
+        len(todo),
+    )
     pending: list[dict] = []
     last_flush = time.monotonic()
     consecutive_failures = 0
@@ -293,9 +309,7 @@ async def generate_shard(
         nonlocal pending, last_flush
         if pending:
             batch, pending = pending, []
-            await asyncio.to_thread(
-                progress.write_part, pa.Table.from_pylist(batch, schema=GENERATED_SCHEMA)
-            )
+            await asyncio.to_thread(progress.write_part, pa.Table.from_pylist(batch, schema=GENERATED_SCHEMA))
             log.info("saved a part of %d samples", len(batch))
         last_flush = time.monotonic()
 
@@ -338,8 +352,7 @@ async def generate_shard(
             pending.append(result)
             if consecutive_failures >= settings.max_consecutive_failures or not health_check():
                 raise EngineError(
-                    f"engine unhealthy: {consecutive_failures} requests in a row failed "
-                    f"(last: {result['error']})"
+                    f"engine unhealthy: {consecutive_failures} requests in a row failed (last: {result['error']})"
                 )
             if (
                 len(pending) >= settings.part_every_samples

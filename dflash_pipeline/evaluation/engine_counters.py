@@ -33,6 +33,7 @@ VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 VLLM_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
+
 class EngineResponseError(ValueError):
     """A reply or metrics page lacks the counters the measurement needs; names the prompt."""
 
@@ -50,9 +51,7 @@ class SpecAcceptance:
     extra: dict = field(default_factory=dict)
 
 
-def acceptance_from_response(
-    data: dict, block_size: int, source: str = "response"
-) -> SpecAcceptance:
+def acceptance_from_response(data: dict, block_size: int, source: str = "response") -> SpecAcceptance:
     """Read one SGLang ``/generate`` reply's speculative counters; errors say what is missing."""
     meta = data.get("meta_info")
     if not isinstance(meta, dict):
@@ -68,14 +67,11 @@ def acceptance_from_response(
     hist = next((meta[k] for k in SGLANG_HISTOGRAM_FIELDS if meta.get(k)), None)
     if hist is not None:
         if not all(isinstance(c, int) and c >= 0 for c in hist) or len(hist) > block_size:
-            raise EngineResponseError(
-                f"{source}: acceptance histogram {hist} is not {block_size} or fewer counts"
-            )
+            raise EngineResponseError(f"{source}: acceptance histogram {hist} is not {block_size} or fewer counts")
         hist = list(hist) + [0] * (block_size - len(hist))
         if sum(hist) != meta["spec_verify_ct"]:
             raise EngineResponseError(
-                f"{source}: acceptance histogram counts {sum(hist)} steps, spec_verify_ct says "
-                f"{meta['spec_verify_ct']}"
+                f"{source}: acceptance histogram counts {sum(hist)} steps, spec_verify_ct says {meta['spec_verify_ct']}"
             )
     return SpecAcceptance(
         committed_tokens=meta["completion_tokens"],
@@ -124,9 +120,7 @@ def parse_vllm_metrics(text: str, source: str = "/metrics") -> VllmCounters:
             f"{source}: no {', '.join(missing)} counters (the server runs without speculative "
             "decoding, or with --disable-log-stats)"
         )
-    return VllmCounters(
-        totals[VLLM_DRAFTS], totals[VLLM_DRAFT_TOKENS], totals[VLLM_ACCEPTED], per_pos
-    )
+    return VllmCounters(totals[VLLM_DRAFTS], totals[VLLM_DRAFT_TOKENS], totals[VLLM_ACCEPTED], per_pos)
 
 
 def _count(value: float, what: str, source: str) -> int:
@@ -147,8 +141,7 @@ def acceptance_histogram_from_counters(
     positions = sorted(set(before.accepted_per_pos) | set(after.accepted_per_pos))
     if positions != list(range(len(positions))) or len(positions) > block_size - 1:
         raise EngineResponseError(
-            f"{source}: per-position counters cover positions {positions}, expected at most "
-            f"0..{block_size - 2}"
+            f"{source}: per-position counters cover positions {positions}, expected at most 0..{block_size - 2}"
         )
     at_least = [steps] + [
         _count(
@@ -177,9 +170,7 @@ def acceptance_from_counters(
 ) -> SpecAcceptance:
     """One vLLM ``/v1/completions`` reply with the counter readings around it."""
     choice = vllm_choice(data, source)
-    steps, accepted, draft_tokens, hist = acceptance_histogram_from_counters(
-        before, after, block_size, source
-    )
+    steps, accepted, draft_tokens, hist = acceptance_histogram_from_counters(before, after, block_size, source)
     return SpecAcceptance(
         committed_tokens=accepted + steps,
         verify_steps=steps,
@@ -195,7 +186,6 @@ def vllm_choice(data: dict, source: str) -> dict:
     choices = data.get("choices")
     if not choices or not isinstance(choices[0].get("token_ids"), list):
         raise EngineResponseError(
-            f"{source}: vLLM reply has no choices[0].token_ids (the request must set "
-            "return_token_ids)"
+            f"{source}: vLLM reply has no choices[0].token_ids (the request must set return_token_ids)"
         )
     return choices[0]

@@ -217,9 +217,7 @@ def request_acceptance(
     for (pid, pset, ids), reply in zip(prompts, replies):
         source = f"prompt {pid}"
         if engine == "vllm":
-            acceptance = acceptance_from_counters(
-                reply.data, reply.before, reply.after, block_size, source
-            )
+            acceptance = acceptance_from_counters(reply.data, reply.before, reply.after, block_size, source)
         else:
             acceptance = acceptance_from_response(reply.data, block_size, source)
         result = prompt_result(pid, pset, len(ids), acceptance, block_size)

@@ -38,9 +38,7 @@ class Proposer(Protocol):
 
     def reset(self) -> None: ...
 
-    def propose(
-        self, new_context: torch.Tensor, anchor_token: int, anchor_position: int
-    ) -> list[int]:
+    def propose(self, new_context: torch.Tensor, anchor_token: int, anchor_position: int) -> list[int]:
         """Draft tokens for positions anchor_position+1 .. anchor_position+B-1.
 
         ``new_context`` holds the taps [n, K*H] of positions anchor_position-n .. anchor_position-1,
@@ -177,8 +175,7 @@ def speculative_decode(
             drafts = list(proposer.propose(context, anchor, anchor_position))
         if len(drafts) != block_size - 1:
             raise ProposerError(
-                f"the proposer returned {len(drafts)} drafts for block size {block_size} "
-                f"(expected {block_size - 1})"
+                f"the proposer returned {len(drafts)} drafts for block size {block_size} (expected {block_size - 1})"
             )
         proposals.append(drafts)
         block = [anchor, *drafts]
@@ -205,9 +202,7 @@ def speculative_decode(
 
 
 @torch.no_grad()
-def plain_decode(
-    target: TargetRunner, prompt_ids: list[int], settings: DecodeSettings
-) -> PlainTrace:
+def plain_decode(target: TargetRunner, prompt_ids: list[int], settings: DecodeSettings) -> PlainTrace:
     """The target alone, one token per forward: the reference for losslessness and speed."""
     pick = TokenPicker(settings, target.device)
     _synchronize(target.device)

@@ -49,9 +49,7 @@ def relative_gap(reference: float, measured: float, tolerance: float, what: str)
     return gap, abs(gap) <= tolerance + _GAP_EPSILON
 
 
-def parity_report(
-    simulated_tau: float, loop_tau: float, tolerance: float = DEFAULT_TOLERANCE
-) -> dict:
+def parity_report(simulated_tau: float, loop_tau: float, tolerance: float = DEFAULT_TOLERANCE) -> dict:
     """Both numbers side by side; ``gap`` is (loop - simulated) / simulated."""
     gap, passed = relative_gap(simulated_tau, loop_tau, tolerance, "simulated tau")
     return {
@@ -63,9 +61,7 @@ def parity_report(
     }
 
 
-def check_parity(
-    simulated_tau: float, loop_tau: float, tolerance: float = DEFAULT_TOLERANCE
-) -> dict:
+def check_parity(simulated_tau: float, loop_tau: float, tolerance: float = DEFAULT_TOLERANCE) -> dict:
     """The report, or ParityError naming the gap and where to look."""
     report = parity_report(simulated_tau, loop_tau, tolerance)
     if report["passed"]:
@@ -90,14 +86,12 @@ CAUSES_ENGINE_BELOW = (
     "aux-hidden-state hook, which captures hidden_states[i] (fixed later by vLLM PR #40727)",
     "sliding-window fields not read: the engine runs sliding_attention drafter layers as full "
     "attention (layer_types / sliding_window / dflash_config.use_swa, swa_window_size, causal)",
-    "mask token id: dflash_config.mask_token_id missing, different from training, or outside "
-    "the target vocab",
+    "mask token id: dflash_config.mask_token_id missing, different from training, or outside the target vocab",
     "RoPE: the engine builds the drafter's rotary embedding from rope_theta / rope_parameters "
     "(vLLM defaults theta to 1e6 when absent), not what training used",
     "dtype or target: the engine runs another dtype (bf16 vs the loop's fp32), a quantized or "
     "different target checkpoint",
-    "block size: num_speculative_tokens (vLLM) / --speculative-num-draft-tokens (SGLang) differ "
-    "from the loop's B",
+    "block size: num_speculative_tokens (vLLM) / --speculative-num-draft-tokens (SGLang) differ from the loop's B",
 )
 CAUSES_ENGINE_ABOVE = (
     "the loop is wrong where the engine is right (loop verify, cache rollback, tap extraction)",
@@ -106,9 +100,7 @@ CAUSES_ENGINE_ABOVE = (
 )
 
 
-def known_engine_limitations(
-    engine: str, version: str | None, fields: dict, build: str = "gpu"
-) -> list[str]:
+def known_engine_limitations(engine: str, version: str | None, fields: dict, build: str = "gpu") -> list[str]:
     """What this engine version does not serve of the drafter whose config fields are given,
     from the engine-limits table (``engines.limits``), plus its behaviours there; [] when none
     is known (or the version is unknown)."""
@@ -156,9 +148,7 @@ def check_engine_parity(report: dict) -> dict:
         return report
     below = report["gap"] < 0
     causes = CAUSES_ENGINE_BELOW if below else CAUSES_ENGINE_ABOVE
-    fields = "\n".join(
-        f"    {key}: {json.dumps(value)}" for key, value in report["drafter_fields"].items()
-    )
+    fields = "\n".join(f"    {key}: {json.dumps(value)}" for key, value in report["drafter_fields"].items())
     version = report["engine_version"] or "(version unknown)"
     known = "".join(
         f"  Known limitation of this engine version (the likely cause):\n  - {limitation}\n"

@@ -64,9 +64,7 @@ def _prompt_set(row: dict, path: Path, number: int) -> str:
     return prompt_set
 
 
-def read_eval_prompts(
-    path: str | Path, limit: int | None = None, split: str | None = None
-) -> list[EvalPrompt]:
+def read_eval_prompts(path: str | Path, limit: int | None = None, split: str | None = None) -> list[EvalPrompt]:
     """The prompts of ``path`` (.jsonl or .parquet); with ``split``, only rows whose ``split``
     field equals it (the prepare stage marks held-out prompts ``heldout``)."""
     path = Path(path)
@@ -78,9 +76,7 @@ def read_eval_prompts(
     for number, row in rows:
         if split is not None and isinstance(row, dict):
             if "split" not in row:
-                raise PromptFileError(
-                    f"{path} row {number}: no `split` field to select split {split!r} by"
-                )
+                raise PromptFileError(f"{path} row {number}: no `split` field to select split {split!r} by")
             if row["split"] != split:
                 continue
         parsed = parse_row(row, str(path), number)
@@ -92,8 +88,7 @@ def read_eval_prompts(
         prompt_id = parsed.source_id or prompt_hash(parsed.prompt_turns)
         if prompt_id in seen:
             raise PromptFileError(
-                f"{path} row {number}: id {prompt_id!r} repeats row {seen[prompt_id]}; "
-                "evaluation ids must be unique"
+                f"{path} row {number}: id {prompt_id!r} repeats row {seen[prompt_id]}; evaluation ids must be unique"
             )
         seen[prompt_id] = number
         prompts.append(EvalPrompt(prompt_id, _prompt_set(row, path, number), messages))

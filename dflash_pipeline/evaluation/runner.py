@@ -43,9 +43,7 @@ class LinearStateSnapshot:
 
 
 def _is_linear(layer) -> bool:
-    return bool(LinearAttentionCacheLayerMixin) and isinstance(
-        layer, LinearAttentionCacheLayerMixin
-    )
+    return bool(LinearAttentionCacheLayerMixin) and isinstance(layer, LinearAttentionCacheLayerMixin)
 
 
 def _is_attention(layer) -> bool:
@@ -77,11 +75,7 @@ def _crop_attention(layer, tokens_to_remove: int) -> None:
     sliding-window layer back to its window)."""
     if _is_linear(layer):
         # A layer holding both kinds: crop its key/value part only; the linear part was restored.
-        base = (
-            DynamicSlidingWindowLayer
-            if isinstance(layer, DynamicSlidingWindowLayer)
-            else DynamicLayer
-        )
+        base = DynamicSlidingWindowLayer if isinstance(layer, DynamicSlidingWindowLayer) else DynamicLayer
         base.crop(layer, -tokens_to_remove)
     else:
         layer.crop(-tokens_to_remove)

@@ -62,6 +62,7 @@ TOP_LEVEL_FIELDS = (
     "head_dim",
 )
 
+
 def serving_server_spec(
     engine: str,
     target: str | Path,
@@ -157,9 +158,7 @@ def drafter_fields(drafter_dir: str | Path) -> dict:
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{path}: no config.json (not an exported drafter folder)"
-        ) from None
+        raise FileNotFoundError(f"{path}: no config.json (not an exported drafter folder)") from None
     dflash = config.get("dflash_config") or {}
     fields = {f"dflash_config.{key}": dflash.get(key) for key in DFLASH_CONFIG_FIELDS}
     fields.update({key: config.get(key) for key in TOP_LEVEL_FIELDS})
@@ -171,9 +170,7 @@ def drafter_block_size(drafter_dir: str | Path) -> int:
     fields = drafter_fields(drafter_dir)
     block_size = fields["dflash_config.block_size"] or fields["block_size"]
     if not block_size:
-        raise ValueError(
-            f"{drafter_dir}/config.json has no block_size (top level or dflash_config)"
-        )
+        raise ValueError(f"{drafter_dir}/config.json has no block_size (top level or dflash_config)")
     return block_size
 
 
@@ -208,9 +205,7 @@ def reference_server_model(url: str) -> str:
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as err:
-        raise EngineResponseError(
-            f"reference server {url}: no model list at /v1/models ({err})"
-        ) from None
+        raise EngineResponseError(f"reference server {url}: no model list at /v1/models ({err})") from None
 
 
 # --- lossless ------------------------------------------------------------------------------------
@@ -221,9 +216,7 @@ ENGINE_LOSSLESS_METHOD = (
 )
 
 
-def engine_lossless(
-    outputs: dict[str, list[int]], plain_outputs: dict[str, list[int]]
-) -> tuple[dict, dict]:
+def engine_lossless(outputs: dict[str, list[int]], plain_outputs: dict[str, list[int]]) -> tuple[dict, dict]:
     """(lossless section in lossless.py's shape, verdict dict per prompt id). Engines give no
     logit margins, so a near tie cannot be told from a bug: every difference is a failure, with
     its first differing position."""
@@ -287,9 +280,7 @@ def measure_in_engine(
     fields = drafter_fields(drafter)
     configured = fields["dflash_config.block_size"] or fields["block_size"]
     if configured and configured != block_size:
-        log.warning(
-            "measuring with block size %d; the drafter was exported with %d", block_size, configured
-        )
+        log.warning("measuring with block size %d; the drafter was exported with %d", block_size, configured)
     log_dir = Path(log_dir)
     build = install.build if install else "gpu"
 
@@ -333,12 +324,18 @@ def measure_in_engine(
     if temperature > 0:
         lossless = {
             "checked": False,
-            "reason": "sampled (temperature > 0): outputs match the target in distribution, not "
-            "token for token",
+            "reason": "sampled (temperature > 0): outputs match the target in distribution, not token for token",
         }
     else:
         plain_outputs, plain_seconds = _plain_reference(
-            engine, spec(False), prompts, target, max_new_tokens, seed, log_dir, startup_timeout,
+            engine,
+            spec(False),
+            prompts,
+            target,
+            max_new_tokens,
+            seed,
+            log_dir,
+            startup_timeout,
             reference_url,
         )
         lossless, verdicts = engine_lossless(outputs, plain_outputs)
@@ -352,7 +349,14 @@ def measure_in_engine(
 
 
 def _plain_reference(
-    engine, plain: ServerSpec, prompts, target, max_new_tokens, seed, log_dir, startup_timeout,
+    engine,
+    plain: ServerSpec,
+    prompts,
+    target,
+    max_new_tokens,
+    seed,
+    log_dir,
+    startup_timeout,
     reference_url,
 ) -> tuple[dict[str, list[int]], dict[str, float]]:
     """Greedy outputs of the target without the drafter: from the running server at
@@ -364,13 +368,20 @@ def _plain_reference(
                 f"reference server {reference_url} serves {served!r}, not the target {str(target)!r}"
             )
         return request_plain(
-            engine, reference_url.rstrip("/"), prompts, model=str(target),
-            max_new_tokens=max_new_tokens, seed=seed,
+            engine,
+            reference_url.rstrip("/"),
+            prompts,
+            model=str(target),
+            max_new_tokens=max_new_tokens,
+            seed=seed,
         )
-    with ManagedServer(
-        plain, log_dir / f"{engine}-plain.log", log_dir, startup_timeout=startup_timeout
-    ) as server:
+    with ManagedServer(plain, log_dir / f"{engine}-plain.log", log_dir, startup_timeout=startup_timeout) as server:
         return request_plain(
-            engine, plain.url, prompts, model=str(target), max_new_tokens=max_new_tokens,
-            seed=seed, alive=server.alive,
+            engine,
+            plain.url,
+            prompts,
+            model=str(target),
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            alive=server.alive,
         )

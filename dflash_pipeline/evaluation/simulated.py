@@ -107,5 +107,11 @@ def simulated_tau(
     if not blocks_total:
         raise ValueError(f"no {split} rows with a supervised block in {tokenized_paths}")
     tau = sum(t * n for t, n in runs) / blocks_total
-    return {"tau": round(tau, 4), "blocks": blocks_total, "rows": rows_used, "split": split, "row_ids": used,
-            "algorithm": config.algorithm}
+    return {
+        "tau": round(tau, 4),
+        "blocks": blocks_total,
+        "rows": rows_used,
+        "split": split,
+        "row_ids": used,
+        "algorithm": config.algorithm,
+    }

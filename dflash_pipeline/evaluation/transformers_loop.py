@@ -59,9 +59,7 @@ def resolve_device_dtype(options: EvalOptions):
         torch_dtype = getattr(torch, dtype)
         assert isinstance(torch_dtype, torch.dtype)
     except (AttributeError, AssertionError):
-        raise ValueError(
-            f"--dtype {dtype!r} is not a torch dtype (float32, bfloat16, float16)"
-        ) from None
+        raise ValueError(f"--dtype {dtype!r} is not a torch dtype (float32, bfloat16, float16)") from None
     return torch.device(device), torch_dtype
 
 
@@ -153,9 +151,7 @@ def run_transformers_loop(target, drafter, prompts, options: EvalOptions, load_p
         "dtype": str(dtype).removeprefix("torch."),
         "block_size": proposer.block_size,
         "target_layer_ids": list(proposer.target_layer_ids),
-        "target_rollback": (
-            "snapshot+rerun (hybrid linear-attention target)" if runner.is_hybrid else "crop"
-        ),
+        "target_rollback": ("snapshot+rerun (hybrid linear-attention target)" if runner.is_hybrid else "crop"),
         "stop_token_ids": sorted(stop),
     }
     return results, {"lossless": lossless}, resolved

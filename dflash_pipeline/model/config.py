@@ -116,9 +116,7 @@ class DrafterConfig:
     def validate(self) -> None:
         problems = []
         if len(self.layer_types) != self.num_hidden_layers:
-            problems.append(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
-            )
+            problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if any(t not in (FULL, SLIDING) for t in self.layer_types):
             problems.append(f"layer_types must be {FULL!r} or {SLIDING!r}: {self.layer_types}")
         if SLIDING in self.layer_types and not self.sliding_window:
@@ -126,9 +124,7 @@ class DrafterConfig:
         if self.block_size < 2:
             problems.append(f"block_size must be at least 2, got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            problems.append(
-                f"mask_token_id {self.mask_token_id} must lie inside the target vocab ({self.vocab_size})"
-            )
+            problems.append(f"mask_token_id {self.mask_token_id} must lie inside the target vocab ({self.vocab_size})")
         bad_ids = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if not self.target_layer_ids or bad_ids:
             problems.append(
@@ -156,19 +152,13 @@ class DrafterConfig:
         # The constraints of the authors' modules (dflash2-spec.md §2.1).
         problems = []
         if not 1 <= self.conv_kernel_size <= self.block_size:
-            problems.append(
-                f"conv_kernel_size {self.conv_kernel_size} must lie in 1..block_size ({self.block_size})"
-            )
+            problems.append(f"conv_kernel_size {self.conv_kernel_size} must lie in 1..block_size ({self.block_size})")
         if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
-            problems.append(
-                f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}"
-            )
+            problems.append(f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}")
         if self.selector_rank < 1:
             problems.append(f"selector_rank must be at least 1, got {self.selector_rank}")
         if not 1 <= self.selector_top_k <= self.vocab_size:
-            problems.append(
-                f"selector_top_k {self.selector_top_k} must lie in 1..vocab_size ({self.vocab_size})"
-            )
+            problems.append(f"selector_top_k {self.selector_top_k} must lie in 1..vocab_size ({self.vocab_size})")
         return problems
 
     @property
@@ -249,15 +239,9 @@ class DrafterConfig:
             )
         algorithm = by_architecture[architectures[0]]
         # As the authors' loader: dflash_config first, then the top level.
-        dflash2 = (
-            {key: dflash.get(key, data.get(key)) for key in DFLASH2_KEYS}
-            if algorithm == DFLASH2
-            else {}
-        )
+        dflash2 = {key: dflash.get(key, data.get(key)) for key in DFLASH2_KEYS} if algorithm == DFLASH2 else {}
         rope = data.get("rope_parameters") or {}
-        scaling = data.get("rope_scaling") or (
-            rope if rope.get("rope_type", "default") != "default" else None
-        )
+        scaling = data.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling:
             raise DrafterConfigError(f"{source}: rope scaling {scaling} is not implemented")
         try:
@@ -267,8 +251,7 @@ class DrafterConfig:
                 num_hidden_layers=data["num_hidden_layers"],
                 num_attention_heads=data["num_attention_heads"],
                 num_key_value_heads=data["num_key_value_heads"],
-                head_dim=data.get("head_dim")
-                or data["hidden_size"] // data["num_attention_heads"],
+                head_dim=data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"],
                 vocab_size=data["vocab_size"],
                 block_size=dflash.get("block_size", data.get("block_size", 16)),
                 mask_token_id=dflash["mask_token_id"],

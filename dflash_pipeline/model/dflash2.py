@@ -100,9 +100,7 @@ class CandidateSelector(nn.Module):
         nn.init.normal_(self.hidden_projection.weight, std=std)
         self.successor_codebook.zero_()
 
-    def edge_scores(
-        self, hidden: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor
-    ) -> torch.Tensor:
+    def edge_scores(self, hidden: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """Edge scores [..., K] of the ``candidates`` [..., K] after ``predecessors`` [...],
         for draft hidden states ``hidden`` [..., H]."""
         gate = self.hidden_projection(hidden) * self.predecessor_codebook[predecessors].to(hidden.dtype)

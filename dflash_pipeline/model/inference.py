@@ -83,9 +83,7 @@ class DFlashProposer:
         if SLIDING in masks:
             anchor = torch.tensor([[anchor_position]], device=param.device)
             keep = torch.ones_like(anchor, dtype=torch.bool)
-            masks[SLIDING] = block_visibility(
-                anchor, keep, self.context_len, B, self.config.sliding_window
-            )
+            masks[SLIDING] = block_visibility(anchor, keep, self.context_len, B, self.config.sliding_window)
         embeds = F.embedding(tokens, self.embed_weight).to(param.dtype)
         return self.drafter(embeds, positions, context_kv, masks, "sdpa")[0, 1:]
 
@@ -116,9 +114,7 @@ class DFlashProposer:
         distribution q [B-1, K] its draft was drawn from."""
         self.extend_context(new_context)
         hidden = self.block_hidden(anchor_token, anchor_position)
-        return self.drafter.candidate_selector.walk(
-            hidden, self.logits(hidden), anchor_token, temperature, generator
-        )
+        return self.drafter.candidate_selector.walk(hidden, self.logits(hidden), anchor_token, temperature, generator)
 
 
 def load_drafter(drafter_dir: str | Path, device=None, dtype=None) -> DFlashDrafter:
@@ -131,9 +127,7 @@ def load_drafter(drafter_dir: str | Path, device=None, dtype=None) -> DFlashDraf
     state = load_file(drafter_dir / "model.safetensors")
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(
-            f"{drafter_dir / 'model.safetensors'}: missing tensors {missing}, unexpected {unexpected}"
-        )
+        raise ValueError(f"{drafter_dir / 'model.safetensors'}: missing tensors {missing}, unexpected {unexpected}")
     return drafter.to(device=device, dtype=dtype or torch.float32)
 
 
@@ -142,7 +136,6 @@ def load_proposer(drafter_dir: str | Path, target) -> DFlashProposer:
     drafter = load_drafter(drafter_dir, device=embed.device, dtype=embed.dtype)
     if drafter.config.vocab_size != embed.shape[0]:
         raise ValueError(
-            f"{drafter_dir}: drafter vocab_size {drafter.config.vocab_size} != target's "
-            f"embedding rows {embed.shape[0]}"
+            f"{drafter_dir}: drafter vocab_size {drafter.config.vocab_size} != target's embedding rows {embed.shape[0]}"
         )
     return DFlashProposer(drafter, embed, head)

@@ -64,8 +64,7 @@ LM_HEAD = "lm_head.weight"
 VERIFIER_TENSORS = (EMBED, LM_HEAD)
 # z-lab config keys that describe the DFlash wrapper, not the draft's Qwen3 layers: they become
 # the speculators config's own fields (block_size, aux_hidden_state_layer_ids, mask_token_id).
-WRAPPER_KEYS = ("architectures", "block_size", "dflash_config", "num_target_layers",
-                "eagle_aux_hidden_state_layer_ids")
+WRAPPER_KEYS = ("architectures", "block_size", "dflash_config", "num_target_layers", "eagle_aux_hidden_state_layer_ids")
 
 
 def refusal(layer_types: list[str] | None) -> str | None:
@@ -179,9 +178,7 @@ def verifier_tensors(target: str | Path, config: DrafterConfig) -> dict[str, tor
     return {EMBED: embed.contiguous(), LM_HEAD: head.contiguous()}
 
 
-def speculators_tensors(
-    body: dict[str, torch.Tensor], verifier: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
+def speculators_tensors(body: dict[str, torch.Tensor], verifier: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The file's tensors: the drafter's, under their z-lab names (speculators' DFlash model
     names them the same), and the verifier's embedding and LM head."""
     clash = sorted(set(body) & set(verifier))

@@ -37,6 +37,7 @@ def load_target_embeddings(target_dir: str, device, dtype) -> tuple[torch.Tensor
     else:
         with safe_open(str(target_dir / "model.safetensors"), framework="pt") as fh:
             weight_map = {k: "model.safetensors" for k in fh.keys()}
+
     def find(suffix):
         names = sorted((k for k in weight_map if k.endswith(suffix)), key=len)
         return names[0] if names else None
@@ -44,6 +45,7 @@ def load_target_embeddings(target_dir: str, device, dtype) -> tuple[torch.Tensor
     embed_name, head_name = find("embed_tokens.weight"), find("lm_head.weight")
     if embed_name is None:
         raise ValueError(f"{target_dir}: no embed_tokens weight in the checkpoint")
+
     def load(name):
         with safe_open(str(target_dir / weight_map[name]), framework="pt") as fh:
             return fh.get_tensor(name).to(device=device, dtype=dtype)

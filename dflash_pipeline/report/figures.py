@@ -124,8 +124,9 @@ def summarize_generated(path: str | Path) -> dict:
     }
 
 
-def generation_throughput(summaries: list[dict], benchmark_seconds: dict[str, float],
-                          telemetry: dict[str, dict] | None = None) -> list[dict]:
+def generation_throughput(
+    summaries: list[dict], benchmark_seconds: dict[str, float], telemetry: dict[str, dict] | None = None
+) -> list[dict]:
     """Tokens per second per shard: over the whole job (engine start included, from the
     benchmark) and over the generation phase alone (the job's own telemetry, where kept)."""
     telemetry = telemetry or {}
@@ -250,14 +251,21 @@ def write_quarantine_table(summary: dict, quarantine: list[dict], out: str | Pat
         f"<td>{html.escape(str(r.get('reason', '')))}</td><td>{html.escape(str(r.get('detail', '')))}</td></tr>"
         for r in quarantine[:limit]
     )
-    more = f"<p>… and {len(quarantine) - limit} more rows (see ingest-quarantine.jsonl).</p>" if len(quarantine) > limit else ""
+    more = (
+        f"<p>… and {len(quarantine) - limit} more rows (see ingest-quarantine.jsonl).</p>"
+        if len(quarantine) > limit
+        else ""
+    )
     _write_html(
         out,
         "Prompt set",
         _facts_table(facts)
         + "<h2>Quarantined rows</h2>"
-        + (f"<table><tr><th>file</th><th>row</th><th>reason</th><th>detail</th></tr>{rows}</table>{more}"
-           if quarantine else "<p>No row was quarantined.</p>"),
+        + (
+            f"<table><tr><th>file</th><th>row</th><th>reason</th><th>detail</th></tr>{rows}</table>{more}"
+            if quarantine
+            else "<p>No row was quarantined.</p>"
+        ),
     )
 
 
@@ -269,10 +277,20 @@ def plot_generation_throughput(rows: list[dict], out: str | Path) -> None:
     else:
         xs = list(range(len(rows)))
         width = 0.4
-        ax.bar([x - width / 2 for x in xs], [r["job_tokens_per_s"] or 0 for r in rows], width,
-               label="whole job (engine start included)", color="#8fb3e8")
-        ax.bar([x + width / 2 for x in xs], [r["generation_tokens_per_s"] or 0 for r in rows], width,
-               label="generation phase", color="#3b7dd8")
+        ax.bar(
+            [x - width / 2 for x in xs],
+            [r["job_tokens_per_s"] or 0 for r in rows],
+            width,
+            label="whole job (engine start included)",
+            color="#8fb3e8",
+        )
+        ax.bar(
+            [x + width / 2 for x in xs],
+            [r["generation_tokens_per_s"] or 0 for r in rows],
+            width,
+            label="generation phase",
+            color="#3b7dd8",
+        )
         ax.set_xticks(xs, [r["shard"] for r in rows], rotation=45 if len(rows) > 8 else 0)
         ax.set_xlabel("shard")
         ax.set_ylabel("completion tokens / s")
@@ -326,8 +344,14 @@ def plot_supervised_histogram(stats: list[dict], out: str | Path) -> None:
         counts = _sum_lists(s["supervised_histogram"]["counts"] for s in stats)
         last = max((i for i, c in enumerate(counts) if c), default=0) + 1
         total = sum(s.get("supervised_tokens_total", 0) for s in stats)
-        _bars(ax, bin_labels(edges)[:last], counts[:last],
-              f"Supervised tokens per sequence ({total:,} in all)", "sequences", rotate=True)
+        _bars(
+            ax,
+            bin_labels(edges)[:last],
+            counts[:last],
+            f"Supervised tokens per sequence ({total:,} in all)",
+            "sequences",
+            rotate=True,
+        )
     _save(fig, out)
 
 
@@ -346,15 +370,34 @@ def plot_degenerate_reasons(stats: list[dict], out: str | Path) -> None:
 
 
 def write_tokenization_table(stats: list[dict], out: str | Path) -> None:
-    head = ("shard", "samples", "sequences", "degenerate", "fraction", "truncated", "supervised tokens",
-            "tokens", "reasons")
+    head = (
+        "shard",
+        "samples",
+        "sequences",
+        "degenerate",
+        "fraction",
+        "truncated",
+        "supervised tokens",
+        "tokens",
+        "reasons",
+    )
     rows = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
-            shard_label(s.get("shard", "")), s.get("samples"), s.get("sequences_out"), s.get("degenerate_samples"),
-            f"{s.get('degenerate_fraction', 0):.2%}", s.get("truncated_sequences"),
-            s.get("supervised_tokens_total"), s.get("tokens_total"),
-            ", ".join(f"{k} {v}" for k, v in s.get("reasons", {}).items()) or "–",
-        )) + "</tr>"
+        "<tr>"
+        + "".join(
+            f"<td>{html.escape(str(v))}</td>"
+            for v in (
+                shard_label(s.get("shard", "")),
+                s.get("samples"),
+                s.get("sequences_out"),
+                s.get("degenerate_samples"),
+                f"{s.get('degenerate_fraction', 0):.2%}",
+                s.get("truncated_sequences"),
+                s.get("supervised_tokens_total"),
+                s.get("tokens_total"),
+                ", ".join(f"{k} {v}" for k, v in s.get("reasons", {}).items()) or "–",
+            )
+        )
+        + "</tr>"
         for s in stats
     )
     header = "".join(f"<th>{h}</th>" for h in head)
@@ -384,8 +427,13 @@ def plot_training_curves(points: list[dict], out: str | Path) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.4))
     algorithm = next((p["algorithm"] for p in reversed(points) if p.get("algorithm")), "dflash")
     fig.suptitle(f"drafter: {ALGORITHM_NAMES.get(algorithm, algorithm)}")
-    panels = [("loss", "loss"), ("accuracy", "accuracy"), ("accept_len", "simulated acceptance length"),
-              ("lr", "learning rate"), ("tokens_per_s", "tokens / s")]
+    panels = [
+        ("loss", "loss"),
+        ("accuracy", "accuracy"),
+        ("accept_len", "simulated acceptance length"),
+        ("lr", "learning rate"),
+        ("tokens_per_s", "tokens / s"),
+    ]
     # DFlash2: beside the logits' argmax, the selector's teacher-forced walk (what it proposes).
     extra = {"accuracy": "selector_accuracy", "accept_len": "selector_accept_len"}
     for ax, (key, title) in zip(axes.flat, panels):
@@ -442,26 +490,37 @@ def plot_acceptance(metrics: dict, out: str | Path) -> None:
         served = [engine["overall"].get("tau") or 0] + [(engine_sets.get(k) or {}).get("tau") or 0 for k in sets]
         xs = list(range(len(names)))
         right.bar([x - 0.2 for x in xs], taus, 0.4, label="loop", color="#2e9d5b")
-        right.bar([x + 0.2 for x in xs], served, 0.4, label=f"{engine.get('name')} {engine.get('version') or ''}",
-                  color="#3b7dd8")
+        right.bar(
+            [x + 0.2 for x in xs],
+            served,
+            0.4,
+            label=f"{engine.get('name')} {engine.get('version') or ''}",
+            color="#3b7dd8",
+        )
         right.set_xticks(xs, names, rotation=45)
         right.set_ylabel("τ")
         right.legend(fontsize=7)
-        right.set_title(f"acceptance length τ: loop {overall.get('tau') or 0:.2f}, "
-                        f"{engine.get('name')} {engine['overall'].get('tau') or 0:.2f}")
+        right.set_title(
+            f"acceptance length τ: loop {overall.get('tau') or 0:.2f}, "
+            f"{engine.get('name')} {engine['overall'].get('tau') or 0:.2f}"
+        )
     _save(fig, out)
 
 
 # ---------------------------------------------------------------- HTML helpers
 
-_STYLE = ("body{font:13px system-ui,sans-serif;margin:12px}table{border-collapse:collapse}"
-          "td,th{border:1px solid #ccd;padding:3px 8px;text-align:left}th{background:#eef1f5}")
+_STYLE = (
+    "body{font:13px system-ui,sans-serif;margin:12px}table{border-collapse:collapse}"
+    "td,th{border:1px solid #ccd;padding:3px 8px;text-align:left}th{background:#eef1f5}"
+)
 
 
 def _facts_table(facts) -> str:
-    return "<table>" + "".join(
-        f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in facts
-    ) + "</table>"
+    return (
+        "<table>"
+        + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in facts)
+        + "</table>"
+    )
 
 
 def _write_html(out: str | Path, title: str, body: str) -> None:

@@ -74,8 +74,12 @@ def install(patches: list[Patch], what_happens: str) -> list[str]:
     for patch in patches:
         changed = patch.changed()
         if changed:
-            log.warning("snakemake patch %r is off: %s changed since the pinned version; %s",
-                        patch.name, ", ".join(changed), what_happens)
+            log.warning(
+                "snakemake patch %r is off: %s changed since the pinned version; %s",
+                patch.name,
+                ", ".join(changed),
+                what_happens,
+            )
             continue
         patch.apply()
         applied.append(patch.name)

@@ -180,18 +180,34 @@ def _memoize_function_params() -> None:
 
 
 PATCHES = [
-    Patch("script check once per rule", {"snakemake.dag:ScriptProcessor.process_job": "168fffa9284a4cdf"},
-          _keep_and_replace_script_check),
-    Patch("log and benchmark check from kept expansions", {"snakemake.jobs:Job.is_valid": "74609fe120193ef6"},
-          _replace_log_check),
-    Patch("conda environment from the rule", {
-        "snakemake.jobs:Job.conda_env_spec": "4a98328beadaf1b9",
-        "snakemake.rules:Rule.expand_conda_env": "ca6b0b6e11a47804",
-    }, _replace_conda_env_spec),
-    Patch("nested-output check by path parts", {"snakemake.dag:DAG.check_directory_outputs": "d5a17c047b46b717"},
-          _replace_nested_output_check),
-    Patch("function parameters read once", {"snakemake.common:get_function_params": "ffd80f63645293c3"},
-          _memoize_function_params),
+    Patch(
+        "script check once per rule",
+        {"snakemake.dag:ScriptProcessor.process_job": "168fffa9284a4cdf"},
+        _keep_and_replace_script_check,
+    ),
+    Patch(
+        "log and benchmark check from kept expansions",
+        {"snakemake.jobs:Job.is_valid": "74609fe120193ef6"},
+        _replace_log_check,
+    ),
+    Patch(
+        "conda environment from the rule",
+        {
+            "snakemake.jobs:Job.conda_env_spec": "4a98328beadaf1b9",
+            "snakemake.rules:Rule.expand_conda_env": "ca6b0b6e11a47804",
+        },
+        _replace_conda_env_spec,
+    ),
+    Patch(
+        "nested-output check by path parts",
+        {"snakemake.dag:DAG.check_directory_outputs": "d5a17c047b46b717"},
+        _replace_nested_output_check,
+    ),
+    Patch(
+        "function parameters read once",
+        {"snakemake.common:get_function_params": "ffd80f63645293c3"},
+        _memoize_function_params,
+    ),
 ]
 
 

@@ -250,21 +250,33 @@ def _memoize_paths() -> None:
 # The plugin 0.3.6's functions (and those of the storage interface and Snakemake 9.27.1 they
 # rely on), as each patch was written against them.
 PATCHES = [
-    Patch("inventory by folder", {
-        f"{PLUGIN}:StorageObject.get_inventory_parent": "675db335307a725c",
-        f"{PLUGIN}:StorageObject.inventory": "b58d02c76172ba53",
-        f"{PLUGIN}:StorageObject._local_suffix_from_key": "a56309f3e211249b",
-        "snakemake.io:ExistsDict.__contains__": "52633c333e7bd863",
-        "snakemake.io:ExistsDict.__init__": "6ef8100d099c6e8d",
-    }, _list_folders),
-    Patch("query check memoized", {f"{PLUGIN}:StorageProvider.is_valid_query": "acf983d4ff04a1e3"},
-          _memoize_query_check),
-    Patch("plain queries parsed without urlparse", {f"{PLUGIN}:StorageObject.__post_init__": "d0f604574d7c8fde"},
-          _parse_plain_queries),
-    Patch("local paths and cache keys memoized", {
-        f"{PLUGIN}:StorageObject.local_path": "809557749fb918ec",
-        f"{PLUGIN}:StorageObject.cache_key": "60ea2332c4f7f231",
-    }, _memoize_paths),
+    Patch(
+        "inventory by folder",
+        {
+            f"{PLUGIN}:StorageObject.get_inventory_parent": "675db335307a725c",
+            f"{PLUGIN}:StorageObject.inventory": "b58d02c76172ba53",
+            f"{PLUGIN}:StorageObject._local_suffix_from_key": "a56309f3e211249b",
+            "snakemake.io:ExistsDict.__contains__": "52633c333e7bd863",
+            "snakemake.io:ExistsDict.__init__": "6ef8100d099c6e8d",
+        },
+        _list_folders,
+    ),
+    Patch(
+        "query check memoized", {f"{PLUGIN}:StorageProvider.is_valid_query": "acf983d4ff04a1e3"}, _memoize_query_check
+    ),
+    Patch(
+        "plain queries parsed without urlparse",
+        {f"{PLUGIN}:StorageObject.__post_init__": "d0f604574d7c8fde"},
+        _parse_plain_queries,
+    ),
+    Patch(
+        "local paths and cache keys memoized",
+        {
+            f"{PLUGIN}:StorageObject.local_path": "809557749fb918ec",
+            f"{PLUGIN}:StorageObject.cache_key": "60ea2332c4f7f231",
+        },
+        _memoize_paths,
+    ),
 ]
 
 

@@ -94,23 +94,17 @@ def run_evaluation(
     if options.engine in ENGINES and engine_section is None:
         engine_section = measure_engine(target, drafter, prompts_path, options, out)
     prompts = read_eval_prompts(prompts_path, options.limit, options.split)
-    results, sections, resolved = run_transformers_loop(
-        target, drafter, prompts, options, load_proposer, target_model
-    )
+    results, sections, resolved = run_transformers_loop(target, drafter, prompts, options, load_proposer, target_model)
 
     from dflash_pipeline.evaluation.lossless import LosslessError, failure_message
     from dflash_pipeline.evaluation.metrics import metrics_document
     from dflash_pipeline.evaluation.parity import check_parity, parity_report
     from dflash_pipeline.evaluation.parity import check_engine_parity, engine_parity_report
 
-    document = metrics_document(
-        results, _settings(target, drafter, prompts_path, options, **resolved), **sections
-    )
+    document = metrics_document(results, _settings(target, drafter, prompts_path, options, **resolved), **sections)
     loop_tau = document["overall"]["tau"]
     if options.simulated_tau is not None and loop_tau is not None:
-        document["parity"] = parity_report(
-            options.simulated_tau, loop_tau, options.parity_tolerance
-        )
+        document["parity"] = parity_report(options.simulated_tau, loop_tau, options.parity_tolerance)
     if engine_section is not None:
         document["engine"] = engine_section
         if loop_tau is not None and engine_section["overall"]["tau"] is not None:
@@ -207,14 +201,28 @@ def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str
         **{k: document[k] for k in ("overall", "prompt_sets", "per_prompt", "lossless")},
         "settings": document.get("settings"),
     }
-    log.info("%s %s: tau %s, lossless %s", measured.engine, measured.engine_version,
-             section["overall"]["tau"], measured.lossless.get("passed"))
+    log.info(
+        "%s %s: tau %s, lossless %s",
+        measured.engine,
+        measured.engine_version,
+        section["overall"]["tau"],
+        measured.lossless.get("passed"),
+    )
     return section
 
 
-def evaluate_job(target: str, drafter_dir: str, prompts: str, heldout: list[str], out: str | Path,
-                 settings: dict, thinking: bool, failed_copy: str | Path,
-                 runtime_dir: str | Path | None = None, engines: dict | None = None) -> dict:
+def evaluate_job(
+    target: str,
+    drafter_dir: str,
+    prompts: str,
+    heldout: list[str],
+    out: str | Path,
+    settings: dict,
+    thinking: bool,
+    failed_copy: str | Path,
+    runtime_dir: str | Path | None = None,
+    engines: dict | None = None,
+) -> dict:
     """What the `evaluate` rule runs: the simulated tau on held-out tokenized rows, the loop on
     the held-out prompts (gated on losslessness and parity), then the extra prompt sets; one
     target load for all of it. A failed job's metrics are kept at ``failed_copy`` (Snakemake
@@ -252,14 +260,17 @@ def evaluate_job(target: str, drafter_dir: str, prompts: str, heldout: list[str]
     print(f"simulated (teacher-forced, held-out) acceptance length: {simulated}")
     options.simulated_tau = simulated["tau"]
     try:
-        document = run_evaluation(target, drafter_dir, prompts, out, options, target_model=model,
-                                  engine_section=engine_section)
+        document = run_evaluation(
+            target, drafter_dir, prompts, out, options, target_model=model, engine_section=engine_section
+        )
         with tempfile.TemporaryDirectory() as tmp:
             for path in settings["benchmark_prompts"]:
-                extra_options = EvalOptions(**{**options.__dict__, "split": None, "simulated_tau": None,
-                                                  "engine": "transformers"})
-                extra = run_evaluation(target, drafter_dir, path, Path(tmp) / "extra.json", extra_options,
-                                       target_model=model)
+                extra_options = EvalOptions(
+                    **{**options.__dict__, "split": None, "simulated_tau": None, "engine": "transformers"}
+                )
+                extra = run_evaluation(
+                    target, drafter_dir, path, Path(tmp) / "extra.json", extra_options, target_model=model
+                )
                 document["prompt_sets"].update(extra["prompt_sets"])
                 document["per_prompt"] += extra["per_prompt"]
         document["simulated"] = simulated
@@ -269,7 +280,6 @@ def evaluate_job(target: str, drafter_dir: str, prompts: str, heldout: list[str]
             shutil.copyfile(out, failed_copy)
         raise
     return document
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,12 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--target", type=model_dir, required=True, help="target model folder (Hugging Face format)"
-    )
-    parser.add_argument(
-        "--drafter", type=model_dir, required=True, help="exported drafter folder (z-lab format)"
-    )
+    parser.add_argument("--target", type=model_dir, required=True, help="target model folder (Hugging Face format)")
+    parser.add_argument("--drafter", type=model_dir, required=True, help="exported drafter folder (z-lab format)")
     parser.add_argument(
         "--prompts",
         type=existing_file,
@@ -316,23 +322,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm, sglang: also measure the drafter inside that engine and gate on parity with the loop",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    parser.add_argument(
-        "--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32 ..."
-    )
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32 ...")
     parser.add_argument(
         "--lossless-margin",
         type=non_negative_float,
-        help="logit margin under which a greedy divergence counts as rounding "
-        "(default 0 in fp32, 0.25 in bf16)",
+        help="logit margin under which a greedy divergence counts as rounding (default 0 in fp32, 0.25 in bf16)",
     )
     parser.add_argument("--limit", type=positive_int, help="evaluate only the first N prompts")
-    parser.add_argument(
-        "--simulated-tau", type=positive_float, help="training's simulated tau (parity gate)"
-    )
+    parser.add_argument("--simulated-tau", type=positive_float, help="training's simulated tau (parity gate)")
     parser.add_argument("--parity-tolerance", type=non_negative_float, default=EvalOptions.parity_tolerance)
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up decode")
     parser.add_argument(
-        "--engine-parity-tolerance", type=non_negative_float, default=EvalOptions.engine_parity_tolerance,
+        "--engine-parity-tolerance",
+        type=non_negative_float,
+        default=EvalOptions.engine_parity_tolerance,
         help="largest relative gap between the engine's tau and the loop's",
     )
     parser.add_argument("--engine-port", type=port, help="the engine's port (default: a free one)")
@@ -340,16 +343,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--engine-mem-fraction", type=float_range(0.0, 1.0, low_open=True), help="the engine's GPU memory share"
     )
-    parser.add_argument(
-        "--engine-arg", action="append", default=[], help="extra engine argument (repeatable)"
-    )
+    parser.add_argument("--engine-arg", action="append", default=[], help="extra engine argument (repeatable)")
     parser.add_argument("--runtime-dir", help="engine log/pid folder (default: beside --out)")
     parser.add_argument(
         "--engine-python",
         help="the Python of the engine's own environment (vllm, sglang; default for transformers: this one)",
     )
     parser.add_argument(
-        "--engine-env", action="append", default=[], metavar="KEY=VALUE",
+        "--engine-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="environment variable of the engine process (repeatable), e.g. VLLM_CPU_KVCACHE_SPACE=1",
     )
     parser.add_argument(
@@ -402,8 +406,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_evaluation(args.target, args.drafter, args.prompts, args.out, options)
-    except (LosslessError, ParityError, EngineParityError, PromptFileError, EngineUnsupportedError,
-            EngineSetupError) as err:
+    except (
+        LosslessError,
+        ParityError,
+        EngineParityError,
+        PromptFileError,
+        EngineUnsupportedError,
+        EngineSetupError,
+    ) as err:
         log.error("%s", err)
         return 1
     return 0

@@ -92,9 +92,7 @@ def export_drafter(
     return summary
 
 
-def export_speculators(
-    config: DrafterConfig, tensors: dict, target: str, config_out: str, weights_out: str
-) -> dict:
+def export_speculators(config: DrafterConfig, tensors: dict, target: str, config_out: str, weights_out: str) -> dict:
     """The speculators-format folder: the drafter's ``tensors`` (as exported) with the target's
     embedding and LM head, and the speculators config naming the target as the verifier."""
     verifier = speculators_format.verifier_tensors(target, config)
@@ -120,21 +118,26 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_pipeline.stages.cli import existing_dir, json_file, model_dir, or_s3, shown
 
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.export", description=__doc__)
-    parser.add_argument("--run-url", type=or_s3(existing_dir), required=True,
-                        help="run root (local folder or s3://)")
-    parser.add_argument("--manifest", type=json_file, required=True,
-                        help="the last segment's manifest (outputs/train-segment-KKKK.json)")
+    parser.add_argument("--run-url", type=or_s3(existing_dir), required=True, help="run root (local folder or s3://)")
+    parser.add_argument(
+        "--manifest",
+        type=json_file,
+        required=True,
+        help="the last segment's manifest (outputs/train-segment-KKKK.json)",
+    )
     parser.add_argument("--out", required=True, help="drafter folder to write (config.json, model.safetensors)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--target", type=model_dir,
-                        help="the target's folder: also write the speculators format in "
-                             f"OUT/{speculators_format.FOLDER}/ (with the target's embedding and LM head)")
+    parser.add_argument(
+        "--target",
+        type=model_dir,
+        help="the target's folder: also write the speculators format in "
+        f"OUT/{speculators_format.FOLDER}/ (with the target's embedding and LM head)",
+    )
     args = parser.parse_args(argv)
     manifest = json.loads(Path(args.manifest).read_text())
     missing = [key for key in ("checkpoint_prefix", "drafter_config") if key not in manifest]
     if missing:
-        parser.error(f"argument --manifest: {shown(args.manifest)} is not a segment manifest "
-                     f"(no {', '.join(missing)})")
+        parser.error(f"argument --manifest: {shown(args.manifest)} is not a segment manifest (no {', '.join(missing)})")
     out = Path(args.out)
     # With --target, the speculators format too where it expresses the drafter (else the export
     # prints why).
@@ -143,11 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     speculators = None
     if args.target and speculators_format.refusal(layer_types) is None:
         folder = out / speculators_format.FOLDER
-        speculators = tuple(str(folder / name) for name in (speculators_format.CONFIG_NAME,
-                                                            speculators_format.WEIGHTS_NAME))
+        speculators = tuple(
+            str(folder / name) for name in (speculators_format.CONFIG_NAME, speculators_format.WEIGHTS_NAME)
+        )
     try:
-        export_drafter(args.run_url, args.manifest, str(out / "config.json"), str(out / "model.safetensors"),
-                       args.dtype, target=args.target, speculators_out=speculators)
+        export_drafter(
+            args.run_url,
+            args.manifest,
+            str(out / "config.json"),
+            str(out / "model.safetensors"),
+            args.dtype,
+            target=args.target,
+            speculators_out=speculators,
+        )
     except (FileNotFoundError, ValueError) as err:  # no checkpoint; tensors missing or non-finite
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 1

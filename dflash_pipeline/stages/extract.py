@@ -67,7 +67,9 @@ def extract_shard(
         start = 0
         while start < len(sequences):
             end, longest = start, 0
-            while end < len(sequences) and (end == start or max(longest, len(sequences[end])) * (end - start + 1) <= max_batch_tokens):
+            while end < len(sequences) and (
+                end == start or max(longest, len(sequences[end])) * (end - start + 1) <= max_batch_tokens
+            ):
                 longest = max(longest, len(sequences[end]))
                 end += 1
             batch = torch.zeros(end - start, longest, dtype=torch.long)
@@ -104,8 +106,15 @@ def extract_shard(
     return manifest
 
 
-def extract_job(tokenized: str, target_dir: str, settings: dict, run_url: str, shard: str,
-                manifest_out: str, device: str | None = None) -> dict:
+def extract_job(
+    tokenized: str,
+    target_dir: str,
+    settings: dict,
+    run_url: str,
+    shard: str,
+    manifest_out: str,
+    device: str | None = None,
+) -> dict:
     """What the `extract` rule runs: the taps the drafter of ``settings`` (the `train` config)
     reads, for one tokenized shard; refused while the run is halted (a tokenize shard failed the
     data-quality gate)."""
@@ -115,8 +124,9 @@ def extract_job(tokenized: str, target_dir: str, settings: dict, run_url: str, s
     from dflash_pipeline.model.config import build_drafter_config
 
     layer_ids = build_drafter_config(settings, target_dir).target_layer_ids
-    manifest = extract_shard(tokenized, target_dir, layer_ids, run_url, shard, manifest_out,
-                             settings["hidden_dtype"], device=device)
+    manifest = extract_shard(
+        tokenized, target_dir, layer_ids, run_url, shard, manifest_out, settings["hidden_dtype"], device=device
+    )
     log.info("stored %d tokens x %d taps: %s bytes", manifest["tokens"], manifest["width"], f"{manifest['size']:,}")
     return manifest
 
@@ -137,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_pipeline.core.jobstate import RunHalted
 
     try:
-        extract_job(args.tokenized, args.target, args.settings_json, args.run_url, args.shard,
-                    args.manifest, args.device)
+        extract_job(
+            args.tokenized, args.target, args.settings_json, args.run_url, args.shard, args.manifest, args.device
+        )
     except RunHalted as err:
         log.error("%s", err)
         return 1

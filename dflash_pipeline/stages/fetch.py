@@ -68,10 +68,13 @@ def kind(key: str) -> str:
         # Checkpoint indexes, latest-pointers, metrics.jsonl and telemetry are JSON; shards are not.
         return "artifact" if key.endswith((".json", ".jsonl")) else "checkpoint"
     match = layout.SHARD_OBJECT.match(key)
-    rows = (key.startswith(HIDDEN_STATES_DIR) or key == layout.INGESTED_PROMPTS
-            or (match is not None and match["ext"] in ROW_DATA_EXTS)
-            # generation parts and reuse copies: the rows of shards in flight
-            or (key.startswith(f"{layout.PROGRESS_DIR}/") and key.endswith(".parquet")))
+    rows = (
+        key.startswith(HIDDEN_STATES_DIR)
+        or key == layout.INGESTED_PROMPTS
+        or (match is not None and match["ext"] in ROW_DATA_EXTS)
+        # generation parts and reuse copies: the rows of shards in flight
+        or (key.startswith(f"{layout.PROGRESS_DIR}/") and key.endswith(".parquet"))
+    )
     return "shard" if rows else "artifact"
 
 
@@ -167,8 +170,15 @@ def copy_one(storage: Storage, listed: Listed, path: Path) -> dict:
     return record_of(listed, path)
 
 
-def fetch(run_url: str, to: str | os.PathLike, *, with_checkpoints: bool = False,
-          with_shards: bool = False, dry_run: bool = False, jobs: int = 8) -> Summary:
+def fetch(
+    run_url: str,
+    to: str | os.PathLike,
+    *,
+    with_checkpoints: bool = False,
+    with_shards: bool = False,
+    dry_run: bool = False,
+    jobs: int = 8,
+) -> Summary:
     """Copy the selected objects of the run at ``run_url`` that DIR lacks; raises StorageError
     when the run cannot be listed (and copies nothing then)."""
     storage, dest = open_storage(run_url), Path(to)
@@ -210,7 +220,9 @@ def fetch(run_url: str, to: str | os.PathLike, *, with_checkpoints: bool = False
                 records[listed.key] = future.result()
             except Exception as err:  # one object's trouble never stops the others
                 cause = describe(err)  # deleted since listed, or replaced while being read
-                if isinstance(err, FileNotFoundError) or any(w in cause for w in ("does not exist", "PreconditionFailed")):
+                if isinstance(err, FileNotFoundError) or any(
+                    w in cause for w in ("does not exist", "PreconditionFailed")
+                ):
                     summary.skipped += 1
                     note(f"{counter} skipped {listed.key}: gone or changed since it was listed")
                 else:
@@ -233,8 +245,11 @@ FLAGS = {"checkpoint": "--with-checkpoints", "shard": "--with-shards"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.fetch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_pipeline.stages.fetch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--run-url", required=True, help="s3://bucket/prefix/<results_dir>/<run> or a local run folder")
     parser.add_argument("--to", required=True, help="local folder to copy into (created if missing)")
     parser.add_argument("--with-checkpoints", action="store_true", help="also the checkpoint shards")
@@ -243,17 +258,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=8, help="parallel downloads (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
-        summary = fetch(args.run_url, args.to, with_checkpoints=args.with_checkpoints,
-                        with_shards=args.with_shards, dry_run=args.dry_run, jobs=args.jobs)
+        summary = fetch(
+            args.run_url,
+            args.to,
+            with_checkpoints=args.with_checkpoints,
+            with_shards=args.with_shards,
+            dry_run=args.dry_run,
+            jobs=args.jobs,
+        )
     except (StorageError, OSError) as err:
         note(f"fetch: {describe(err)}")
         return 1
     for name, (count, size) in sorted(summary.left_out.items()):
         if name in FLAGS:
             note(f"left out: {count} {name} objects ({human(size)}); {FLAGS[name]} adds them")
-    note(f"{'dry run: ' if args.dry_run else ''}{summary.copied} {'to copy' if args.dry_run else 'copied'} "
-         f"({human(summary.copied_bytes)}), {summary.there} already there, {summary.skipped} skipped"
-         + (f", {summary.failed} failed" if summary.failed else ""))
+    note(
+        f"{'dry run: ' if args.dry_run else ''}{summary.copied} {'to copy' if args.dry_run else 'copied'} "
+        f"({human(summary.copied_bytes)}), {summary.there} already there, {summary.skipped} skipped"
+        + (f", {summary.failed} failed" if summary.failed else "")
+    )
     return 1 if summary.failed else 0
 
 

@@ -37,6 +37,7 @@ from dflash_pipeline.engines.regenerate import (
 
 log = logging.getLogger(__name__)
 
+
 def engine_version(engine: str, engines: dict | None) -> str:
     """What the fingerprint records of the engine: its distribution and version, read from its
     own environment; "external" for servers the run does not launch."""
@@ -96,9 +97,7 @@ def run_job(
     async def main() -> pa.Table:
         adapter = make_adapter(engine, model)
         health = server.alive if server else (lambda: True)
-        async with EngineClient(
-            urls, adapter, gen["request_timeout_s"], gen["max_retries"], alive=health
-        ) as client:
+        async with EngineClient(urls, adapter, gen["request_timeout_s"], gen["max_retries"], alive=health) as client:
             generator = ShardGenerator(tokenizer, client, settings, fp)
             return await generate_shard(prompts, generator, progress, engine_info, health)
 
@@ -131,16 +130,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://)")
     parser.add_argument("--shard", type=non_negative_int, required=True)
     parser.add_argument("--model", type=model_dir, required=True, help="target model folder")
-    parser.add_argument("--generation-json", type=json_object, required=True,
-                        help="the `generation` config as JSON")
+    parser.add_argument("--generation-json", type=json_object, required=True, help="the `generation` config as JSON")
     parser.add_argument("--engine-log", default="engine.log")
     parser.add_argument("--runtime-dir", default=".")
     parser.add_argument("--engines-json", type=json_object, default="{}", help="the `engines` config as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        run_job(args.prompts, args.out, args.run_url, args.shard, args.model,
-                args.generation_json, args.engine_log, args.runtime_dir, args.engines_json)
+        run_job(
+            args.prompts,
+            args.out,
+            args.run_url,
+            args.shard,
+            args.model,
+            args.generation_json,
+            args.engine_log,
+            args.runtime_dir,
+            args.engines_json,
+        )
     except (EngineError, EngineSetupError, RunHalted, DriverGone) as err:
         log.error("%s", err)
         return 1

@@ -169,8 +169,9 @@ def count_dataset_rows(paths: list[str], workdir: Path = REPO) -> tuple[int | No
         else:
             total += count_jsonl_rows(path)
         kinds.add(kind)
-    how = " and ".join({"jsonl": "non-empty JSONL lines", "parquet": "parquet rows from the metadata"}[k]
-                       for k in sorted(kinds))
+    how = " and ".join(
+        {"jsonl": "non-empty JSONL lines", "parquet": "parquet rows from the metadata"}[k] for k in sorted(kinds)
+    )
     return total, f"counted by the plan: {how} of the local dataset files, before validation and deduplication"
 
 
@@ -182,7 +183,7 @@ def count_jsonl_rows(path: Path) -> int:
     with open(path, "rb") as fh:
         for number, line in enumerate(fh, start=1):
             if number == 1 and line.startswith(bom):
-                line = line[len(bom):]
+                line = line[len(bom) :]
             rows += bool(line.strip())
     return rows
 
@@ -254,15 +255,19 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
         prompts = Estimate(measured.dataset_rows, measured.dataset_rows_source)
     else:
         why = f"; {measured.dataset_rows_source}" if measured.dataset_rows_source else ""
-        raise PlanError("config key 'plan.prompts' is needed before the ingest has run "
-                        f"(the expected number of prompts in the dataset{why})")
+        raise PlanError(
+            "config key 'plan.prompts' is needed before the ingest has run "
+            f"(the expected number of prompts in the dataset{why})"
+        )
     heldout = config["dataset"]["heldout_fraction"]
     train_rows = measured.train_prompts or round(prompts.value * (1 - heldout))
     shards = config["num_shards"]
 
     if measured.generate_samples:
-        response = Estimate(measured.generate_tokens / measured.generate_samples,
-                            f"{measured.generate_shards} finished generate shards' telemetry")
+        response = Estimate(
+            measured.generate_tokens / measured.generate_samples,
+            f"{measured.generate_shards} finished generate shards' telemetry",
+        )
     elif plan_cfg["mean_response_tokens"]:
         response = Estimate(plan_cfg["mean_response_tokens"], "config plan.mean_response_tokens")
     else:
@@ -270,11 +275,14 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
     generated_tokens = prompts.value * response.value
 
     if measured.generate_gpu_seconds:
-        gen_rate = Estimate(measured.generate_tokens / measured.generate_gpu_seconds,
-                            "finished generate shards' telemetry")
+        gen_rate = Estimate(
+            measured.generate_tokens / measured.generate_gpu_seconds, "finished generate shards' telemetry"
+        )
     elif plan_cfg["generation_tokens_per_s_per_gpu"]:
-        gen_rate = Estimate(plan_cfg["generation_tokens_per_s_per_gpu"],
-                            "config plan.generation_tokens_per_s_per_gpu (assumed, not measured)")
+        gen_rate = Estimate(
+            plan_cfg["generation_tokens_per_s_per_gpu"],
+            "config plan.generation_tokens_per_s_per_gpu (assumed, not measured)",
+        )
     else:
         gen_rate = Estimate(None, "unknown: set plan.generation_tokens_per_s_per_gpu")
     gen_gpu_h = generated_tokens / gen_rate.value / 3600 if gen_rate.value else None
@@ -288,9 +296,11 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
         train_rate = Estimate(plan_cfg["train_tokens_per_s_per_gpu"], "config plan.train_tokens_per_s_per_gpu")
     elif measured.bench_train:
         b = measured.bench_train
-        train_rate = Estimate(float(b["tokens_per_s"]),
-                              f"{', '.join('bench/results/' + f for f in b['file'].split(', '))}: {b['case']} "
-                              f"{b.get('algorithm', 'dflash')} {b['mode']} at {b['seq_len']} tokens on {b['device']}")
+        train_rate = Estimate(
+            float(b["tokens_per_s"]),
+            f"{', '.join('bench/results/' + f for f in b['file'].split(', '))}: {b['case']} "
+            f"{b.get('algorithm', 'dflash')} {b['mode']} at {b['seq_len']} tokens on {b['device']}",
+        )
     else:
         train_rate = Estimate(None, "unknown: set plan.train_tokens_per_s_per_gpu")
     train_gpus = max(1, train["gpus_per_job"])  # 0: one CPU process
@@ -320,15 +330,19 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
     offline = train["mode"] == "offline"
     stage_bytes["extract"] = Estimate(
         hidden_bytes if offline else 0,
-        (f"{per_token_hidden} B per token ({train['hidden_dtype']} taps of hidden {hidden})"
-         + ("" if offline else f"; online mode stores none (offline would store {_bytes(hidden_bytes)})"))
-        if hidden else "unknown: the target's config.json or plan.hidden_size gives the hidden size",
+        (
+            f"{per_token_hidden} B per token ({train['hidden_dtype']} taps of hidden {hidden})"
+            + ("" if offline else f"; online mode stores none (offline would store {_bytes(hidden_bytes)})")
+        )
+        if hidden
+        else "unknown: the target's config.json or plan.hidden_size gives the hidden size",
     )
     params = measured.bench_train.get("drafter_params") if measured.bench_train else None
     if params:
         stage_bytes["checkpoints"] = Estimate(
             params * CHECKPOINT_BYTES_PER_PARAM,
-            f"one checkpoint: {params / 1e9:.2f}B drafter params x {CHECKPOINT_BYTES_PER_PARAM} B (kept per segment)")
+            f"one checkpoint: {params / 1e9:.2f}B drafter params x {CHECKPOINT_BYTES_PER_PARAM} B (kept per segment)",
+        )
 
     # Wall time: generation runs a shard per job (gpus_per_job each) on the given GPUs; training
     # runs one job of train.gpus_per_job GPUs.
@@ -426,9 +440,15 @@ def format_plan(plan: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--configfile", "--configfiles", nargs="+", default=None, metavar="FILE",
-                        help="as snakemake's: these files alone (later ones update earlier ones), not over "
-                        "config.yaml; keys they leave out take config/schema.yaml's defaults (default: config.yaml)")
+    parser.add_argument(
+        "--configfile",
+        "--configfiles",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="as snakemake's: these files alone (later ones update earlier ones), not over "
+        "config.yaml; keys they leave out take config/schema.yaml's defaults (default: config.yaml)",
+    )
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for the wall time (default: config gpus, else 8)")
     parser.add_argument("--run-url", default=None, help="the run root to measure (default: the config's, if it exists)")
     parser.add_argument("--default-storage-prefix", default=None, help="an S3 run's prefix (as given to snakemake)")
@@ -450,8 +470,12 @@ def main(argv: list[str] | None = None) -> int:
             measured = measure_run(run_url, config)
         case = model_case(config["target"]["model"])
         measured.bench_train = pick_train_benchmark(
-            read_train_benchmarks(Path(args.bench_dir)), case, config["train"]["mode"], config["tokenize"]["max_length"],
-            config["train"]["algorithm"])
+            read_train_benchmarks(Path(args.bench_dir)),
+            case,
+            config["train"]["mode"],
+            config["tokenize"]["max_length"],
+            config["train"]["algorithm"],
+        )
         measured.hidden_size = read_hidden_size(config["target"]["model"])
         if not measured.prompts and not config["plan"]["prompts"]:
             measured.dataset_rows, measured.dataset_rows_source = count_dataset_rows(config["dataset"]["paths"])

@@ -134,10 +134,7 @@ def storage_problems(run_url: str) -> list[str]:
         if code in ("404", "NoSuchBucket"):
             return []
         if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            return [
-                f"storage {run_url}: access to bucket {bucket!r} at {endpoint} denied ({code}): check "
-                f"{variables}"
-            ]
+            return [f"storage {run_url}: access to bucket {bucket!r} at {endpoint} denied ({code}): check {variables}"]
         return [f"storage {run_url}: bucket {bucket!r} at {endpoint}: {code or err}"]
     except BotoCoreError as err:
         return [
@@ -162,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_pipeline.core import layout
     from dflash_pipeline.stages.plan import load_run_config
 
-    parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.preflight", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_pipeline.stages.preflight", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--configfile", nargs="+", help="as snakemake's (default: config.yaml)")
     parser.add_argument("--default-storage-prefix", help="as snakemake's, for an S3 run")
     args = parser.parse_args(argv)

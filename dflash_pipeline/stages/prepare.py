@@ -109,16 +109,13 @@ def assign_ids(prompts: list[Prompt]) -> list[str]:
     """The source id where present and unique, else a hash of the prompt turns."""
     counts = Counter(p.source_id for p in prompts if p.source_id is not None)
     ids = [
-        p.source_id
-        if p.source_id is not None and counts[p.source_id] == 1
-        else prompt_hash(p.prompt_turns)
+        p.source_id if p.source_id is not None and counts[p.source_id] == 1 else prompt_hash(p.prompt_turns)
         for p in prompts
     ]
     clashes = [i for i, n in Counter(ids).items() if n > 1]
     if clashes:
         raise PrepareError(
-            f"sample id {clashes[0]!r} is used by a source id and by a prompt hash; "
-            "rename that source id"
+            f"sample id {clashes[0]!r} is used by a source id and by a prompt hash; rename that source id"
         )
     return ids
 
@@ -140,12 +137,9 @@ def check_bad_fraction(result: IngestResult, max_bad_fraction: float) -> None:
         raise PrepareError("no valid prompt rows remain after validation")
 
 
-def build_table(
-    prompts: list[Prompt], ids: list[str], num_shards: int, heldout_fraction: float
-) -> pa.Table:
+def build_table(prompts: list[Prompt], ids: list[str], num_shards: int, heldout_fraction: float) -> pa.Table:
     rows = sorted(
-        (shard_of(sample_id, num_shards), sample_id, prompt)
-        for sample_id, prompt in zip(ids, prompts, strict=True)
+        (shard_of(sample_id, num_shards), sample_id, prompt) for sample_id, prompt in zip(ids, prompts, strict=True)
     )
     return pa.table(
         {
@@ -253,8 +247,7 @@ def ingest(
         kept_quarantine = stem.with_name(stem.name + ".refused-quarantine.jsonl")
         write_report(result, stopped, str(kept_summary), str(kept_quarantine))
         raise PrepareError(
-            f"{err}\n  every bad row (file, row, reason): {kept_quarantine}\n"
-            f"  summary: {kept_summary}"
+            f"{err}\n  every bad row (file, row, reason): {kept_quarantine}\n  summary: {kept_summary}"
         ) from err
     table = build_table(result.prompts, ids, num_shards, heldout_fraction)
     write_by_shard(table, num_shards, out_prompts)
@@ -319,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.prepare", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     ing = sub.add_parser("ingest", help="validate, dedupe, id and shard a prompt dataset")
-    ing.add_argument("paths", nargs="+", type=or_s3(existing_file),
-                     help=".jsonl/.parquet files, local or s3://")
+    ing.add_argument("paths", nargs="+", type=or_s3(existing_file), help=".jsonl/.parquet files, local or s3://")
     ing.add_argument("--num-shards", type=int_range(1, 99999), required=True)
     ing.add_argument("--out-prompts", required=True)
     ing.add_argument("--out-summary", required=True)

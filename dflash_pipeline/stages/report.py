@@ -20,8 +20,9 @@ def report_prompts(summary: str, quarantine: str, figure: str, table: str) -> No
     figures.write_quarantine_table(summary_doc, rows, table)
 
 
-def report_generation(generated: list[str], benchmarks: list[str], run_url: str,
-                      throughput: str, lengths: str, finish: str) -> None:
+def report_generation(
+    generated: list[str], benchmarks: list[str], run_url: str, throughput: str, lengths: str, finish: str
+) -> None:
     summaries = [figures.summarize_generated(path) for path in generated]
     seconds = {figures.shard_label(p): figures.read_benchmark_seconds(p) for p in benchmarks}
     telemetry = read_stage_telemetry(run_url, "generate", [s["shard"] for s in summaries])

@@ -46,6 +46,7 @@ from dflash_pipeline.data.tokenized import ShardTokenizer
 
 log = logging.getLogger(__name__)
 
+
 def tokenize_file(
     generated: str,
     model: str,
@@ -91,8 +92,12 @@ def tokenize_file(
     telemetry.write("done")
     log.info(
         "%s: %d samples -> %d sequences, %d degenerate (%s), %d supervised tokens",
-        name, summary["samples"], summary["sequences_out"], summary["degenerate_samples"],
-        summary["reasons"], summary["supervised_tokens_total"],
+        name,
+        summary["samples"],
+        summary["sequences_out"],
+        summary["degenerate_samples"],
+        summary["reasons"],
+        summary["supervised_tokens_total"],
     )
     return summary
 
@@ -106,8 +111,11 @@ def heldout_rows(table):
 def halt_run(run_url: str, shard: int, err: DegenerateShard) -> None:
     """Stop the run's generation: the other shards are made with the same settings."""
     storage = open_storage(run_url)
-    details = {k: err.summary[k] for k in ("samples", "degenerate_samples", "degenerate_fraction",
-                                           "reasons", "examples", "most_common_response") if k in err.summary}
+    details = {
+        k: err.summary[k]
+        for k in ("samples", "degenerate_samples", "degenerate_fraction", "reasons", "examples", "most_common_response")
+        if k in err.summary
+    }
     try:
         halt = write_halt(storage, "tokenize", shard, err.cause, str(err), details)
     except StorageError as storage_err:  # the gate's own failure is what the job must report
@@ -146,14 +154,19 @@ def halt_main(argv: list[str]) -> int:
     )
     parser.add_argument("action", choices=["clear-halt", "show-halt"])
     parser.add_argument("--run-url", type=or_s3(existing_dir), help="run root (local folder or s3://)")
-    parser.add_argument("--configfile", default="config.yaml",
-                        help="without --run-url: find the run from this config (default: %(default)s)")
-    parser.add_argument("--default-storage-prefix",
-                        help="without --run-url: the S3 prefix of an S3 run (as given to Snakemake)")
+    parser.add_argument(
+        "--configfile",
+        default="config.yaml",
+        help="without --run-url: find the run from this config (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--default-storage-prefix", help="without --run-url: the S3 prefix of an S3 run (as given to Snakemake)"
+    )
     args = parser.parse_args(argv)
     if not args.run_url and args.default_storage_prefix and not is_s3_url(args.default_storage_prefix):
-        parser.error("argument --default-storage-prefix: must be an s3:// URL, "
-                     f"got {shown(args.default_storage_prefix)}")
+        parser.error(
+            f"argument --default-storage-prefix: must be an s3:// URL, got {shown(args.default_storage_prefix)}"
+        )
     if not args.run_url and not os.path.isfile(args.configfile):
         what = "is a folder, not a file" if os.path.isdir(args.configfile) else "does not exist"
         parser.error(f"argument --configfile: {shown(args.configfile)} {what} (or give --run-url)")
@@ -170,8 +183,10 @@ def halt_main(argv: list[str]) -> int:
     if halt is None:
         print(f"{run_url}: not halted, nothing to clear")
     else:
-        print(f"{run_url}: cleared the halt of {halt.get('stage')} shard {halt.get('shard')} "
-              f"({halt.get('cause')}); generate, extract and train jobs may start again")
+        print(
+            f"{run_url}: cleared the halt of {halt.get('stage')} shard {halt.get('shard')} "
+            f"({halt.get('cause')}); generate, extract and train jobs may start again"
+        )
     return 0
 
 
@@ -189,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     parser = argparse.ArgumentParser(
-        prog="python -m dflash_pipeline.stages.tokenize", description=__doc__,
+        prog="python -m dflash_pipeline.stages.tokenize",
+        description=__doc__,
         epilog="Also: python -m dflash_pipeline.stages.tokenize clear-halt|show-halt --help",
     )
     parser.add_argument("generated", type=or_s3(existing_file), help="generated shard parquet")
@@ -199,16 +215,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heldout", default=None, help="also write the held-out rows here")
     parser.add_argument("--thinking", choices=["on", "off"], default="on")
     parser.add_argument("--settings-json", type=json_object, default="{}", help="the `tokenize` config as JSON")
-    parser.add_argument("--run-url", default=None, help="run root (local folder or s3://) for live telemetry "
-                        "and the halt a failed gate writes")
-    parser.add_argument("--shard", type=non_negative_int, default=None,
-                        help="shard number, for live telemetry and the halt")
+    parser.add_argument(
+        "--run-url",
+        default=None,
+        help="run root (local folder or s3://) for live telemetry and the halt a failed gate writes",
+    )
+    parser.add_argument(
+        "--shard", type=non_negative_int, default=None, help="shard number, for live telemetry and the halt"
+    )
     parser.add_argument("--workers", type=positive_int, default=None, help="worker processes (default: all cores)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        tokenize_file(args.generated, args.model, args.out, args.stats, args.thinking == "on",
-                      args.settings_json, args.run_url, args.shard, args.workers, args.heldout)
+        tokenize_file(
+            args.generated,
+            args.model,
+            args.out,
+            args.stats,
+            args.thinking == "on",
+            args.settings_json,
+            args.run_url,
+            args.shard,
+            args.workers,
+            args.heldout,
+        )
     except DegenerateShard:
         return 1
     return 0

@@ -75,8 +75,17 @@ def run_train_job(job: SegmentJob, gpus: int, logs: list[str] = ()) -> int:
     return 0
 
 
-def train_job(run_url: str, segment: int, settings: dict, target_dir: str, tokenized: list[str],
-              hidden: list[str], manifest: str, gpus: int, logs: list[str] = ()) -> int:
+def train_job(
+    run_url: str,
+    segment: int,
+    settings: dict,
+    target_dir: str,
+    tokenized: list[str],
+    hidden: list[str],
+    manifest: str,
+    gpus: int,
+    logs: list[str] = (),
+) -> int:
     """What the `train` rule runs: the segment over the job's shards on ``gpus`` devices; refused
     while the run is halted (a tokenize shard failed the data-quality gate). Under torchrun the
     ranks log into ``logs`` (the job's log files) too."""
@@ -113,14 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.train", description=__doc__)
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://bucket/prefix)")
     parser.add_argument("--segment", type=non_negative_int, required=True)
-    parser.add_argument("--settings", type=json_file, required=True,
-                        help="JSON file with the config's `train` section")
+    parser.add_argument("--settings", type=json_file, required=True, help="JSON file with the config's `train` section")
     parser.add_argument("--target", type=model_dir, required=True, help="target model folder")
     parser.add_argument("--tokenized", type=shard_file, nargs="+", default=[], metavar="SHARD=PATH")
     parser.add_argument("--hidden", type=shard_file, nargs="*", default=[], metavar="SHARD=MANIFEST")
-    parser.add_argument("--shards", type=json_file, default=None,
-                        help='JSON file {"tokenized": {SHARD: PATH}, "hidden": {SHARD: MANIFEST}} '
-                             "(instead of --tokenized/--hidden)")
+    parser.add_argument(
+        "--shards",
+        type=json_file,
+        default=None,
+        help='JSON file {"tokenized": {SHARD: PATH}, "hidden": {SHARD: MANIFEST}} (instead of --tokenized/--hidden)',
+    )
     parser.add_argument("--manifest", required=True, help="where to write the segment manifest")
     parser.add_argument("--device", default=None)
     parser.add_argument("--log", nargs="*", default=[], help="log files to append this process's records to")

@@ -84,13 +84,17 @@ class Report:
 
     def lines(self, storage: Storage) -> list[str]:
         out = [f"{f.kind:<9} {storage.join(f.key)}  {f.detail}" for f in self.findings]
-        summary = (f"verify {self.run_url}: {self.checked} shard object(s) match their checksums, "
-                   f"{len(self.unchecked)} without a checksum record (accepted), "
-                   f"{len(self.of('missing'))} missing, {len(self.of('damaged'))} damaged, "
-                   f"{len(self.of('orphaned'))} orphaned")
+        summary = (
+            f"verify {self.run_url}: {self.checked} shard object(s) match their checksums, "
+            f"{len(self.unchecked)} without a checksum record (accepted), "
+            f"{len(self.of('missing'))} missing, {len(self.of('damaged'))} damaged, "
+            f"{len(self.of('orphaned'))} orphaned"
+        )
         if self.unchecked:
-            out.append(f"note: {len(self.unchecked)} object(s) were written before checksums were "
-                       f"recorded, e.g. {self.unchecked[0]}: not checked")
+            out.append(
+                f"note: {len(self.unchecked)} object(s) were written before checksums were "
+                f"recorded, e.g. {self.unchecked[0]}: not checked"
+            )
         return [*out, summary]
 
 
@@ -101,8 +105,12 @@ def expected_keys(config: dict) -> list[str]:
     stages = [s for s in ("prepare", "generate", "tokenize") if layout.STAGES.index(s) <= until]
     if until >= layout.STAGES.index("train") and config["train"]["mode"] == "offline":
         stages.append("extract")
-    return [layout.shard_key(stage, shard, ext) for shard in range(config["num_shards"])
-            for stage in stages for ext in CHECKED_EXTS[stage]]
+    return [
+        layout.shard_key(stage, shard, ext)
+        for shard in range(config["num_shards"])
+        for stage in stages
+        for ext in CHECKED_EXTS[stage]
+    ]
 
 
 def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Report:
@@ -115,16 +123,23 @@ def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Repor
             stale = key in recorded
             if stale:
                 report.stale_records.append(key)
-            report.findings.append(Finding("missing", key, f"(made by {producer_of(key)}"
-                                           + ("; its checksum record remains)" if stale else ")")))
+            report.findings.append(
+                Finding(
+                    "missing",
+                    key,
+                    f"(made by {producer_of(key)}" + ("; its checksum record remains)" if stale else ")"),
+                )
+            )
     for key in sorted(recorded - set(objects) - set(expected)):
         report.stale_records.append(key)
-        report.findings.append(Finding("orphaned", sidecar_key(key),
-                                       f"(a checksum record of {key}, which does not exist)"))
+        report.findings.append(
+            Finding("orphaned", sidecar_key(key), f"(a checksum record of {key}, which does not exist)")
+        )
     beyond = {k for k in objects if int(layout.SHARD_OBJECT.match(k)["shard"]) >= config["num_shards"]}
     for key in sorted(beyond):
-        report.findings.append(Finding("orphaned", key, f"(shard beyond num_shards="
-                                       f"{config['num_shards']}; left alone by --repair)"))
+        report.findings.append(
+            Finding("orphaned", key, f"(shard beyond num_shards={config['num_shards']}; left alone by --repair)")
+        )
 
     def check(key: str) -> Finding | str | None:
         record = read_record(storage, key) if key in recorded else None
@@ -136,8 +151,9 @@ def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Repor
         if not sizes_only:
             sha, size = stored_sha256(storage, key)
             if sha != record.sha256 or size != record.size:
-                return Finding("damaged", key, f"(sha256 {sha[:16]}..., but {record.producer()} wrote "
-                                               f"{record.sha256[:16]}...)")
+                return Finding(
+                    "damaged", key, f"(sha256 {sha[:16]}..., but {record.producer()} wrote {record.sha256[:16]}...)"
+                )
         return None
 
     with ThreadPoolExecutor(PARALLEL) as pool:
@@ -153,8 +169,9 @@ def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Repor
     return report
 
 
-def repair_command(report: Report, root: str, configfiles: list[str] | None, prefix: str | None,
-                   snakemake_args: list[str]) -> list[str] | None:
+def repair_command(
+    report: Report, root: str, configfiles: list[str] | None, prefix: str | None, snakemake_args: list[str]
+) -> list[str] | None:
     """The Snakemake command that rebuilds the missing and damaged objects and what follows."""
     targets = [f"{root}/{f.key}" for f in report.findings if f.kind in ("missing", "damaged")]
     if not targets:
@@ -166,8 +183,10 @@ def repair_command(report: Report, root: str, configfiles: list[str] | None, pre
         if not any(a.startswith(("--default-storage-provider", "--profile")) for a in snakemake_args):
             cmd += ["--default-storage-provider", "s3"]
         cmd += ["--default-storage-prefix", prefix]
-    if not any(a == "--cores" or a.startswith("--cores=") or a in ("-c", "-j") or a.startswith("--jobs")
-               for a in snakemake_args):
+    if not any(
+        a == "--cores" or a.startswith("--cores=") or a in ("-c", "-j") or a.startswith("--jobs")
+        for a in snakemake_args
+    ):
         cmd += ["--cores", "all"]
     return cmd + list(snakemake_args)
 
@@ -192,17 +211,31 @@ def main(argv: list[str] | None = None) -> int:
         at = argv.index("--")
         argv, snakemake_args = argv[:at], argv[at + 1 :]
     parser = argparse.ArgumentParser(
-        prog="python -m dflash_pipeline.stages.verify", description=__doc__.splitlines()[0],
-        epilog="Arguments after -- go to snakemake (with --repair).")
-    parser.add_argument("--configfile", "--configfiles", nargs="+", default=None, metavar="FILE",
-                        help="as snakemake's (default: config.yaml in the current directory)")
+        prog="python -m dflash_pipeline.stages.verify",
+        description=__doc__.splitlines()[0],
+        epilog="Arguments after -- go to snakemake (with --repair).",
+    )
+    parser.add_argument(
+        "--configfile",
+        "--configfiles",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="as snakemake's (default: config.yaml in the current directory)",
+    )
     parser.add_argument("--default-storage-prefix", default=None, help="an S3 run's prefix (as given to snakemake)")
-    parser.add_argument("--repair", action="store_true",
-                        help="delete the damaged objects, then run snakemake --forcerun on every missing "
-                        "or damaged one (exactly those and what follows are rebuilt)")
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="delete the damaged objects, then run snakemake --forcerun on every missing "
+        "or damaged one (exactly those and what follows are rebuilt)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="with --repair: print, change nothing")
-    parser.add_argument("--sizes-only", action="store_true",
-                        help="compare sizes only (one listing, no object read; misses a flipped byte)")
+    parser.add_argument(
+        "--sizes-only",
+        action="store_true",
+        help="compare sizes only (one listing, no object read; misses a flipped byte)",
+    )
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
     args = parser.parse_args(argv)
     if args.default_storage_prefix and not is_s3_url(args.default_storage_prefix):
@@ -219,8 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     root = layout.run_root(config["results_dir"], config["run"])
     run_url = layout.run_url(root, "s3" if args.default_storage_prefix else None, args.default_storage_prefix)
     if not is_s3_url(run_url) and not Path(run_url).is_dir():
-        print(f"verify: the run root {run_url} does not exist (run the workflow first, or give "
-              "--configfile / --default-storage-prefix)", file=sys.stderr)
+        print(
+            f"verify: the run root {run_url} does not exist (run the workflow first, or give "
+            "--configfile / --default-storage-prefix)",
+            file=sys.stderr,
+        )
         return 2
     storage = open_storage(run_url)
     try:
@@ -229,8 +265,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verify: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"run_url": run_url, "checked": report.checked, "unchecked": report.unchecked,
-                          "findings": [f.__dict__ for f in report.findings]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "run_url": run_url,
+                    "checked": report.checked,
+                    "unchecked": report.unchecked,
+                    "findings": [f.__dict__ for f in report.findings],
+                },
+                indent=1,
+            )
+        )
     else:
         print("\n".join(report.lines(storage)))
     if not args.repair:

@@ -53,25 +53,35 @@ class CliError(Exception):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dflash_pipeline.status", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_pipeline.status",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("action", nargs="?", choices=["serve", "start", "stop"], default="serve")
     p.add_argument("--configfile", default="config.yaml", help="the workflow config (default: %(default)s)")
     p.add_argument("--run-url", help="the run root (local folder or s3:// URL); overrides the config")
     p.add_argument("--default-storage-prefix", help="the S3 prefix of an S3 run (as given to Snakemake)")
     p.add_argument("--num-shards", type=int, help="shards per stage; overrides the config")
     p.add_argument("--num-segments", type=int, help="training segments; overrides the config")
-    p.add_argument("--until", choices=layout.STAGES,
-                   help="the last stage the run builds; overrides the config")
+    p.add_argument("--until", choices=layout.STAGES, help="the last stage the run builds; overrides the config")
     p.add_argument("--workdir", default=".", help="Snakemake's working directory (default: %(default)s)")
-    p.add_argument("--events-file", default=DEFAULT_EVENTS_FILE,
-                   help="the dflash logger plugin's events, relative to --workdir (default: %(default)s)")
+    p.add_argument(
+        "--events-file",
+        default=DEFAULT_EVENTS_FILE,
+        help="the dflash logger plugin's events, relative to --workdir (default: %(default)s)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     # A string, checked by hand: a bad port is one line and exit 1 (argparse prints its usage).
     p.add_argument("--port", default="8080", help="port (default: %(default)s; 0: any free one)")
-    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
-                   help="another name the page is reached by (a reverse proxy's); loopback names and "
-                   "the bound address are always allowed, any other Host header gets a 421")
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name the page is reached by (a reverse proxy's); loopback names and "
+        "the bound address are always allowed, any other Host header gets a 421",
+    )
     p.add_argument("--token-file", help=f"a file holding the access token (mode 0600); default: ${TOKEN_ENV}")
     # Refused (see main): a token on the command line is visible to every user in `ps`.
     p.add_argument("--token", help=argparse.SUPPRESS)
@@ -211,8 +221,10 @@ def our_server(args) -> tuple[dict | None, str | None]:
     tree = _tree(args.workdir)
     recorded = record.get("workdir")
     if recorded is not None and recorded != tree:
-        return None, (f"the pid file {pidfile} belongs to the status page of {recorded} "
-                      "(a copied tree?), not this one: left alone")
+        return None, (
+            f"the pid file {pidfile} belongs to the status page of {recorded} "
+            "(a copied tree?), not this one: left alone"
+        )
     running = server_tree(record["pid"])
     if running != tree:
         return None, f"pid {record['pid']} of {pidfile} is no longer this tree's status page"
@@ -235,15 +247,31 @@ def start_background(args, port: int, token: str | None) -> int:
         print(f"Status page already running: {page_url(record.get('host', args.host), shown, token)}")
         return 0
     if port and _port_open(args.host, port):
-        raise CliError(f"port {port} is taken by another program: status page not started "
-                       "(choose one with --port)")
+        raise CliError(f"port {port} is taken by another program: status page not started (choose one with --port)")
     resolve_source(args)  # fail here, in the foreground, on a bad config
     tree = _tree(workdir)
-    serve = ["serve", "--workdir", tree, "--configfile", args.configfile, "--events-file", args.events_file,
-             "--host", args.host, "--port", str(port), "--refresh", str(args.refresh)]
-    for flag, value in (("--run-url", args.run_url), ("--default-storage-prefix", args.default_storage_prefix),
-                        ("--num-shards", args.num_shards), ("--num-segments", args.num_segments),
-                        ("--until", args.until)):
+    serve = [
+        "serve",
+        "--workdir",
+        tree,
+        "--configfile",
+        args.configfile,
+        "--events-file",
+        args.events_file,
+        "--host",
+        args.host,
+        "--port",
+        str(port),
+        "--refresh",
+        str(args.refresh),
+    ]
+    for flag, value in (
+        ("--run-url", args.run_url),
+        ("--default-storage-prefix", args.default_storage_prefix),
+        ("--num-shards", args.num_shards),
+        ("--num-segments", args.num_segments),
+        ("--until", args.until),
+    ):
         if value is not None:
             serve += [flag, str(value)]
     for name in args.allow_host:
@@ -257,7 +285,10 @@ def start_background(args, port: int, token: str | None) -> int:
     with open(logfile, "ab") as log_fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", MODULE, *serve],
-            stdin=subprocess.DEVNULL, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fh,
+            stderr=subprocess.STDOUT,
+            env=env,
             start_new_session=True,  # outlives the caller (make, Snakemake's onstart)
         )
     # Recorded at once: a server slow to answer is still this tree's, and `stop` finds it.
@@ -307,8 +338,9 @@ def serve(args, port: int, token: str | None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     source = resolve_source(args)
     try:
-        server = StatusServer(SnapshotBuilder(source), args.host, port, token, args.refresh,
-                              allowed_hosts=args.allow_host)
+        server = StatusServer(
+            SnapshotBuilder(source), args.host, port, token, args.refresh, allowed_hosts=args.allow_host
+        )
     except ValueError as err:  # beyond loopback without a token
         raise CliError(str(err)) from None
     except OverflowError as err:
@@ -317,8 +349,9 @@ def serve(args, port: int, token: str | None) -> int:
         if err.errno == errno.EADDRINUSE:
             raise CliError(f"port {port} on {args.host} is already in use (choose another with --port)") from None
         if err.errno == errno.EACCES:
-            raise CliError(f"no permission to serve on port {port} (ports below 1024 need root; choose "
-                           "another with --port)") from None
+            raise CliError(
+                f"no permission to serve on port {port} (ports below 1024 need root; choose another with --port)"
+            ) from None
         raise CliError(f"cannot serve on {args.host}:{port}: {err.strerror or err}") from None
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter(server.redact))
@@ -338,8 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.token is not None:
-            raise CliError(f"--token puts the token on the command line, where `ps` shows it to every "
-                           f"user: set ${TOKEN_ENV} or use --token-file FILE (mode 0600) instead")
+            raise CliError(
+                f"--token puts the token on the command line, where `ps` shows it to every "
+                f"user: set ${TOKEN_ENV} or use --token-file FILE (mode 0600) instead"
+            )
         if args.action == "stop":
             return stop_background(args)
         port = parse_port(args.port)

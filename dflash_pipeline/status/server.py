@@ -58,7 +58,6 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
 
-
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -152,11 +151,13 @@ class StatusState:
             self._start_build(redact)
         if not self._first_done.wait(self.first_wait_s):
             waited = time.monotonic() - (self._started_at or time.monotonic())
-            return json.dumps({
-                "error": f"reading the run for the first time ({waited:.0f} s so far; a large S3 run "
-                         "takes minutes): the page fills in when it is done",
-                "generated_at": time.time(),
-            }).encode("utf-8")
+            return json.dumps(
+                {
+                    "error": f"reading the run for the first time ({waited:.0f} s so far; a large S3 run "
+                    "takes minutes): the page fills in when it is done",
+                    "generated_at": time.time(),
+                }
+            ).encode("utf-8")
         with self._lock:
             due = time.monotonic() - self._built_at >= max(self.refresh_s, 2 * self._build_s)
             start = due and not self._rebuilding

@@ -107,9 +107,7 @@ class SnapshotBuilder:
 
     def __init__(self, source: RunSource):
         self.source = source
-        self.board = (
-            RunJobBoard(source.events_file, source.storage.url, source.workdir) if source.events_file else None
-        )
+        self.board = RunJobBoard(source.events_file, source.storage.url, source.workdir) if source.events_file else None
         self._cache: dict[str, tuple[tuple[int, float], object]] = {}
         # The run root's objects as last listed, sorted by key (keys in a parallel list).
         self._objects: list[ObjectInfo] | None = None
@@ -165,7 +163,8 @@ class SnapshotBuilder:
         n = self.source.num_shards
         for stage, shards in done.items():
             self._settled[stage] = {
-                b for b in range((n + SETTLED_BLOCK - 1) // SETTLED_BLOCK)
+                b
+                for b in range((n + SETTLED_BLOCK - 1) // SETTLED_BLOCK)
                 if all(s in shards for s in range(b * SETTLED_BLOCK, min((b + 1) * SETTLED_BLOCK, n)))
             }
 
@@ -233,7 +232,11 @@ class SnapshotBuilder:
             """A finished shard's telemetry whose counts its stage's totals object holds: not
             read (a cold refresh of 10,000 finished shards reads a few objects, not 20,000)."""
             m = TELEMETRY_KEY.match(key)
-            return bool(m) and int(m["shard"]) in done.get(m["stage"], ()) and int(m["shard"]) in totals.get(m["stage"], {})
+            return (
+                bool(m)
+                and int(m["shard"]) in done.get(m["stage"], ())
+                and int(m["shard"]) in totals.get(m["stage"], {})
+            )
 
         self._prefetch(objects, skip=summed)
         storage_use: dict[str, dict] = {}
@@ -261,7 +264,9 @@ class SnapshotBuilder:
             elif obj.key == layout.EVAL_METRICS:
                 eval_metrics = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
             elif obj.key == layout.HALT:
-                halt = self._read_cached(obj.key, obj.size, obj.mtime, json.loads) or {"cause": "unreadable halt object"}
+                halt = self._read_cached(obj.key, obj.size, obj.mtime, json.loads) or {
+                    "cause": "unreadable halt object"
+                }
             elif obj.key == layout.RUN_LEASE:
                 lease = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
 
@@ -298,7 +303,9 @@ class SnapshotBuilder:
                     continue
                 if (job is not None and job.state == "running") or (job is None and tele_live):
                     counts["running"] += 1
-                    row = self._running_row(stage, stage, shard, job, tele, now)  # shard stages are named as their rules
+                    row = self._running_row(
+                        stage, stage, shard, job, tele, now
+                    )  # shard stages are named as their rules
                     fraction_sum += (row["percent"] or 0.0) / 100.0
                     running.append(row)
                 elif (job is not None and job.state == "failed") or (
@@ -323,8 +330,10 @@ class SnapshotBuilder:
             stages.append(train_row)
         # Jobs of rules without shards or segments (ingest, export, report) that failed.
         for job in events.jobs.values():
-            if job.state == "failed" and job.rule != "train" and (
-                job.rule not in SHARD_STAGES or "shard" not in job.wildcards
+            if (
+                job.state == "failed"
+                and job.rule != "train"
+                and (job.rule not in SHARD_STAGES or "shard" not in job.wildcards)
             ):
                 failed.append(self._failed_row(None, job.rule, None, job, None))
 
@@ -404,20 +413,30 @@ class SnapshotBuilder:
             if seg.get("done"):
                 counts["done"] += 1
                 fraction_sum += 1.0
-            elif (job is not None and job.state == "running") or (job is None and tele.get("state") == "running" and fresh):
+            elif (job is not None and job.state == "running") or (
+                job is None and tele.get("state") == "running" and fresh
+            ):
                 counts["running"] += 1
                 steps_done, steps_total = tele.get("steps_done"), tele.get("steps_total")
                 percent = round(100.0 * steps_done / steps_total, 2) if steps_total and steps_done is not None else None
                 fraction_sum += (percent or 0.0) / 100.0
-                running.append({
-                    "stage": "train", "rule": "train", "shard": f"segment-{layout.segment_name(segment)}",
-                    "jobid": job.jobid if job is not None else None,
-                    "samples_done": steps_done, "samples_total": steps_total, "percent": percent,
-                    "tokens_per_s": tele.get("tokens_per_s"), "eta_s": tele.get("eta_s"), "errors": None,
-                    "elapsed_s": round(now - job.started_at, 1) if job is not None and job.started_at else None,
-                    "updated_at": tele.get("updated_at"),
-                    "log_tail": self._log_tail(job.log if job else [], log_key),
-                })
+                running.append(
+                    {
+                        "stage": "train",
+                        "rule": "train",
+                        "shard": f"segment-{layout.segment_name(segment)}",
+                        "jobid": job.jobid if job is not None else None,
+                        "samples_done": steps_done,
+                        "samples_total": steps_total,
+                        "percent": percent,
+                        "tokens_per_s": tele.get("tokens_per_s"),
+                        "eta_s": tele.get("eta_s"),
+                        "errors": None,
+                        "elapsed_s": round(now - job.started_at, 1) if job is not None and job.started_at else None,
+                        "updated_at": tele.get("updated_at"),
+                        "log_tail": self._log_tail(job.log if job else [], log_key),
+                    }
+                )
             elif (job is not None and job.state == "failed") or (job is None and tele.get("state") == "failed"):
                 counts["failed"] += 1
                 row = self._failed_row(None, "train", None, job, tele)
@@ -426,8 +445,14 @@ class SnapshotBuilder:
                 failed.append(row)
             else:
                 counts["missing"] += 1
-        return {"stage": "train", "rule": "train", "total": total, **counts,
-                "percent": round(100.0 * fraction_sum / total, 2), "bytes": 0}
+        return {
+            "stage": "train",
+            "rule": "train",
+            "total": total,
+            **counts,
+            "percent": round(100.0 * fraction_sum / total, 2),
+            "bytes": 0,
+        }
 
     def _running_row(self, stage, rule, shard, job, tele, now) -> dict:
         tele = tele or {}
@@ -498,7 +523,7 @@ def local_log_path(name: str) -> str:
     (``s3://bucket/key (send to storage)``) Snakemake's local copy of it."""
     name = FILE_ANNOTATION.sub("", name.strip())
     if name.startswith("s3://"):
-        return f"{LOCAL_STORAGE_PREFIX}/s3/{name[len('s3://'):]}"
+        return f"{LOCAL_STORAGE_PREFIX}/s3/{name[len('s3://') :]}"
     return name
 
 
@@ -528,5 +553,3 @@ def _parser_for(key: str):
     if key in (layout.EVAL_METRICS, layout.HALT, layout.RUN_LEASE):
         return json.loads
     return None
-
-

@@ -119,9 +119,7 @@ def attention_masks(drafter: DFlashDrafter, blocks: Blocks, context_len: int, ba
     for layer_type in set(config.layer_types):
         window = config.sliding_window if layer_type == SLIDING else None
         if backend == "flex":
-            masks[layer_type] = flex_block_mask(
-                blocks.anchors, blocks.keep, context_len, blocks.block_size, window
-            )
+            masks[layer_type] = flex_block_mask(blocks.anchors, blocks.keep, context_len, blocks.block_size, window)
         else:
             mask = block_visibility(blocks.anchors, blocks.keep, context_len, blocks.block_size, window)
             # Padding blocks see nothing; SDPA turns an all-masked row into NaN, which would leak

@@ -251,9 +251,7 @@ def gather_entries(group: Collective, entry: dict | BaseException) -> list[dict]
     return entries
 
 
-def save_checkpoint(
-    storage: Storage, prefix: str, state: dict, rng: dict, group: Collective | None = None
-) -> dict:
+def save_checkpoint(storage: Storage, prefix: str, state: dict, rng: dict, group: Collective | None = None) -> dict:
     """Every rank of ``group`` calls this with the same ``state`` (DDP: replicated) and its own
     ``rng``; each writes its shard, rank 0 the index last. Returns the index."""
     group = group or SingleProcess()
@@ -375,7 +373,9 @@ def load_model_weights(
             for key, tensor in payload["tensors"].items():
                 if key.startswith(MODEL_PATH):
                     # A copy, before the local file goes (a converted tensor is one already).
-                    weights[key[len(MODEL_PATH):]] = tensor.clone() if dtype in (None, tensor.dtype) else tensor.to(dtype)
+                    weights[key[len(MODEL_PATH) :]] = (
+                        tensor.clone() if dtype in (None, tensor.dtype) else tensor.to(dtype)
+                    )
             del payload
     return weights
 
@@ -385,7 +385,10 @@ MODEL_PATH = "/model/"
 
 
 def load_checkpoint(
-    storage: Storage, prefix: str, map_location: torch.device | str = "cpu", rank: int = 0,
+    storage: Storage,
+    prefix: str,
+    map_location: torch.device | str = "cpu",
+    rank: int = 0,
     group: Collective | None = None,
 ) -> Checkpoint | None:
     """The checkpoint at ``prefix`` with every tensor on ``map_location``, or None when it has no
@@ -397,7 +400,9 @@ def load_checkpoint(
         return None
     device = map_location_for(map_location)
     if (
-        group is not None and group.world > 1 and int(index.get("world", 0)) == group.world
+        group is not None
+        and group.world > 1
+        and int(index.get("world", 0)) == group.world
         and hasattr(group, "broadcast_object")
     ):
         return _load_shared(storage, prefix, index, device, group)
@@ -439,20 +444,25 @@ def _load_shared(storage: Storage, prefix: str, index: dict, device: torch.devic
         listing = None
         if mine:
             listing = {
-                "tensors": {name: (list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in payload["tensors"].items()},
+                "tensors": {
+                    name: (list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in payload["tensors"].items()
+                },
                 "skeleton": payload["skeleton"] if source == 0 else None,
             }
         listing = group.broadcast_object(listing, source)
         for name, (shape, dtype) in sorted(listing["tensors"].items()):
-            tensor = payload["tensors"][name] if mine else torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            tensor = (
+                payload["tensors"][name] if mine else torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            )
             group.broadcast_tensor(tensor, source)
             tensors[name] = tensor
         if source == 0:
             skeleton = listing["skeleton"]
     if skeleton is None:
         raise CheckpointError(f"checkpoint {storage.join(prefix + INDEX)} lists no rank-0 shard")
-    return Checkpoint(state=join_tensors(skeleton, tensors), rng=payload["rng"], index=index,
-                      bytes_read=int(expected["size"]))
+    return Checkpoint(
+        state=join_tensors(skeleton, tensors), rng=payload["rng"], index=index, bytes_read=int(expected["size"])
+    )
 
 
 class RollingCheckpoints:

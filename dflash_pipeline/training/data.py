@@ -97,8 +97,14 @@ class TrainingSet:
     shard order): ``len``, ``lengths`` (for the batch plan) and ``set[i]`` / ``set[a:b]``, which
     build ``TrainingRow``s for the rows asked for only."""
 
-    def __init__(self, shards: list[str], sources: list[_ShardColumns], shard_of: np.ndarray,
-                 row_of: np.ndarray, lengths: np.ndarray):
+    def __init__(
+        self,
+        shards: list[str],
+        sources: list[_ShardColumns],
+        shard_of: np.ndarray,
+        row_of: np.ndarray,
+        lengths: np.ndarray,
+    ):
         self.shards = shards
         self.sources = sources
         self.shard_of = shard_of
@@ -180,8 +186,9 @@ def _open_mapped(path: Path) -> pa.Table:
     return table
 
 
-def read_training_sequences(paths: dict[str, str], min_supervised: int = 2,
-                            cache_dir: str | Path | None = None, rank: int = 0, world: int = 1) -> TrainingSet:
+def read_training_sequences(
+    paths: dict[str, str], min_supervised: int = 2, cache_dir: str | Path | None = None, rank: int = 0, world: int = 1
+) -> TrainingSet:
     """Train-split rows of the tokenized shards ``{shard: path}`` with enough supervised tokens
     for a block (held-out rows stay out of training), memory-mapped from ``cache_dir``.
 
@@ -196,9 +203,7 @@ def read_training_sequences(paths: dict[str, str], min_supervised: int = 2,
     shards, sources, shard_of, row_of, lengths = [], [], [], [], []
     for name in names:
         table = _open_mapped(local_arrow_copy(paths[name], cache_dir))
-        keep = pc.and_(
-            pc.equal(table["split"], TRAIN), pc.greater_equal(table["num_supervised"], min_supervised)
-        )
+        keep = pc.and_(pc.equal(table["split"], TRAIN), pc.greater_equal(table["num_supervised"], min_supervised))
         rows = np.flatnonzero(keep.to_numpy(zero_copy_only=False)).astype(np.int64)
         if not len(rows):
             continue
@@ -208,9 +213,7 @@ def read_training_sequences(paths: dict[str, str], min_supervised: int = 2,
         shards.append(name)
         sources.append(_ShardColumns(table))
     if not shards:
-        raise TrainingDataError(
-            f"no training rows in {sorted(paths.values())} (all held out or too short)"
-        )
+        raise TrainingDataError(f"no training rows in {sorted(paths.values())} (all held out or too short)")
     return TrainingSet(shards, sources, np.concatenate(shard_of), np.concatenate(row_of), np.concatenate(lengths))
 
 

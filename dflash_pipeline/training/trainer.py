@@ -130,14 +130,19 @@ class MetricsLog:
         done = (last.get("step", self.steps[0] - 1) + 1) - self.steps[0]
         total = self.steps[1] - self.steps[0]
         rate = last.get("steps_per_s")
-        write_telemetry(self.storage, self.prefix, {"stage": "train", "segment": self.segment}, {
-            "state": state,
-            "step": last.get("step"),
-            "steps_done": done,
-            "steps_total": total,
-            "tokens_per_s": last.get("tokens_per_s"),
-            "eta_s": round((total - done) / rate, 1) if rate else None,
-        })
+        write_telemetry(
+            self.storage,
+            self.prefix,
+            {"stage": "train", "segment": self.segment},
+            {
+                "state": state,
+                "step": last.get("step"),
+                "steps_done": done,
+                "steps_total": total,
+                "tokens_per_s": last.get("tokens_per_s"),
+                "eta_s": round((total - done) / rate, 1) if rate else None,
+            },
+        )
         self.last_flush = time.time()
 
 
@@ -224,9 +229,7 @@ class _SegmentRun:
 
     def _restore(self) -> str:
         """Load the state to start from; returns where it came from."""
-        self.rolling = RollingCheckpoints(
-            self.storage, layout.train_progress_prefix(self.job.segment) + "checkpoint/"
-        )
+        self.rolling = RollingCheckpoints(self.storage, layout.train_progress_prefix(self.job.segment) + "checkpoint/")
         # Every tensor onto this rank's own device (never the device it was saved from).
         where = dict(map_location=self.device, rank=self.dist.rank, group=self.dist)
         loaded = self.rolling.load_latest(**where)
@@ -322,9 +325,7 @@ class _SegmentRun:
             "step_time_s": round(elapsed, 4),
             "steps_per_s": round(1.0 / elapsed, 4),
             "tokens_per_s": round(tokens / elapsed, 1),
-            "gpu_mem_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
-            if self.on_gpu
-            else None,
+            "gpu_mem_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3) if self.on_gpu else None,
             "time": time.time(),
         }
 
@@ -352,7 +353,9 @@ class _SegmentRun:
         # Memory-mapped: every rank maps the same local copies (shared page cache), none holds
         # the set in its own memory.
         self.sequences = read_training_sequences(
-            self.job.tokenized, cache_dir=s.get("data_cache_dir"), rank=self.dist.local_rank,
+            self.job.tokenized,
+            cache_dir=s.get("data_cache_dir"),
+            rank=self.dist.local_rank,
             world=int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world)),
         )
         self.plan = BatchOrder(self.sequences.lengths, s["batch_size"] * self.dist.world, s["seed"])
@@ -396,8 +399,10 @@ class _SegmentRun:
                 if last and (stop or orphaned):
                     # The final checkpoint below is the save: nothing is dropped, no new rolling
                     # checkpoint is needed, and the segment is done.
-                    log.warning(f"{'SIGTERM' if stop else 'driver gone'} at the segment's last step "
-                                f"({self.step}): finishing the segment, then exiting")
+                    log.warning(
+                        f"{'SIGTERM' if stop else 'driver gone'} at the segment's last step "
+                        f"({self.step}): finishing the segment, then exiting"
+                    )
                     break
                 if stop or orphaned:
                     self._commit_pending(metrics)

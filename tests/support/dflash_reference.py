@@ -38,7 +38,9 @@ def reference_python() -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     target = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", target,
@@ -51,7 +53,7 @@ def reference_python() -> Path:
     return python
 
 
-RUN_REFERENCE = r'''
+RUN_REFERENCE = r"""
 import json, sys, time
 from pathlib import Path
 import torch
@@ -121,16 +123,23 @@ print(json.dumps({
     "dflash2": dflash2,
     "results": results,
 }))
-'''
+"""
 
 
-def run_reference_loop(target: Path, drafter: Path, prompts: list[list[int]], max_new_tokens: int,
-                       stop_tokens: list[str]) -> dict:
+def run_reference_loop(
+    target: Path, drafter: Path, prompts: list[list[int]], max_new_tokens: int, stop_tokens: list[str]
+) -> dict:
     python = reference_python()
-    args = {"target": str(target), "drafter": str(drafter), "prompts": prompts,
-            "max_new_tokens": max_new_tokens, "stop_tokens": stop_tokens}
-    proc = subprocess.run([str(python), "-c", RUN_REFERENCE, json.dumps(args)],
-                          capture_output=True, text=True, timeout=600)
+    args = {
+        "target": str(target),
+        "drafter": str(drafter),
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "stop_tokens": stop_tokens,
+    }
+    proc = subprocess.run(
+        [str(python), "-c", RUN_REFERENCE, json.dumps(args)], capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"the dflash package failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -27,9 +27,7 @@ def metadata_only_env(folder: Path, distribution: str, version: str) -> Path:
     site = next((folder / "lib").glob("python3*/site-packages"))
     dist_info = site / f"{distribution.replace('-', '_')}-{version}.dist-info"
     dist_info.mkdir(exist_ok=True)
-    (dist_info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n"
-    )
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
     return folder / "bin" / "python"
 
 

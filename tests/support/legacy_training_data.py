@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 from dflash_pipeline.data.sharding import TRAIN
 from dflash_pipeline.training.data import TrainingDataError
 
+
 @dataclass
 class TrainingRow:
     """One training row. Its tokens stay in the shard's Arrow column (int32 / int8) until a batch
@@ -40,12 +41,8 @@ def read_training_sequences(paths: dict[str, str], min_supervised: int = 2) -> l
     for a block (held-out rows stay out of training)."""
     sequences = []
     for shard, path in sorted(paths.items()):
-        table = pq.read_table(
-            path, columns=["id", "split", "input_ids", "loss_mask", "num_tokens", "num_supervised"]
-        )
-        keep = pc.and_(
-            pc.equal(table["split"], TRAIN), pc.greater_equal(table["num_supervised"], min_supervised)
-        )
+        table = pq.read_table(path, columns=["id", "split", "input_ids", "loss_mask", "num_tokens", "num_supervised"])
+        keep = pc.and_(pc.equal(table["split"], TRAIN), pc.greater_equal(table["num_supervised"], min_supervised))
         ids = table["id"].to_pylist()
         lengths = table["num_tokens"].to_pylist()
         input_ids = table["input_ids"].combine_chunks()
@@ -54,7 +51,5 @@ def read_training_sequences(paths: dict[str, str], min_supervised: int = 2) -> l
             row = int(row)
             sequences.append(TrainingRow(ids[row], shard, row, lengths[row], input_ids, loss_mask))
     if not sequences:
-        raise TrainingDataError(
-            f"no training rows in {sorted(paths.values())} (all held out or too short)"
-        )
+        raise TrainingDataError(f"no training rows in {sorted(paths.values())} (all held out or too short)")
     return sequences

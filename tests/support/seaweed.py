@@ -106,9 +106,7 @@ def start_seaweed(data_dir: Path, bucket: str = "dflash-test", timeout: float = 
 def _launch(args: list[str], log_path: Path) -> subprocess.Popen:
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def _wait_ready(server: SeaweedServer, timeout: float) -> None:
@@ -120,9 +118,7 @@ def _wait_ready(server: SeaweedServer, timeout: float) -> None:
             return
         time.sleep(0.3)
     server.stop()
-    raise RuntimeError(
-        f"weed mini did not serve S3 on {server.endpoint} within {timeout} s; see {server.log_path}"
-    )
+    raise RuntimeError(f"weed mini did not serve S3 on {server.endpoint} within {timeout} s; see {server.log_path}")
 
 
 def _bucket_ready(server: SeaweedServer) -> bool:

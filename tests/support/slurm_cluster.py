@@ -108,8 +108,15 @@ class SlurmCluster:
     def sacct(self, *fields: str, extra: tuple[str, ...] = ()) -> list[dict[str, str]]:
         """Every job's allocation record (sacct -X), one dict per job with the named fields."""
         proc = self.command(
-            "sacct", "-X", "--allusers", "--parsable2", "--noheader", "--starttime", "now-1days",
-            f"--format={','.join(fields)}", *extra,
+            "sacct",
+            "-X",
+            "--allusers",
+            "--parsable2",
+            "--noheader",
+            "--starttime",
+            "now-1days",
+            f"--format={','.join(fields)}",
+            *extra,
         )
         return [dict(zip(fields, line.split("|"))) for line in proc.stdout.splitlines() if line]
 
@@ -222,8 +229,10 @@ def _port_open(port: int) -> bool:
 
 def _node_ready(cluster: SlurmCluster) -> bool:
     proc = cluster.command("sinfo", "--noheader", "--Node", "--format=%t", check=False)
-    return proc.returncode == 0 and bool(proc.stdout.split()) and all(
-        state.rstrip("*") == "idle" for state in proc.stdout.split()
+    return (
+        proc.returncode == 0
+        and bool(proc.stdout.split())
+        and all(state.rstrip("*") == "idle" for state in proc.stdout.split())
     )
 
 
@@ -260,7 +269,9 @@ def _start_munge(cluster: SlurmCluster) -> None:
         cluster,
         "munged",
         [
-            "munged", "--foreground", "--force",
+            "munged",
+            "--foreground",
+            "--force",
             f"--socket={cluster.munge_socket}",
             f"--key-file={key}",
             f"--pid-file={cluster.root / 'munge/munged.pid'}",
@@ -274,8 +285,14 @@ def _start_munge(cluster: SlurmCluster) -> None:
 def _start_mariadb(cluster: SlurmCluster, port: int, timeout: float) -> None:
     datadir = cluster.root / "db"
     subprocess.run(
-        [_which("mariadb-install-db"), "--no-defaults", "--user=root", f"--datadir={datadir}",
-         "--auth-root-authentication-method=normal", "--skip-test-db"],
+        [
+            _which("mariadb-install-db"),
+            "--no-defaults",
+            "--user=root",
+            f"--datadir={datadir}",
+            "--auth-root-authentication-method=normal",
+            "--skip-test-db",
+        ],
         check=True,
         capture_output=True,
     )
@@ -284,12 +301,21 @@ def _start_mariadb(cluster: SlurmCluster, port: int, timeout: float) -> None:
         cluster,
         "mariadbd",
         [
-            "mariadbd", "--no-defaults", "--user=root", f"--datadir={datadir}",
-            f"--socket={cluster.root / 'run/mysqld.sock'}", f"--port={port}", "--bind-address=127.0.0.1",
-            f"--pid-file={cluster.root / 'run/mysqld.pid'}", f"--log-error={cluster.log('mariadbd')}",
+            "mariadbd",
+            "--no-defaults",
+            "--user=root",
+            f"--datadir={datadir}",
+            f"--socket={cluster.root / 'run/mysqld.sock'}",
+            f"--port={port}",
+            "--bind-address=127.0.0.1",
+            f"--pid-file={cluster.root / 'run/mysqld.pid'}",
+            f"--log-error={cluster.log('mariadbd')}",
             # Only slurmdbd connects, from loopback; small buffers for a small machine.
-            "--skip-grant-tables", "--skip-name-resolve", "--innodb-buffer-pool-size=64M",
-            "--innodb-log-file-size=32M", "--innodb-lock-wait-timeout=900",
+            "--skip-grant-tables",
+            "--skip-name-resolve",
+            "--innodb-buffer-pool-size=64M",
+            "--innodb-log-file-size=32M",
+            "--innodb-lock-wait-timeout=900",
         ],
     )
     _wait(lambda: _port_open(port), timeout, "MariaDB to listen", cluster, "mariadbd")
@@ -323,8 +349,7 @@ def _write_configs(cluster: SlurmCluster, ports: dict[str, int]) -> None:
             devices.append(device)
     if cluster.gpus:
         (root / "etc/gres.conf").write_text(
-            "AutoDetect=off\n"
-            + "".join(f"NodeName={cluster.node} Name=gpu File={device}\n" for device in devices)
+            "AutoDetect=off\n" + "".join(f"NodeName={cluster.node} Name=gpu File={device}\n" for device in devices)
         )
         gres = f" Gres=gpu:{cluster.gpus}"
     cluster.conf.write_text(

@@ -30,14 +30,32 @@ from pathlib import Path
 # What vLLM's DFlash model and proposer read from the draft config (vllm 0.32.0
 # qwen3_dflash.py, llm_base_proposer.py, gpu_model_runner.py).
 TOP_LEVEL = (
-    "architectures", "eagle_aux_hidden_state_layer_ids", "hidden_size", "intermediate_size",
-    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-    "rms_norm_eps", "rope_parameters", "max_position_embeddings", "attention_bias", "hidden_act",
-    "layer_types", "sliding_window", "target_hidden_size",
+    "architectures",
+    "eagle_aux_hidden_state_layer_ids",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_parameters",
+    "max_position_embeddings",
+    "attention_bias",
+    "hidden_act",
+    "layer_types",
+    "sliding_window",
+    "target_hidden_size",
 )
 DFLASH_KEYS = (
-    "mask_token_id", "target_layer_ids", "use_aux_hidden_state", "conv_kernel_size",
-    "conv_group_size", "selector_rank", "selector_top_k",
+    "mask_token_id",
+    "target_layer_ids",
+    "use_aux_hidden_state",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
 )
 
 
@@ -58,7 +76,8 @@ def loading_report(folder: str) -> tuple[dict, dict]:
         # The file's tensors cast to the model's dtype (the config's: the verifier's embedding
         # and LM head may be stored wider than the drafter's tensors).
         return sorted(
-            name for name, tensor in stored.items()
+            name
+            for name, tensor in stored.items()
             if name not in state or not torch.equal(state[name], tensor.to(state[name].dtype))
         )
 
@@ -78,9 +97,7 @@ def loading_report(folder: str) -> tuple[dict, dict]:
     return loading, {
         "class": type(official).__name__,
         "differing": differing(state),
-        "nonfinite": sorted(
-            name for name in stored if name in state and not torch.isfinite(state[name]).all()
-        ),
+        "nonfinite": sorted(name for name in stored if name in state and not torch.isfinite(state[name]).all()),
     }
 
 
