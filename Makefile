@@ -33,7 +33,7 @@ SGLANG_ARGS_VERSIONS := 0.5.17 0.5.23
 sglang_args_stamp = $(SGLANG_ARGS_DIR)/$(1)/.installed-$(shell cat envs/sglang-$(1)-args.txt | sha256sum | cut -c1-12)
 SGLANG_ARGS_STAMPS := $(foreach v,$(SGLANG_ARGS_VERSIONS),$(call sglang_args_stamp,$(v)))
 
-.PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt plan vllm-env \
+.PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt plan tune vllm-env \
 	sglang-args-envs fetch gpu-env vllm-gpu-env sglang-env
 
 setup: $(STAMP)
@@ -161,6 +161,16 @@ GPUS ?=
 plan: setup
 	$(PY) -m dflash_pipeline.stages.plan $(CONFIG_ARGS) \
 		$(if $(GPUS),--gpus $(GPUS)) $(if $(PREFIX),--default-storage-prefix $(PREFIX))
+
+# Measure the generation engine on the run's own prompts (rule tune): a few concurrencies, with
+# and without MTP, one device's share; the result (outputs/tune-result.json in the run root)
+# sets generate's concurrency and plan's rate. Skipped when the result is up to date; FORCE=1
+# measures again. Runs the stages it needs first (ingest, prepare; the demo target on the demo).
+#   make tune CONFIG=config/examples/qwen3.6-27b.yaml [PREFIX=s3://bucket/prefix] [FORCE=1]
+tune: setup
+	$(SNAKEMAKE) --cores $(CORES) --resources gpu=$(or $(GPUS),1) $(CONFIG_ARGS) \
+		$(if $(PREFIX),--profile profiles/s3 --default-storage-prefix $(PREFIX)) \
+		$(if $(FORCE),--forcerun tune) -- tune
 
 # Headless Chromium and its driver for the status-page browser test (Debian packages).
 browser-deps:

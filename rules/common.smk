@@ -9,7 +9,8 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import ConfigError, rule_params, validate_config
 from dflash_pipeline.core.gpu_slots import pool_from_config
 from dflash_pipeline.core.resources import job_memory_mb
-from dflash_pipeline.core.storage import is_s3_url
+from dflash_pipeline.core.storage import is_s3_url, open_storage
+from dflash_pipeline.engines.tuning import tune_defining
 
 try:
     config.update(validate_config(config))
@@ -191,6 +192,57 @@ def target_model_input(wildcards):
     )
 
 
+def tune_runs():
+    """Whether the run measures its engine before generating (config tune.enabled; a server the
+    run launches; a run that generates)."""
+    return (
+        config["tune"]["enabled"]
+        and config["generation"]["engine"] != "endpoint"
+        and layout.STAGES.index(config["until"]) >= layout.STAGES.index("generate")
+    )
+
+
+def tune_gpus():
+    """A tune job's GPUs: one server's tensor parallelism (none on a CPU run)."""
+    return (
+        config["generation"]["server"]["tp"]
+        if config["generation"]["gpus_per_job"]
+        else 0
+    )
+
+
+def tune_prompt_shards():
+    count = min(config["num_shards"], layout.TUNE_PROMPT_SHARDS)
+    return [shard_output("prepare").format(shard=shard) for shard in SHARDS[:count]]
+
+
+_TUNE_ORDERS_GENERATE = []
+
+
+def tune_orders_generate():
+    """Generate jobs wait for tune when its result exists or no generate shard exists yet. The
+    result is an ancient() input: measuring again never reruns a finished shard; and a run whose
+    shards were generated before it had a tune result keeps them (tune then runs beside).
+    """
+    if not _TUNE_ORDERS_GENERATE:
+        orders = tune_runs()
+        if orders:
+            run_storage = open_storage(RUN_URL)
+            orders = run_storage.exists(layout.TUNE_RESULT) or not run_storage.list(
+                f"{layout.OUTPUTS_DIR}/generate-"
+            )
+        _TUNE_ORDERS_GENERATE.append(orders)
+    return _TUNE_ORDERS_GENERATE[0]
+
+
+def tune_input(wildcards):
+    return (
+        {"tune": ancient(run_path(layout.TUNE_RESULT))}
+        if tune_orders_generate()
+        else {}
+    )
+
+
 def train_inputs(wildcards):
     segment = int(wildcards.segment)
     inputs = {"tokenized": expand(shard_output("tokenize"), shard=SHARDS)}
@@ -220,6 +272,8 @@ REPORT_ITEMS = {
     "evaluate": ["acceptance.svg"],
 }
 REPORT_STORAGE_ITEM = "storage.svg"
+# The table of tune's measurements, where the run tunes (its input is the tune result).
+REPORT_TUNE_ITEM = "tune.html"
 
 
 def report_storage_inputs():
@@ -237,6 +291,8 @@ def report_storage_inputs():
         outputs.append(run_path(layout.EVAL_METRICS))
     for stage in stages[: until + 1]:
         outputs += [run_path(layout.report_key(name)) for name in REPORT_ITEMS[stage]]
+    if tune_runs():
+        outputs.append(run_path(layout.report_key(REPORT_TUNE_ITEM)))
     return outputs
 
 

@@ -1,9 +1,41 @@
-# Generate: regenerate every assistant turn with the target (dflash_pipeline.stages.generate).
+# Tune: measure the engine on the run's prompts (dflash_pipeline.stages.tune); generate: regenerate
+# every assistant turn with the target (dflash_pipeline.stages.generate).
+
+
+rule tune:
+    input:
+        unpack(target_model_input),
+        prompts=tune_prompt_shards(),
+    output:
+        result=run_path(layout.TUNE_RESULT),
+    log:
+        job=log_path("tune", per_shard=False),
+        engine=run_path(f"{layout.LOGS_DIR}/tune-engine.log"),
+    benchmark:
+        benchmark_path("tune", per_shard=False)
+    conda:
+        "../envs/cpu.yaml"
+    threads: 2
+    resources:
+        # One device's share: the server's tensor parallelism, one data-parallel rank.
+        **slurm(tune_gpus()),
+        gpu=tune_gpus(),
+        mem_mb=JOB_MEMORY_MB["generate"],
+        runtime=240,
+        attempt=lambda wildcards, attempt: attempt,
+    params:
+        run_url=lambda wildcards: RUN_URL,
+        model=config["target"]["model"],
+        # What the result depends on (dflash_pipeline.engines.tuning.tune_defining).
+        defining=tune_defining(config),
+    script:
+        "../scripts/tune.py"
 
 
 rule generate:
     input:
         unpack(target_model_input),
+        unpack(tune_input),
         prompts=shard_output("prepare"),
     output:
         generated=shard_output("generate"),

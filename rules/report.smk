@@ -7,6 +7,7 @@ localrules:
     all,
     report_prompts,
     report_generation,
+    report_tune,
     report_tokenization,
     report_training,
     report_evaluation,
@@ -78,6 +79,30 @@ rule report_generation:
         run_url=lambda wildcards: RUN_URL,
     script:
         "../scripts/report_generation.py"
+
+
+rule report_tune:
+    input:
+        result=run_path(layout.TUNE_RESULT),
+    output:
+        table=report(
+            run_path(layout.report_key("tune.html")),
+            caption="../report/tune.rst",
+            category="2. Generation",
+        ),
+    log:
+        log_path("report_tune", per_shard=False),
+    benchmark:
+        benchmark_path("report_tune", per_shard=False)
+    conda:
+        "../envs/cpu.yaml"
+    threads: 1
+    resources:
+        **slurm(0),
+        mem_mb=1000,
+        runtime=30,
+    script:
+        "../scripts/report_tune.py"
 
 
 rule report_tokenization:

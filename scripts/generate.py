@@ -4,6 +4,8 @@ from dflash_pipeline.core.checksums import record_outputs, verify_inputs
 from dflash_pipeline.core.config import job_settings
 from dflash_pipeline.core.gpu_slots import job_devices, pool_from_config
 from dflash_pipeline.core.joblog import JobAttempt
+from dflash_pipeline.core.storage import open_storage
+from dflash_pipeline.engines.tuning import read_tune_result, tune_defining, tune_key
 from dflash_pipeline.stages.generate import run_job
 
 
@@ -45,6 +47,8 @@ def generate(smk, attempt: JobAttempt) -> None:
             lock_dir,
             smk.config["engines"],
             engine_log_label=attempt.label(smk.log.engine),
+            tuned=read_tune_result(open_storage(smk.params.run_url), tune_key(tune_defining(smk.config))),
+            untuned_concurrency=smk.config["tune"]["untuned_concurrency"],
         )
     record_outputs(smk, [smk.output.generated], smk.wildcards.shard)
 

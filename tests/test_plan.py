@@ -144,6 +144,31 @@ def test_measured_figures_replace_the_assumptions(tmp_path):
     assert "2 finished shards" in plan["bytes"]["generate"]["source"]
 
 
+def test_a_tune_result_replaces_the_assumed_generation_rate_until_shards_have_finished(tmp_path):
+    from dflash_pipeline.engines.tuning import RESULT_SCHEMA, tune_defining, tune_key
+
+    config = seeds_config(generation_tokens_per_s_per_gpu=3000)
+    run = open_storage(tmp_path / "run")
+    result = {
+        "schema": RESULT_SCHEMA, "key": tune_key(tune_defining(config)), "engine": config["generation"]["engine"],
+        "engine_version": "0.5.17", "device": "1 x NVIDIA H200", "created_utc": "2026-12-05T10:00:00Z",
+        "choice": {"concurrency": 128, "mtp": True, "speculative": {"algorithm": "NEXTN"},
+                   "tokens_per_s_per_gpu": 4321.0, "why": "the best throughput within the bounds"},
+    }  # fmt: skip
+    run.write_text(layout.TUNE_RESULT, json.dumps(result))
+    rate = make_plan(config, measure_run(str(tmp_path / "run"), config), gpus=8)["generation"]["tokens_per_s_per_gpu"]
+    assert rate == {
+        "value": 4321.0,
+        "source": f"measured by tune: {config['generation']['engine']} 0.5.17 at concurrency 128, MTP "
+        "on 1 x NVIDIA H200, 2026-12-05",
+    }
+    # Measured for other settings: the assumption again.
+    other = seeds_config(generation_tokens_per_s_per_gpu=3000)
+    other["generation"]["max_new_tokens"] += 1
+    rate = make_plan(other, measure_run(str(tmp_path / "run"), other), gpus=8)["generation"]["tokens_per_s_per_gpu"]
+    assert rate["value"] == 3000 and "assumed" in rate["source"]
+
+
 def test_missing_prompt_count_is_a_clear_error():
     config = seeds_config(prompts=None)
     with pytest.raises(PlanError, match="plan.prompts"):

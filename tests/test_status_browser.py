@@ -7,6 +7,7 @@ screenshot of each page is kept in tests/artifacts/.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -201,11 +202,14 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
 
 
 def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp_path):
+    from dflash_pipeline.core import layout
     from dflash_pipeline.core.storage import LocalStorage
+    from tests.test_status_server import TUNE_RESULT
     from tests.support.status_run import RUNNING_LOG, write_run
 
     root = tmp_path / "results/demo"
     events = write_run(LocalStorage(root), tmp_path)
+    LocalStorage(root).write_text(layout.TUNE_RESULT, json.dumps(TUNE_RESULT))
     source = RunSource(ReadOnlyStorage.open(str(root)), num_shards=2, events_file=events, workdir=tmp_path)
     server = StatusServer(SnapshotBuilder(source), port=0).start()
     try:
@@ -222,6 +226,7 @@ def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp
                   segments: document.querySelectorAll("#segments tbody tr").length,
                   evaluation: document.getElementById("evaluation").textContent,
                   algorithm: document.getElementById("training-algorithm").textContent,
+                  tune: document.getElementById("tune").textContent,
                 };""")
 
         page = wait_for(read_training, lambda page: page["points"], poll_s=0.3)
@@ -235,3 +240,4 @@ def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp
     assert (page["points"], page["acceptPoints"], page["segments"]) == (5, 1, 2)
     assert "τ = 2.5" in page["evaluation"] and "math: 2.7" in page["evaluation"]
     assert page["algorithm"] == "Drafter: DFlash" and "Evaluation (DFlash)" in page["evaluation"]
+    assert page["tune"].startswith("Engine settings measured by tune: concurrency 128 with MTP, 2,345.6 tokens/s")

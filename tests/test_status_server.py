@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import ShardProgress
 from dflash_pipeline.status.__main__ import parser, resolve_source
 from dflash_pipeline.core.storage import ReadOnlyStorage
@@ -80,6 +81,22 @@ def test_snapshot_counts_shards_and_shows_running_failed_training_and_storage(lo
     assert snap["storage"]["by_category"]["prepare"] == {"bytes": 200, "objects": 2}
     assert snap["workflow"]["state"] == "running, with failures"
     assert (snap["workflow"]["steps_done"], snap["workflow"]["steps_total"]) == (4, 9)
+
+
+TUNE_RESULT = {
+    "schema": 1, "engine": "vllm", "engine_version": "0.20.1", "device": "1 x NVIDIA H200",
+    "created_utc": "2026-12-05T10:00:00Z", "settings": [{}, {}, {}],
+    "choice": {"concurrency": 128, "mtp": True, "tokens_per_s_per_gpu": 2345.6, "why": "the best throughput"},
+}  # fmt: skip
+
+
+def test_snapshot_shows_the_engine_settings_tune_measured(local_run, tmp_path):
+    assert SnapshotBuilder(local_run).build()["tune"] is None
+    LocalStorage(tmp_path / "results/demo").write_text(layout.TUNE_RESULT, json.dumps(TUNE_RESULT))
+    assert SnapshotBuilder(local_run).build()["tune"] == {
+        "concurrency": 128, "mtp": True, "tokens_per_s_per_gpu": 2345.6, "why": "the best throughput",
+        "engine": "0.20.1", "device": "1 x NVIDIA H200", "measured_at_utc": "2026-12-05T10:00:00Z", "settings": 3,
+    }  # fmt: skip
 
 
 def test_a_run_that_stops_at_tokenize_is_complete_without_training(tmp_path):

@@ -167,3 +167,12 @@ def configured_engine(engine: str, engines: dict | None) -> EngineInstall:
 def server_module_command(python: str, engine: str) -> list[str]:
     """The start of an engine server's command line: its interpreter and module."""
     return [python, "-m", SERVER_MODULES[engine]]
+
+
+def engine_version(engine: str, engines: dict | None) -> str:
+    """What the fingerprint records of the engine: its distribution and version, read from its
+    own environment; "external" for servers the run does not launch."""
+    if engine == "endpoint":
+        return "external"
+    install = configured_engine(engine, engines)
+    return f"{install.distribution} {install.version}" if install.distribution != engine else install.version

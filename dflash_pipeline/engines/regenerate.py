@@ -73,7 +73,8 @@ class GenerationSettings:
     thinking: bool
     sampling: Sampling
     # The `generation` section's defaults (config/schema.yaml).
-    concurrency: int = _DEFAULTS["concurrency"]
+    # generation.concurrency null: tune's choice (generate resolves it), else this.
+    concurrency: int = schema_defaults("tune")["untuned_concurrency"]
     part_every_samples: int = _DEFAULTS["part_every_samples"]
     part_every_seconds: float = _DEFAULTS["part_every_seconds"]
     telemetry_every_seconds: float = _DEFAULTS["telemetry_every_seconds"]

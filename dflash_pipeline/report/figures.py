@@ -507,6 +507,49 @@ def plot_acceptance(metrics: dict, out: str | Path) -> None:
     _save(fig, out)
 
 
+def write_tune_table(result: dict, out: str | Path) -> None:
+    """The engine settings tune measured (outputs/tune-result.json): one row per setting, the
+    chosen one marked, and what the choice was made on."""
+    choice = result["choice"]
+    facts = [
+        ("engine", result["engine_version"]),
+        ("device", result["device"]),
+        ("measured", result["created_utc"]),
+        ("prompts per setting", f"{result['prompts']} (up to {result['max_new_tokens']} new tokens each)"),
+        ("MTP", result["mtp"]),
+        ("bounds", ", ".join(f"{k} {v}" for k, v in result["bounds"].items() if v is not None) or "none"),
+        ("choice", f"concurrency {choice['concurrency']}{' with MTP' if choice['mtp'] else ''}: {choice['why']}"),
+    ]
+    header = "".join(
+        f"<th>{h}</th>"
+        for h in (
+            "", "MTP", "concurrency", "output tok/s", "per GPU", "TTFT p50 / p90 (s)", "TPOT p50 / p90 (ms)",
+            "requests", "cut at budget", "finish reasons", "engine memory (MB)", "out of bounds",
+        )
+    )  # fmt: skip
+
+    def pair(figures: dict | None) -> str:
+        return f"{figures['p50']} / {figures['p90']}" if figures else "–"
+
+    rows = []
+    for s in result["settings"]:
+        chosen = s["concurrency"] == choice["concurrency"] and s["mtp"] == choice["mtp"]
+        memory = s.get("engine_memory_mb") or {}
+        cells = (
+            "chosen" if chosen else "", "yes" if s["mtp"] else "no", s["concurrency"], s["output_tokens_per_s"],
+            s["tokens_per_s_per_gpu"], pair(s.get("ttft_s")), pair(s.get("tpot_ms")), s["requests"],
+            s["cut_at_budget"], ", ".join(f"{k} {v}" for k, v in s["finish_reasons"].items()),
+            ", ".join(f"{k} {v}" for k, v in memory.items() if v is not None) or "–",
+            "; ".join(s.get("out_of_bounds") or []) or "–",
+        )  # fmt: skip
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    _write_html(
+        out,
+        "Engine settings measured by tune",
+        _facts_table(facts) + f"<table><tr>{header}</tr>{''.join(rows)}</table>",
+    )
+
+
 # ---------------------------------------------------------------- HTML helpers
 
 _STYLE = (

@@ -23,11 +23,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.core.jobstate import RunHalted, ShardProgress, raise_if_halted
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.lease import DriverGone
 from dflash_pipeline.core.storage import open_storage, write_atomically
 from dflash_pipeline.engines.client import EngineClient, EngineError, make_adapter
-from dflash_pipeline.engines.environments import EngineSetupError, configured_engine
+from dflash_pipeline.engines.environments import EngineSetupError, engine_version
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec, server_port
+from dflash_pipeline.engines.tuning import TunedChoice, apply_choice
 from dflash_pipeline.engines.regenerate import (
     GenerationSettings,
     ShardGenerator,
@@ -36,15 +38,6 @@ from dflash_pipeline.engines.regenerate import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def engine_version(engine: str, engines: dict | None) -> str:
-    """What the fingerprint records of the engine: its distribution and version, read from its
-    own environment; "external" for servers the run does not launch."""
-    if engine == "endpoint":
-        return "external"
-    install = configured_engine(engine, engines)
-    return f"{install.distribution} {install.version}" if install.distribution != engine else install.version
 
 
 def run_job(
@@ -58,6 +51,8 @@ def run_job(
     runtime_dir: str,
     engines: dict | None = None,
     engine_log_label: str | None = None,
+    tuned: TunedChoice | None = None,
+    untuned_concurrency: int = schema_defaults("tune")["untuned_concurrency"],
 ) -> None:
     """Everything one generate job does: start or reach the engine, generate, write the shard.
     A halted run (a tokenize shard failed the data-quality gate) is refused before anything
@@ -69,6 +64,9 @@ def run_job(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
+    # Concurrency and MTP measured by tune, unless the config pins them.
+    gen, concurrency_line = apply_choice(gen, tuned, untuned_concurrency)
+    log.info("shard %05d: %s", shard, concurrency_line)
     settings = GenerationSettings.from_config(gen, model)
     engine = gen["engine"]
     prompts = pq.read_table(prompts_path)

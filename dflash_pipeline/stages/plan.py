@@ -9,8 +9,9 @@ Every figure says where it comes from, best source first:
   of the file's metadata, no data read), before the ingest's validation and deduplication;
 * generated tokens per sample: finished generate shards' telemetry, else
   ``plan.mean_response_tokens``, else ``generation.max_new_tokens`` (an upper bound);
-* generation throughput: finished generate shards' telemetry, else
-  ``plan.generation_tokens_per_s_per_gpu`` (an assumption: nothing here measures it yet);
+* generation throughput: finished generate shards' telemetry, else the run's tune result (the
+  engine measured on the run's own prompts, ``dflash_pipeline.stages.tune``), else
+  ``plan.generation_tokens_per_s_per_gpu`` (an assumption);
 * training throughput: the run's own training telemetry, else ``plan.train_tokens_per_s_per_gpu``,
   else the train_step benchmark in ``bench/results`` closest to the target and the context;
 * bytes: finished shards' objects in the run root, else per-token estimates; hidden states are
@@ -40,6 +41,7 @@ from dflash_pipeline.core.config import layered_config, load_run_config, validat
 from dflash_pipeline.core.jobstate import StageTotals
 from dflash_pipeline.training.offline import hidden_bytes_per_token
 from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage
+from dflash_pipeline.engines.tuning import TunedChoice, read_tune_result, tune_defining, tune_key
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_BENCH_DIR = REPO / "bench" / "results"
@@ -77,6 +79,7 @@ class Measured:
     shard_bytes: dict[str, list[int]] = field(default_factory=dict)  # stage -> sizes of finished shards
     bench_train: dict | None = None  # the matching train_step record
     hidden_size: int | None = None  # from the target's config.json
+    tuned: TunedChoice | None = None  # the run's tune result, for the current settings
 
 
 def model_case(model: str) -> str:
@@ -202,6 +205,7 @@ def measure_run(run_url: str, config: dict) -> Measured:
         match = layout.SHARD_OBJECT.match(obj.key)
         if match and match["ext"] == layout.SHARD_STAGES.get(match["stage"]):
             measured.shard_bytes.setdefault(match["stage"], []).append(obj.size)
+    measured.tuned = read_tune_result(storage, tune_key(tune_defining(config)))
     gpus_per_job = config["generation"]["gpus_per_job"] or 1
     # Finished shards' counts from the stage's totals object (one read); telemetry is read only
     # for shards it lacks (a run from before it existed).
@@ -278,6 +282,8 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
         gen_rate = Estimate(
             measured.generate_tokens / measured.generate_gpu_seconds, "finished generate shards' telemetry"
         )
+    elif measured.tuned is not None:
+        gen_rate = Estimate(measured.tuned.tokens_per_s_per_gpu, measured.tuned.source)
     elif plan_cfg["generation_tokens_per_s_per_gpu"]:
         gen_rate = Estimate(
             plan_cfg["generation_tokens_per_s_per_gpu"],

@@ -31,6 +31,10 @@ def report_generation(
     figures.plot_finish_reasons(summaries, finish)
 
 
+def report_tune(result: str, table: str) -> None:
+    figures.write_tune_table(figures.read_json(result), table)
+
+
 def report_tokenization(stats: list[str], supervised: str, degenerate: str, table: str) -> None:
     docs = [figures.read_json(path) for path in stats]
     figures.plot_supervised_histogram(docs, supervised)
@@ -68,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--throughput", required=True)
     p.add_argument("--lengths", required=True)
     p.add_argument("--finish", required=True)
+    p = sub.add_parser("tune", help="the engine settings tune measured")
+    p.add_argument("--result", required=True)
+    p.add_argument("--table", required=True)
     p = sub.add_parser("tokenization", help="supervised tokens and the gate's reasons")
     p.add_argument("--stats", nargs="+", required=True)
     p.add_argument("--supervised", required=True)
@@ -91,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 REPORTS = {
     "prompts": report_prompts,
     "generation": report_generation,
+    "tune": report_tune,
     "tokenization": report_tokenization,
     "training": report_training,
     "evaluation": report_evaluation,

@@ -39,7 +39,7 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import parse_totals, read_train_metrics
 from dflash_pipeline.core.storage import ObjectInfo, ReadOnlyStorage, StorageError
 from dflash_pipeline.status.events import FILE_ANNOTATION, RunEvents, RunJobBoard
-from dflash_pipeline.status.summaries import evaluation_summary, halt_summary, lease_summary
+from dflash_pipeline.status.summaries import evaluation_summary, halt_summary, lease_summary, tune_summary
 
 # Shard stages in pipeline order; each is named like the rule that builds its objects.
 SHARD_STAGES = tuple(layout.SHARD_STAGES)
@@ -63,6 +63,7 @@ LIVE_PREFIXES = (
     f"{layout.OUTPUTS_DIR}/train-segment-",
     f"{layout.OUTPUTS_DIR}/evaluate-",
     f"{layout.OUTPUTS_DIR}/ingest-",
+    layout.TUNE_RESULT,
     f"{layout.OUTPUTS_DIR}/report-",
     f"{layout.DRAFTER_DIR}/",
 )
@@ -242,7 +243,7 @@ class SnapshotBuilder:
         storage_use: dict[str, dict] = {}
         telemetry: dict[tuple[str, int], dict] = {}
         segments: dict[int, dict] = {}
-        eval_metrics = None
+        eval_metrics = tune_result = None
         halt = lease = None
         for obj in objects:
             use = storage_use.setdefault(layout.storage_category(obj.key), {"bytes": 0, "objects": 0})
@@ -263,6 +264,8 @@ class SnapshotBuilder:
                 segments.setdefault(int(m["segment"]), {})["done"] = True
             elif obj.key == layout.EVAL_METRICS:
                 eval_metrics = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
+            elif obj.key == layout.TUNE_RESULT:
+                tune_result = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
             elif obj.key == layout.HALT:
                 halt = self._read_cached(obj.key, obj.size, obj.mtime, json.loads) or {
                     "cause": "unreadable halt object"
@@ -378,6 +381,8 @@ class SnapshotBuilder:
             },
             "training": self._training(segments),
             "evaluation": evaluation_summary(eval_metrics),
+            # The engine settings measured before generation (stages/tune.py), if any.
+            "tune": tune_summary(tune_result),
             "storage": {
                 # Bytes outside the ranges listed between full listings are as of this time.
                 "full_listing_at": self._full_at,

@@ -1,4 +1,4 @@
-"""What the status page shows of the run's evaluation, halt and lease: small documents built from
+"""What the status page shows of the run's evaluation, tune result, halt and lease: small documents built from
 the objects the snapshot read (``status.snapshot``)."""
 
 from __future__ import annotations
@@ -41,6 +41,24 @@ def engine_summary(metrics: dict) -> dict | None:
         "prompt_sets": prompt_set_taus(engine),
         "lossless": lossless.get("passed") if lossless.get("checked") else None,
         "parity": metrics.get("engine_parity"),
+    }
+
+
+def tune_summary(result) -> dict | None:
+    """The engine settings tune measured (``outputs/tune-result.json``): the choice and how many
+    settings it was chosen from."""
+    if not isinstance(result, dict) or not isinstance(result.get("choice"), dict):
+        return None
+    choice = result["choice"]
+    return {
+        "concurrency": choice.get("concurrency"),
+        "mtp": bool(choice.get("mtp")),
+        "tokens_per_s_per_gpu": choice.get("tokens_per_s_per_gpu"),
+        "why": choice.get("why"),
+        "engine": result.get("engine_version"),
+        "device": result.get("device"),
+        "measured_at_utc": result.get("created_utc"),
+        "settings": len(result.get("settings") or []),
     }
 
 

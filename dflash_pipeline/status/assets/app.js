@@ -185,6 +185,16 @@ function renderStorage(storage, throughput) {
   fillTable("storage", rows);
 }
 
+function renderTune(tune) {
+  const box = document.getElementById("tune");
+  box.hidden = !tune;
+  box.textContent = tune
+    ? `Engine settings measured by tune: concurrency ${tune.concurrency}${tune.mtp ? " with MTP" : ""}, ` +
+      `${fmtNum(tune.tokens_per_s_per_gpu)} tokens/s per GPU (${tune.why}; ${tune.settings} settings, ` +
+      `${tune.engine} on ${tune.device}, ${tune.measured_at_utc})`
+    : "";
+}
+
 function render(status) {
   const error = document.getElementById("error");
   error.hidden = !status.error;
@@ -215,6 +225,7 @@ function render(status) {
   renderFailed(status.failed);
   renderTraining(status.training, status.evaluation);
   renderStorage(status.storage, status.throughput);
+  renderTune(status.tune);
 }
 
 async function poll() {
