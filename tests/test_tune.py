@@ -187,7 +187,7 @@ def test_what_defines_a_result():
         {"target": {"model": "elsewhere"}},
     ):
         assert tune_key(tune_defining(validate_config(change))) != key, change
-    for same in ({"generation": {"part_every_samples": 7}}, {"tune": {"enabled": False}},
+    for same in ({"generation": {"part_every_samples": 7}}, {"tune": {"enabled": False, "untuned_concurrency": 3}},
                  {"generation": {"server": {"dp": 4}}}):  # fmt: skip
         assert tune_key(tune_defining(validate_config(same))) == key, same
 

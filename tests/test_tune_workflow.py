@@ -64,7 +64,16 @@ def test_tune_measures_the_engine_and_generate_and_plan_take_its_choice(engine, 
 
     # plan: the measured rate, named, before any generate shard exists.
     plan = subprocess.run(
-        [sys.executable, "-m", "dflash_pipeline.stages.plan", "--gpus", "1", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.stages.plan",
+            "--configfile",
+            str(workflow.root / "config.yaml"),
+            "--gpus",
+            "1",
+            "--json",
+        ],
         cwd=workflow.root,
         capture_output=True,
         text=True,
@@ -88,4 +97,4 @@ def test_tune_measures_the_engine_and_generate_and_plan_take_its_choice(engine, 
         # A changed tune key measures again; the finished shard stays (the result is an
         # ancient() input of generate).
         workflow.write_config(tune={**tune, "concurrencies": [2]})
-        assert workflow.planned_jobs(GENERATED, TUNE_RESULT) == {"tune": 1}
+        assert workflow.planned_jobs("--", GENERATED, TUNE_RESULT) == {"tune": 1}

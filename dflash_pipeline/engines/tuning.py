@@ -68,8 +68,8 @@ def tune_defining(config: dict) -> dict:
     a request carries, and the tune section. A change of any of these measures again; the
     operational keys of generation (intervals, retries, ...) do not."""
     gen, server = config["generation"], config["generation"]["server"]
-    tune = dict(config["tune"])
-    tune.pop("enabled", None)
+    # Whether generate waits for tune, and what it uses without a result, change no measurement.
+    tune = {k: v for k, v in config["tune"].items() if k not in ("enabled", "untuned_concurrency")}
     return {
         "model": config["target"]["model"],
         "engine": gen["engine"],
