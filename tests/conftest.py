@@ -3,6 +3,7 @@ demo model and the real Qwen3 tokenizer."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -80,6 +81,16 @@ class Workflow:
         path = self.root / "config.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return path
+
+    def few_prompts(self, n: int) -> str:
+        """A dataset of ``n`` demo-style prompts in the copy (data/few.jsonl): a whole shard a
+        loaded CPU generates in minutes (the bundled 160 at 96 tokens took over 15 minutes on two
+        busy cores); returns its path for `dataset.paths`."""
+        questions = [f"What is {17 * i % 90 + 10} + {31 * i % 900 + 100}?" for i in range(n)]
+        rows = [{"id": f"few-{i:03d}", "messages": [{"role": "user", "content": q}]} for i, q in enumerate(questions)]
+        path = self.root / "data/few.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return "data/few.jsonl"
 
     def snakemake(self, *args: str, env: dict | None = None, check: bool = True, timeout=2400):
         run_env = dict(os.environ)

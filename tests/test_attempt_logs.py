@@ -167,7 +167,8 @@ def test_a_retry_keeps_the_failed_attempts_logs_in_the_run_root(where, workflow,
     """Generate with `generation.retries: 1`: the engine is SIGKILLed mid-shard, the retry resumes
     from the saved part and succeeds, and the first attempt's job log (with the death) and engine
     log (with its end) are still in the run root, bundled into the declared engine log too."""
-    from tests.test_generate_workflow import SLOW, configure, start_snakemake, wait_until
+    from tests.test_generate_workflow import SLOW, configure, start_snakemake
+    from tests.support.waiting import wait_until
 
     configure(workflow, demo_model, tmp_path, prompts=16, max_new_tokens=32, retries=1)
     args, env, run_url, local_root = (), {}, str(workflow.root / "results/demo"), "results/demo"

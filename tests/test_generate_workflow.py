@@ -19,6 +19,7 @@ import pytest
 from dflash_pipeline.core.jobstate import ShardProgress
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.workflow
 
@@ -31,21 +32,9 @@ PROMPTS = "results/demo/outputs/prepare-00000.parquet"
 SLOW = 600
 
 
-def few_prompts(workflow, n: int) -> str:
-    """A dataset of n demo-style prompts: a whole shard that a loaded CPU generates in minutes
-    (the bundled 160 at 96 tokens took over 15 minutes on two busy cores)."""
-    import json
-
-    questions = [f"What is {17 * i % 90 + 10} + {31 * i % 900 + 100}?" for i in range(n)]
-    rows = [{"id": f"few-{i:03d}", "messages": [{"role": "user", "content": q}]} for i, q in enumerate(questions)]
-    path = workflow.root / "data/few.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return "data/few.jsonl"
-
-
 def configure(workflow, demo_model, tmp_path, prompts: int | None = None, **generation):
     if prompts is not None:
-        workflow.write_config(dataset={"paths": [few_prompts(workflow, prompts)]})
+        workflow.write_config(dataset={"paths": [workflow.few_prompts(prompts)]})
     workflow.write_config(
         num_shards=1,
         until="tokenize",
@@ -83,15 +72,6 @@ def start_snakemake(workflow, *args, env=None, output: Path | None = None):
     finally:
         if output:
             sink.close()
-
-
-def wait_until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def pid_alive(pid: int) -> bool:

@@ -25,7 +25,8 @@ from dflash_pipeline.core.storage import ReadOnlyStorage
 from dflash_pipeline.status.events import EventWriter
 from dflash_pipeline.status.server import HostPolicy, RedactingFilter, Redactor, StatusServer
 from dflash_pipeline.status.events import RunJobBoard
-from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder, local_log_path
+from dflash_pipeline.status.events import local_log_path
+from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
 from dflash_pipeline.core.storage import LocalStorage, open_storage
 from tests.support.seaweed import free_port
 from tests.support.status_run import RUNNING_LOG, write_run

@@ -609,7 +609,7 @@ def test_special_token_in_text_is_a_default_reason_counted_in_the_stats_and_the_
     import yaml
 
     from dflash_pipeline.data.quality import DEFAULT_GATE, DEGENERATE_REASONS
-    from dflash_pipeline.report import figures
+    from dflash_pipeline.report import figures, tables
 
     schema = yaml.safe_load((Path(__file__).resolve().parent.parent / "config/schema.yaml").read_text())
     setting = schema["properties"]["tokenize"]["properties"]["degenerate_reasons"]
@@ -624,7 +624,7 @@ def test_special_token_in_text_is_a_default_reason_counted_in_the_stats_and_the_
     assert out.num_rows == 40 and "s99" not in out.column("id").to_pylist()
     figures.plot_degenerate_reasons([stats], tmp_path / "deg.svg")
     assert "special_token_in_text" in " ".join(ET.parse(tmp_path / "deg.svg").getroot().itertext())
-    figures.write_tokenization_table([stats], tmp_path / "tok.html")
+    tables.write_tokenization_table([stats], tmp_path / "tok.html")
     assert "special_token_in_text 1" in (tmp_path / "tok.html").read_text()
 
 

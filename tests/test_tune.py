@@ -12,16 +12,14 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.engines.client import CompletionsAdapter, SglangAdapter
+from dflash_pipeline.engines.replay import Timing, percentiles, read_chunk
 from dflash_pipeline.engines.tuning import (
     RESULT_SCHEMA,
-    Timing,
     TuneError,
     apply_choice,
     choose,
     has_mtp_head,
     mtp_speculative,
-    percentiles,
-    read_chunk,
     read_tune_result,
     tune_defining,
     tune_key,

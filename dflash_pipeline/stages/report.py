@@ -11,13 +11,13 @@ import sys
 
 from dflash_pipeline.core.jobstate import read_stage_telemetry
 from dflash_pipeline.core.storage import ReadOnlyStorage
-from dflash_pipeline.report import figures
+from dflash_pipeline.report import figures, tables
 
 
 def report_prompts(summary: str, quarantine: str, figure: str, table: str) -> None:
     summary_doc, rows = figures.read_json(summary), figures.read_jsonl(quarantine)
     figures.plot_prompts(summary_doc, rows, figure)
-    figures.write_quarantine_table(summary_doc, rows, table)
+    tables.write_quarantine_table(summary_doc, rows, table)
 
 
 def report_generation(
@@ -32,14 +32,14 @@ def report_generation(
 
 
 def report_tune(result: str, table: str) -> None:
-    figures.write_tune_table(figures.read_json(result), table)
+    tables.write_tune_table(figures.read_json(result), table)
 
 
 def report_tokenization(stats: list[str], supervised: str, degenerate: str, table: str) -> None:
     docs = [figures.read_json(path) for path in stats]
     figures.plot_supervised_histogram(docs, supervised)
     figures.plot_degenerate_reasons(docs, degenerate)
-    figures.write_tokenization_table(docs, table)
+    tables.write_tokenization_table(docs, table)
 
 
 def report_training(run_url: str, segments: int, figure: str) -> None:

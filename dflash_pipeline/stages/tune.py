@@ -29,16 +29,8 @@ from dflash_pipeline.engines.client import EngineError, make_adapter
 from dflash_pipeline.engines.environments import EngineSetupError, engine_version
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec, server_port
 from dflash_pipeline.engines.regenerate import GenerationSettings
-from dflash_pipeline.engines.tuning import (
-    RESULT_SCHEMA,
-    TuneError,
-    choose,
-    describe_device,
-    measure_setting,
-    tune_key,
-    variants,
-    warm_up,
-)
+from dflash_pipeline.engines.replay import ReplayError, describe_device, measure_setting, warm_up
+from dflash_pipeline.engines.tuning import RESULT_SCHEMA, TuneError, choose, tune_key, variants
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             args.runtime_dir,
             config["engines"],
         )
-    except (ConfigError, EngineError, EngineSetupError, TuneError) as err:
+    except (ConfigError, EngineError, EngineSetupError, TuneError, ReplayError) as err:
         log.error("%s", err)
         return 1
     return 0

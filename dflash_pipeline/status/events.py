@@ -237,6 +237,20 @@ class JobBoard:
 FILE_ANNOTATION = re.compile(r" \([^()]*\)$")
 
 
+# Where Snakemake keeps the local copy of a storage file while the job writes it
+# (its --local-storage-prefix default, then provider, bucket and key).
+LOCAL_STORAGE_PREFIX = ".snakemake/storage"
+
+
+def local_log_path(name: str) -> str:
+    """The local file behind a log name in a job event: the path itself, or for an S3 log
+    (``s3://bucket/key (send to storage)``) Snakemake's local copy of it."""
+    name = FILE_ANNOTATION.sub("", name.strip())
+    if name.startswith("s3://"):
+        return f"{LOCAL_STORAGE_PREFIX}/s3/{name[len('s3://') :]}"
+    return name
+
+
 class RunJobBoard:
     """The job events of this run root's Snakemake runs, read incrementally from an events file
     that may also hold other runs' (the plugin writes one file per working directory).

@@ -38,8 +38,14 @@ from pathlib import Path
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import parse_totals, read_train_metrics
 from dflash_pipeline.core.storage import ObjectInfo, ReadOnlyStorage, StorageError
-from dflash_pipeline.status.events import FILE_ANNOTATION, RunEvents, RunJobBoard
-from dflash_pipeline.status.summaries import evaluation_summary, halt_summary, lease_summary, tune_summary
+from dflash_pipeline.status.events import RunEvents, RunJobBoard, local_log_path
+from dflash_pipeline.status.summaries import (
+    evaluation_summary,
+    halt_summary,
+    lease_summary,
+    training_summary,
+    tune_summary,
+)
 
 # Shard stages in pipeline order; each is named like the rule that builds its objects.
 SHARD_STAGES = tuple(layout.SHARD_STAGES)
@@ -73,8 +79,6 @@ READ_THREADS = 8
 
 LOG_TAIL_LINES = 20
 LOG_TAIL_BYTES = 16384
-# The page draws at most this many points per training curve (evenly thinned, last kept).
-MAX_CURVE_POINTS = 600
 
 
 @dataclass
@@ -93,14 +97,6 @@ class RunSource:
     # The whole run root is listed again this often (bytes of logs, checkpoints, settled
     # shards); in between only what can still change is (see the module's docstring).
     full_listing_every_s: float = 300.0
-
-
-def thin_points(points: list[dict], limit: int = MAX_CURVE_POINTS) -> list[dict]:
-    """At most ``limit`` points, evenly spaced, always keeping the first and last."""
-    if len(points) <= limit:
-        return points
-    step = (len(points) - 1) / (limit - 1)
-    return [points[round(i * step)] for i in range(limit)]
 
 
 class SnapshotBuilder:
@@ -379,7 +375,7 @@ class SnapshotBuilder:
                     if shard in done.get(stage, ())
                 ),
             },
-            "training": self._training(segments),
+            "training": training_summary(segments),
             "evaluation": evaluation_summary(eval_metrics),
             # The engine settings measured before generation (stages/tune.py), if any.
             "tune": tune_summary(tune_result),
@@ -492,45 +488,6 @@ class SnapshotBuilder:
             "log_tail": self._log_tail(job.log if job else [], _log_key(rule, shard)),
         }
 
-    def _training(self, segments: dict[int, dict]) -> dict:
-        points, rows = [], []
-        for segment in sorted(segments):
-            seg = segments[segment]
-            points.extend(seg.get(layout.TRAIN_METRICS) or [])
-            tele = seg.get("telemetry.json") or {}
-            rows.append(
-                {
-                    "segment": layout.segment_name(segment),
-                    "done": bool(seg.get("done")),
-                    "state": "done" if seg.get("done") else tele.get("state", "planned"),
-                    "step": tele.get("step"),
-                    "steps_done": tele.get("steps_done"),
-                    "steps_total": tele.get("steps_total"),
-                    "tokens_per_s": tele.get("tokens_per_s"),
-                    "eta_s": tele.get("eta_s"),
-                }
-            )
-        points.sort(key=lambda p: p.get("step", 0))
-        keys = ("step", "loss", "accuracy", "accept_len", "selector_accept_len", "tokens_per_s", "lr")
-        curve = [{k: p.get(k) for k in keys} for p in thin_points(points)]
-        # Which drafter is training: each step records it (metrics before DFlash2 existed: dflash).
-        algorithm = next((p["algorithm"] for p in reversed(points) if p.get("algorithm")), "dflash" if points else None)
-        return {"segments": rows, "curve": curve, "steps_logged": len(points), "algorithm": algorithm}
-
-
-# Where Snakemake keeps the local copy of a storage file while the job writes it
-# (its --local-storage-prefix default, then provider, bucket and key).
-LOCAL_STORAGE_PREFIX = ".snakemake/storage"
-
-
-def local_log_path(name: str) -> str:
-    """The local file behind a log name in a job event: the path itself, or for an S3 log
-    (``s3://bucket/key (send to storage)``) Snakemake's local copy of it."""
-    name = FILE_ANNOTATION.sub("", name.strip())
-    if name.startswith("s3://"):
-        return f"{LOCAL_STORAGE_PREFIX}/s3/{name[len('s3://') :]}"
-    return name
-
 
 def _log_key(rule: str | None, shard: int | None) -> str | None:
     """The run-root key of a job's log (rules/common.smk log_path)."""
@@ -555,6 +512,6 @@ def _parser_for(key: str):
         return json.loads
     if m := SEGMENT_KEY.match(key):
         return read_train_metrics if m["name"] == layout.TRAIN_METRICS else json.loads
-    if key in (layout.EVAL_METRICS, layout.HALT, layout.RUN_LEASE):
+    if key in (layout.EVAL_METRICS, layout.HALT, layout.RUN_LEASE, layout.TUNE_RESULT):
         return json.loads
     return None

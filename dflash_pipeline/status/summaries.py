@@ -1,9 +1,13 @@
-"""What the status page shows of the run's evaluation, tune result, halt and lease: small documents built from
+"""What the status page shows of the run's training, evaluation, tune result, halt and lease: small documents built from
 the objects the snapshot read (``status.snapshot``)."""
 
 from __future__ import annotations
 
+from dflash_pipeline.core import layout
 from dflash_pipeline.core.lease import describe_holder
+
+# The page draws at most this many points per training curve (evenly thinned, last kept).
+MAX_CURVE_POINTS = 600
 
 
 def evaluation_summary(metrics) -> dict | None:
@@ -83,3 +87,38 @@ def lease_summary(lease, now: float) -> dict | None:
     except (KeyError, TypeError, ValueError):
         expired = True
     return {"holder": describe_holder(lease), "expired": expired}
+
+
+def thin_points(points: list[dict], limit: int = MAX_CURVE_POINTS) -> list[dict]:
+    """At most ``limit`` points, evenly spaced, always keeping the first and last."""
+    if len(points) <= limit:
+        return points
+    step = (len(points) - 1) / (limit - 1)
+    return [points[round(i * step)] for i in range(limit)]
+
+
+def training_summary(segments: dict[int, dict]) -> dict:
+    """The training section of the page: per segment its state and rate, the curves (thinned)."""
+    points, rows = [], []
+    for segment in sorted(segments):
+        seg = segments[segment]
+        points.extend(seg.get(layout.TRAIN_METRICS) or [])
+        tele = seg.get("telemetry.json") or {}
+        rows.append(
+            {
+                "segment": layout.segment_name(segment),
+                "done": bool(seg.get("done")),
+                "state": "done" if seg.get("done") else tele.get("state", "planned"),
+                "step": tele.get("step"),
+                "steps_done": tele.get("steps_done"),
+                "steps_total": tele.get("steps_total"),
+                "tokens_per_s": tele.get("tokens_per_s"),
+                "eta_s": tele.get("eta_s"),
+            }
+        )
+    points.sort(key=lambda p: p.get("step", 0))
+    keys = ("step", "loss", "accuracy", "accept_len", "selector_accept_len", "tokens_per_s", "lr")
+    curve = [{k: p.get(k) for k in keys} for p in thin_points(points)]
+    # Which drafter is training: each step records it (metrics before DFlash2 existed: dflash).
+    algorithm = next((p["algorithm"] for p in reversed(points) if p.get("algorithm")), "dflash" if points else None)
+    return {"segments": rows, "curve": curve, "steps_logged": len(points), "algorithm": algorithm}
