@@ -36,21 +36,21 @@ def default_lock_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"dflash-gpu-locks-{os.getuid()}"
 
 
+def nvidia_smi(*query: str) -> list[str] | None:
+    """The non-empty output lines of ``nvidia-smi QUERY...`` (e.g. ``--query-gpu=name
+    --format=csv,noheader``); None where it is missing or fails."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", *query], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
 def count_gpus() -> int:
     """Devices visible to ``nvidia-smi`` (0 where it is missing or fails)."""
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (subprocess.SubprocessError, OSError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.strip())
+    return len(nvidia_smi("--query-gpu=index", "--format=csv,noheader") or [])
 
 
 def pool_from_config(config: dict) -> tuple[int, str]:

@@ -18,13 +18,12 @@ import json
 import math
 import os
 import platform
-import shutil
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 
 import httpx
 
+from dflash_pipeline.core.gpu_slots import nvidia_smi
 from dflash_pipeline.engines.client import CompletionsAdapter, Sampling, SglangAdapter
 
 # Short requests sent before a server's first setting: compilation, CUDA graphs and caches
@@ -151,27 +150,17 @@ def process_tree_rss_mb(pid: int) -> float | None:
 
 def gpu_memory_mb(pid: int) -> float | None:
     """GPU memory held by the server's processes (nvidia-smi), None without NVIDIA GPUs."""
-    if shutil.which("nvidia-smi") is None:
-        return None
     import psutil
 
+    apps = nvidia_smi("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
+    if not apps:
+        return None
     try:
         root = psutil.Process(pid)
         pids = {root.pid, *(p.pid for p in root.children(recursive=True))}
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (psutil.Error, subprocess.SubprocessError, OSError):
+    except psutil.Error:
         return None
-    used = [
-        float(mb)
-        for app_pid, mb in (line.split(",") for line in out.splitlines() if "," in line)
-        if int(app_pid) in pids
-    ]
+    used = [float(mb) for app_pid, mb in (line.split(",") for line in apps if "," in line) if int(app_pid) in pids]
     return round(sum(used), 1) if used else None
 
 
@@ -277,20 +266,9 @@ async def warm_up(url: str, adapter, prompts: list[tuple[str, list[int]]], sampl
 
 def describe_device(gpus: int) -> str:
     """The device a setting ran on, in words: the GPU's name, else the CPU."""
-    if gpus and shutil.which("nvidia-smi"):
-        try:
-            names = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                check=True,
-            ).stdout.split("\n")
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if visible:
-                ids = [int(i) for i in visible.split(",") if i.strip().isdigit()]
-                names = [names[i] for i in ids if i < len(names)] or names
-            return f"{gpus} x {names[0].strip()}"
-        except (subprocess.SubprocessError, OSError, ValueError):
-            pass
+    names = nvidia_smi("--query-gpu=name", "--format=csv,noheader") if gpus else None
+    if names:
+        visible = [int(i) for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip().isdigit()]
+        names = [names[i] for i in visible if i < len(names)] or names
+        return f"{gpus} x {names[0]}"
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
