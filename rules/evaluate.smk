@@ -7,7 +7,10 @@ rule evaluate:
         unpack(target_model_input),
         drafter_config=run_path(layout.DRAFTER_CONFIG),
         drafter_weights=run_path(layout.DRAFTER_WEIGHTS),
-        prompts=run_path(layout.INGESTED_PROMPTS),
+        # The ingest job's summary (small) orders this job after ingest and reruns it when the
+        # ingested table changes; the held-out prompts are read from the table by byte range
+        # until evaluate.max_prompts are found (params.ingested), not downloaded whole.
+        summary=run_path(layout.INGEST_SUMMARY),
         # Only the held-out rows of each tokenize shard (small objects), for the simulated tau.
         heldout=expand(
             shard_output("tokenize", layout.TOKENIZE_HELDOUT_EXT), shard=SHARDS
@@ -35,6 +38,7 @@ rule evaluate:
     params:
         # Where an attempt keeps its logs (logs/attempts/evaluate/ in the run root).
         run_url=lambda wildcards: RUN_URL,
+        ingested=lambda wildcards: f"{RUN_URL}/{layout.INGESTED_PROMPTS}",
         model=config["target"]["model"],
         thinking=config["generation"]["thinking"],
         # What defines the metrics; the engine's memory share and extra arguments the job

@@ -44,7 +44,7 @@ def evaluate(smk, engine_dir: Path) -> None:
         evaluate_job(
             smk.params.model,
             str(Path(smk.input.drafter_config).parent),
-            smk.input.prompts,
+            smk.params.ingested,
             list(smk.input.heldout),
             smk.output.metrics,
             settings,

@@ -318,3 +318,25 @@ def test_sglang_mode_sends_prompt_ids_and_reads_acceptance_per_prompt():
     assert by_id["p1"].accept_hist == [0, 3, 1, 0] and by_id["p2"].prompt_set == "chat"
     assert aggregate(results)["tau"] == 3.0
     assert outputs == {"p1": [1] * 12, "p2": [1] * 6}
+
+
+def test_held_out_prompts_are_read_from_the_ingested_table_by_row_group_until_the_limit(store, tmp_path):
+    """Evaluate reads the run's ingested table where it lies (local or S3) by byte range: with a
+    limit it stops after the row groups that hold enough held-out rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_pipeline.stages.prepare import PROMPT_SCHEMA
+
+    rows = [
+        {"id": f"p{i:04d}", "shard": i // 500, "split": "heldout" if i % 50 == 0 else "train",
+         "messages": [{"role": "user", "content": f"question {i} " + "x" * 200}], "source": "data/set.jsonl:1"}
+        for i in range(2000)
+    ]  # fmt: skip
+    local = tmp_path / "ingest-prompts.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA), local, row_group_size=500)
+    store.upload_file("outputs/ingest-prompts.parquet", local)
+    url = store.join("outputs/ingest-prompts.parquet")
+    first = read_eval_prompts(url, limit=3, split="heldout")
+    assert [p.id for p in first] == ["p0000", "p0050", "p0100"]
+    assert len(read_eval_prompts(url, split="heldout")) == 40

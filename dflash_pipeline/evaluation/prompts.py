@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from dflash_pipeline.core.storage import is_s3_url, open_object
 from dflash_pipeline.data.prompts import BadRow, parse_row, prompt_hash
 
 DEFAULT_PROMPT_SET = "default"
@@ -44,14 +45,18 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
                 ) from None
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, object]]:
+def _parquet_rows(url: str) -> Iterator[tuple[int, object]]:
+    """Rows of a parquet file or object, read by byte range one row group at a time (a reader
+    that stops at its limit fetches only the row groups it read, not the whole object)."""
     import pyarrow.parquet as pq
 
-    number = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
-        for row in batch.to_pylist():
-            number += 1
-            yield number, row
+    storage, key = open_object(url)
+    with storage.open_ranged(key) as raw:
+        number = 0
+        for batch in pq.ParquetFile(raw).iter_batches(batch_size=4096):
+            for row in batch.to_pylist():
+                number += 1
+                yield number, row
 
 
 def _prompt_set(row: dict, path: Path, number: int) -> str:
@@ -65,12 +70,17 @@ def _prompt_set(row: dict, path: Path, number: int) -> str:
 
 
 def read_eval_prompts(path: str | Path, limit: int | None = None, split: str | None = None) -> list[EvalPrompt]:
-    """The prompts of ``path`` (.jsonl or .parquet); with ``split``, only rows whose ``split``
-    field equals it (the prepare stage marks held-out prompts ``heldout``)."""
-    path = Path(path)
-    if not path.is_file():
+    """The prompts of ``path`` (.jsonl or .parquet, or an s3:// parquet object such as the run's
+    ingested prompts, read by byte range); with ``split``, only rows whose ``split`` field equals
+    it (the prepare stage marks held-out prompts ``heldout``)."""
+    url = str(path)
+    path = Path(url) if not is_s3_url(url) else PurePosixPath(url)
+    if is_s3_url(url):
+        if path.suffix not in (".parquet", ".pq"):
+            raise PromptFileError(f"prompts object {url}: only parquet is read from S3")
+    elif not Path(url).is_file():
         raise PromptFileError(f"prompts file {path} does not exist")
-    rows = _parquet_rows(path) if path.suffix in (".parquet", ".pq") else _jsonl_rows(path)
+    rows = _parquet_rows(url) if path.suffix in (".parquet", ".pq") else _jsonl_rows(path)
     prompts: list[EvalPrompt] = []
     seen: dict[str, int] = {}
     for number, row in rows:
