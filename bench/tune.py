@@ -73,7 +73,7 @@ def main() -> int:
             (shutil.copytree if src.is_dir() else shutil.copy2)(src, root / name)
         (root / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         subprocess.run(
-            [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", f"gpu={args.gpus}", "tune"],
+            [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", f"gpu={args.gpus}", "--", "tune"],
             cwd=root,
             check=True,
         )
