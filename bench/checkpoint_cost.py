@@ -46,7 +46,8 @@ from benchlib import cpu_model, emit, provenance  # noqa: E402
 from dflash_pipeline.core.storage import open_storage  # noqa: E402
 from dflash_pipeline.model.config import DrafterConfig  # noqa: E402
 from dflash_pipeline.model.drafter import DFlashDrafter  # noqa: E402
-from dflash_pipeline.training.checkpoint import RollingCheckpoints, capture_rng  # noqa: E402
+from dflash_pipeline.training.checkpoint import capture_rng  # noqa: E402
+from dflash_pipeline.training.rolling_checkpoints import RollingCheckpoints  # noqa: E402
 from dflash_pipeline.training.step import optimizer_step  # noqa: E402
 from dflash_pipeline.training.distributed import Distributed  # noqa: E402
 from dflash_pipeline.training.trainer import make_optimizer  # noqa: E402

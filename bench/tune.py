@@ -55,13 +55,13 @@ def main() -> int:
     if args.model:
         config["target"] = {"model": str(Path(args.model).resolve()), "build_demo": False}
     if args.engine == "vllm":
-        config["engines"] = {"vllm": {"python": str(Path(args.vllm_python).resolve())}}
+        config["engines"] = {"vllm": {"python": str(Path(args.vllm_python).absolute())}}
         config["generation"]["server"] = {"extra_args": []}
         if not args.gpus:
             config["engines"]["vllm"]["env"] = dict(VLLM_CPU_ENV)
             config["generation"]["server"]["mem_fraction"] = VLLM_CPU_MEM_FRACTION
     if args.engine == "sglang":
-        config["engines"] = {"sglang": {"python": str(Path(args.sglang_python).resolve())}}
+        config["engines"] = {"sglang": {"python": str(Path(args.sglang_python).absolute())}}
         config["generation"]["server"] = {"extra_args": []}
     if args.gpus:
         config["generation"]["server"]["tp"] = args.gpus

@@ -15,7 +15,6 @@ from dflash_pipeline.training.checkpoint import (
     INDEX,
     LATEST,
     CheckpointError,
-    RollingCheckpoints,
     SingleProcess,
     assign_tensors,
     capture_rng,
@@ -30,6 +29,7 @@ from dflash_pipeline.training.checkpoint import (
     write_index,
     write_shard,
 )
+from dflash_pipeline.training.rolling_checkpoints import RollingCheckpoints
 
 
 def trained_state(step: int = 3) -> dict:

@@ -40,12 +40,12 @@ from dflash_pipeline.training.distributed import Distributed
 from dflash_pipeline.training.checkpoint import (
     INDEX,
     PendingSave,
-    RollingCheckpoints,
     capture_rng,
     load_checkpoint,
     restore_rng,
     save_checkpoint,
 )
+from dflash_pipeline.training.rolling_checkpoints import RollingCheckpoints
 from dflash_pipeline.training.data import BatchOrder, collate, read_training_sequences
 from dflash_pipeline.training.selector import selector_metrics, selector_weight
 from dflash_pipeline.training.step import optimizer_step
