@@ -9,6 +9,7 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import ConfigError, rule_params, validate_config
 from dflash_pipeline.core.gpu_slots import pool_from_config
 from dflash_pipeline.core.resources import job_memory_mb
+from dflash_pipeline.model import speculators_format
 from dflash_pipeline.core.storage import is_s3_url, open_storage
 from dflash_pipeline.engines.tuning import tune_defining
 
@@ -81,7 +82,11 @@ if _gpu_limit is not None and int(_gpu_limit) > GPU_POOL:
 # a SLURM run's driver caps each at the memory of the smallest node of the run's partitions.
 JOB_MEMORY_MB = {
     name: (lambda wildcards, mb=mb: slurm_memory(mb))
-    for name, mb in job_memory_mb(config).items()
+    for name, mb in job_memory_mb(
+        config,
+        speculators_export=speculators_format.refusal(config["train"]["layer_types"])
+        is None,
+    ).items()
 }
 
 

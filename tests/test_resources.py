@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from dflash_pipeline.core.config import validate_config
@@ -37,6 +38,17 @@ def test_the_27b_example_asks_for_what_its_jobs_hold(tmp_path):
     assert mem["train"] > 8 * target_mb  # eight ranks, each with its own target
     assert params * 8 / 1e6 < mem["export"] < params * 12 / 1e6  # fp32 weights + their copy, no moments
     assert mem["evaluate"] > target_mb and mem["evaluate"] < 2 * target_mb  # bf16 on the GPU
+
+
+def test_the_speculators_export_also_holds_the_verifiers_embedding_and_head(tmp_path):
+    folder = fake_27b(tmp_path / "qwen")
+    shape = {**QWEN36_27B["text_config"], "vocab_size": 248320, "torch_dtype": "bfloat16"}
+    (folder / "config.json").write_text(json.dumps({"text_config": shape}))
+    config = validate_config({"target": {"model": str(folder)}, "train": {"num_layers": 5}})
+    zlab = job_memory_mb(config)["export"]
+    both = job_memory_mb(config, speculators_export=True)["export"]
+    head_mb = 2 * 248320 * 5120 * 2 / 1e6  # embedding + LM head, bf16: ~5.1 GB
+    assert both - zlab == pytest.approx(2 * head_mb, abs=1000)  # read, and held again while written
 
 
 def test_the_demo_and_a_missing_folder_keep_the_floors(tmp_path, demo_model):

@@ -12,7 +12,9 @@ the CPU demo. The figures follow what each job holds in host memory at its peak:
 * train: every rank of the job loads its own copy of the target (online mode) and stages its
   share of the drafter's checkpoint state (fp32 weights and both AdamW moments) in pinned buffers;
 * export: the drafter's fp32 weights read from the final checkpoint (the optimizer state stays on
-  disk, memory-mapped) and their copy in the export dtype.
+  disk, memory-mapped) and their copy in the export dtype (measured for the 27B case: 15.2 GiB
+  peak RSS within 17.8 GB, ``bench/results/export_memory-27b.json``); for a drafter the
+  speculators format expresses, also the target's embedding and LM head, read and written.
 
 Each figure has a floor (what the rules asked for before: enough for the demo and small models).
 Where the target folder does not exist yet (the demo builds it), the floors apply. Override one
@@ -61,8 +63,23 @@ def drafter_params(model: str | Path, train: dict) -> int | None:
     return layers * (4 * hidden * hidden + 3 * hidden * inner) + taps * hidden * hidden
 
 
-def job_memory_mb(config: dict) -> dict[str, int]:
-    """``mem_mb`` per rule of a validated config."""
+def verifier_head_bytes(model: str | Path) -> int:
+    """Bytes of the target's embedding and LM head (vocab x hidden each, in the checkpoint's
+    dtype; a tied head is written as a copy): what the speculators-format export carries."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    text = config.get("text_config") or config
+    dtype = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    element = 4 if "32" in dtype else 2
+    return 2 * int(text.get("vocab_size") or 0) * int(text.get("hidden_size") or 0) * element
+
+
+def job_memory_mb(config: dict, speculators_export: bool = False) -> dict[str, int]:
+    """``mem_mb`` per rule of a validated config; ``speculators_export``: the export job also
+    writes the speculators format (``dflash_pipeline.model.speculators_format.refusal`` of the
+    drafter's layer types is None)."""
     model = config["target"]["model"]
     weights = checkpoint_bytes(model)
     params = drafter_params(model, config["train"])
@@ -73,11 +90,14 @@ def job_memory_mb(config: dict) -> dict[str, int]:
     on_cpu = config["train"]["gpus_per_job"] == 0
     loop_mb = target_mb * (2 if on_cpu else 1)  # the CPU loop runs fp32 (bf16 checkpoints)
     state_mb = (params or 0) * CHECKPOINT_BYTES_PER_PARAM / MB
+    # The speculators-format export (a drafter the format expresses) reads the target's embedding
+    # and LM head and holds them again while its file is written.
+    speculators_mb = 2 * verifier_head_bytes(model) / MB if speculators_export else 0.0
     figures = {
         "generate": JOB_OVERHEAD_MB + target_mb,
         "extract": JOB_OVERHEAD_MB + target_mb,
         "train": ranks * (JOB_OVERHEAD_MB + target_mb) + state_mb,
-        "export": JOB_OVERHEAD_MB + (params or 0) * (4 + 4) / MB,
+        "export": JOB_OVERHEAD_MB + (params or 0) * (4 + 4) / MB + speculators_mb,
         "evaluate": JOB_OVERHEAD_MB + max(target_mb, loop_mb),
     }
     return {rule: max(FLOORS_MB[rule], int(round(mb, -3))) for rule, mb in figures.items()}
