@@ -11,7 +11,7 @@ import pytest
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.storage import open_storage
-from dflash_pipeline.engines.client import CompletionsAdapter, SglangAdapter
+from dflash_pipeline.engines.client import CompletionsAdapter, EngineError, SglangAdapter
 from dflash_pipeline.engines.replay import Timing, percentiles, read_chunk
 from dflash_pipeline.engines.tuning import (
     RESULT_SCHEMA,
@@ -196,3 +196,28 @@ def test_the_replayed_request_is_the_first_turn_of_a_conversation():
         {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"},
     ]  # fmt: skip
     assert first_turn(messages) == [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"}]
+
+
+class DeadServer:
+    """Stands for a ManagedServer whose process is gone (what `fail` and `alive` report)."""
+
+    def __init__(self, alive: bool):
+        self._alive = alive
+
+    def alive(self) -> bool:
+        return self._alive
+
+    def fail(self, what: str) -> EngineError:
+        return EngineError(f"vllm server {what}; see its log logs/tune-engine.log")
+
+
+def test_a_failed_replay_or_a_dead_server_names_the_setting_and_the_engine_log():
+    from dflash_pipeline.engines.replay import ReplayError
+    from dflash_pipeline.stages.tune import engine_failures_named
+
+    with pytest.raises(EngineError, match=r"failed the replay at MTP, concurrency 64 \(ReplayError: every"):
+        with engine_failures_named(DeadServer(True), "MTP, concurrency 64"):
+            raise ReplayError("every request at concurrency 64 failed")
+    with pytest.raises(EngineError, match=r"died while measuring plain, concurrency 8; see its log"):
+        with engine_failures_named(DeadServer(False), "plain, concurrency 8"):
+            pass

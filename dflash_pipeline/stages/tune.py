@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import random
 import sys
 import time
 
+from collections.abc import Iterator
+
+import httpx
 import pyarrow.parquet as pq
 
 from dflash_pipeline.core.storage import write_atomically
@@ -68,6 +72,18 @@ def sample_prompts(paths: list[str], count: int, tokenizer, thinking: bool) -> l
     return prompts
 
 
+@contextlib.contextmanager
+def engine_failures_named(server: ManagedServer, setting: str) -> Iterator[None]:
+    """A failed replay or a server that died during it: one EngineError naming the setting and
+    the engine's log (with its last lines)."""
+    try:
+        yield
+    except (ReplayError, httpx.HTTPError) as err:
+        raise server.fail(f"failed the replay at {setting} ({type(err).__name__}: {err})") from None
+    if not server.alive():
+        raise server.fail(f"died while measuring {setting}")
+
+
 def run_job(
     prompt_paths: list[str],
     out_path: str,
@@ -109,22 +125,22 @@ def run_job(
             spec, engine_log, runtime_dir, startup_timeout=srv["startup_timeout_s"], log_label=engine_log_label
         )
         with server:
-            asyncio.run(warm_up(spec.url, adapter, prompts, sampling))
+            with engine_failures_named(server, f"{variant.name} warm-up"):
+                asyncio.run(warm_up(spec.url, adapter, prompts, sampling))
             for concurrency in tune["concurrencies"]:
-                figures = asyncio.run(
-                    measure_setting(
-                        spec.url,
-                        adapter,
-                        prompts,
-                        sampling,
-                        concurrency,
-                        tune["seconds_per_setting"],
-                        server.process.pid,
-                        gen["request_timeout_s"],
+                with engine_failures_named(server, f"{variant.name}, concurrency {concurrency}"):
+                    figures = asyncio.run(
+                        measure_setting(
+                            spec.url,
+                            adapter,
+                            prompts,
+                            sampling,
+                            concurrency,
+                            tune["seconds_per_setting"],
+                            server.process.pid,
+                            gen["request_timeout_s"],
+                        )
                     )
-                )
-                if not server.alive():
-                    raise server.fail(f"died while measuring concurrency {concurrency}")
                 figures.update(
                     mtp=variant.mtp,
                     speculative=variant.speculative,
