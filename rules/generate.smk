@@ -13,6 +13,8 @@ rule tune:
         engine=run_path(f"{layout.LOGS_DIR}/tune-engine.log"),
     benchmark:
         benchmark_path("tune", per_shard=False)
+    # As generate's: a server that fails to start once does not hold up the run's generation.
+    retries: config["generation"]["retries"]
     conda:
         "../envs/cpu.yaml"
     threads: 2
