@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_pipeline.report import figures as report
+from dflash_pipeline.report import tables
 from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
 from dflash_pipeline.core.storage import ObjectInfo
 
@@ -121,7 +122,7 @@ def test_prompt_figure_and_quarantine_table(tmp_path):
     ]
     report.plot_prompts(summary, quarantine, tmp_path / "prompts.svg")
     assert "quarantined rows (2)" in svg_text(tmp_path / "prompts.svg")
-    report.write_quarantine_table(summary, quarantine, tmp_path / "q.html")
+    tables.write_quarantine_table(summary, quarantine, tmp_path / "q.html")
     page = (tmp_path / "q.html").read_text()
     assert "malformed_json" in page and "&lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page
 
@@ -149,7 +150,7 @@ def test_tokenization_figures_sum_histograms_and_stack_reasons(tmp_path):
     assert "(1,000 in all)" in svg_text(tmp_path / "sup.svg")
     report.plot_degenerate_reasons(stats, tmp_path / "deg.svg")
     assert "empty_response" in svg_text(tmp_path / "deg.svg")
-    report.write_tokenization_table(stats, tmp_path / "tok.html")
+    tables.write_tokenization_table(stats, tmp_path / "tok.html")
     assert "<td>00000</td>" in (tmp_path / "tok.html").read_text()
     stats[1]["supervised_histogram"]["edges"] = [0, 1]
     with pytest.raises(ValueError, match="generate-00001.parquet: supervised histogram bins differ"):
@@ -270,3 +271,29 @@ def test_figures_name_the_algorithm_and_draw_the_selector_walk(tmp_path):
     assert "drafter: DFlash2" in svg_text(tmp_path / "acc.svg")
     report.plot_acceptance({**metrics, "settings": {}}, tmp_path / "acc1.svg")
     assert "drafter: DFlash" in svg_text(tmp_path / "acc1.svg")
+
+
+def test_the_tune_table_lists_every_setting_and_marks_the_choice(tmp_path):
+    def setting(concurrency, tps, mtp=False, out=()):
+        return {
+            "concurrency": concurrency, "mtp": mtp, "output_tokens_per_s": tps, "tokens_per_s_per_gpu": tps,
+            "ttft_s": {"p50": 0.1, "p90": 0.2, "p99": 0.3}, "tpot_ms": {"p50": 20.0, "p90": 30.0, "p99": 40.0},
+            "requests": 8, "cut_at_budget": 0, "finish_reasons": {"stop": 6, "length": 2},
+            "engine_memory_mb": {"rss": 900.0, "gpu": None}, "out_of_bounds": list(out),
+        }  # fmt: skip
+
+    result = {
+        "engine_version": "0.5.17", "device": "1 x NVIDIA H200", "created_utc": "2026-12-05T10:00:00Z",
+        "prompts": 8, "max_new_tokens": 64, "mtp": "measured with and without MTP",
+        "bounds": {"max_tpot_ms": 35, "max_ttft_s": None, "max_memory_mb": None},
+        "settings": [setting(16, 900.0), setting(64, 2000.0, out=["p90 per-token latency 40 ms > 35"]),
+                     setting(16, 1500.0, mtp=True)],
+        "choice": {"concurrency": 16, "mtp": True, "why": "the best throughput within the bounds"},
+    }  # fmt: skip
+    tables.write_tune_table(result, tmp_path / "tune.html")
+    page = (tmp_path / "tune.html").read_text()
+    rows = page.split("<tr>")[1:]
+    chosen = [r for r in rows if "<td>chosen</td>" in r]
+    assert len(chosen) == 1 and "<td>yes</td><td>16</td><td>1500.0</td>" in chosen[0]
+    assert "p90 per-token latency 40 ms &gt; 35" in page and "max_tpot_ms 35" in page
+    assert "concurrency 16 with MTP: the best throughput within the bounds" in page
