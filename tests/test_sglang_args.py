@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_pipeline.engines.tuning import mtp_speculative
 from dflash_pipeline.core.config import load_config
 from dflash_pipeline.engines.client import Sampling, SglangAdapter
 from dflash_pipeline.engines.launch import ServerSpec, server_command
@@ -57,7 +58,8 @@ PARSE_TIMEOUT = 900  # import + one fork per command line; generous for a loaded
 DEVICE = ["--device", "cuda"]
 BLOCK_SIZE = 8  # not SGLang's default (16), so an inferred block size is told from the default
 PORT = 30000
-MTP = {"algorithm": "NEXTN", "num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
+# The MTP setting tune measures and generate then runs (dflash_pipeline.engines.tuning).
+MTP = mtp_speculative(3)
 
 # Each flag the project passes: the ServerArgs field it sets and the type argparse gives it.
 # --mamba-scheduler-strategy is the old name of --mamba-radix-cache-strategy (sglang 0.5.14-0.5.19
