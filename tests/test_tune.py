@@ -221,3 +221,15 @@ def test_a_failed_replay_or_a_dead_server_names_the_setting_and_the_engine_log()
     with pytest.raises(EngineError, match=r"died while measuring plain, concurrency 8; see its log"):
         with engine_failures_named(DeadServer(False), "plain, concurrency 8"):
             pass
+
+
+def test_the_mtp_setting_reaches_both_engines_command_lines():
+    from dflash_pipeline.engines.launch import ServerSpec, server_command
+
+    vllm = server_command(ServerSpec("vllm", "/m", 30000, python="/v/bin/python", speculative=mtp_speculative(3)))
+    config = vllm[vllm.index("--speculative-config") + 1]
+    assert json.loads(config) == {"method": "mtp", "num_speculative_tokens": 3}
+    sglang = server_command(ServerSpec("sglang", "/m", 30000, python="/s/bin/python", speculative=mtp_speculative(2)))
+    flags = dict(zip(sglang, sglang[1:]))
+    assert flags["--speculative-algorithm"] == "NEXTN" and flags["--speculative-num-steps"] == "2"
+    assert flags["--speculative-num-draft-tokens"] == "3" and flags["--speculative-eagle-topk"] == "1"
