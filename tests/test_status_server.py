@@ -100,6 +100,19 @@ def test_snapshot_shows_the_engine_settings_tune_measured(local_run, tmp_path):
     }  # fmt: skip
 
 
+def test_a_running_job_without_shards_is_shown_with_its_log(local_run, tmp_path):
+    """tune (and ingest, export, evaluate) run without a shard: the page lists them while they
+    run, with their log's last lines."""
+    (tmp_path / "results/demo/logs/tune.log").write_text("plain, concurrency 64: 2345.6 output tokens/s\n")
+    events = EventWriter(local_run.events_file)
+    events.write({"event": "job_started", "time": time.time(), "jobids": [9]})
+    events.write({"event": "job_info", "time": time.time(), "jobid": 9, "rule": "tune", "wildcards": {},
+                  "log": ["results/demo/logs/tune.log", "results/demo/logs/tune-engine.log"], "output": []})  # fmt: skip
+    rows = [r for r in SnapshotBuilder(local_run).build()["running"] if r["rule"] == "tune"]
+    assert len(rows) == 1 and rows[0]["shard"] is None and rows[0]["stage"] == "tune"
+    assert rows[0]["log_tail"] == ["plain, concurrency 64: 2345.6 output tokens/s"]
+
+
 def test_a_run_that_stops_at_tokenize_is_complete_without_training(tmp_path):
     run = LocalStorage(tmp_path / "run")
     for stage in ("prepare", "generate", "tokenize"):

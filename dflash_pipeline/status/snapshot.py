@@ -327,14 +327,16 @@ class SnapshotBuilder:
         train_row = self._train_stage(segments, events, now, running, failed)
         if train_row is not None:
             stages.append(train_row)
-        # Jobs of rules without shards or segments (ingest, export, report) that failed.
+        # Jobs of rules without shards or segments (ingest, tune, export, evaluate, report): the
+        # failed ones, and the running ones with their log tails (tune measures for up to an
+        # hour on a GPU before the first generate job; evaluate takes minutes).
         for job in events.jobs.values():
-            if (
-                job.state == "failed"
-                and job.rule != "train"
-                and (job.rule not in SHARD_STAGES or "shard" not in job.wildcards)
-            ):
+            if job.rule in ("train", "all") or (job.rule in SHARD_STAGES and "shard" in job.wildcards):
+                continue
+            if job.state == "failed":
                 failed.append(self._failed_row(None, job.rule, None, job, None))
+            elif job.state == "running":
+                running.append(self._running_row(job.rule, job.rule, None, job, None, now))
 
         shard_total = sum(s["total"] for s in stages)
         overall = sum(s["percent"] * s["total"] for s in stages) / shard_total if shard_total else 0.0
@@ -464,7 +466,7 @@ class SnapshotBuilder:
         return {
             "stage": stage,
             "rule": rule,
-            "shard": layout.shard_name(shard),
+            "shard": layout.shard_name(shard) if shard is not None else None,
             "jobid": job.jobid if job is not None else None,
             "samples_done": done,
             "samples_total": total,
