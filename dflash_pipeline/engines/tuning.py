@@ -12,8 +12,8 @@ choice is the setting with the best throughput within the configured bounds.
 The measurement itself is ``dflash_pipeline.engines.replay``; this module decides what to measure
 and what the measurement means.
 
-``generate`` takes the choice (``tuned_choice``) unless the config pins the concurrency or the
-speculative settings; ``plan`` takes the measured tokens per second per GPU.
+``generate`` takes the choice (``read_tune_result``, ``apply_choice``) unless the config pins the
+concurrency or the speculative settings; ``plan`` takes the measured tokens per second per GPU.
 """
 
 from __future__ import annotations
@@ -92,7 +92,9 @@ class Variant:
 
     @property
     def name(self) -> str:
-        return "MTP" if self.mtp else "plain"
+        if self.mtp:
+            return "MTP"
+        return f"pinned {self.speculative['algorithm']}" if self.speculative else "plain"
 
 
 def variants(engine: str, model_dir: str, tune: dict, pinned_speculative: dict) -> tuple[list[Variant], str]:
