@@ -19,7 +19,8 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+import dataclasses
+from dataclasses import dataclass
 
 import httpx
 
@@ -254,7 +255,7 @@ async def measure_setting(
 
 async def warm_up(url: str, adapter, prompts: list[tuple[str, list[int]]], sampling: Sampling) -> None:
     """A few short requests, unmeasured."""
-    short = Sampling(**{**asdict(sampling), "max_new_tokens": WARMUP_TOKENS})
+    short = dataclasses.replace(sampling, max_new_tokens=WARMUP_TOKENS)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30)) as http:
         await asyncio.gather(
             *(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import random
@@ -107,7 +108,7 @@ def run_job(
     tokenizer = AutoTokenizer.from_pretrained(model)
     sampling = GenerationSettings.from_config(gen, model).sampling
     if tune["max_new_tokens"] is not None:
-        sampling = type(sampling)(**{**sampling.__dict__, "max_new_tokens": tune["max_new_tokens"]})
+        sampling = dataclasses.replace(sampling, max_new_tokens=tune["max_new_tokens"])
     prompts = sample_prompts(prompt_paths, tune["prompts"], tokenizer, gen["thinking"])
     srv = gen["server"]
     tp = srv["tp"]
