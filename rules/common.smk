@@ -1,5 +1,6 @@
 # The config, validated, and every path, input function and resource of the rules (run control:
 # rules/run_control.smk).
+import functools
 import sys
 
 # Import the package from this checkout even where it is not pip-installed (e.g. conda envs).
@@ -11,7 +12,7 @@ from dflash_pipeline.core.gpu_slots import pool_from_config
 from dflash_pipeline.core.resources import job_memory_mb
 from dflash_pipeline.model import speculators_format
 from dflash_pipeline.core.storage import is_s3_url, open_storage
-from dflash_pipeline.engines.tuning import tune_defining
+from dflash_pipeline.engines.tuning import generate_waits_for_tune, tune_defining
 
 try:
     config.update(validate_config(config))
@@ -221,23 +222,11 @@ def tune_prompt_shards():
     return [shard_output("prepare").format(shard=shard) for shard in SHARDS[:count]]
 
 
-_TUNE_ORDERS_GENERATE = []
-
-
+@functools.cache
 def tune_orders_generate():
-    """Generate jobs wait for tune when its result exists or no generate shard exists yet. The
-    result is an ancient() input: measuring again never reruns a finished shard; and a run whose
-    shards were generated before it had a tune result keeps them (tune then runs beside).
-    """
-    if not _TUNE_ORDERS_GENERATE:
-        orders = tune_runs()
-        if orders:
-            run_storage = open_storage(RUN_URL)
-            orders = run_storage.exists(layout.TUNE_RESULT) or not run_storage.list(
-                f"{layout.OUTPUTS_DIR}/generate-"
-            )
-        _TUNE_ORDERS_GENERATE.append(orders)
-    return _TUNE_ORDERS_GENERATE[0]
+    """Whether generate waits for tune (dflash_pipeline.engines.tuning.generate_waits_for_tune),
+    decided once per parse."""
+    return tune_runs() and generate_waits_for_tune(open_storage(RUN_URL))
 
 
 def tune_input(wildcards):

@@ -233,3 +233,14 @@ def test_the_mtp_setting_reaches_both_engines_command_lines():
     flags = dict(zip(sglang, sglang[1:]))
     assert flags["--speculative-algorithm"] == "NEXTN" and flags["--speculative-num-steps"] == "2"
     assert flags["--speculative-num-draft-tokens"] == "3" and flags["--speculative-eagle-topk"] == "1"
+
+
+def test_generate_waits_for_tune_unless_its_shards_were_generated_before_a_result(tmp_path):
+    from dflash_pipeline.engines.tuning import generate_waits_for_tune
+
+    storage = open_storage(tmp_path)
+    assert generate_waits_for_tune(storage)  # a new run: tune first
+    storage.write_text(layout.shard_key("generate", 0), "x")
+    assert not generate_waits_for_tune(storage)  # shards from before: kept, tune runs beside
+    storage.write_text(layout.TUNE_RESULT, "{}")
+    assert generate_waits_for_tune(storage)

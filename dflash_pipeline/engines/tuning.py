@@ -64,6 +64,15 @@ def tune_defining(config: dict) -> dict:
     }
 
 
+def generate_waits_for_tune(storage) -> bool:
+    """Whether generate jobs take the tune result as their (``ancient()``) input: when it exists,
+    or when no generate shard exists yet. A run whose shards were generated before it had a
+    result keeps them: tune then runs beside, and measuring again never reruns a finished shard."""
+    from dflash_pipeline.core import layout
+
+    return storage.exists(layout.TUNE_RESULT) or not storage.list(f"{layout.OUTPUTS_DIR}/generate-")
+
+
 def has_mtp_head(model_dir: str) -> bool:
     """Whether the target's config declares MTP layers."""
     path = Path(model_dir) / "config.json"
