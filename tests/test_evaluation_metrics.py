@@ -94,12 +94,13 @@ def test_lossless_compare_reports_the_first_divergence_with_the_targets_margin()
     fp32 = compare_greedy([1, 2, 9, 9], [1, 2, 3, 4], margins, 0.0)
     assert not fp32.passed  # in fp32 any difference fails
     clear = compare_greedy([1, 9, 3, 4], [1, 2, 3, 4], margins, 0.25)
-    assert clear.verdict == "failed" and clear.loop_token == 9 and clear.plain_token == 2
+    assert clear.verdict == "lost" and clear.loop_token == 9 and clear.plain_token == 2
     shorter = compare_greedy([1, 2], [1, 2, 3, 4], margins, 0.25)
     assert shorter.first_divergence == 2 and shorter.loop_token is None
     summary = lossless_summary({"p1": exact, "p2": near, "p3": clear}, 0.25)
     assert summary["exact"] == 1 and set(summary["near_ties"]) == {"p2"}
     assert set(summary["failures"]) == {"p3"} and not summary["passed"]
+    assert (summary["near_tie"], summary["lost"]) == (1, 1)
     message = failure_message(summary)
     assert "prompt p3: first divergence at generated token 1: loop 9 vs plain 2" in message
 

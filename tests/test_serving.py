@@ -186,11 +186,35 @@ def steps_for(prompt_ids):
     return [p % 4 for p in prompt_ids]
 
 
+# Where the plain server decodes differently from the speculative one, by a prompt's first id:
+# (generated token index, the target's logit margin there). Prompt p2 diverges at a near tie
+# (rounding in bf16, a lost token in fp32); a prompt starting with 11 at a clear choice.
+DIVERGENCES = {9: (5, 0.1), 11: (3, 2.0)}
+MARGIN = 3.0  # the target's margin everywhere else
+
+
 def tokens_for(prompt_ids, plain: bool):
     tokens = [(sum(prompt_ids) + i) % 1000 for i in range(1 + sum(a + 1 for a in steps_for(prompt_ids)))]
-    if plain and prompt_ids[0] == 9:  # prompt p2: the plain server decodes differently at 5
-        tokens[5] += 1
+    if plain and prompt_ids[0] in DIVERGENCES:
+        tokens[DIVERGENCES[prompt_ids[0]][0]] += 1
     return tokens
+
+
+def margins_for(prompt_ids, count: int) -> list[float]:
+    margins = [MARGIN] * count
+    if prompt_ids[0] in DIVERGENCES:
+        index, margin = DIVERGENCES[prompt_ids[0]]
+        margins[index] = margin
+    return margins
+
+
+def top_logprobs(engine: str, tokens: list[int], margins: list[float]):
+    """The plain server's top-2 logprobs per generated token, in each engine's reply shape: vLLM
+    {"token_id:<id>": logprob} (return_tokens_as_token_ids), SGLang [logprob, id, text]."""
+    pairs = [((t, -0.01), (t + 1, -0.01 - m)) for t, m in zip(tokens, margins)]
+    if engine == "vllm":
+        return [{f"token_id:{t}": lp for t, lp in pair} for pair in pairs]
+    return [[[lp, t, None] for t, lp in pair] for pair in pairs]
 
 
 # Versions that serve the stand-ins' mixed sliding/full drafter (dflash_pipeline.engines.limits).
@@ -234,9 +258,14 @@ class StandInEngine(BaseHTTPRequestHandler):
             if self.speculative:
                 self.metrics.observe_request(len(ids), steps)
             choice = {"index": 0, "text": "", "finish_reason": "length", "token_ids": tokens}
+            if body.get("logprobs"):
+                top = top_logprobs("vllm", tokens, margins_for(ids, len(tokens)))
+                choice["logprobs"] = {"top_logprobs": top, "token_logprobs": [-0.01] * len(tokens)}
             self.reply(200, {"choices": [choice], "usage": {"completion_tokens": len(tokens)}})
             return
         meta = {"completion_tokens": len(tokens), "finish_reason": {"type": "length"}}
+        if body.get("return_logprob"):
+            meta["output_top_logprobs"] = top_logprobs("sglang", tokens, margins_for(ids, len(tokens)))
         if self.speculative:
             meta["spec_verify_ct"] = len(steps)
             meta["spec_correct_drafts_histogram"] = [steps.count(a) for a in range(4)]
@@ -346,12 +375,17 @@ def test_measurement_in_an_engine_end_to_end(tmp_path, stand_in_servers, engine)
     lossless = measurement.lossless
     assert lossless["checked"] and not lossless["passed"] and lossless["exact"] == 2
     assert set(lossless["failures"]) == {"p2"}
-    assert "prompt p2: first divergence at generated token 5" in failure_message(lossless)
-    assert by_id["p2"].as_dict()["lossless"]["verdict"] == "failed"
+    message = failure_message(lossless)
+    assert "prompt p2: first divergence at generated token 5" in message and "target margin 0.1" in message
+    # No dtype given: the engine's own default is not known, so no tolerance (as in fp32).
+    assert by_id["p2"].as_dict()["lossless"]["verdict"] == "lost"
     assert by_id["p1"].as_dict()["lossless"]["verdict"] == "exact"
 
     sent = StandInEngine.requests
     assert [r["speculative"] for r in sent] == [True] * 3 + [False] * 3
+    # Only the plain reference is asked for its top-2 logprobs (the target's margins).
+    margin_keys = {"vllm": "logprobs", "sglang": "top_logprobs_num"}[engine]
+    assert [r.get(margin_keys) for r in sent] == [None] * 3 + [2] * 3
     if engine == "vllm":
         assert [r["prompt"] for r in sent[:3]] == [p[2] for p in PROMPTS]  # ids, in order
         assert all(r["path"] == "/v1/completions" and r["return_token_ids"] for r in sent)
@@ -362,6 +396,62 @@ def test_measurement_in_an_engine_end_to_end(tmp_path, stand_in_servers, engine)
     document = metrics_document(measurement.results, measurement.settings(), lossless=measurement.lossless)
     assert document["overall"]["speedup_estimate"] is not None
     json.dumps(document)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_engine_lossless_tells_a_near_tie_from_a_lost_token_by_the_targets_margin(tmp_path, stand_in_servers, engine):
+    """In bf16 a divergence where the plain server's top-2 logprobs are within the dtype's
+    tolerance (0.25) is a near tie and passes; one at a clear choice (margin 2.0) is lost and
+    fails the check, named with its margin."""
+    prompts = [*PROMPTS, ("p4", "chat", [11, 2])]
+    measurement = measure_in_engine(
+        engine,
+        "/m/target",
+        exported_drafter(tmp_path / "drafter"),
+        prompts,
+        4,
+        max_new_tokens=64,
+        temperature=0.0,
+        log_dir=tmp_path / "run",
+        port=free_port(),
+        hybrid=False,
+        install=stand_in_install(engine),
+        dtype="bfloat16",
+    )
+    lossless = measurement.lossless
+    assert (lossless["exact"], lossless["near_tie"], lossless["lost"]) == (2, 1, 1)
+    assert lossless["margin_tolerance"] == 0.25 and not lossless["passed"]
+    assert lossless["near_ties"]["p2"]["margin"] == pytest.approx(0.1)
+    assert set(lossless["failures"]) == {"p4"}
+    assert lossless["failures"]["p4"]["margin"] == pytest.approx(2.0)
+    assert "prompt p4: first divergence at generated token 3" in failure_message(lossless)
+    verdicts = {r.id: r.as_dict()["lossless"]["verdict"] for r in measurement.results}
+    assert verdicts == {"p1": "exact", "p2": "near_tie", "p3": "exact", "p4": "lost"}
+    # Without the clear divergence the check passes in bf16; a set tolerance of 0 fails the tie.
+    kept = measure_in_engine(
+        engine, "/m/target", tmp_path / "drafter", PROMPTS, 4, max_new_tokens=64, temperature=0.0,
+        log_dir=tmp_path / "run2", port=free_port(), hybrid=False, install=stand_in_install(engine),
+        dtype="bfloat16",
+    )  # fmt: skip
+    assert kept.lossless["passed"] and kept.lossless["near_tie"] == 1
+    strict = measure_in_engine(
+        engine, "/m/target", tmp_path / "drafter", PROMPTS, 4, max_new_tokens=64, temperature=0.0,
+        log_dir=tmp_path / "run3", port=free_port(), hybrid=False, install=stand_in_install(engine),
+        dtype="bfloat16", margin_tolerance=0.0,
+    )  # fmt: skip
+    assert not strict.lossless["passed"] and set(strict.lossless["failures"]) == {"p2"}
+
+
+def test_a_reply_without_top_logprobs_gives_unknown_margins_or_a_named_error():
+    from dflash_pipeline.evaluation.engine_counters import EngineResponseError
+    from dflash_pipeline.evaluation.engine_requests import top2_margins
+
+    sglang = {"output_ids": [1, 2], "meta_info": {"output_top_logprobs": [[[-0.1, 1, None]], None]}}
+    assert top2_margins("sglang", sglang) == [None, None]  # one value, or none: no margin
+    vllm = {"choices": [{"token_ids": [1], "logprobs": {"top_logprobs": [{"a": -0.5, "b": float("-inf")}]}}]}
+    assert top2_margins("vllm", vllm) == [None]
+    with pytest.raises(EngineResponseError, match="prompt p9: the sglang reply has no top logprobs"):
+        top2_margins("sglang", {"output_ids": [1], "meta_info": {}}, "prompt p9")
 
 
 def test_sampled_measurement_launches_no_plain_server(tmp_path, stand_in_servers):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +50,24 @@ def prompt_result(
 # --- requests ------------------------------------------------------------------------------------
 
 
+# Top logprobs asked of the plain server per generated token: the first two give the target's
+# logit margin there (log-softmax shifts every logit by the same amount, so the difference of two
+# logprobs is the difference of their logits), which tells a near tie from a lost token.
+MARGIN_TOP_LOGPROBS = 2
+
+
 class _RawSglangAdapter(SglangAdapter):
-    """SGLang's ``/generate`` request, with the whole reply kept (meta_info included)."""
+    """SGLang's ``/generate`` request, with the whole reply kept (meta_info included); with
+    ``margins`` the top two logprobs of every generated token are asked back."""
+
+    def __init__(self, margins: bool = False):
+        self.margins = margins
+
+    def request(self, prompt_text: str, prompt_ids: list[int], sampling: Sampling) -> tuple[str, dict]:
+        path, body = super().request(prompt_text, prompt_ids, sampling)
+        if self.margins:
+            body.update(return_logprob=True, top_logprobs_num=MARGIN_TOP_LOGPROBS)
+        return path, body
 
     def parse(self, data: dict) -> dict:
         return data
@@ -60,15 +77,23 @@ class _VllmTokenIdsAdapter(CompletionsAdapter):
     """vLLM's ``/v1/completions`` with the prompt as token ids (exactly what the loop decodes, no
     re-tokenization) and the generated token ids asked back; the whole reply kept."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, margins: bool = False):
         super().__init__(model, strict=False, token_ids=True)
+        self.margins = margins
+
+    def request(self, prompt_text: str, prompt_ids: list[int], sampling: Sampling) -> tuple[str, dict]:
+        path, body = super().request(prompt_text, prompt_ids, sampling)
+        if self.margins:
+            # Keys "token_id:<id>": two tokens that decode to the same text stay two entries.
+            body.update(logprobs=MARGIN_TOP_LOGPROBS, return_tokens_as_token_ids=True)
+        return path, body
 
     def parse(self, data: dict) -> dict:
         return data
 
 
-def _adapter(engine: str, model: str):
-    return _RawSglangAdapter() if engine == "sglang" else _VllmTokenIdsAdapter(model)
+def _adapter(engine: str, model: str, margins: bool = False):
+    return _RawSglangAdapter(margins) if engine == "sglang" else _VllmTokenIdsAdapter(model, margins)
 
 
 def output_ids(engine: str, data: dict, source: str = "reply") -> list[int]:
@@ -79,6 +104,29 @@ def output_ids(engine: str, data: dict, source: str = "reply") -> list[int]:
     if not isinstance(ids, list):
         raise EngineResponseError(f"{source}: SGLang reply has no output_ids")
     return ids
+
+
+def top2_margins(engine: str, data: dict, source: str = "reply") -> list[float | None]:
+    """The target's logit margin (top-1 minus top-2 logprob) at every generated token of a reply
+    that asked for top logprobs; None where the engine gave fewer than two finite values.
+
+    vLLM: ``choices[0].logprobs.top_logprobs``, one {token: logprob} dict per token (the sampled
+    token is added when outside the top k, so a dict may hold k + 1). SGLang:
+    ``meta_info.output_top_logprobs``, one list of (logprob, token id, text) per token."""
+    if engine == "vllm":
+        per_token = (vllm_choice(data, source).get("logprobs") or {}).get("top_logprobs")
+        values = [list((entry or {}).values()) for entry in per_token or []]
+    else:
+        per_token = (data.get("meta_info") or {}).get("output_top_logprobs")
+        values = [[item[0] for item in entry or [] if item] for entry in per_token or []]
+    if per_token is None:
+        raise EngineResponseError(f"{source}: the {engine} reply has no top logprobs (asked for {MARGIN_TOP_LOGPROBS})")
+    return [_margin(v) for v in values]
+
+
+def _margin(logprobs: list) -> float | None:
+    finite = sorted((float(v) for v in logprobs if v is not None and math.isfinite(float(v))), reverse=True)
+    return finite[0] - finite[1] if len(finite) >= 2 else None
 
 
 @dataclass
@@ -140,13 +188,14 @@ async def _decode_all(
     concurrency: int,
     alive,
     raw_metrics_dir: Path | None = None,
+    margins: bool = False,
 ) -> list[_Reply]:
     """Send every prompt; with ``counters`` read vLLM's /metrics around each request (then one
     at a time: the counters are server-wide)."""
     if counters and concurrency != 1:
         raise ValueError("vLLM's counters are server-wide: measure with concurrency 1")
     gate = asyncio.Semaphore(concurrency)
-    client = EngineClient([url], _adapter(engine, model), alive=alive)
+    client = EngineClient([url], _adapter(engine, model, margins), alive=alive)
     async with client, httpx.AsyncClient(timeout=60) as http:
 
         def keep(when: str) -> Path | None:
@@ -236,8 +285,9 @@ def request_plain(
     max_new_tokens: int,
     seed: int | None = None,
     alive=None,
-) -> tuple[dict[str, list[int]], dict[str, float]]:
-    """Greedy-decode every prompt on a server without the drafter: token ids and seconds by id."""
+) -> tuple[dict[str, list[int]], dict[str, float], dict[str, list[float | None]]]:
+    """Greedy-decode every prompt on a server without the drafter: token ids, seconds and the
+    target's logit margin at every generated token (``top2_margins``), by prompt id."""
     replies = asyncio.run(
         _decode_all(
             engine,
@@ -248,7 +298,9 @@ def request_plain(
             counters=False,
             concurrency=1,
             alive=alive,
+            margins=True,
         )
     )
     outputs = {p[0]: output_ids(engine, r.data, f"prompt {p[0]}") for p, r in zip(prompts, replies)}
-    return outputs, {p[0]: r.seconds for p, r in zip(prompts, replies)}
+    margins = {p[0]: top2_margins(engine, r.data, f"prompt {p[0]}") for p, r in zip(prompts, replies)}
+    return outputs, {p[0]: r.seconds for p, r in zip(prompts, replies)}, margins

@@ -22,6 +22,14 @@ DEFAULT_MARGIN_TOLERANCE = {
 }
 
 
+def default_margin_tolerance(dtype) -> float:
+    """The tolerance of ``dtype`` (a torch dtype, or its name as engines take it: "bfloat16");
+    0 for full precision and for None (an engine's own default dtype is not known here)."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    return DEFAULT_MARGIN_TOLERANCE.get(dtype, 0.0)
+
+
 class LosslessError(AssertionError):
     """Greedy speculative output differs from plain greedy decoding beyond rounding."""
 
@@ -45,7 +53,7 @@ class LosslessResult:
     def verdict(self) -> str:
         if self.equal:
             return "exact"
-        return "near_tie" if self.passed else "failed"
+        return "near_tie" if self.passed else "lost"
 
     def as_dict(self) -> dict:
         return {
@@ -82,6 +90,8 @@ def lossless_summary(results: dict[str, LosslessResult], margin_tolerance: float
         "checked": True,
         "prompts": len(results),
         "exact": sum(r.equal for r in results.values()),
+        "near_tie": len(near),
+        "lost": len(failed),
         "near_ties": near,
         "failures": failed,
         "margin_tolerance": margin_tolerance,
@@ -98,7 +108,8 @@ def failure_message(summary: dict) -> str:
     for pid, fail in list(summary["failures"].items())[:10]:
         lines.append(
             f"  prompt {pid}: first divergence at generated token {fail['first_divergence']}: "
-            f"loop {fail['loop_token']} vs plain {fail['plain_token']}, target margin {fail['margin']}"
+            f"loop {fail['loop_token']} vs plain {fail['plain_token']}, target margin "
+            + (str(fail["margin"]) if fail["margin"] is not None else "unknown (none reported there)")
         )
     lines.append(
         "Usual causes: cache rollback after rejected drafts (hybrid GDN/linear-attention state), "

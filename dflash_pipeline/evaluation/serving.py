@@ -22,7 +22,7 @@ from dflash_pipeline.engines.environments import EngineInstall
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec
 from dflash_pipeline.engines.limits import DrafterShape, EngineUnsupportedError, refusals
 from dflash_pipeline.evaluation.engine_requests import request_acceptance, request_plain
-from dflash_pipeline.evaluation.lossless import compare_greedy, lossless_summary
+from dflash_pipeline.evaluation.lossless import compare_greedy, default_margin_tolerance, lossless_summary
 from dflash_pipeline.evaluation.metrics import PromptResult
 from dflash_pipeline.evaluation.engine_counters import (
     EngineResponseError,
@@ -211,17 +211,27 @@ def reference_server_model(url: str) -> str:
 # --- lossless ------------------------------------------------------------------------------------
 
 ENGINE_LOSSLESS_METHOD = (
-    "exact token equality of the speculative server's greedy output against the same engine's "
-    "plain greedy server (no logits: any difference fails)"
+    "token equality of the speculative server's greedy output against the same engine's plain "
+    "greedy server; at a divergence, the plain server's top-2 logprob difference there (the "
+    "target's logit margin) decides: a near tie within the margin tolerance is rounding in "
+    "reduced precision, a larger margin is a lost token"
 )
 
 
-def engine_lossless(outputs: dict[str, list[int]], plain_outputs: dict[str, list[int]]) -> tuple[dict, dict]:
-    """(lossless section in lossless.py's shape, verdict dict per prompt id). Engines give no
-    logit margins, so a near tie cannot be told from a bug: every difference is a failure, with
-    its first differing position."""
-    verdicts = {pid: compare_greedy(outputs[pid], plain_outputs[pid], [], 0.0) for pid in outputs}
-    summary = lossless_summary(verdicts, 0.0)
+def engine_lossless(
+    outputs: dict[str, list[int]],
+    plain_outputs: dict[str, list[int]],
+    plain_margins: dict[str, list[float | None]],
+    margin_tolerance: float,
+) -> tuple[dict, dict]:
+    """(lossless section in lossless.py's shape, verdict dict per prompt id): exact, near tie or
+    lost per prompt, judged as the loop judges its own divergences. A divergence where the engine
+    gave no margin is lost (nothing shows it was a tie)."""
+    verdicts = {
+        pid: compare_greedy(outputs[pid], plain_outputs[pid], plain_margins.get(pid) or [], margin_tolerance)
+        for pid in outputs
+    }
+    summary = lossless_summary(verdicts, margin_tolerance)
     summary["method"] = ENGINE_LOSSLESS_METHOD
     return summary, {pid: v.as_dict() for pid, v in verdicts.items()}
 
@@ -272,11 +282,14 @@ def measure_in_engine(
     env: dict[str, str] | None = None,
     reference_url: str | None = None,
     dtype: str | None = None,
+    margin_tolerance: float | None = None,
 ) -> EngineMeasurement:
     """Launch the speculative server (``install``: the engine environment it runs from), check
     that the version it reports serves the drafter, measure every prompt, stop it; in greedy mode
     decode the same prompts on a plain server (``reference_url``: one already running with the
-    same target, else launched on the same port) and compare."""
+    same target, else launched on the same port) and compare, a divergence tolerated where the
+    target's margin there is at most ``margin_tolerance`` (None: the dtype's default, as the
+    loop's)."""
     fields = drafter_fields(drafter)
     configured = fields["dflash_config.block_size"] or fields["block_size"]
     if configured and configured != block_size:
@@ -327,7 +340,7 @@ def measure_in_engine(
             "reason": "sampled (temperature > 0): outputs match the target in distribution, not token for token",
         }
     else:
-        plain_outputs, plain_seconds = _plain_reference(
+        plain_outputs, plain_seconds, plain_margins = _plain_reference(
             engine,
             spec(False),
             prompts,
@@ -338,7 +351,9 @@ def measure_in_engine(
             startup_timeout,
             reference_url,
         )
-        lossless, verdicts = engine_lossless(outputs, plain_outputs)
+        if margin_tolerance is None:
+            margin_tolerance = default_margin_tolerance(dtype)
+        lossless, verdicts = engine_lossless(outputs, plain_outputs, plain_margins, margin_tolerance)
         if reference_url:
             lossless["reference"] = reference_url
         for result in results:
@@ -358,8 +373,8 @@ def _plain_reference(
     log_dir,
     startup_timeout,
     reference_url,
-) -> tuple[dict[str, list[int]], dict[str, float]]:
-    """Greedy outputs of the target without the drafter: from the running server at
+) -> tuple[dict[str, list[int]], dict[str, float], dict[str, list[float | None]]]:
+    """Greedy outputs (and seconds, margins) of the target without the drafter: from the running server at
     ``reference_url`` (it must serve the same target), else from a plain server launched here."""
     if reference_url:
         served = reference_server_model(reference_url)

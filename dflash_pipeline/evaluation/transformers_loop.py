@@ -77,7 +77,7 @@ def run_transformers_loop(target, drafter, prompts, options: EvalOptions, load_p
     from transformers import AutoTokenizer
 
     from dflash_pipeline.evaluation.lossless import (
-        DEFAULT_MARGIN_TOLERANCE,
+        default_margin_tolerance,
         compare_greedy,
         lossless_summary,
     )
@@ -104,7 +104,7 @@ def run_transformers_loop(target, drafter, prompts, options: EvalOptions, load_p
     prompt_ids = render_prompts(tokenizer, prompts, options.thinking)
     margin = options.lossless_margin
     if margin is None:
-        margin = DEFAULT_MARGIN_TOLERANCE.get(dtype, 0.0)
+        margin = default_margin_tolerance(dtype)
 
     def settings_for(index: int, max_new_tokens: int) -> DecodeSettings:
         # One seed per prompt: sampled runs are reproducible and prompts independent.

@@ -190,6 +190,7 @@ def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str
         env=engine_env(options.engine, options.engines),
         reference_url=options.engine_reference_url,
         dtype=dtype,
+        margin_tolerance=options.lossless_margin,
     )
     document = metrics_document(measured.results, measured.settings(), lossless=measured.lossless)
     section = {
