@@ -115,6 +115,22 @@ def main() -> int:
     return 0 if all(r.get("loop_tau") or r.get("refused") for r in records) else 1
 
 
+def misexport(exported: dict, kind: str) -> None:
+    """Break an exported drafter config the way real exports went wrong. ``no-aux-ids``: the
+    capture indices dropped (the export before they were written; vLLM 0.20.1 then tapped other
+    layers); ``reversed-taps``: the target layers in the opposite order in every field an engine
+    reads (the drafter's fc then mixes its features in the wrong order, for every engine)."""
+    if kind == "no-aux-ids":
+        exported.pop("eagle_aux_hidden_state_layer_ids", None)
+    elif kind == "reversed-taps":
+        dflash = exported.get("dflash_config") or {}
+        for holder, key in ((dflash, "target_layer_ids"), (exported, "eagle_aux_hidden_state_layer_ids")):
+            if holder.get(key):
+                holder[key] = list(reversed(holder[key]))
+    else:
+        raise ValueError(f"unknown misexport kind {kind!r}")
+
+
 def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
     run_name = f"serving-{variant}"
     if args.cpu:
@@ -131,14 +147,17 @@ def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
         resources = []
     else:
         device = gpu_name()
+        engine = getattr(args, "engine", "vllm")
         overrides = {
             "run": run_name,
             "gpus": 1,
-            "engines": {"vllm": {"python": args.vllm_python}},
-            "generation": {"engine": "vllm", "gpus_per_job": 1, "server": {"extra_args": args.engine_arg}},
+            "engines": {engine: {"python": args.vllm_python if engine == "vllm" else args.engine_python}},
+            "generation": {"engine": engine, "gpus_per_job": 1, "server": {"extra_args": args.engine_arg}},
             "train": {"gpus_per_job": 1, **VARIANTS[variant]},
-            "evaluate": {"engine": "vllm", "max_prompts": args.max_prompts, "engine_extra_args": args.engine_arg},
+            "evaluate": {"engine": engine, "max_prompts": args.max_prompts, "engine_extra_args": args.engine_arg},
         }
+        if getattr(args, "reference_url", None):
+            overrides["evaluate"]["engine_reference_url"] = args.reference_url
         resources = ["--resources", "gpu=1"]
     if args.target:
         overrides["target"] = {"model": str(Path(args.target).resolve()), "build_demo": False}
@@ -155,7 +174,7 @@ def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
     if args.misexport:
         config_path = work / "results" / run_name / "drafter" / "config.json"
         exported = json.loads(config_path.read_text())
-        exported.pop("eagle_aux_hidden_state_layer_ids", None)
+        misexport(exported, getattr(args, "misexport_kind", "no-aux-ids"))
         config_path.write_text(json.dumps(exported, indent=2) + "\n")  # newer: evaluate reruns
     started = time.time()
     proc = subprocess.run(

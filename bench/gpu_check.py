@@ -1,0 +1,217 @@
+"""The GPU check: what CI (no GPU) cannot run, on a machine with one CUDA GPU, in one command.
+
+    make gpu-check SGLANG_PYTHON=... VLLM_PYTHON=...      (README: "The GPU check")
+    python bench/gpu_check.py --engine sglang=ENV/bin/python --engine vllm=ENV/bin/python \\
+        [--engine-arg sglang=--attention-backend=triton ...] [--out bench/results/gpu_check-<device>.json]
+
+1. The CUDA tests (`pytest -m cuda`): every test that needs a GPU, counted and named.
+2. For each engine (each in its own environment, as `engines.<engine>.python` says): the demo
+   workflow with generation and evaluation through that engine, every gate on (data quality,
+   the loop's lossless check and parity, the engine's lossless check and parity with the loop),
+   for each drafter shape the engine version serves (full attention, all sliding, mixed; DFlash2
+   where the limits table says it serves it); the first shape generates, the others reuse its
+   data. One plain server of the engine (bfloat16, the loop's dtype on a GPU) is the lossless
+   reference of every evaluation of that engine.
+3. A deliberately broken export of the full-attention drafter (target layers reversed): its
+   evaluation must fail (the engine parity gate; losslessness holds, since the engine verifies).
+
+Writes one record: device, driver, engine versions, commit, date; per engine and drafter the
+loop's tau and the engine's, their ratio, lossless counts (exact / near tie / lost) and wall
+times. Exit 1 when any part failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from benchlib import REPO, emit, provenance
+from serving_parity import VARIANTS, gpu_name, run_variant
+
+sys.path.insert(0, str(REPO))
+
+from dflash_pipeline.engines.limits import DrafterShape, refusals  # noqa: E402
+
+# The drafter shapes of the check (serving_parity's variants): "swa" is the mixed one.
+SHAPES = {"full": "full", "sliding": "sliding", "mixed": "swa", "dflash2": "dflash2"}
+
+
+def driver_version() -> str | None:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+    )
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def installed_version(python: str, distribution: str) -> str | None:
+    out = subprocess.run(
+        [python, "-c", f"import importlib.metadata as m; print(m.version({distribution!r}))"],
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def cuda_tests(junit: Path) -> dict:
+    """`pytest -m cuda` in the checkout: counts and the failures' names."""
+    started = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    summary = re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", tail)
+    counts = {kind.rstrip("s") if kind == "errors" else kind: int(n) for n, kind in summary}
+    return {
+        "exit_code": proc.returncode,
+        "seconds": round(time.time() - started, 1),
+        **counts,
+        "failures": re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M),
+        "log_tail": tail if proc.returncode else None,
+        "passed_all": proc.returncode == 0 and counts.get("passed", 0) > 0,
+    }
+
+
+def served_shapes(engine: str, version: str | None, wanted: list[str]) -> tuple[list[str], dict]:
+    """The shapes the engine version serves, and the refusal line of each it does not."""
+    served, refused = [], {}
+    for shape in wanted:
+        train = VARIANTS[SHAPES[shape]]
+        reasons = refusals(engine, version, "gpu", DrafterShape.from_train_config(train))
+        if reasons:
+            refused[shape] = reasons[0]
+        else:
+            served.append(shape)
+    return served, refused
+
+
+def plain_reference(engine: str, python: str, target: Path, extra_args: list[str], log_dir: Path):
+    """A plain server of the engine with the target, as evaluate launches one (bfloat16)."""
+    from dflash_pipeline.engines.launch import ManagedServer, free_port
+    from dflash_pipeline.evaluation.serving import serving_server_spec
+
+    spec = serving_server_spec(
+        engine, target, "", 2, free_port(), hybrid=False, speculative=False, python=python,
+        dtype="bfloat16", extra_args=extra_args,
+    )  # fmt: skip
+    return ManagedServer(spec, log_dir / f"{engine}-reference.log", log_dir)
+
+
+def summarize(record: dict) -> dict:
+    """The figures of one serving_parity record that the check reports."""
+    engine_lossless = record.get("engine_lossless") or {}
+    loop_lossless = record.get("loop_lossless") or {}
+    parity = record.get("engine_parity") or {}
+    return {
+        "workflow_exit_code": record["workflow_exit_code"],
+        "workflow_seconds": record["workflow_seconds"],
+        "prompts": record.get("prompts"),
+        "loop_tau": record.get("loop_tau"),
+        "engine_tau": record.get("engine_tau"),
+        "ratio_engine_to_loop": record.get("ratio_engine_to_loop"),
+        "engine_parity_passed": parity.get("passed"),
+        "loop_lossless": {k: loop_lossless.get(k) for k in ("exact", "near_tie", "lost", "prompts", "passed")},
+        "engine_lossless": {
+            k: engine_lossless.get(k) for k in ("exact", "near_tie", "lost", "prompts", "passed", "margin_tolerance")
+        },
+        "engine_near_ties": engine_lossless.get("near_ties"),
+        "engine_failures": engine_lossless.get("failures"),
+        "refused": record.get("refused"),
+        "log_tail": record.get("workflow_log_tail"),
+        "per_prompt": record.get("per_prompt"),
+    }
+
+
+def check_engine(engine: str, python: str, args, work: Path) -> dict:
+    version = installed_version(python, engine)
+    extra = [a for e, a in args.engine_args if e == engine]
+    shapes, refused = served_shapes(engine, version, args.shape)
+    result = {"version": version, "extra_args": extra, "refused_shapes": refused, "drafters": {}}
+    if not shapes:
+        return result
+    target = work / "results" / "demo-target"
+    if not target.exists():
+        from dflash_pipeline.demo.build_model import build_demo_model
+
+        build_demo_model(target)
+    logs = work / "logs"
+    logs.mkdir(exist_ok=True)
+    run_args = SimpleNamespace(
+        cpu=False, engine=engine, engine_python=python, vllm_python=python, engine_arg=extra,
+        max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, target=str(target),
+        misexport=False, variant=None, out=None, reference_url=None,
+    )  # fmt: skip
+    with plain_reference(engine, python, target, extra, logs) as reference:
+        run_args.reference_url = reference.spec.url
+        first = None
+        for shape in shapes:
+            variant = SHAPES[shape]
+            record = run_variant(run_args, variant, work, first)
+            first = first or variant
+            result["drafters"][shape] = summarize(record)
+        if "full" in shapes and not args.no_broken:
+            broken = SimpleNamespace(**{**vars(run_args), "misexport": True, "misexport_kind": "reversed-taps"})
+            record = summarize(run_variant(broken, "full", work, None))
+            record["failed_as_it_should"] = record["workflow_exit_code"] != 0 and not record["engine_parity_passed"]
+            result["broken_export"] = record
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", action="append", default=[], metavar="ENGINE=PYTHON", help="engine environment")
+    parser.add_argument(
+        "--engine-arg", action="append", default=[], metavar="ENGINE=ARG", help="extra server argument (repeatable)"
+    )
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="drafter shapes (default: all)")
+    parser.add_argument("--max-prompts", type=int, default=16, help="held-out prompts evaluated per drafter")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens per evaluated prompt (default: the demo's)")
+    parser.add_argument("--no-cuda-tests", action="store_true", help="skip the CUDA tests (said in the record)")
+    parser.add_argument("--no-broken", action="store_true", help="skip the broken-export run (said in the record)")
+    parser.add_argument("--workdir", help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--out", help="result JSON (default: bench/results/gpu_check-<device>.json)")
+    args = parser.parse_args()
+    args.shape = args.shape or list(SHAPES)
+    args.engine_args = [tuple(item.split("=", 1)) for item in args.engine_arg]
+    engines = dict(item.split("=", 1) for item in args.engine)
+    for engine, python in engines.items():
+        if engine not in ("sglang", "vllm") or not Path(python).exists():
+            parser.error(f"--engine {engine}={python}: not sglang/vllm with an existing Python (its environment)")
+    device = gpu_name()
+    out = Path(args.out or REPO / "bench" / "results" / f"gpu_check-{re.sub(r'[^a-z0-9]+', '-', device.lower())}.json")
+    work_root = Path(args.workdir or tempfile.mkdtemp(prefix="gpu-check-"))
+    record = {"benchmark": "gpu_check", **provenance(device), "driver": driver_version()}
+    record["cuda_tests"] = "skipped (--no-cuda-tests)" if args.no_cuda_tests else cuda_tests(work_root / "cuda.xml")
+    record["engines"] = {}
+    for engine, python in engines.items():
+        work = work_root / engine
+        work.mkdir(parents=True, exist_ok=True)
+        started = time.time()
+        record["engines"][engine] = check_engine(engine, python, args, work)
+        record["engines"][engine]["seconds"] = round(time.time() - started, 1)
+        emit(record, str(out))  # what has run so far survives a later crash
+    record["passed"] = passed(record, args)
+    emit(record, str(out))
+    return 0 if record["passed"] else 1
+
+
+def passed(record: dict, args) -> bool:
+    ok = args.no_cuda_tests or record["cuda_tests"]["passed_all"]
+    for result in record["engines"].values():
+        for drafter in result["drafters"].values():
+            ok = ok and drafter["workflow_exit_code"] == 0
+        broken = result.get("broken_export")
+        ok = ok and (broken is None or broken["failed_as_it_should"])
+    return bool(ok)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
