@@ -12,6 +12,9 @@ TORCH ?= torch==2.13.0+cpu
 CONFIG ?= config.yaml
 CONFIG_ARGS := $(if $(filter-out config.yaml,$(CONFIG)),--configfile $(CONFIG))
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
+# The machine's own python3, found before .venv/bin goes on PATH: on a GPU node the one with CUDA
+# torch, which the wheel sets of gpu-wheels-install sit on top of.
+HOST_PYTHON3 := $(shell command -v python3)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 SNAKEMAKE := $(PY) -m snakemake
 CORES ?= all
@@ -34,7 +37,7 @@ sglang_args_stamp = $(SGLANG_ARGS_DIR)/$(1)/.installed-$(shell cat envs/sglang-$
 SGLANG_ARGS_STAMPS := $(foreach v,$(SGLANG_ARGS_VERSIONS),$(call sglang_args_stamp,$(v)))
 
 .PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt plan tune vllm-env \
-	sglang-args-envs fetch gpu-env vllm-gpu-env sglang-env
+	sglang-args-envs fetch gpu-env vllm-gpu-env sglang-env gpu-wheels gpu-wheels-install
 
 setup: $(STAMP)
 
@@ -203,6 +206,40 @@ vllm-gpu-env:
 sglang-env:
 	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install --quiet -r envs/gpu/sglang-0.5.17.txt
+
+# --- a GPU node without a package index: pinned wheel sets built on a connected machine ----------
+# (README, GPU nodes without a package index). The locks (envs/gpu/locks/<set>.lock) hold what a GPU
+# image with torch 2.11.0+cu130 lacks (its pip freeze: envs/gpu/locks/base-freeze.txt); wheels are
+# for CPython 3.12 / Linux x86_64 whatever machine builds them. On the connected machine:
+#   make gpu-wheels [WHEELS=dir] [SETS="pipeline sglang-0.5.17 vllm-0.26.0"] [BASE=freeze.txt]
+#                   [NO_FA3=1] [SKIP=regex] [ALLOW_MISSING="llguidance"]
+# BASE: the node's `pip freeze`; its exact NAME==VERSION pins are left out too. Reruns download
+# only what is missing. NO_FA3=1 repacks sglang-kernel without its FA3 library (1.1 GB unpacked)
+# and sm100 kernels: then SGLang must start with
+# --attention-backend triton --sampling-backend pytorch (FA3 is its default on Hopper). SKIP (a regex of wheel file names) leaves wheels out; what SGLang 0.5.17 and the
+# pipeline did not need to start, measured on an H100 (~200 MB for both with NO_FA3=1, not ~1 GB):
+#   SKIP='^(tokenspeed_triton|nvidia_cutlass_dsl_libs_cu12|nvidia_cutlass_dsl_libs_cu13|nvidia_nvvm|tilelang|nvidia_cuda_nvcc|z3_solver|nvidia_mathdx|nvidia_cuda_nvdisasm|nvidia_cuda_crt|nvidia_cuda_cccl|py_spy)-'
+# ALLOW_MISSING: names whose wheel may be missing (llguidance 1.9.1 has none for these tags and
+# SGLang starts without it); any other missing wheel fails the target, named in one line.
+# On the GPU node (checks WHEELS/SHA256SUMS, installs each set into GPU_ENVS/<set>/site with a
+# wrapper GPU_ENVS/<set>/bin/python around this machine's python3, prints the config lines):
+#   make gpu-wheels-install [WHEELS=dir] [GPU_ENVS=dir]
+WHEELS ?= .offline-wheels
+GPU_ENVS ?= .gpu-envs
+SETS ?= pipeline sglang-0.5.17 vllm-0.26.0
+BASE ?=
+NO_FA3 ?=
+SKIP ?=
+ALLOW_MISSING ?= llguidance
+PYTHON3 ?= $(HOST_PYTHON3)
+
+gpu-wheels:
+	$(PYTHON3) scripts/gpu_wheels.py build --wheels $(WHEELS) --sets "$(SETS)" \
+		$(if $(BASE),--base $(BASE)) $(if $(NO_FA3),--no-fa3) $(if $(SKIP),--skip '$(SKIP)') \
+		--allow-missing "$(ALLOW_MISSING)"
+
+gpu-wheels-install:
+	$(PYTHON3) scripts/gpu_wheels.py install --wheels $(WHEELS) --envs $(GPU_ENVS) --checkout $(CURDIR)
 
 # Debian's Slurm, its accounting daemon, munge and MariaDB for the single-node test cluster of the
 # SLURM tests (tests/support/slurm_cluster.py: the daemons run from the test's own folder; no

@@ -51,3 +51,29 @@ def test_the_make_targets_build_each_environment_apart():
     assert ".venv-sglang/bin/python -m pip install --quiet -r envs/gpu/sglang-0.5.17.txt" in planned("sglang-env")
     # The CPU build is named explicitly for the demo and the tests.
     assert "torch==2.13.0+cpu" in (REPO / "Makefile").read_text()
+
+
+def test_the_offline_wheel_targets_wire_the_script_with_empty_defaults():
+    def planned(*args: str) -> str:
+        return subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True).stdout
+
+    build = planned("gpu-wheels")
+    assert "scripts/gpu_wheels.py build --wheels .offline-wheels" in build
+    assert '--sets "pipeline sglang-0.5.17 vllm-0.26.0"' in build
+    assert '--allow-missing "llguidance"' in build
+    # Nothing is skipped or repacked unless asked for.
+    assert "--skip" not in build and "--no-fa3" not in build and "--base" not in build
+    asked = planned("gpu-wheels", "WHEELS=w", "BASE=f.txt", "NO_FA3=1", "SKIP=^(py_spy|z3_solver)-")
+    assert "--base f.txt --no-fa3 --skip '^(py_spy|z3_solver)-'" in asked
+    install = planned("gpu-wheels-install", "WHEELS=w")
+    assert f"scripts/gpu_wheels.py install --wheels w --envs .gpu-envs --checkout {REPO}" in install
+    # Every set the target builds by default has its lock.
+    for name in re.search(r'--sets "([^"]+)"', build)[1].split():
+        assert (GPU / "locks" / f"{name}.lock").exists()
+    # The engines' lock pins agree with the index recipe's.
+    locks = {name: pins(f"locks/{name}.lock") for name in ("sglang-0.5.17", "vllm-0.26.0")}
+    assert locks["sglang-0.5.17"]["sglang"] == pins("sglang-0.5.17.txt")["sglang"]
+    assert locks["sglang-0.5.17"]["transformers"] == pins("sglang-0.5.17.txt")["transformers"]
+    assert locks["vllm-0.26.0"]["vllm"] == pins("vllm-0.26.0.txt")["vllm"]
+    makefile = (REPO / "Makefile").read_text()
+    assert "--attention-backend triton --sampling-backend pytorch" in makefile
