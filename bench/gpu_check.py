@@ -93,14 +93,15 @@ def served_shapes(engine: str, version: str | None, wanted: list[str]) -> tuple[
     return served, refused
 
 
-def plain_reference(engine: str, python: str, target: Path, extra_args: list[str], log_dir: Path):
-    """A plain server of the engine with the target, as evaluate launches one (bfloat16)."""
+def plain_reference(engine: str, python: str, target: Path, extra_args: list[str], log_dir: Path, mem_fraction: float):
+    """A plain server of the engine with the target, as evaluate launches one (bfloat16), on its
+    share of the GPU's memory: the speculative servers run beside it."""
     from dflash_pipeline.engines.launch import ManagedServer, free_port
     from dflash_pipeline.evaluation.serving import serving_server_spec
 
     spec = serving_server_spec(
         engine, target, "", 2, free_port(), hybrid=False, speculative=False, python=python,
-        dtype="bfloat16", extra_args=extra_args,
+        dtype="bfloat16", extra_args=extra_args, mem_fraction=mem_fraction,
     )  # fmt: skip
     return ManagedServer(spec, log_dir / f"{engine}-reference.log", log_dir)
 
@@ -147,9 +148,9 @@ def check_engine(engine: str, python: str, args, work: Path) -> dict:
     run_args = SimpleNamespace(
         cpu=False, engine=engine, engine_python=python, vllm_python=python, engine_arg=extra,
         max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, target=str(target),
-        misexport=False, variant=None, out=None, reference_url=None,
+        misexport=False, variant=None, out=None, reference_url=None, mem_fraction=args.mem_fraction,
     )  # fmt: skip
-    with plain_reference(engine, python, target, extra, logs) as reference:
+    with plain_reference(engine, python, target, extra, logs, args.mem_fraction) as reference:
         run_args.reference_url = reference.spec.url
         first = None
         for shape in shapes:
@@ -174,6 +175,9 @@ def main() -> int:
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="drafter shapes (default: all)")
     parser.add_argument("--max-prompts", type=int, default=16, help="held-out prompts evaluated per drafter")
     parser.add_argument("--max-new-tokens", type=int, help="tokens per evaluated prompt (default: the demo's)")
+    parser.add_argument(
+        "--mem-fraction", type=float, default=0.3, help="GPU memory share of each engine server (two run at once)"
+    )
     parser.add_argument("--no-cuda-tests", action="store_true", help="skip the CUDA tests (said in the record)")
     parser.add_argument("--no-broken", action="store_true", help="skip the broken-export run (said in the record)")
     parser.add_argument("--workdir", help="keep the runs here (default: a temporary folder)")

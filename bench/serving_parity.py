@@ -158,6 +158,10 @@ def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
         }
         if getattr(args, "reference_url", None):
             overrides["evaluate"]["engine_reference_url"] = args.reference_url
+        if getattr(args, "mem_fraction", None):
+            # Beside a plain reference server: each takes its share, not the engine's default ~0.9.
+            overrides["generation"]["server"]["mem_fraction"] = args.mem_fraction
+            overrides["evaluate"]["engine_mem_fraction"] = args.mem_fraction
         resources = ["--resources", "gpu=1"]
     if args.target:
         overrides["target"] = {"model": str(Path(args.target).resolve()), "build_demo": False}
