@@ -241,6 +241,21 @@ gpu-wheels:
 gpu-wheels-install:
 	$(PYTHON3) scripts/gpu_wheels.py install --wheels $(WHEELS) --envs $(GPU_ENVS) --checkout $(CURDIR)
 
+# The GPU check (README, "The GPU check"): on a machine with one CUDA GPU, the CUDA tests and the
+# demo through each engine (generation and evaluation, every gate on) for each drafter shape it
+# serves, plus a broken export that must fail; writes bench/results/gpu_check-<device>.json.
+# Start the engines as the card needs (e.g. GPU_CHECK_ARGS="--engine-arg sglang=--disable-cuda-graph").
+#   make gpu-check [PY=.gpu-envs/pipeline/bin/python] [SGLANG_PYTHON=...] [VLLM_PYTHON=...] \
+#       [GPU_CHECK_ENGINES="sglang vllm"] [GPU_CHECK_ARGS="..."]
+SGLANG_PYTHON ?= $(SGLANG_VENV)/bin/python
+VLLM_PYTHON ?= $(VLLM_GPU_VENV)/bin/python
+GPU_CHECK_ENGINES ?= sglang vllm
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check
+gpu-check:
+	$(PY) bench/gpu_check.py $(if $(filter sglang,$(GPU_CHECK_ENGINES)),--engine sglang=$(SGLANG_PYTHON)) \
+		$(if $(filter vllm,$(GPU_CHECK_ENGINES)),--engine vllm=$(VLLM_PYTHON)) $(GPU_CHECK_ARGS)
+
 # Debian's Slurm, its accounting daemon, munge and MariaDB for the single-node test cluster of the
 # SLURM tests (tests/support/slurm_cluster.py: the daemons run from the test's own folder; no
 # service of the packages is used).
