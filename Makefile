@@ -219,8 +219,9 @@ sglang-env:
 # --attention-backend triton --sampling-backend pytorch (FA3 is its default on Hopper). SKIP (a regex of wheel file names) leaves wheels out; what SGLang 0.5.17 and the
 # pipeline did not need to start, measured on an H100 (~200 MB for both with NO_FA3=1, not ~1 GB):
 #   SKIP='^(tokenspeed_triton|nvidia_cutlass_dsl_libs_cu12|nvidia_cutlass_dsl_libs_cu13|nvidia_nvvm|tilelang|nvidia_cuda_nvcc|z3_solver|nvidia_mathdx|nvidia_cuda_nvdisasm|nvidia_cuda_crt|nvidia_cuda_cccl|py_spy)-'
-# ALLOW_MISSING: names whose wheel may be missing (llguidance 1.9.1 has none for these tags and
-# SGLang starts without it); any other missing wheel fails the target, named in one line.
+# ALLOW_MISSING: names whose wheel may be missing (llguidance: SGLang starts without it; an older
+# search found no wheel of 1.9.1 for these tags); any other missing wheel fails the target, named
+# in one line.
 # On the GPU node (checks WHEELS/SHA256SUMS, installs each set into GPU_ENVS/<set>/site with a
 # wrapper GPU_ENVS/<set>/bin/python around this machine's python3, prints the config lines):
 #   make gpu-wheels-install [WHEELS=dir] [GPU_ENVS=dir]

@@ -147,7 +147,11 @@ def fetch(requirement: str, folder: Path) -> tuple[Path | None, str]:
     (None, why)."""
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".download-") as tmp:
         why = ""
-        for platform in PLATFORMS:
+        found = None
+        for number, platform in enumerate(PLATFORMS):
+            if found and platform == "any":
+                break
+            into = Path(tmp) / str(number)
             result = pip(
                 "download",
                 "-q",
@@ -157,23 +161,34 @@ def fetch(requirement: str, folder: Path) -> tuple[Path | None, str]:
                 "--platform",
                 platform,
                 "-d",
-                tmp,
+                str(into),
                 requirement,
             )
-            if result.returncode == 0:
+            if result.returncode != 0:
+                why = why or last_line(result)
+                continue
+            wheels = sorted(into.glob("*.whl"))
+            if len(wheels) != 1:
+                return None, f"pip left {len(wheels)} wheels"
+            found = found or wheels[0]
+            # pip takes a pure wheel under any platform tag, and does not count manylinux_2_28 as
+            # within manylinux_2_35: a pure wheel only counts when no later tag has a built one
+            # (soundfile's pure wheel needs a libsndfile that the GPU image lacks).
+            if not wheels[0].name.endswith("-any.whl"):
+                found = wheels[0]
                 break
-            why = last_line(result)
-        else:
-            result = pip("wheel", "-q", "--no-deps", "-w", tmp, requirement)
+        if not found:
+            result = pip("wheel", "-q", "--no-deps", "-w", str(Path(tmp) / "built"), requirement)
             if result.returncode != 0:
                 return None, f"no wheel for these tags ({why}); pip wheel from the sdist failed: {last_line(result)}"
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if len(wheels) != 1:
-            return None, f"pip left {len(wheels)} wheels"
-        if not wheel_fits(wheels[0].name):
-            return None, f"the only wheel is {wheels[0].name}, not for CPython 3.12 / Linux x86_64"
-        path = folder / wheels[0].name
-        os.replace(wheels[0], path)
+            wheels = sorted((Path(tmp) / "built").glob("*.whl"))
+            if len(wheels) != 1:
+                return None, f"pip wheel left {len(wheels)} wheels"
+            found = wheels[0]
+        if not wheel_fits(found.name):
+            return None, f"the only wheel is {found.name}, not for CPython 3.12 / Linux x86_64"
+        path = folder / found.name
+        os.replace(found, path)
         return path, ""
 
 

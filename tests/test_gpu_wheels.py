@@ -225,3 +225,36 @@ def test_an_engine_set_whose_package_has_another_version_fails_the_check(tmp_pat
     write_sums(wheels)
     result = install(wheels, tmp_path / "gpu-envs")
     assert result.returncode == 1 and "tiny-2.0: the import check failed" in result.stderr
+
+
+def test_a_wheel_built_for_linux_wins_over_a_pure_one_and_an_sdist_is_the_last_resort(tmp_path, monkeypatch):
+    """pip accepts a pure wheel under any --platform: soundfile's (which needs a system
+    libsndfile) would win over its manylinux_2_28 wheel unless later tags are tried too."""
+    calls = []
+
+    def fake_pip(*args):
+        command, requirement = args[0], args[-1]
+        into = Path(args[args.index("-d" if command == "download" else "-w") + 1])
+        platform = args[args.index("--platform") + 1] if command == "download" else None
+        calls.append((requirement, platform or command))
+        name = requirement.split("==")[0]
+        into.mkdir(parents=True, exist_ok=True)
+        if name == "sdistonly" and command == "download":
+            return subprocess.CompletedProcess(args, 1, "", "ERROR: No matching distribution found")
+        tag = (
+            "py2.py3-none-manylinux_2_28_x86_64"
+            if name == "soundfile" and platform == "manylinux_2_28_x86_64"
+            else "py3-none-any"
+        )
+        (into / f"{name}-1.0-{tag}.whl").write_bytes(b"")
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(gw, "pip", fake_pip)
+    folder = tmp_path / "set"
+    folder.mkdir()
+    assert gw.fetch("soundfile==1.0", folder)[0].name == "soundfile-1.0-py2.py3-none-manylinux_2_28_x86_64.whl"
+    assert [p for r, p in calls if r == "soundfile==1.0"][-1] == "manylinux_2_28_x86_64"
+    assert gw.fetch("pure==1.0", folder)[0].name == "pure-1.0-py3-none-any.whl"
+    assert [p for r, p in calls if r == "pure==1.0"] == gw.PLATFORMS[:-1]  # every tag but `any` itself
+    assert gw.fetch("sdistonly==1.0", folder)[0].name == "sdistonly-1.0-py3-none-any.whl"
+    assert [p for r, p in calls if r == "sdistonly==1.0"] == gw.PLATFORMS + ["wheel"]
