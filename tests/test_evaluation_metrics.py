@@ -223,13 +223,16 @@ def test_sglang_is_launched_with_the_dflash_drafter_and_hybrid_rollback():
     assert "mamba" not in dense and "--speculative-dflash-block-size 8" in dense
 
 
-def test_sglang_acceptance_is_read_from_meta_info():
+def test_sglang_acceptance_is_read_from_meta_info_and_counted_as_the_loop_counts():
+    # 10 verify steps accepting 0, 1, 2 drafts 2, 3, 5 times commit 2 + 6 + 15 = 23 tokens; the
+    # reply has 22: the first token came from prefill, and 2 committed tokens lay past the stop.
     reply = {
         "text": "...",
         "output_ids": [5, 6, 7],
         "meta_info": {
-            "completion_tokens": 40,
+            "completion_tokens": 22,
             "spec_verify_ct": 10,
+            "spec_num_correct_drafts": 13,
             "spec_correct_drafts_histogram": [2, 3, 5],
             "finish_reason": {"type": "stop"},
         },
@@ -237,11 +240,16 @@ def test_sglang_acceptance_is_read_from_meta_info():
     acceptance = acceptance_from_response(reply, block_size=4)
     assert acceptance.accept_hist == [2, 3, 5, 0]
     record = prompt_result("p", "s", 12, acceptance, 4)
-    assert record.tau == 4.0 and record.verify_steps == 10 and record.generated_tokens == 40
+    # The loop's tau (A + 1 per verify step), not SGLang's completion_tokens / spec_verify_ct (2.2).
+    assert record.tau == 2.3 and record.verify_steps == 10 and record.generated_tokens == 22
     older = {"meta_info": {"completion_tokens": 9, "spec_verify_ct": 3, "spec_accept_histogram": [1, 2]}}
     assert acceptance_from_response(older, 4).accept_hist == [1, 2, 0, 0]
+    assert acceptance_from_response(older, 4).committed_tokens == 5
+    counts_only = {"meta_info": {"completion_tokens": 9, "spec_verify_ct": 3, "spec_num_correct_drafts": 4}}
+    assert acceptance_from_response(counts_only, 4).committed_tokens == 7
     bare = {"meta_info": {"completion_tokens": 9, "spec_verify_ct": 3}}
     assert acceptance_from_response(bare, 4).accept_hist is None
+    assert acceptance_from_response(bare, 4).committed_tokens == 9  # all an old SGLang gives
 
 
 @pytest.mark.parametrize(
@@ -281,7 +289,9 @@ class StandInSglang(BaseHTTPRequestHandler):
             "meta_info": {
                 "completion_tokens": 3 * steps,
                 "spec_verify_ct": steps,
-                "spec_correct_drafts_histogram": [0, steps - 1, 1],
+                # two drafts accepted every step: 3 tokens committed per step (the reply has
+                # the same count: one from prefill, one committed past the token limit)
+                "spec_correct_drafts_histogram": [0, 0, steps],
                 "finish_reason": {"type": "length"},
             },
         }
@@ -316,7 +326,7 @@ def test_sglang_mode_sends_prompt_ids_and_reads_acceptance_per_prompt():
     assert sent[0]["sampling_params"]["temperature"] == 0.0
     by_id = {r.id: r for r in results}
     assert by_id["p1"].tau == 3.0 and by_id["p1"].verify_steps == 4
-    assert by_id["p1"].accept_hist == [0, 3, 1, 0] and by_id["p2"].prompt_set == "chat"
+    assert by_id["p1"].accept_hist == [0, 0, 4, 0] and by_id["p2"].prompt_set == "chat"
     assert aggregate(results)["tau"] == 3.0
     assert outputs == {"p1": [1] * 12, "p2": [1] * 6}
 

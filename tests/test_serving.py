@@ -367,8 +367,8 @@ def test_measurement_in_an_engine_end_to_end(tmp_path, stand_in_servers, engine)
     # p1: A = 1, 2, 3, 0 -> 4 verify steps committing 2 + 3 + 4 + 1 = 10 tokens, 11 generated
     assert by_id["p1"].verify_steps == 4 and by_id["p1"].accept_hist == [1, 1, 1, 1]
     assert by_id["p1"].generated_tokens == 11 and by_id["p1"].prompt_set == "math"
-    # vLLM counts committed tokens per verify step; SGLang's completion_tokens include prefill's
-    assert by_id["p1"].committed_tokens == {"vllm": 10, "sglang": 11}[engine]
+    # Both counted as the loop counts: A + 1 per verify step (not SGLang's completion_tokens, 11)
+    assert by_id["p1"].committed_tokens == 10
     assert measurement.outputs["p1"] == tokens_for([5, 6, 7, 8], plain=False)
     assert measurement.plain_outputs["p2"] == tokens_for([9, 10], plain=True)
 

@@ -5,9 +5,12 @@ Where the counters come from:
 - SGLang (``--speculative-algorithm DFLASH``) reports per request, in ``meta_info``:
   ``completion_tokens``, ``spec_verify_ct`` (target verify steps) and, in recent versions, a
   histogram of drafts accepted per step (``spec_correct_drafts_histogram``; older ones call it
-  ``spec_accept_histogram``). tau = completion_tokens / spec_verify_ct, as SGLang's own
-  ``spec_accept_length``; its completion tokens include the first token, which prefill produced
-  without a verify step, so on short replies it reads slightly above the loop's tau. Hybrid (GDN)
+  ``spec_accept_histogram``) and ``spec_num_correct_drafts``. Committed tokens are counted as the
+  loop counts them: A + 1 per verify step (the histogram's sum of (A + 1) x count, else
+  ``spec_num_correct_drafts`` + ``spec_verify_ct``), drafts accepted past a stop token or the
+  token limit included. Not ``completion_tokens`` (SGLang's own ``spec_accept_length``), which adds
+  the token prefill produced without a verify step and is cut at the stop token and the limit: on
+  the demo's 160-token replies that moves a prompt's tau by +3% to -15%. Hybrid (GDN)
   targets need the ``extra_buffer`` mamba cache strategy for correct state rollback
   (dflash-spec.md §6, pitfall 9).
 - vLLM (``--speculative-config '{"method": "dflash", ...}'``) has no per-request counters, only
@@ -73,8 +76,15 @@ def acceptance_from_response(data: dict, block_size: int, source: str = "respons
             raise EngineResponseError(
                 f"{source}: acceptance histogram counts {sum(hist)} steps, spec_verify_ct says {meta['spec_verify_ct']}"
             )
+    if hist is not None:
+        committed = sum((accepted + 1) * count for accepted, count in enumerate(hist))
+    elif isinstance(meta.get("spec_num_correct_drafts"), int):
+        committed = meta["spec_num_correct_drafts"] + meta["spec_verify_ct"]
+    else:
+        # SGLang before the per-request draft counts: its own accept length's numerator.
+        committed = meta["completion_tokens"]
     return SpecAcceptance(
-        committed_tokens=meta["completion_tokens"],
+        committed_tokens=committed,
         verify_steps=meta["spec_verify_ct"],
         generated_tokens=meta["completion_tokens"],
         accept_hist=hist,
