@@ -23,6 +23,7 @@ times. Exit 1 when any part failed.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -158,6 +159,12 @@ def check_engine(engine: str, python: str, args, work: Path) -> dict:
             record = run_variant(run_args, variant, work, first)
             first = first or variant
             result["drafters"][shape] = summarize(record)
+            print(
+                json.dumps(
+                    {engine: {shape: {k: v for k, v in result["drafters"][shape].items() if k != "per_prompt"}}}
+                ),
+                flush=True,
+            )
         if "full" in shapes and not args.no_broken:
             broken = SimpleNamespace(**{**vars(run_args), "misexport": True, "misexport_kind": "reversed-taps"})
             record = summarize(run_variant(broken, "full", work, None))
