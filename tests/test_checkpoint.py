@@ -192,6 +192,7 @@ def test_rng_state_is_restored():
     assert state["cuda"] is None  # a CPU rank has no CUDA generator to save
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_rng_state_of_the_rank_device_is_saved_and_restored(tmp_path):
     device = torch.device("cuda", torch.cuda.current_device())
@@ -224,6 +225,7 @@ def test_async_save_writes_the_state_of_its_step_while_training_changes_it(store
     assert {o.key.split("/")[1] for o in store.list("roll/step-")} == {"step-00000005"}
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_async_save_of_gpu_state_goes_through_reused_pinned_buffers(store):
     # The copies to the pinned buffers are queued, not waited for: training's next in-place
@@ -247,6 +249,7 @@ def test_async_save_of_gpu_state_goes_through_reused_pinned_buffers(store):
     assert buffers == first
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_reserved_pinned_buffers_are_the_ones_the_first_save_fills(store):
     # reserve() allocates the rank's buffers beside training (a background thread); the first

@@ -10,9 +10,22 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from dflash_pipeline.stages.preflight import dataset_problems, model_problems, storage_problems
+from dflash_pipeline.core.config import validate_config
+from dflash_pipeline.stages.preflight import dataset_problems, model_problems, offline_problems, storage_problems
 from tests.conftest import REPO
 from tests.support.engine_envs import metadata_only_env
+
+
+def test_offline_float32_taps_are_refused_where_extract_computes_in_bf16():
+    def train(**keys):
+        return {**validate_config({"train": {}})["train"], **keys}
+
+    (line,) = offline_problems(train(mode="offline", hidden_dtype="float32", gpus_per_job=1))
+    assert line.startswith("train.hidden_dtype: float32 would store taps that extract computes in bfloat16 on cuda")
+    assert "Set train.hidden_dtype: bfloat16" in line
+    assert offline_problems(train(mode="offline", hidden_dtype="float32", gpus_per_job=0)) == []  # fp32 on CPU
+    assert offline_problems(train(mode="offline", hidden_dtype="bfloat16", gpus_per_job=1)) == []
+    assert offline_problems(train(mode="online", hidden_dtype="float32", gpus_per_job=1)) == []  # nothing stored
 
 
 def test_a_model_folder_needs_config_tokenizer_and_weights(tmp_path, demo_model):

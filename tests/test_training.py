@@ -252,17 +252,41 @@ def test_lr_schedule_warms_up_then_decays_to_floor():
     assert all(a >= b for a, b in zip(values[10:], values[11:]))
 
 
-@pytest.mark.parametrize("hidden_dtype", ["float32", "float8_e4m3fn"])
+# The reference taps and tolerance per storage dtype: float32 holds the computed taps exactly (up
+# to the rounding of a different batch shape); bfloat16 rounds fp32-computed taps to 8 mantissa
+# bits, or holds bf16-computed ones as computed (then only the batch shape's rounding differs).
+TAPS_TOLERANCE = {"float32": 1e-5, "bfloat16": 0.02, "float8_e4m3fn": 0.07}
+
+
+@pytest.mark.parametrize("hidden_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_model, tokenized, tmp_path):
+    from dflash_pipeline.model.target import target_compute_dtype
     from dflash_pipeline.stages.extract import extract_shard
 
+    # Extraction on the device a job would take; the reference below is computed alike.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if hidden_dtype == "float32" and target_compute_dtype(device) != "float32":
+        # On a GPU the target computes in bf16: float32 storage is refused, before any work.
+        shard, path = next(iter(tokenized.items()))
+        manifest = tmp_path / layout.shard_key("extract", shard)
+        with pytest.raises(ValueError, match=r"train\.hidden_dtype: float32 .* bfloat16 on cuda"):
+            extract_shard(
+                path, str(demo_model), [1, 5], str(tmp_path), shard, str(manifest), hidden_dtype, device=device
+            )
+        assert not manifest.exists() and not (tmp_path / layout.hidden_states_key(shard)).exists()
+        return
     hidden = {}
     for shard, path in tokenized.items():
         manifest = tmp_path / layout.shard_key("extract", shard)
-        extract_shard(path, str(demo_model), [1, 5], str(tmp_path), shard, str(manifest), hidden_dtype)
+        extract_shard(path, str(demo_model), [1, 5], str(tmp_path), shard, str(manifest), hidden_dtype, device=device)
         hidden[shard] = str(manifest)
         written = json.loads(manifest.read_text())
         assert (tmp_path / written["key"]).stat().st_size == written["size"]
+        assert written["hidden_dtype"] == hidden_dtype
+        assert (written["device"], written["compute_dtype"]) == (
+            torch.device(device).type,
+            target_compute_dtype(device),
+        )
     job = SegmentJob(
         run_url=str(tmp_path),
         segment=0,
@@ -274,8 +298,9 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
         device="cpu",
     )
     job.run()
-    # The stored taps are the target's taps (up to the rounding of a different batch shape, or
-    # of fp8), and training from them lands next to online training.
+    # The stored taps are the target's taps as online training computes them on the device and
+    # in the dtype the manifest names (up to the rounding of a different batch shape, or of the
+    # storage dtype), and training from them lands next to online training.
     from dflash_pipeline.data.hidden import HiddenShards
     from dflash_pipeline.model.taps import TargetTaps
     from dflash_pipeline.model.target import load_target
@@ -288,15 +313,54 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
     stored = HiddenShards(open_storage(str(tmp_path)), hidden, config).taps(
         sequences, ids.shape[1], "cpu", torch.float32
     )
-    online = TargetTaps(load_target(str(demo_model)), [1, 5])(ids)
+    written = json.loads(Path(next(iter(hidden.values()))).read_text())
+    target = load_target(str(demo_model), written["device"], getattr(torch, written["compute_dtype"]))
+    online = TargetTaps(target, [1, 5])(ids.to(written["device"])).float().cpu()
+    tolerance = TAPS_TOLERANCE[hidden_dtype]
     for i, seq in enumerate(sequences):
         n = len(seq.input_ids)
-        tolerance = 1e-5 if hidden_dtype == "float32" else 0.07
         torch.testing.assert_close(stored[i, :n], online[i, :n], rtol=tolerance, atol=tolerance * 10)
     ref_weights, _ = final_state(reference[0])
     weights, _ = final_state(tmp_path)
     drift = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
     assert drift < (1e-3 if hidden_dtype == "float32" else 0.05), drift
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [("cpu", "float32"), ("cuda", "bfloat16"), ("cuda:1", "bfloat16"), (torch.device("cuda", 0), "bfloat16")],
+)
+def test_the_target_computes_in_bf16_on_a_gpu_and_in_fp32_on_cpu_for_training_and_extraction_alike(
+    device, dtype, tmp_path, monkeypatch
+):
+    from dflash_pipeline.model.target import target_compute_dtype
+    from dflash_pipeline.training import trainer
+
+    assert target_compute_dtype(device) == dtype
+    # Online training takes the same dtype on that device (set up only; nothing runs on it).
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    job = SegmentJob(
+        run_url=str(tmp_path), segment=0, settings=settings(), target_dir="unused", tokenized={},
+        manifest_path=str(tmp_path / "m.json"), device=str(device),
+    )  # fmt: skip
+    assert trainer._SegmentRun(job).compute_dtype == getattr(torch, dtype)
+
+
+def test_extract_refuses_float32_storage_of_bf16_taps_before_any_work(tmp_path):
+    from dflash_pipeline.stages.extract import extract_shard
+    from dflash_pipeline.training.offline import stored_dtype_problem
+
+    # Neither the shard nor the target exists: the refusal comes before either is read.
+    manifest = tmp_path / "manifest.json"
+    args = (str(tmp_path / "missing.parquet"), str(tmp_path / "no-target"), [1], str(tmp_path), "00000", str(manifest))
+    with pytest.raises(ValueError) as refused:
+        extract_shard(*args, "float32", device="cuda")
+    message = str(refused.value)
+    assert message.startswith("train.hidden_dtype: float32 would store taps that extract computes in bfloat16 on cuda")
+    assert "Set train.hidden_dtype: bfloat16" in message and "train.gpus_per_job: 0" in message
+    assert not manifest.exists()
+    assert stored_dtype_problem("float32", "cpu") is None  # fp32 compute: float32 keeps it exactly
+    assert all(stored_dtype_problem(d, "cuda:0") is None for d in ("bfloat16", "float8_e4m3fn"))
 
 
 def two_rank_segment(tmp_path, s, demo_model, tokenized):
@@ -451,6 +515,7 @@ def test_the_rank_group_backend_follows_the_job_device_on_a_gpu_host(monkeypatch
     assert chosen == [backend]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_gpu_segment_with_background_checkpoints_ends_with_its_checkpoint_on_the_device(
     demo_model, tokenized, tmp_path

@@ -1,16 +1,33 @@
 """The one place that loads a target: the whole model (frozen, eval mode), or only its embedding
-and LM head (which the drafter shares, frozen) straight from the checkpoint files."""
+and LM head (which the drafter shares, frozen) straight from the checkpoint files; and the dtype
+the target computes in on a device.
+
+torch is imported inside the functions that need it: planning (``stages.preflight``) asks
+``target_compute_dtype`` without paying for torch's import.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+
+def target_compute_dtype(device: str | torch.device) -> str:
+    """The dtype (its torch name) the target computes in on ``device``: bfloat16 on a GPU (the
+    dtype targets are trained and served in, at half fp32's memory and time), float32 on CPU
+    (where bf16 matmuls are slow and fp32 keeps tests exact). Online training and ``extract``
+    both load the target in it, so stored taps are what online training computes on that device."""
+    device_type = getattr(device, "type", None) or str(device).split(":")[0]
+    return "bfloat16" if device_type == "cuda" else "float32"
 
 
 def load_target(model_dir: str, device: str | torch.device = "cpu", dtype=None):
     """The target in eval mode with frozen weights (it is never trained here)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)

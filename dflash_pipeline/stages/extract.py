@@ -5,6 +5,11 @@ One safetensors object per shard (``extract/shard-NNNNN.safetensors``, the forma
 (the header is known up front from the token counts), so a shard never has to fit in memory, and
 uploaded as one object. The declared Snakemake output is a small manifest with the object's key,
 size and sha256, written last.
+
+The target computes in the dtype online training's target has on the same device
+(``model.target.target_compute_dtype``: bfloat16 on a GPU, float32 on CPU); the manifest and the
+file's metadata name it (``compute_dtype``, with ``device``) beside the storage dtype
+(``hidden_dtype``). float32 storage of bfloat16-computed taps is refused.
 """
 
 from __future__ import annotations
@@ -40,15 +45,21 @@ def extract_shard(
     device: str | None = None,
 ) -> dict:
     from dflash_pipeline.model.taps import TargetTaps
-    from dflash_pipeline.model.target import load_target
+    from dflash_pipeline.model.target import load_target, target_compute_dtype
+    from dflash_pipeline.training.offline import stored_dtype_problem
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    compute = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    # As online training's target on this device computes (its taps are what the stored ones
+    # stand in for); float32 storage of bf16 values is refused before any work.
+    compute_dtype = target_compute_dtype(device)
+    problem = stored_dtype_problem(hidden_dtype, device)
+    if problem:
+        raise ValueError(problem)
     table = pq.read_table(tokenized_path, columns=["split", "input_ids"])
     rows = [i for i, s in enumerate(table["split"].to_pylist()) if s == TRAIN]
     sequences = [np.asarray(table["input_ids"][i].values, dtype=np.int64) for i in rows]
     offsets = np.concatenate([[0], np.cumsum([len(s) for s in sequences])]).astype(np.int64)
-    target = load_target(target_dir, device, compute)
+    target = load_target(target_dir, device, getattr(torch, compute_dtype))
     taps = TargetTaps(target, layer_ids)
     text = getattr(target.config, "text_config", None) or target.config
     width = len(layer_ids) * text.hidden_size
@@ -58,7 +69,13 @@ def extract_shard(
         tensors["scales"] = (torch.float32, (len(rows),))
     tensors["offsets"] = (torch.int64, (len(offsets),))
     tensors["rows"] = (torch.int64, (len(rows),))
-    metadata = {"layer_ids": json.dumps(layer_ids), "hidden_dtype": hidden_dtype, "shard": shard}
+    metadata = {
+        "layer_ids": json.dumps(layer_ids),
+        "hidden_dtype": hidden_dtype,
+        "compute_dtype": compute_dtype,
+        "device": torch.device(device).type,
+        "shard": shard,
+    }
     storage = open_storage(run_url)
     with storage.staged_file(layout.hidden_states_key(shard)) as path:
         writer = StreamingSafetensors(path, tensors, metadata)
@@ -97,7 +114,9 @@ def extract_shard(
             "sha256": sha256_file(path),
             "rows": len(rows),
             "tokens": int(offsets[-1]),
-            "hidden_dtype": hidden_dtype,
+            "hidden_dtype": hidden_dtype,  # as stored
+            "compute_dtype": compute_dtype,  # as the target computed them (target_compute_dtype)
+            "device": torch.device(device).type,
             "layer_ids": list(layer_ids),
             "width": width,
         }

@@ -11,6 +11,8 @@ and what to do:
   from a local folder; nothing is downloaded at run time);
 * the dataset files: local files of a known format, neither folders nor empty;
 * the run's storage: S3 credentials present, the endpoint reachable, the bucket readable;
+* offline mode's stored taps: ``train.hidden_dtype`` float32 is refused where ``extract`` runs
+  the target on a GPU (``train.gpus_per_job`` > 0), which computes in bfloat16;
 * the engines the run launches (``engines.preflight``): installed where ``engines`` says, and the
   evaluation engine's version serves the drafter the config trains.
 """
@@ -26,6 +28,7 @@ from dflash_pipeline.core.s3 import S3_ENV_PREFIX, s3_client, s3_settings_from_e
 from dflash_pipeline.data.prompts import detect_format
 from dflash_pipeline.stages.cli import looks_like_hub_id
 from dflash_pipeline.engines.preflight import check_engines
+from dflash_pipeline.training.offline import extract_device, stored_dtype_problem
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
@@ -144,6 +147,15 @@ def storage_problems(run_url: str) -> list[str]:
     return []
 
 
+def offline_problems(train: dict) -> list[str]:
+    """The ``train`` section of an offline run: its stored taps' dtype against the dtype the
+    target computes them in on the device ``extract`` takes. [] for an online run."""
+    if train["mode"] != "offline":
+        return []
+    problem = stored_dtype_problem(train["hidden_dtype"], extract_device(train))
+    return [problem] if problem else []
+
+
 def run_problems(config: dict, run_url: str, workdir: Path = Path(".")) -> tuple[list[str], list[str]]:
     """(problems, what is ready) of a validated config whose run root is ``run_url``."""
     problems = []
@@ -151,6 +163,7 @@ def run_problems(config: dict, run_url: str, workdir: Path = Path(".")) -> tuple
         problems += model_problems(config["target"]["model"], workdir)
     problems += dataset_problems(config["dataset"]["paths"], workdir)
     problems += storage_problems(run_url)
+    problems += offline_problems(config["train"])
     engine_problems, ready = check_engines(config)
     return problems + engine_problems, ready
 

@@ -1,4 +1,5 @@
-"""What offline mode would store, and the refusal when that exceeds ``train.offline_max_bytes``.
+"""What offline mode would store, and the refusals: above ``train.offline_max_bytes``, and float32
+storage of taps the target computes in bfloat16 (``stored_dtype_problem``).
 
 Offline training reads the target's taps from the hidden-state shards of rule ``extract``, and
 every rank of every training job downloads all of them to its local temp folder
@@ -26,6 +27,7 @@ from pathlib import Path
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.storage import Storage, StorageError
 from dflash_pipeline.model.config import default_target_layer_ids
+from dflash_pipeline.model.target import target_compute_dtype
 
 HIDDEN_DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 STATS_SAMPLE = 64  # tokenized shards' stats read at most, evenly spread over the shards
@@ -250,6 +252,26 @@ def check_run(config: dict, storage: Storage) -> OfflineEstimate | None:
     if target is None or count is None:
         return None
     return check_offline_budget(config, target, count)
+
+
+def stored_dtype_problem(hidden_dtype: str, device: str) -> str | None:
+    """Why ``train.hidden_dtype`` is refused for taps extracted on ``device``; None when it is
+    not. The target computes in ``target_compute_dtype(device)``, so on a GPU every tap is a
+    bf16 value: float32 storage would hold the same values in twice the bytes."""
+    compute = target_compute_dtype(device)
+    if hidden_dtype != "float32" or compute == "float32":
+        return None
+    return (
+        f"train.hidden_dtype: float32 would store taps that extract computes in {compute} on "
+        f"{device} (the target's dtype there, as in online training): the same values in twice "
+        f"the bytes of bfloat16. Set train.hidden_dtype: bfloat16 (or float8_e4m3fn), or "
+        f"train.gpus_per_job: 0 to extract and train on CPU, where the target computes in float32."
+    )
+
+
+def extract_device(train: dict) -> str:
+    """The device type rule ``extract`` runs the target on: a GPU when ``train.gpus_per_job`` > 0."""
+    return "cuda" if train["gpus_per_job"] > 0 else "cpu"
 
 
 def check_stored(train: dict, manifests: dict[str, dict], ranks: int) -> int:

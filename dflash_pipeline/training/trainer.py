@@ -32,6 +32,7 @@ import torch
 from dflash_pipeline.core import layout
 from dflash_pipeline.model.config import build_drafter_config
 from dflash_pipeline.model.drafter import DFlashDrafter
+from dflash_pipeline.model.target import target_compute_dtype
 from dflash_pipeline.core.jobstate import write_telemetry
 from dflash_pipeline.core.lease import DriverGone, raise_if_driverless
 from dflash_pipeline.core.storage import Storage, open_storage
@@ -174,7 +175,8 @@ class _SegmentRun:
         else:
             self.device = torch.device("cpu")
         self.on_gpu = self.device.type == "cuda"
-        self.compute_dtype = torch.bfloat16 if self.on_gpu else torch.float32
+        # The target's dtype here is also what `extract` computes stored taps in on this device.
+        self.compute_dtype = getattr(torch, target_compute_dtype(self.device))
         self.backend = s["attention"] if s["attention"] != "auto" else ("flex" if self.on_gpu else "sdpa")
         self.storage = open_storage(job.run_url)
         self.start_step = job.segment * s["steps_per_segment"]
