@@ -6,7 +6,7 @@ min_version("9.27.1")
 
 
 # The CPU demo is the default only. A file given with --configfile is a complete config of its
-# own: keys it leaves out take config/schema.yaml's defaults (rules/common.smk), never the
+# own: keys it leaves out take dflash_pipeline/config/schema.yaml's defaults (rules/common.smk), never the
 # demo's. To layer over the demo instead, name it first: --configfile config.yaml mine.yaml
 if not workflow.overwrite_configfiles:
 

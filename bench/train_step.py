@@ -135,7 +135,7 @@ def train_defaults() -> dict:
     """The `train` section's defaults, read from the schema (the GPU image lacks jsonschema)."""
     import yaml
 
-    schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
+    schema = yaml.safe_load((REPO / "dflash_pipeline" / "config" / "schema.yaml").read_text())
     return {k: v.get("default") for k, v in schema["properties"]["train"]["properties"].items()}
 
 

@@ -413,11 +413,10 @@ def seeds_like(total: int, degenerate: int, fingerprint: str = "f") -> list[dict
 
 
 def test_the_new_key_is_in_the_schema_with_the_gates_default():
-    import yaml
-
+    from dflash_pipeline.core.config import load_schema
     from dflash_pipeline.data.tokenized import DEFAULTS
 
-    schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]["tokenize"]["properties"]
+    schema = load_schema()["properties"]["tokenize"]["properties"]
     assert (
         schema["min_degenerate_rows"]["default"]
         == DEFAULT_GATE["min_degenerate_rows"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -606,12 +605,11 @@ def test_a_special_token_literal_in_generated_text_never_cuts_the_turn(tokenizer
 def test_special_token_in_text_is_a_default_reason_counted_in_the_stats_and_the_report(tok, tmp_path):
     import xml.etree.ElementTree as ET
 
-    import yaml
-
+    from dflash_pipeline.core.config import load_schema
     from dflash_pipeline.data.quality import DEFAULT_GATE, DEGENERATE_REASONS
     from dflash_pipeline.report import figures, tables
 
-    schema = yaml.safe_load((Path(__file__).resolve().parent.parent / "config/schema.yaml").read_text())
+    schema = load_schema()
     setting = schema["properties"]["tokenize"]["properties"]["degenerate_reasons"]
     assert setting["default"] == DEFAULT_GATE["degenerate_reasons"] == sorted(DEGENERATE_REASONS)
     assert sorted(setting["items"]["enum"]) == sorted(DEGENERATE_REASONS)

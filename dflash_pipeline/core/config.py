@@ -1,4 +1,4 @@
-"""Load and validate the workflow configuration against ``config/schema.yaml``.
+"""Load and validate the workflow configuration against ``dflash_pipeline/config/schema.yaml``.
 
 The schema is the single documentation of every key and its default. Validation fills the
 defaults in and, on a bad value, raises a ``ConfigError`` whose message names the key by its
@@ -15,8 +15,10 @@ from typing import Any
 import jsonschema
 import yaml
 
+# The checkout (the default working directory of the command-line stages: its config.yaml).
 REPO = Path(__file__).resolve().parents[2]
-SCHEMA_PATH = REPO / "config" / "schema.yaml"
+# Package data (pyproject.toml), so an installed package validates configs without a checkout.
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "config" / "schema.yaml"
 
 
 class ConfigError(ValueError):
@@ -40,7 +42,7 @@ def _fill_defaults(instance: Any, schema: dict) -> None:
 
 
 def schema_defaults(section: str) -> dict:
-    """The defaults of one config section as ``config/schema.yaml`` gives them: the one source
+    """The defaults of one config section as ``dflash_pipeline/config/schema.yaml`` gives them: the one source
     of the defaults a stage's command line and its option objects show."""
     config: dict = {section: {}}
     _fill_defaults(config, load_schema())

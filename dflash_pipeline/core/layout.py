@@ -22,7 +22,7 @@ OUTPUTS_DIR = "outputs"
 PROGRESS_DIR = "_progress"
 LOGS_DIR = "logs"
 
-# The stages a run goes through, in order: the values of the config's `until` (config/schema.yaml
+# The stages a run goes through, in order: the values of the config's `until` (dflash_pipeline/config/schema.yaml
 # lists the same), the order of the status page and of the report.
 STAGES = ("prepare", "generate", "tokenize", "train", "evaluate")
 

@@ -72,7 +72,7 @@ _DEFAULTS = schema_defaults("generation")
 class GenerationSettings:
     thinking: bool
     sampling: Sampling
-    # The `generation` section's defaults (config/schema.yaml).
+    # The `generation` section's defaults (dflash_pipeline/config/schema.yaml).
     # generation.concurrency null: tune's choice (generate resolves it), else this.
     concurrency: int = schema_defaults("tune")["untuned_concurrency"]
     part_every_samples: int = _DEFAULTS["part_every_samples"]

@@ -13,7 +13,7 @@ from dflash_pipeline.core.config import schema_defaults
 
 log = logging.getLogger(__name__)
 
-# The `evaluate` section's defaults (config/schema.yaml): the options and the CLI show these.
+# The `evaluate` section's defaults (dflash_pipeline/config/schema.yaml): the options and the CLI show these.
 DEFAULTS = schema_defaults("evaluate")
 
 

@@ -20,7 +20,7 @@ Every figure says where it comes from, best source first:
 The config is the one Snakemake sees (``load_run_config``): without ``--configfile``, config.yaml;
 with ``--configfile A [B ...]``, those files alone, later ones updating earlier ones (nested
 mappings merged, by Snakemake's own ``update_config``), never over config.yaml; keys they leave
-out take config/schema.yaml's defaults. The logic is plain functions over that validated config
+out take dflash_pipeline/config/schema.yaml's defaults. The logic is plain functions over that validated config
 and what was measured (``Measured``); the CLI only gathers those and prints.
 
 Its length (over 400 lines): one estimate per stage, each with its source and the rule that picks
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="FILE",
         help="as snakemake's: these files alone (later ones update earlier ones), not over "
-        "config.yaml; keys they leave out take config/schema.yaml's defaults (default: config.yaml)",
+        "config.yaml; keys they leave out take dflash_pipeline/config/schema.yaml's defaults (default: config.yaml)",
     )
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for the wall time (default: config gpus, else 8)")
     parser.add_argument("--run-url", default=None, help="the run root to measure (default: the config's, if it exists)")

@@ -30,7 +30,7 @@ from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.storage import open_object, write_atomically
 
 log = logging.getLogger(__name__)
-# The `dataset` section's defaults (config/schema.yaml), for ingest's keywords and command line.
+# The `dataset` section's defaults (dflash_pipeline/config/schema.yaml), for ingest's keywords and command line.
 DATASET_DEFAULTS = schema_defaults("dataset")
 
 PROMPT_SCHEMA = pa.schema(
