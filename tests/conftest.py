@@ -53,6 +53,40 @@ def s3_env(s3_server, monkeypatch):
     return s3_server.env
 
 
+@pytest.fixture
+def no_s3_credentials(monkeypatch, tmp_path):
+    """No S3 credentials or endpoint anywhere: neither the plugin's variables nor boto's (AWS_*
+    variables, ~/.aws files: empty ones instead), and no instance-metadata lookup (which would
+    wait on the network). Returns the variables that say so, for a snakemake child."""
+    from dflash_pipeline.core.s3 import AWS_ENV_VARS
+
+    for name in list(os.environ):
+        if name.startswith("SNAKEMAKE_STORAGE_S3_") or name in AWS_ENV_VARS:
+            monkeypatch.delenv(name)
+    empty = tmp_path / "aws-empty"
+    empty.write_text("")
+    env = {
+        "AWS_SHARED_CREDENTIALS_FILE": str(empty),
+        "AWS_CONFIG_FILE": str(empty),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
+
+
+@pytest.fixture
+def aws_env(s3_server, no_s3_credentials, monkeypatch):
+    """The test server through boto's own variables only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+    AWS_ENDPOINT_URL), none of the S3 plugin's."""
+    from tests.support.seaweed import ACCESS_KEY, SECRET_KEY
+
+    env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_ENDPOINT_URL": s3_server.endpoint}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return {**no_s3_credentials, **env}
+
+
 @pytest.fixture(params=["local", "s3"])
 def store(request, tmp_path):
     """An empty storage root, once in a local folder and once on the session's S3 server."""

@@ -51,7 +51,7 @@ def test_dataset_files_are_files_of_a_known_format_with_rows(tmp_path):
     (tmp_path / "good.jsonl").write_text('{"id": "a", "messages": []}\n')
     names = ["folder", "empty.jsonl", "blank.jsonl", "notes.txt", "garbage.parquet", "none.parquet",
              "good.jsonl", "missing.jsonl", "s3://bucket/data.jsonl"]  # fmt: skip
-    problems = dataset_problems(names, tmp_path)
+    problems = dataset_problems(names, tmp_path, check_s3=False)  # s3:// files: below
     assert problems == [
         "dataset.paths[0]: folder is a folder; list its files (.jsonl or .parquet) instead",
         "dataset.paths[1]: empty.jsonl is empty (0 bytes)",
@@ -69,13 +69,74 @@ def test_s3_without_credentials_or_with_wrong_ones_is_one_line(monkeypatch, s3_s
     assert storage_problems("s3://a-bucket-not-there-yet/run") == []  # created when the run starts
     monkeypatch.delenv("SNAKEMAKE_STORAGE_S3_SECRET_KEY")
     (line,) = storage_problems(f"s3://{s3_server.bucket}/run")
-    assert "no S3 credentials: set SNAKEMAKE_STORAGE_S3_ACCESS_KEY and SNAKEMAKE_STORAGE_S3_SECRET_KEY" in line
+    # The plugin would hand boto half a pair, which boto refuses.
+    assert "SNAKEMAKE_STORAGE_S3_ACCESS_KEY is set without SNAKEMAKE_STORAGE_S3_SECRET_KEY" in line
     monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_SECRET_KEY", "wrong")
     (line,) = storage_problems(f"s3://{s3_server.bucket}/run")
-    assert "denied" in line and "\n" not in line
+    assert "denied" in line and "check SNAKEMAKE_STORAGE_S3_ACCESS_KEY and" in line and "\n" not in line
     monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_ENDPOINT_URL", "http://127.0.0.1:9")
     (line,) = storage_problems(f"s3://{s3_server.bucket}/run")
     assert "cannot reach http://127.0.0.1:9" in line
+
+
+def test_s3_with_only_boto_credentials_passes(s3_server, aws_env, monkeypatch):
+    """AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL, none of the plugin's
+    variables: the plugin and the jobs take them from boto's chain, so the preflight does."""
+    assert storage_problems(f"s3://{s3_server.bucket}/run") == []
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    (line,) = storage_problems(f"s3://{s3_server.bucket}/run")
+    assert f"at {s3_server.endpoint} denied" in line and "boto's credentials (env)" in line
+
+
+def test_s3_from_an_aws_profile_passes(s3_server, aws_env, monkeypatch, tmp_path):
+    from tests.support.seaweed import ACCESS_KEY, SECRET_KEY
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    credentials = tmp_path / "credentials"
+    credentials.write_text(f"[seaweed]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_PROFILE", "seaweed")
+    assert storage_problems(f"s3://{s3_server.bucket}/run") == []
+    monkeypatch.setenv("AWS_PROFILE", "nope")
+    (line,) = storage_problems(f"s3://{s3_server.bucket}/run")
+    assert "AWS credentials:" in line and "(nope) could not be found" in line
+
+
+def test_s3_without_any_credentials_is_one_line_naming_both_ways(s3_server, no_s3_credentials):
+    (line,) = storage_problems(f"s3://{s3_server.bucket}/run")
+    assert line == (
+        f"storage s3://{s3_server.bucket}/run: no S3 credentials: set SNAKEMAKE_STORAGE_S3_ACCESS_KEY and "
+        "SNAKEMAKE_STORAGE_S3_SECRET_KEY (the Snakemake S3 plugin's variables), or provide boto's own "
+        "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile in ~/.aws (AWS_PROFILE) or an instance "
+        "role), which the plugin and the jobs fall back to"
+    )
+    (line,) = dataset_problems([f"s3://{s3_server.bucket}/a.jsonl", f"s3://{s3_server.bucket}/b.jsonl"])
+    assert line.startswith(f"dataset.paths[0]: s3://{s3_server.bucket}/a.jsonl cannot be checked: no S3 credentials")
+
+
+def test_s3_dataset_files_are_headed(s3_server, s3_env):
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_server.endpoint,
+        aws_access_key_id=s3_env["SNAKEMAKE_STORAGE_S3_ACCESS_KEY"],
+        aws_secret_access_key=s3_env["SNAKEMAKE_STORAGE_S3_SECRET_KEY"],
+        region_name="us-east-1",
+    )
+    bucket = s3_server.bucket
+    client.put_object(Bucket=bucket, Key="datasets/good.jsonl", Body=b'{"id": "a", "messages": []}\n')
+    client.put_object(Bucket=bucket, Key="datasets/empty.jsonl", Body=b"")
+    names = [f"s3://{bucket}/datasets/good.jsonl", f"s3://{bucket}/missing.jsonl",
+             f"s3://{bucket}/datasets/empty.jsonl", f"s3://{bucket}/notes.txt", f"s3://{bucket}"]  # fmt: skip
+    assert dataset_problems(names) == [
+        f"dataset.paths[1]: s3://{bucket}/missing.jsonl does not exist (no object {bucket}/missing.jsonl at {s3_server.endpoint})",
+        f"dataset.paths[2]: s3://{bucket}/datasets/empty.jsonl is empty (0 bytes)",
+        f"dataset.paths[3]: s3://{bucket}/notes.txt: unknown dataset format (expected .jsonl or .parquet)",
+        f"dataset.paths[4]: s3://{bucket} names a bucket, not a file; list its files (.jsonl or .parquet)",
+    ]
+    assert dataset_problems([f"s3://{bucket}/datasets/good.jsonl"], check_s3=False) == []
 
 
 # --- through `snakemake -n` ----------------------------------------------------------------------
@@ -118,12 +179,18 @@ def test_a_folder_as_dataset_is_refused(workflow):
 
 
 @pytest.mark.workflow
-def test_s3_without_credentials_is_refused_without_a_flood(workflow, s3_server):
-    env = {"SNAKEMAKE_STORAGE_S3_ACCESS_KEY": "", "SNAKEMAKE_STORAGE_S3_SECRET_KEY": ""}
+def test_s3_without_credentials_is_refused_without_a_flood(workflow, s3_server, no_s3_credentials):
     prefix = f"s3://{s3_server.bucket}/preflight"
-    lines = refused(workflow, "--profile", "profiles/s3", "--default-storage-prefix", prefix, env=env)
+    lines = refused(workflow, "--profile", "profiles/s3", "--default-storage-prefix", prefix)
     named_early(lines, "no S3 credentials: set SNAKEMAKE_STORAGE_S3_ACCESS_KEY")
     assert len(lines) < 40
+
+
+@pytest.mark.workflow
+def test_a_missing_s3_dataset_is_refused(workflow, s3_server, s3_env):
+    workflow.write_config(dataset={"paths": [f"s3://{s3_server.bucket}/missing.jsonl"]})
+    lines = refused(workflow)
+    named_early(lines, f"dataset.paths[0]: s3://{s3_server.bucket}/missing.jsonl does not exist")
 
 
 @pytest.mark.workflow

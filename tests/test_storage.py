@@ -131,6 +131,21 @@ def test_ensure_bucket_creates_bucket_and_keeps_a_sentinel(s3_server, s3_env):
     assert keys == [BUCKET_SENTINEL_KEY]
 
 
+def test_boto_credentials_alone_serve_the_storage_layer(s3_server, aws_env):
+    """Only AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL (none of the S3 plugin's
+    variables): the storage layer resolves them through boto, as the plugin does."""
+    from dflash_pipeline.core.s3 import s3_credentials_source
+    from dflash_pipeline.core.storage import open_storage
+
+    assert s3_credentials_source() == "boto's credentials (env)"
+    store = open_storage(f"s3://{s3_server.bucket}/aws-only-{uuid.uuid4().hex[:8]}")
+    assert store.client.meta.endpoint_url == s3_server.endpoint
+    store.ensure_bucket()
+    store.write_bytes("a/b.json", b'{"ok": true}')
+    assert store.read_bytes("a/b.json") == b'{"ok": true}'
+    assert [o.key for o in store.list("a/")] == ["a/b.json"]
+
+
 def test_a_missing_object_is_a_typed_not_found(store):
     from dflash_pipeline.core.storage import NotFound
 

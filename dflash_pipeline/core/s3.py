@@ -1,7 +1,10 @@
 """S3 storage: the ``Storage`` of an ``s3://bucket/prefix`` run root, and its client.
 
-The endpoint and credentials come from the S3 plugin's environment variables
-(``SNAKEMAKE_STORAGE_S3_*``); every call retries with botocore's backoff and logs each failed
+The endpoint and credentials are resolved as the Snakemake S3 plugin resolves them: its environment
+variables (``SNAKEMAKE_STORAGE_S3_*``) first; whatever they leave unset is left to boto, which
+finds ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws`` profiles or an instance role, and
+``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3`` (the plugin hands boto ``None`` for each unset
+setting, so jobs and plugin always agree). Every call retries with botocore's backoff and logs each failed
 try; one client is shared per process and endpoint; conditional writes (``If-None-Match``,
 ``If-Match``) serve the run lease; ranged reads serve parquet readers.
 """
@@ -23,8 +26,33 @@ S3_MAX_ATTEMPTS = int(os.environ.get("DFLASH_S3_MAX_ATTEMPTS") or 15)
 BUCKET_SENTINEL_KEY = ".dflash-pipeline-bucket"
 
 
+# What boto reads from the environment for S3: the shared client is cached per value of these too.
+AWS_ENV_VARS = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONFIG_FILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_ROLE_ARN",
+)
+PLUGIN_KEYS = f"{S3_ENV_PREFIX}ACCESS_KEY and {S3_ENV_PREFIX}SECRET_KEY"
+BOTO_CREDENTIALS = "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile in ~/.aws (AWS_PROFILE) or an instance role"
+NO_CREDENTIALS = (
+    f"no S3 credentials: set {PLUGIN_KEYS} (the Snakemake S3 plugin's variables), or provide "
+    f"boto's own ({BOTO_CREDENTIALS}), which the plugin and the jobs fall back to"
+)
+
+
 def s3_settings_from_env(env: dict[str, str] | None = None) -> dict[str, str | None]:
-    """The S3 plugin's settings, read from the same environment variables it reads."""
+    """The S3 plugin's settings, read from the same environment variables it reads (None where
+    unset: boto then resolves that setting itself, as it does for the plugin)."""
     env = os.environ if env is None else env
     return {
         "endpoint_url": env.get(S3_ENV_PREFIX + "ENDPOINT_URL") or None,
@@ -33,6 +61,39 @@ def s3_settings_from_env(env: dict[str, str] | None = None) -> dict[str, str | N
         "token": env.get(S3_ENV_PREFIX + "TOKEN") or None,
         "region": env.get(S3_ENV_PREFIX + "REGION") or "us-east-1",
     }
+
+
+def s3_credentials_source(settings: dict[str, str | None] | None = None) -> str:
+    """Where the plugin and the storage layer take S3 credentials from, in words: the plugin's
+    variables when both keys are set, else boto's default chain (environment, ``~/.aws``,
+    instance role). A ``StorageError`` of one line when neither has any, or when only one of the
+    plugin's keys is set (the plugin passes it to boto, which refuses half a pair)."""
+    from botocore.exceptions import BotoCoreError
+    from botocore.session import Session
+
+    settings = s3_settings_from_env() if settings is None else settings
+    access, secret = settings["access_key"], settings["secret_key"]
+    if access and secret:
+        return PLUGIN_KEYS
+    if access or secret:
+        given, missing = ("ACCESS_KEY", "SECRET_KEY") if access else ("SECRET_KEY", "ACCESS_KEY")
+        raise StorageError(
+            f"{S3_ENV_PREFIX}{given} is set without {S3_ENV_PREFIX}{missing}: set both, or neither "
+            f"to use boto's credentials ({BOTO_CREDENTIALS})"
+        )
+    try:
+        credentials = Session().get_credentials()
+    except BotoCoreError as err:  # e.g. AWS_PROFILE names no profile
+        raise StorageError(f"AWS credentials: {err}") from err
+    if credentials is None:
+        raise StorageError(NO_CREDENTIALS)
+    return f"boto's credentials ({credentials.method})"
+
+
+def s3_endpoint(client) -> str:
+    """The endpoint a client talks to, for messages."""
+    url = client.meta.endpoint_url or ""
+    return "AWS S3" if url.endswith(".amazonaws.com") else url
 
 
 _retry_log = logging.getLogger("dflash_pipeline.storage")
@@ -55,7 +116,8 @@ def _log_retry(max_attempts, attempts=None, caught_exception=None, response=None
 
 
 def s3_client(max_attempts: int | None = None, **timeouts):
-    """A boto3 S3 client configured as the S3 plugin is (``SNAKEMAKE_STORAGE_S3_*``), retrying
+    """A boto3 S3 client configured as the S3 plugin is (``SNAKEMAKE_STORAGE_S3_*``, else boto's
+    own resolution), retrying
     ``max_attempts`` times (default ``S3_MAX_ATTEMPTS``) with botocore's backoff, each failed
     attempt logged; ``timeouts``: botocore's connect_timeout / read_timeout.
 
@@ -64,12 +126,14 @@ def s3_client(max_attempts: int | None = None, **timeouts):
     its own client, connection pool and credential chain."""
     settings = s3_settings_from_env()
     if max_attempts is None and not timeouts:
-        return _shared_client(tuple(sorted(settings.items())))
+        aws = tuple((name, os.environ.get(name)) for name in AWS_ENV_VARS)
+        return _shared_client(tuple(sorted(settings.items())), aws)
     return _new_client(settings, max_attempts or S3_MAX_ATTEMPTS, timeouts)
 
 
 @functools.lru_cache(maxsize=8)
-def _shared_client(settings: tuple):
+def _shared_client(settings: tuple, aws_env: tuple):
+    """``aws_env``: boto's own variables, part of the key only (boto reads them itself)."""
     return _new_client(dict(settings), S3_MAX_ATTEMPTS, {})
 
 
@@ -85,7 +149,10 @@ def _new_client(settings: dict, max_attempts: int, timeouts: dict):
         response_checksum_validation="when_required",
         **timeouts,
     )
-    client = boto3.client(
+    # The plugin's settings that are set, None for the rest: boto then resolves those itself
+    # (credential chain, AWS_ENDPOINT_URL*), exactly as for the plugin. A session of its own, so
+    # the credentials are looked up now and not taken from boto3's process-wide default session.
+    client = boto3.session.Session().client(
         "s3",
         endpoint_url=settings["endpoint_url"],
         aws_access_key_id=settings["access_key"],
@@ -277,7 +344,8 @@ class S3Storage(Storage):
             # bucket, or wrong credentials) is an error, never a reason to create one.
             if _client_error_code(err) not in ("404", "NoSuchBucket", "NotFound"):
                 raise StorageError(
-                    f"s3://{self.bucket}: no access ({_client_error_code(err)}); check the {S3_ENV_PREFIX}* credentials"
+                    f"s3://{self.bucket}: no access ({_client_error_code(err)}); check the credentials "
+                    f"({s3_credentials_source()})"
                 ) from err
             self._call("creating bucket", "", self.client.create_bucket, Bucket=self.bucket)
         try:

@@ -9,8 +9,10 @@ and what to do:
 * the target model folder (unless the workflow builds the demo target into it): it exists and
   holds ``config.json``, a tokenizer and weights; a hub id is refused (every node reads the model
   from a local folder; nothing is downloaded at run time);
-* the dataset files: local files of a known format, neither folders nor empty;
-* the run's storage: S3 credentials present, the endpoint reachable, the bucket readable;
+* the dataset files: local files of a known format, neither folders nor empty; ``s3://`` files
+  exist (one HEAD each), are not empty and have a known format;
+* the run's storage: S3 credentials found (the S3 plugin's variables, else boto's chain: AWS_*
+  variables, ``~/.aws``, an instance role), the endpoint reachable, the bucket readable;
 * offline mode's stored taps: ``train.hidden_dtype`` float32 is refused where ``extract`` runs
   the target on a GPU (``train.gpus_per_job`` > 0), which computes in bfloat16;
 * the engines the run launches (``engines.preflight``): installed where ``engines`` says, and the
@@ -24,7 +26,15 @@ import sys
 from pathlib import Path
 
 from dflash_pipeline.core.storage import is_s3_url
-from dflash_pipeline.core.s3 import S3_ENV_PREFIX, s3_client, s3_settings_from_env, split_s3_url
+from dflash_pipeline.core.s3 import (
+    NO_CREDENTIALS,
+    S3_ENV_PREFIX,
+    s3_client,
+    s3_credentials_source,
+    s3_endpoint,
+    split_s3_url,
+)
+from dflash_pipeline.core.storage import StorageError
 from dflash_pipeline.data.prompts import detect_format
 from dflash_pipeline.stages.cli import looks_like_hub_id
 from dflash_pipeline.engines.preflight import check_engines
@@ -64,32 +74,82 @@ def model_problems(model: str, workdir: Path = Path(".")) -> list[str]:
     return []
 
 
-def dataset_problems(paths: list[str], workdir: Path = Path(".")) -> list[str]:
+def dataset_problems(paths: list[str], workdir: Path = Path("."), check_s3: bool = True) -> list[str]:
     """Each local ``dataset.paths`` entry: a readable file of a known format with rows in it.
-    ``s3://`` files are read by the ingest job through the storage layer."""
-    problems = []
+    ``s3://`` entries (read by the ingest job through the storage layer) are HEADed: present,
+    not empty, of a known format; ``check_s3`` False skips them (the run's storage is already
+    refused, and the same endpoint or credentials would fail each of them again)."""
+    s3_entries = [(index, name) for index, name in enumerate(paths) if is_s3_url(name)]
+    problems = _s3_dataset_problems(s3_entries) if check_s3 and s3_entries else []
     for index, name in enumerate(paths):
         if is_s3_url(name):
             continue
         key = f"dataset.paths[{index}]: {name}"
         path = workdir / name
         if not path.exists():
-            problems.append(f"{key} does not exist")
+            problems.append((index, f"{key} does not exist"))
             continue
         if path.is_dir():
-            problems.append(f"{key} is a folder; list its files (.jsonl or .parquet) instead")
+            problems.append((index, f"{key} is a folder; list its files (.jsonl or .parquet) instead"))
             continue
         try:
             kind = detect_format(name)
         except ValueError as err:
-            problems.append(f"{key}: {str(err).split(': ', 1)[1]}")
+            problems.append((index, f"{key}: {str(err).split(': ', 1)[1]}"))
             continue
         if path.stat().st_size == 0:
-            problems.append(f"{key} is empty (0 bytes)")
+            problems.append((index, f"{key} is empty (0 bytes)"))
             continue
         problem = _parquet_problem(path) if kind == "parquet" else _jsonl_problem(path)
         if problem:
-            problems.append(f"{key} {problem}")
+            problems.append((index, f"{key} {problem}"))
+    # In the order of dataset.paths (sorted() keeps an entry's own lines in order).
+    return [line for _, line in sorted(problems, key=lambda found: found[0])]
+
+
+def _s3_dataset_problems(entries: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """(index, line) per problem of the ``s3://`` dataset files, one HEAD each; one line for
+    credentials or an endpoint that would fail them all."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    first = f"dataset.paths[{entries[0][0]}]: {entries[0][1]}"
+    try:
+        source = s3_credentials_source()
+    except StorageError as err:
+        return [(entries[0][0], f"{first} cannot be checked: {err}")]
+    # Few attempts: planning says at once that storage is unreachable (jobs ride out outages).
+    client = s3_client(max_attempts=2, connect_timeout=10, read_timeout=30)
+    endpoint = s3_endpoint(client)
+    problems = []
+    for index, name in entries:
+        key = f"dataset.paths[{index}]: {name}"
+        try:
+            bucket, object_key = split_s3_url(name)
+        except StorageError as err:
+            problems.append((index, f"{key}: {err}"))
+            continue
+        if not object_key:
+            problems.append((index, f"{key} names a bucket, not a file; list its files (.jsonl or .parquet)"))
+            continue
+        try:
+            detect_format(name)
+        except ValueError as err:
+            problems.append((index, f"{key}: {str(err).split(': ', 1)[1]}"))
+            continue
+        try:
+            head = client.head_object(Bucket=bucket, Key=object_key)
+        except ClientError as err:
+            code = str(err.response.get("Error", {}).get("Code", ""))
+            if code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket"):
+                problems.append((index, f"{key} does not exist (no object {bucket}/{object_key} at {endpoint})"))
+            else:
+                problems.append((index, f"{key} cannot be read at {endpoint} ({code or err}); check {source}"))
+            continue
+        except BotoCoreError as err:
+            problems.append((index, f"{key} cannot be checked: cannot reach {endpoint} ({type(err).__name__})"))
+            break  # the same endpoint fails every other file the same way
+        if int(head.get("ContentLength", 0)) == 0:
+            problems.append((index, f"{key} is empty (0 bytes)"))
     return problems
 
 
@@ -111,38 +171,36 @@ def _jsonl_problem(path: Path) -> str | None:
 
 
 def storage_problems(run_url: str) -> list[str]:
-    """An S3 run root: credentials present, endpoint reachable, bucket readable ([] for a local
-    root). A missing bucket is no problem: the run creates it when it starts."""
+    """An S3 run root: credentials found (the S3 plugin's variables, else boto's chain, as the
+    plugin and the jobs resolve them), endpoint reachable, bucket readable ([] for a local root).
+    A missing bucket is no problem: the run creates it when it starts."""
     if not is_s3_url(run_url):
         return []
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-    settings = s3_settings_from_env()
     bucket, _ = split_s3_url(run_url)
-    variables = f"{S3_ENV_PREFIX}ACCESS_KEY and {S3_ENV_PREFIX}SECRET_KEY"
-    if not (settings["access_key"] and settings["secret_key"]):
-        return [
-            f"storage {run_url}: no S3 credentials: set {variables} (and {S3_ENV_PREFIX}ENDPOINT_URL "
-            "for a server other than AWS), as the S3 plugin reads them"
-        ]
+    try:
+        source = s3_credentials_source()
+    except StorageError as err:
+        return [f"storage {run_url}: {err}"]
     # Few attempts: planning says at once that storage is unreachable (jobs ride out outages).
     client = s3_client(max_attempts=2, connect_timeout=10, read_timeout=30)
-    endpoint = settings["endpoint_url"] or "AWS S3"
+    endpoint = s3_endpoint(client)
     try:
         client.head_bucket(Bucket=bucket)
     except NoCredentialsError:
-        return [f"storage {run_url}: no S3 credentials: set {variables}"]
+        return [f"storage {run_url}: {NO_CREDENTIALS}"]
     except ClientError as err:
         code = str(err.response.get("Error", {}).get("Code", ""))
         if code in ("404", "NoSuchBucket"):
             return []
         if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            return [f"storage {run_url}: access to bucket {bucket!r} at {endpoint} denied ({code}): check {variables}"]
+            return [f"storage {run_url}: access to bucket {bucket!r} at {endpoint} denied ({code}): check {source}"]
         return [f"storage {run_url}: bucket {bucket!r} at {endpoint}: {code or err}"]
     except BotoCoreError as err:
         return [
             f"storage {run_url}: cannot reach {endpoint} ({type(err).__name__}); check "
-            f"{S3_ENV_PREFIX}ENDPOINT_URL and the network"
+            f"{S3_ENV_PREFIX}ENDPOINT_URL (or AWS_ENDPOINT_URL) and the network"
         ]
     return []
 
@@ -161,8 +219,11 @@ def run_problems(config: dict, run_url: str, workdir: Path = Path(".")) -> tuple
     problems = []
     if not config["target"]["build_demo"]:
         problems += model_problems(config["target"]["model"], workdir)
-    problems += dataset_problems(config["dataset"]["paths"], workdir)
-    problems += storage_problems(run_url)
+    storage = storage_problems(run_url)
+    # An S3 run root that is refused is fixed first: its endpoint or credentials would refuse
+    # each s3:// dataset file again.
+    problems += dataset_problems(config["dataset"]["paths"], workdir, check_s3=not storage)
+    problems += storage
     problems += offline_problems(config["train"])
     engine_problems, ready = check_engines(config)
     return problems + engine_problems, ready
