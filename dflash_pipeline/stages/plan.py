@@ -44,6 +44,9 @@ from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage
 from dflash_pipeline.engines.tuning import TunedChoice, read_tune_result, tune_defining, tune_key
 
 REPO = Path(__file__).resolve().parents[2]
+# The checkout's measured training steps (bench/train_step.py). Not package data: they are the
+# record of bench runs, rewritten there; an installed package without a checkout has none, and
+# the plan says so (the training rate then comes from the run or plan.train_tokens_per_s_per_gpu).
 DEFAULT_BENCH_DIR = REPO / "bench" / "results"
 # Rough sizes of the stage objects per token when nothing is measured yet (compressed parquet:
 # text ~2 bytes per token; tokenized ids int32 + loss mask ~3 bytes per token).
@@ -458,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for the wall time (default: config gpus, else 8)")
     parser.add_argument("--run-url", default=None, help="the run root to measure (default: the config's, if it exists)")
     parser.add_argument("--default-storage-prefix", default=None, help="an S3 run's prefix (as given to snakemake)")
-    parser.add_argument("--bench-dir", default=str(DEFAULT_BENCH_DIR))
+    parser.add_argument(
+        "--bench-dir", default=str(DEFAULT_BENCH_DIR), help="train_step*.json results (default: %(default)s)"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     if args.gpus is not None and args.gpus < 1:
@@ -475,6 +480,12 @@ def main(argv: list[str] | None = None) -> int:
         if run_url.startswith("s3://") or Path(run_url).is_dir():
             measured = measure_run(run_url, config)
         case = model_case(config["target"]["model"])
+        if not Path(args.bench_dir).is_dir():
+            print(
+                f"plan: no benchmark results in {args.bench_dir} (a package installed without its "
+                "checkout?); --bench-dir names a checkout's bench/results",
+                file=sys.stderr,
+            )
         measured.bench_train = pick_train_benchmark(
             read_train_benchmarks(Path(args.bench_dir)),
             case,
