@@ -3,7 +3,9 @@ line per problem naming the key or variable, within the first lines of `snakemak
 
 from __future__ import annotations
 
+import json
 import shutil
+import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -191,6 +193,28 @@ def test_a_missing_s3_dataset_is_refused(workflow, s3_server, s3_env):
     workflow.write_config(dataset={"paths": [f"s3://{s3_server.bucket}/missing.jsonl"]})
     lines = refused(workflow)
     named_early(lines, f"dataset.paths[0]: s3://{s3_server.bucket}/missing.jsonl does not exist")
+
+
+@pytest.mark.workflow
+def test_an_s3_run_with_only_boto_credentials_ingests(workflow, s3_server, aws_env):
+    """AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL alone: the preflight passes,
+    the Snakemake S3 plugin (its keys unset, so boto's chain) stores the outputs, and the ingest
+    job's storage layer reads the s3:// dataset."""
+    import boto3
+
+    from dflash_pipeline.core import layout
+    from dflash_pipeline.core.storage import open_storage
+
+    tag = uuid.uuid4().hex[:8]
+    dataset = f"aws-only-{tag}/few.jsonl"
+    boto3.client("s3", region_name="us-east-1").put_object(
+        Bucket=s3_server.bucket, Key=dataset, Body=(workflow.root / workflow.few_prompts(4)).read_bytes()
+    )
+    workflow.write_config(dataset={"paths": [f"s3://{s3_server.bucket}/{dataset}"]})
+    prefix = f"s3://{s3_server.bucket}/aws-only-{tag}/run"
+    workflow.snakemake("--profile", "profiles/s3", "--default-storage-prefix", prefix, "--cores", "1", "ingest")
+    summary = json.loads(open_storage(f"{prefix}/results/demo").read_text(layout.INGEST_SUMMARY))
+    assert summary["files"] == [f"s3://{s3_server.bucket}/{dataset}"] and summary["rows_read"] == 4
 
 
 @pytest.mark.workflow
