@@ -9,9 +9,10 @@ Rules the rest of the pipeline relies on:
 * every write is atomic: a reader sees the old object, or the whole new one, never a prefix
   (local: temp file in the same directory + ``os.replace``; S3: one PUT or a completed multipart
   upload, which S3 makes visible all at once);
-* S3 endpoint and credentials come from the same environment variables as
-  ``snakemake-storage-plugin-s3`` (``SNAKEMAKE_STORAGE_S3_*``), so the plugin and the jobs can
-  never disagree about where the run lives (``dflash_pipeline.core.s3``);
+* S3 endpoint and credentials are resolved as ``snakemake-storage-plugin-s3`` resolves them
+  (``SNAKEMAKE_STORAGE_S3_*``, else boto's own chain: ``AWS_*`` variables, ``~/.aws``, an
+  instance role), so the plugin and the jobs can never disagree about where the run lives
+  (``dflash_pipeline.core.s3``);
 * the bucket keeps a permanent sentinel object, because the S3 plugin deletes a bucket once it
   is empty.
 """

@@ -6,8 +6,8 @@
     python -m dflash_pipeline.status --default-storage-prefix s3://bucket/prefix   # an S3 run
 
 The run is found the way Snakemake finds it: ``results_dir``/``run`` of the config file, below
-``--default-storage-prefix`` for S3 runs (credentials from ``SNAKEMAKE_STORAGE_S3_*``), or given
-directly with ``--run-url``. The server only lists and reads the run.
+``--default-storage-prefix`` for S3 runs (credentials from ``SNAKEMAKE_STORAGE_S3_*``, else
+boto's chain, as for the run), or given directly with ``--run-url``. The server only lists and reads the run.
 
 The access token (required beyond loopback) comes from $DFLASH_STATUS_TOKEN or --token-file,
 never from the command line, where every user of the machine sees it (``ps``). ``start`` hands it
