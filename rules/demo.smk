@@ -11,7 +11,7 @@ rule build_demo_model:
     benchmark:
         local("benchmarks/build_demo_model.tsv")
     conda:
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     threads: 2
     resources:
         **slurm(0),

@@ -26,7 +26,7 @@ rule evaluate:
     benchmark:
         benchmark_path("evaluate", per_shard=False)
     conda:
-        "../envs/gpu-train.yaml"
+        "../envs/pipeline.yaml"
     threads: 2
     resources:
         **slurm(min(1, config["train"]["gpus_per_job"])),

@@ -16,7 +16,7 @@ rule tune:
     # As generate's: a server that fails to start once does not hold up the run's generation.
     retries: config["generation"]["retries"]
     conda:
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     threads: 2
     resources:
         # One device's share: the server's tensor parallelism, one data-parallel rank.
@@ -54,7 +54,7 @@ rule generate:
     retries: config["generation"]["retries"]
     conda:
         # The job is a client: the engine runs from engines.<engine>.python, its own environment.
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     threads: 2
     resources:
         **slurm(config["generation"]["gpus_per_job"]),

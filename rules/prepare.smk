@@ -13,7 +13,7 @@ rule ingest:
     benchmark:
         benchmark_path("ingest", per_shard=False)
     conda:
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     threads: 1
     resources:
         **slurm(0),
@@ -40,7 +40,7 @@ rule prepare:
     benchmark:
         benchmark_path("prepare")
     conda:
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     threads: 1
     resources:
         **slurm(0),

@@ -34,7 +34,7 @@ rule report_prompts:
     benchmark:
         benchmark_path("report_prompts", per_shard=False)
     conda:
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     threads: 1
     resources:
         **slurm(0),
@@ -69,7 +69,7 @@ rule report_generation:
     benchmark:
         benchmark_path("report_generation", per_shard=False)
     conda:
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     threads: 1
     resources:
         **slurm(0),
@@ -95,7 +95,7 @@ rule report_tune:
     benchmark:
         benchmark_path("report_tune", per_shard=False)
     conda:
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     threads: 1
     resources:
         **slurm(0),
@@ -129,7 +129,7 @@ rule report_tokenization:
     benchmark:
         benchmark_path("report_tokenization", per_shard=False)
     conda:
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     threads: 1
     resources:
         **slurm(0),
@@ -153,7 +153,7 @@ rule report_training:
     benchmark:
         benchmark_path("report_training", per_shard=False)
     conda:
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     threads: 1
     resources:
         **slurm(0),
@@ -180,7 +180,7 @@ rule report_evaluation:
     benchmark:
         benchmark_path("report_evaluation", per_shard=False)
     conda:
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     threads: 1
     resources:
         **slurm(0),
@@ -205,7 +205,7 @@ rule report_storage:
     benchmark:
         benchmark_path("report_storage", per_shard=False)
     conda:
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     threads: 1
     resources:
         **slurm(0),

@@ -18,7 +18,7 @@ rule tokenize:
     # quality gate halts the run's generation (dflash_pipeline.core.jobstate).
     priority: 10
     conda:
-        "../envs/cpu.yaml"
+        "../envs/pipeline.yaml"
     # Rendering and tokenizing run in this many worker processes (scaled down to --cores).
     threads: 4
     resources:

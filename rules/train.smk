@@ -16,7 +16,7 @@ rule extract:
         benchmark_path("extract")
     retries: config["train"]["retries"]
     conda:
-        "../envs/gpu-train.yaml"
+        "../envs/pipeline.yaml"
     threads: 2
     resources:
         **slurm(min(1, config["train"]["gpus_per_job"])),
@@ -46,7 +46,7 @@ rule train:
     # A retry resumes from the segment's last in-segment checkpoint.
     retries: config["train"]["retries"]
     conda:
-        "../envs/gpu-train.yaml"
+        "../envs/pipeline.yaml"
     threads: 2
     resources:
         **slurm(config["train"]["gpus_per_job"]),
@@ -87,7 +87,7 @@ rule export:
     benchmark:
         benchmark_path("export", per_shard=False)
     conda:
-        "../envs/gpu-train.yaml"
+        "../envs/pipeline.yaml"
     threads: 1
     resources:
         **slurm(0),
