@@ -70,25 +70,46 @@ def local_dataset_files():
 # GPU slots: Snakemake counts `gpu`; the wrapper picks the devices (see dflash_pipeline.core.gpu_slots).
 # Jobs find the pool the same way from the config: it is no param (no rerun trigger).
 GPU_POOL, GPU_LOCK_DIR = pool_from_config(config)
-# `--resources gpu=N` (absent: Snakemake ignores the gpu resource altogether).
-_gpu_limit = getattr(workflow.global_resources.get("gpu"), "value", None)
-if _gpu_limit is not None and int(_gpu_limit) > GPU_POOL:
-    logger.warning(
-        f"--resources gpu={_gpu_limit} exceeds the GPU pool ({GPU_POOL}, config key `gpus`): "
-        "GPU jobs will wait for free devices"
-    )
+
+
+def runs_locally(executor):
+    """Whether this run's jobs run on this machine. A dry-run's executor is Snakemake's
+    `dryrun` whatever the profile names; only for a remote executor (SLURM) does Snakemake turn
+    on its threads for the run (snakemake.api's execute_workflow), which tells the two apart.
+    """
+    if executor.name == "dryrun":
+        return not workflow.execution_settings.use_threads
+    return executor.common_settings.local_exec
+
+
+def warn_gpu_pool(executor):
+    """`--resources gpu=N` above the pool the slot wrapper hands out makes a local run's GPU
+    jobs wait; under SLURM the cluster gives each job its GPUs (no such wait): said locally only.
+    """
+    from dflash_pipeline.core.slurm import gpu_pool_warning
+
+    # Absent `--resources gpu`: Snakemake ignores the gpu resource altogether.
+    limit = getattr(workflow.global_resources.get("gpu"), "value", None)
+    warning = gpu_pool_warning(limit, GPU_POOL, runs_locally(executor))
+    if warning:
+        logger.warning(warning)
 
 
 # Host memory per job from the target's and the drafter's sizes (dflash_pipeline.core.resources);
 # a SLURM run's driver caps each at the memory of the smallest node of the run's partitions.
-JOB_MEMORY_MB = {
-    name: (lambda wildcards, mb=mb: slurm_memory(mb))
-    for name, mb in job_memory_mb(
-        config,
-        speculators_export=speculators_format.refusal(config["train"]["layer_types"])
-        is None,
-    ).items()
-}
+JOB_MEMORY_MB = job_memory_mb(
+    config,
+    speculators_export=speculators_format.refusal(config["train"]["layer_types"])
+    is None,
+)
+
+
+def job_memory(rule_name, gpus=0):
+    """A job's mem_mb: its rule's figure, for a GPU job at least gpus x slurm.mem_per_gpu_mb,
+    capped in a SLURM run's driver to the smallest node (dflash_pipeline.core.slurm.job_memory).
+    """
+    mb = JOB_MEMORY_MB[rule_name]
+    return lambda wildcards: slurm_memory(mb, gpus)
 
 
 def slurm_partition(gpus):
@@ -119,6 +140,9 @@ def slurm_plan():
     executor = workflow.executor_plugin
     if executor is None:  # still parsing: the executor is not known yet
         return None
+    if workflow.is_main_process:
+        # The first point where the executor is known (it is not while the Snakefile is parsed).
+        warn_gpu_pool(executor)
     plan = None
     if workflow.is_main_process and executor.name == "slurm":
         from dflash_pipeline.core import slurm as slurm_checks
@@ -143,23 +167,27 @@ def slurm_plan():
     return plan
 
 
-def slurm_memory(mb):
+def slurm_memory(mb, gpus=0):
+    from dflash_pipeline.core.slurm import job_memory as memory_of_job
+
     plan = slurm_plan()
     node = min(plan.memory_caps.values(), default=0) if plan else 0
-    return min(mb, node) if node else mb
+    return memory_of_job(mb, gpus, config["slurm"], node)
 
 
-def slurm_cpus(partition):
-    """A job's CPUs (sbatch --cpus-per-task): its rule's threads, capped in the driver to the
-    fewest CPUs of a node of its partition (or slurm.max_cpus_per_job), and inside a job to
-    the allocation (the job-step plugin's srun asks for them again)."""
-    from dflash_pipeline.core.slurm import cap, cpus_in_this_job
+def slurm_cpus(partition, gpus):
+    """A job's CPUs (sbatch --cpus-per-task): a CPU job's rule threads, a GPU job's
+    gpus x slurm.cpus_per_gpu (null: the node's share), capped in the driver to the fewest CPUs
+    of a node of its partition (or slurm.max_cpus_per_job), and inside a job to the allocation
+    (the job-step plugin's srun asks for them again); dflash_pipeline.core.slurm.requested_cpus.
+    Other executors ignore the resource (a local job's threads stay its rule's)."""
+    from dflash_pipeline.core.slurm import cpus_in_this_job, requested_cpus
 
     def cpus(wildcards, threads):
-        plan = slurm_plan()
-        if plan is not None:
-            return cap(threads, plan.cpu_caps.get(partition))
-        return cap(threads, config["slurm"]["max_cpus_per_job"] or cpus_in_this_job())
+        allocation = None if workflow.is_main_process else cpus_in_this_job()
+        return requested_cpus(
+            threads, gpus, config["slurm"], partition, slurm_plan(), allocation
+        )
 
     return cpus
 
@@ -179,7 +207,7 @@ def slurm(gpus):
     partition = slurm_partition(gpus)
     found = {
         "slurm_partition": partition,
-        "cpus_per_task": slurm_cpus(partition),
+        "cpus_per_task": slurm_cpus(partition, gpus),
         "slurm_account": slurm_account,
     }
     if settings["qos"]:

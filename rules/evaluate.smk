@@ -31,7 +31,7 @@ rule evaluate:
     resources:
         **slurm(min(1, config["train"]["gpus_per_job"])),
         gpu=min(1, config["train"]["gpus_per_job"]),
-        mem_mb=JOB_MEMORY_MB["evaluate"],
+        mem_mb=job_memory("evaluate", min(1, config["train"]["gpus_per_job"])),
         runtime=240,
         # Snakemake's attempt number (a `--retries` run): each attempt keeps its logs apart.
         attempt=lambda wildcards, attempt: attempt,

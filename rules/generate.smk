@@ -22,7 +22,7 @@ rule tune:
         # One device's share: the server's tensor parallelism, one data-parallel rank.
         **slurm(tune_gpus()),
         gpu=tune_gpus(),
-        mem_mb=JOB_MEMORY_MB["generate"],
+        mem_mb=job_memory("generate", tune_gpus()),
         runtime=240,
         attempt=lambda wildcards, attempt: attempt,
     params:
@@ -59,7 +59,7 @@ rule generate:
     resources:
         **slurm(config["generation"]["gpus_per_job"]),
         gpu=config["generation"]["gpus_per_job"],
-        mem_mb=JOB_MEMORY_MB["generate"],
+        mem_mb=job_memory("generate", config["generation"]["gpus_per_job"]),
         # Minutes (a cluster's time limit): a shard is sized for ~1 GPU-hour; a job cut at
         # the limit resumes from its parts on retry.
         runtime=240,

@@ -21,7 +21,7 @@ rule extract:
     resources:
         **slurm(min(1, config["train"]["gpus_per_job"])),
         gpu=min(1, config["train"]["gpus_per_job"]),
-        mem_mb=JOB_MEMORY_MB["extract"],
+        mem_mb=job_memory("extract", min(1, config["train"]["gpus_per_job"])),
         runtime=240,
         # Each attempt keeps its own log (dflash_pipeline.core.joblog.JobAttempt).
         attempt=lambda wildcards, attempt: attempt,
@@ -51,7 +51,7 @@ rule train:
     resources:
         **slurm(config["train"]["gpus_per_job"]),
         gpu=config["train"]["gpus_per_job"],
-        mem_mb=JOB_MEMORY_MB["train"],
+        mem_mb=job_memory("train", config["train"]["gpus_per_job"]),
         # Minutes per segment (a cluster's time limit); a segment cut at the limit resumes
         # from its last checkpoint on retry.
         runtime=720,
@@ -91,7 +91,7 @@ rule export:
     threads: 1
     resources:
         **slurm(0),
-        mem_mb=JOB_MEMORY_MB["export"],
+        mem_mb=job_memory("export"),
         runtime=60,
     params:
         run_url=lambda wildcards: RUN_URL,

@@ -81,7 +81,10 @@ def test_a_fitting_config_passes_in_one_line_with_the_default_account_and_the_ca
     assert plan.line.startswith(
         "SLURM cluster lab: accounting on (slurmdbd: job states from sacct); account dflash (alice's default"
     )
-    assert "cpu (2 CPUs, 23000 MB a node), gpu (16 CPUs, 8 GPU(s), 500000 MB a node)" in plan.line
+    assert (
+        "cpu (2 CPUs, 23000 MB a node), gpu (16 CPUs, 8 GPU(s), 500000 MB a node; "
+        "GPU jobs 2 CPUs a GPU, the node's share)" in plan.line
+    )
     limited = check_cluster({**SETTINGS, "max_cpus_per_job": 4}, cluster(), {"cpu": 0, "gpu": 1})
     assert limited.cpu_caps == {"cpu": 2, "gpu": 4} and "slurm.max_cpus_per_job" in limited.line
 

@@ -16,10 +16,17 @@ Snakemake's SLURM executor plugin submits each job with ``sbatch`` and learns th
   named account, QoS, partition or GPU constraint that the cluster does not have stops the run
   here, not as a job that stays PENDING.
 - **Requests that fit**: a job that asks for more CPUs or memory than any node of its partition
-  has stays PENDING for ever (reason ``PartitionConfig``, or sbatch refuses it). A job asks for
-  ``min(threads, cap)`` CPUs (``cpus_per_task``), the cap being ``slurm.max_cpus_per_job`` or
+  has stays PENDING for ever (reason ``PartitionConfig``, or sbatch refuses it). A CPU job asks
+  for ``min(threads, cap)`` CPUs (``cpus_per_task``), the cap being ``slurm.max_cpus_per_job`` or
   else the fewest CPUs of a node in the job's partition (sinfo); its memory is capped at the
   smallest node's memory.
+- **GPU jobs get their share of the node**: a job's rule ``threads`` (2) are far too few for an
+  8-GPU train job (8 torchrun ranks and their data loaders) or an engine server with its client.
+  A GPU job asks for ``gpus x cpus_per_gpu`` CPUs (at least its threads, capped as above),
+  ``cpus_per_gpu`` being ``slurm.cpus_per_gpu`` or else the node's CPUs over its GPUs (sinfo, the
+  fewest of each in the partition); with ``slurm.mem_per_gpu_mb`` its memory is at least
+  ``gpus x`` that. A dry-run asks the cluster nothing: it shows ``UNPROBED_CPUS_PER_GPU`` per GPU
+  where ``slurm.cpus_per_gpu`` is null.
 
 Everything here is plain Python over the text of ``scontrol``, ``sinfo`` and ``sacctmgr``
 (``read_cluster`` runs them), so it is tested without a cluster.
@@ -175,6 +182,8 @@ class SlurmPlan:
     memory_caps: dict[str, int]
     line: str
     problems: list[str]
+    # Per partition that GPU jobs go to: the CPUs each of a job's GPUs brings (config or node share).
+    cpus_per_gpu: dict[str, int] = field(default_factory=dict)
 
 
 def check_cluster(
@@ -230,7 +239,7 @@ def check_cluster(
         )
     qos_text = f"QoS {qos}" if qos else "no QoS"
     # Partitions, GPUs, the constraint, and the caps.
-    cpu_caps, memory_caps, described = {}, {}, []
+    cpu_caps, memory_caps, per_gpu, described = {}, {}, {}, []
     limit = settings.get("max_cpus_per_job")
     constraint = settings.get("gpu_constraint")
     for name, gpus in sorted(gpus_per_partition.items()):
@@ -255,7 +264,12 @@ def check_cluster(
         cpu_caps[name] = max(1, cap)
         memory_caps[name] = partition.memory_mb
         gpu_text = f", {partition.gpus} GPU(s)" if partition.gpus else ""
-        described.append(f"{name} ({partition.cpus} CPUs{gpu_text}, {partition.memory_mb} MB a node)")
+        share_text = ""
+        if gpus:
+            per_gpu[name] = cpus_per_gpu(settings, partition)
+            source = "slurm.cpus_per_gpu" if settings.get("cpus_per_gpu") else "the node's share"
+            share_text = f"; GPU jobs {per_gpu[name]} CPUs a GPU, {source}"
+        described.append(f"{name} ({partition.cpus} CPUs{gpu_text}, {partition.memory_mb} MB a node{share_text})")
     cap_text = (
         f"jobs ask for at most {limit} CPUs (slurm.max_cpus_per_job) and what a node has"
         if limit
@@ -266,7 +280,7 @@ def check_cluster(
         + (f"; constraint {constraint}" if constraint and any(gpus_per_partition.values()) else "")
         + f"; partitions {', '.join(described) or 'none'}: {cap_text}"
     )
-    return SlurmPlan(account, cpu_caps, memory_caps, line, problems)
+    return SlurmPlan(account, cpu_caps, memory_caps, line, problems, per_gpu)
 
 
 def _constraint_met(constraint: str, features: set[str]) -> bool:
@@ -287,6 +301,75 @@ def cpus_in_this_job() -> int | None:
 
 def cap(value: int, limit: int | None) -> int:
     return min(value, limit) if limit else value
+
+
+# CPUs a GPU brings to its job where slurm.cpus_per_gpu is null and no partition was read (a
+# dry-run asks the cluster nothing): what the plan shows, not what the driver will submit.
+UNPROBED_CPUS_PER_GPU = 4
+
+
+def cpus_per_gpu(settings: dict, partition: Partition | None) -> int:
+    """``slurm.cpus_per_gpu``, else the node's share: its CPUs over its GPUs (the fewest of each
+    in the partition), else ``UNPROBED_CPUS_PER_GPU``."""
+    if settings.get("cpus_per_gpu"):
+        return int(settings["cpus_per_gpu"])
+    if partition is not None and partition.gpus and partition.cpus:
+        return max(1, partition.cpus // partition.gpus)
+    return UNPROBED_CPUS_PER_GPU
+
+
+def job_cpus(threads: int, gpus: int, per_gpu: int | None, limit: int | None) -> int:
+    """A job's CPUs (sbatch ``--cpus-per-task``): a CPU job's threads; a GPU job's
+    ``gpus x per_gpu``, never fewer than its threads; either capped to ``limit`` (the partition's
+    node, or slurm.max_cpus_per_job), which a request above it would never fit."""
+    want = max(threads, gpus * per_gpu) if gpus and per_gpu else threads
+    return max(1, cap(want, limit))
+
+
+def requested_cpus(
+    threads: int,
+    gpus: int,
+    settings: dict,
+    partition: str,
+    plan: SlurmPlan | None = None,
+    allocation: int | None = None,
+) -> int:
+    """The ``cpus_per_task`` resource of a job of ``partition`` taking ``gpus`` GPUs.
+
+    - The driver of a SLURM run (``plan``): per GPU the plan's figure, capped to the partition.
+    - A job's own process (``allocation``: the CPUs Slurm gave it; the job-step plugin's srun asks
+      for them again): the allocation for a GPU job whose share the driver read from the node, else
+      the figure capped to the allocation.
+    - Elsewhere (a dry-run, another executor, which ignores the resource): ``slurm.cpus_per_gpu``
+      or ``UNPROBED_CPUS_PER_GPU`` per GPU, capped to slurm.max_cpus_per_job.
+    """
+    limit = settings.get("max_cpus_per_job")
+    if plan is not None:
+        return job_cpus(threads, gpus, plan.cpus_per_gpu.get(partition), plan.cpu_caps.get(partition))
+    if allocation:
+        if gpus and not settings.get("cpus_per_gpu"):
+            return cap(allocation, limit)
+        return job_cpus(threads, gpus, settings.get("cpus_per_gpu"), cap(allocation, limit))
+    return job_cpus(threads, gpus, cpus_per_gpu(settings, None), limit)
+
+
+def job_memory(mb: int, gpus: int, settings: dict, node_mb: int | None = None) -> int:
+    """A job's ``mem_mb``: its size-based figure (dflash_pipeline.core.resources), for a GPU job
+    at least ``gpus x slurm.mem_per_gpu_mb`` where set, capped to the smallest node's memory."""
+    per_gpu = settings.get("mem_per_gpu_mb")
+    want = max(mb, gpus * per_gpu) if gpus and per_gpu else mb
+    return min(want, node_mb) if node_mb else want
+
+
+def gpu_pool_warning(limit: int | None, pool: int, local: bool) -> str | None:
+    """The warning for ``--resources gpu=N`` above the pool the slot wrapper hands out (config
+    ``gpus``), said only where that pool schedules devices: a local run. Under SLURM the cluster
+    gives each job its GPUs and the driver's pool plays no part."""
+    if limit is None or int(limit) <= pool or not local:
+        return None
+    return (
+        f"--resources gpu={limit} exceeds the GPU pool ({pool}, config key `gpus`): GPU jobs will wait for free devices"
+    )
 
 
 def job_state(state: str) -> str:
