@@ -238,11 +238,19 @@ def test_an_engine_that_cannot_serve_the_drafter_is_refused(workflow, tmp_path):
 @pytest.mark.workflow
 @pytest.mark.parametrize("example", sorted((REPO / "config/examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_the_example_configs_pass_their_own_preflight_where_their_folders_exist(
-    example, workflow, tmp_path, demo_model
+    example, workflow, tmp_path, demo_model, s3_env
 ):
-    """The examples as written, with their model folder and engine environments faked where
-    they point (a tiny model; engine environments holding only the package metadata)."""
+    """The examples as written, with their model folder, s3:// dataset files and engine
+    environments faked where they point (a tiny model; one prompt on the test S3 server; engine
+    environments holding only the package metadata)."""
+    from dflash_pipeline.core.s3 import S3Storage
+    from dflash_pipeline.core.storage import open_object
+
     config = yaml.safe_load(example.read_text())
+    for name in (n for n in config["dataset"]["paths"] if n.startswith("s3://")):
+        storage, key = open_object(name)
+        S3Storage(f"s3://{storage.bucket}").ensure_bucket()
+        storage.write_bytes(key, b'{"id": "a", "messages": [{"role": "user", "content": "Hi"}]}\n')
     model = tmp_path / "models" / "target"
     shutil.copytree(demo_model, model)
     config["target"]["model"] = str(model)
