@@ -1,11 +1,11 @@
 """S3 storage: the ``Storage`` of an ``s3://bucket/prefix`` run root, and its client.
 
-The endpoint and credentials are resolved as the Snakemake S3 plugin resolves them: its environment
-variables (``SNAKEMAKE_STORAGE_S3_*``) first; whatever they leave unset is left to boto, which
-finds ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws`` profiles or an instance role, and
-``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3`` (the plugin hands boto ``None`` for each unset
-setting, so jobs and plugin always agree). Every call retries with botocore's backoff and logs each failed
-try; one client is shared per process and endpoint; conditional writes (``If-None-Match``,
+The endpoint and credentials are resolved as the Snakemake S3 plugin resolves them: its
+environment variables (``SNAKEMAKE_STORAGE_S3_*``) first; whatever they leave unset is left to
+boto, which finds ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws`` profiles or an
+instance role, and ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3`` (the plugin hands boto ``None``
+for each unset setting, so jobs and plugin always agree). Every call retries with botocore's
+backoff and logs each failed try; one client is shared per process and configuration; conditional writes (``If-None-Match``,
 ``If-Match``) serve the run lease; ranged reads serve parquet readers.
 """
 
@@ -117,13 +117,12 @@ def _log_retry(max_attempts, attempts=None, caught_exception=None, response=None
 
 def s3_client(max_attempts: int | None = None, **timeouts):
     """A boto3 S3 client configured as the S3 plugin is (``SNAKEMAKE_STORAGE_S3_*``, else boto's
-    own resolution), retrying
-    ``max_attempts`` times (default ``S3_MAX_ATTEMPTS``) with botocore's backoff, each failed
-    attempt logged; ``timeouts``: botocore's connect_timeout / read_timeout.
+    own resolution), retrying ``max_attempts`` times (default ``S3_MAX_ATTEMPTS``) with botocore's
+    backoff, each failed attempt logged; ``timeouts``: botocore's connect_timeout / read_timeout.
 
-    The default client (no arguments) is made once per process and endpoint and shared (boto3
-    clients are thread-safe): a job opens many storages, each of which would otherwise build
-    its own client, connection pool and credential chain."""
+    The default client (no arguments) is made once per process and configuration and shared
+    (boto3 clients are thread-safe): a job opens many storages, each of which would otherwise
+    build its own client, connection pool and credential chain."""
     settings = s3_settings_from_env()
     if max_attempts is None and not timeouts:
         aws = tuple((name, os.environ.get(name)) for name in AWS_ENV_VARS)
@@ -343,9 +342,12 @@ class S3Storage(Storage):
             # Only a bucket that is not there is created: a 403 (no access to someone else's
             # bucket, or wrong credentials) is an error, never a reason to create one.
             if _client_error_code(err) not in ("404", "NoSuchBucket", "NotFound"):
+                try:
+                    source = s3_credentials_source()
+                except StorageError as problem:
+                    source = str(problem)
                 raise StorageError(
-                    f"s3://{self.bucket}: no access ({_client_error_code(err)}); check the credentials "
-                    f"({s3_credentials_source()})"
+                    f"s3://{self.bucket}: no access ({_client_error_code(err)}); check the credentials ({source})"
                 ) from err
             self._call("creating bucket", "", self.client.create_bucket, Bucket=self.bucket)
         try:
