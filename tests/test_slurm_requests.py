@@ -6,8 +6,11 @@ pool schedules devices (a local run). Plain Python, and dry-runs that need no cl
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -188,6 +191,24 @@ def test_the_27b_examples_8_gpu_train_job_asks_slurm_for_cpus_to_match(workflow,
     assert {int(job["cpus_per_task"]) for job in jobs["generate"]} == {12}
 
 
+@needs_plugin
+@pytest.mark.workflow
+def test_a_real_slurm_driver_says_no_pool_warning(workflow, demo_model, tmp_path):
+    """The SLURM executor itself (no dry-run), up to its first look at the cluster: a stand-in
+    `scontrol` that finds no cluster stops the driver before any sbatch, and by then the executor
+    is known and the pool warning would have been said."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 'no cluster here' >&2\nexit 1\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    workflow.write_config(target={"model": str(demo_model), "build_demo": False}, gpus=0)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = workflow.snakemake("--profile", "profiles/slurm", "--resources", "gpu=8", env=env, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "SLURM: `scontrol show config` failed: no cluster here" in output, output[-3000:]
+    assert POOL_WARNING not in output
+
+
 @pytest.mark.workflow
 def test_the_pool_warning_still_prints_for_a_local_run(workflow, demo_model):
     """A local run whose `--resources gpu=N` exceeds the pool: its GPU jobs would wait. The
@@ -199,3 +220,6 @@ def test_the_pool_warning_still_prints_for_a_local_run(workflow, demo_model):
     # Threads as the rules say (4 for tokenize), scaled to the tests' --cores 2.
     assert {job["cpus_per_task"] for job in jobs["train"]} == {"2"}
     assert {job["cpus_per_task"] for job in jobs["tokenize"]} == {"2"}
+    # The local executor itself, on a job that takes no GPU.
+    proc = workflow.snakemake("ingest", "--resources", "gpu=8")
+    assert POOL_WARNING in proc.stdout + proc.stderr
