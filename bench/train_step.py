@@ -1,7 +1,7 @@
 """Drafter training step on a GPU: the step alone (target taps given, as the reference was
 measured) and the online step (the target's forward included), random bf16 weights.
 
-Cases (design.md §6 and dflash-spec.md §1.3):
+Cases (the references are SpecForge's published step times on one H200):
 - ``qwen3-8b``: 5-layer drafter of Qwen3-8B shape, S=3072, 512 anchors, block 16, batch 1;
   reference (SpecForge, flex attention, one H200): 0.180 s, 17.1k tok/s, 23.8 GiB.
 - ``qwen3.6-27b``: the 27B example's drafter (hidden 5120, 4 sliding + 1 full layer, window 2048,
@@ -39,7 +39,7 @@ from dflash_pipeline.model.drafter import DFlashDrafter  # noqa: E402
 from dflash_pipeline.training.step import optimizer_step  # noqa: E402
 from dflash_pipeline.training.trainer import make_optimizer  # noqa: E402
 
-PEAK_BF16_TFLOPS = 790.0  # measured dense bf16 peak of one H200 (design.md §6)
+PEAK_BF16_TFLOPS = 790.0  # measured dense bf16 peak of one H200
 
 CASES = {
     "qwen3-8b": {

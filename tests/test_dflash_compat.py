@@ -137,7 +137,7 @@ def test_authors_loop_reports_the_same_acceptance_lengths_as_this_stage(trained_
 
 
 def test_dflash2_export_has_the_checkpoint_layout_the_authors_loaders_expect(trained_dflash2):
-    """dflash2-spec.md §2: 15 tensors per layer + 6, bare codebook names, every value finite;
+    """The authors' DFlash2 format (docs/training.md, "DFlash2"): 15 tensors per layer + 6, bare codebook names, every value finite;
     architectures, top-level is_causal, the conv/selector sizes in dflash_config (where the
     authors' MLX loader reads them) and block_size in both places."""
     import json

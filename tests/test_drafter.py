@@ -1,5 +1,5 @@
 """The drafter's training semantics against references built from the rules themselves
-(dflash-spec.md §7): mask, train-vs-inference logits, loss."""
+(docs/training.md, "The drafter"): mask, train-vs-inference logits, loss."""
 
 from __future__ import annotations
 
@@ -304,7 +304,7 @@ def test_the_export_writes_every_field_an_engine_reads(layer_types, window, caus
     assert DrafterConfig.from_zlab(exported) == config  # the export reads back as trained
 
 
-# --- DFlash2 (dflash2-spec.md §1.2, §1.3, §3.2) -------------------------------------------------
+# --- DFlash2 (docs/training.md, "DFlash2") -------------------------------------------------------
 
 import dataclasses  # noqa: E402
 

@@ -234,7 +234,7 @@ def test_export_loads_with_every_tensor_and_config_field(reference, tmp_path):
     assert not any(k.startswith("model.") or "embed_tokens" in k or "lm_head" in k for k in tensors)
     H = config["hidden_size"]
     assert tensors["fc.weight"].shape == (H, len(config["dflash_config"]["target_layer_ids"]) * H)
-    # The fields SGLang and vLLM read (dflash-spec.md §1.7).
+    # The fields SGLang and vLLM read (docs/evaluation.md, "What the export writes for the engines").
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["block_size"] == config["dflash_config"]["block_size"] == 4
     assert config["dflash_config"]["mask_token_id"] == 3  # the demo tokenizer's <|mask|>

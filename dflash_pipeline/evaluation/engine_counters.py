@@ -12,7 +12,7 @@ Where the counters come from:
   the token prefill produced without a verify step and is cut at the stop token and the limit: on
   the demo's 160-token replies that moves a prompt's tau by +3% to -15%. Hybrid (GDN)
   targets need the ``extra_buffer`` mamba cache strategy for correct state rollback
-  (dflash-spec.md §6, pitfall 9).
+  (``Cache.crop`` restores only the convolution window; see runner.py).
 - vLLM (``--speculative-config '{"method": "dflash", ...}'``) has no per-request counters, only
   server-wide Prometheus counters on ``/metrics`` (vllm/v1/spec_decode/metrics.py,
   ``SpecDecodingProm``; labels ``engine``, ``model_name``, plus ``position`` on the per-position

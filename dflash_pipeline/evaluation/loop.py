@@ -1,4 +1,4 @@
-"""The speculative-decoding loop with the semantics SGLang and vLLM use (dflash-spec.md §5.1), and
+"""The speculative-decoding loop with the semantics SGLang and vLLM use (docs/evaluation.md), and
 plain decoding to compare it with.
 
 One step: the proposer drafts B-1 tokens after the anchor (the target's last token) from the
@@ -13,7 +13,7 @@ deterministic proposal).
 
 A proposer that samples its drafts above temperature 0 (DFlash2's selector walk,
 ``samples_drafts``) also returns the distribution q each draft was drawn from; then the verify
-step is speculative sampling proper (dflash2-spec.md §1.5): draft d at slot i is accepted iff
+step is speculative sampling proper: draft d at slot i is accepted iff
 u * q(d) < p_i(d), u uniform; the first rejected slot commits a sample of
 normalize(max(p_i - q, 0)) (p_i if that is all zero), and a fully accepted block a sample of the
 last slot's p. The committed tokens are then distributed as the target's own samples.

@@ -3,8 +3,8 @@
 Training measures a teacher-forced acceptance length on held-out data; the real loop measures tau
 with the served template, the exported checkpoint and the target's own outputs. A drafter that is
 right in one and wrong in the other shows a gap; above the tolerance the gate fails with the usual
-causes, so nobody trusts a training number the serving loop does not reproduce (dflash-spec.md
-§6: train accuracy is not evidence of a working drafter).
+causes, so nobody trusts a training number the serving loop does not reproduce (train
+accuracy is not evidence of a working drafter).
 """
 
 from __future__ import annotations

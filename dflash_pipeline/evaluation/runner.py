@@ -4,7 +4,7 @@ A verify step appends a whole block to the target's cache; after the comparison 
 prefix may stay. Attention layers drop the rejected keys/values (``crop``). Hybrid targets
 (Qwen3-Next/3.5/3.6: Gated DeltaNet layers beside attention) cannot do that: a linear-attention
 layer keeps one recurrent state that has already absorbed the rejected tokens, and
-``Cache.crop`` restores only the convolution window (dflash-spec.md §6, pitfall 9). For those
+``Cache.crop`` restores only the convolution window, not the recurrent state. For those
 targets the runner snapshots every linear-attention state before the verify forward and, when
 tokens are rejected, restores the snapshot, drops the whole block from the attention layers and
 runs the accepted tokens again, so the state is the one plain decoding would have.

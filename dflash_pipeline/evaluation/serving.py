@@ -39,7 +39,7 @@ ENGINES = ("vllm", "sglang")
 # generation_config.json.
 VLLM_MEASUREMENT_ARGS = ("--seed", "0", "--no-enable-prefix-caching", "--generation-config", "vllm")
 
-# Fields of the exported config.json that the engines read (dflash-spec.md §1.7; vLLM 0.20.1
+# Fields of the exported config.json that the engines read (docs/evaluation.md; vLLM 0.20.1
 # qwen3_dflash.py / llm_base_proposer.py / gpu_model_runner.py; SGLang models/dflash.py).
 DFLASH_CONFIG_FIELDS = (
     "mask_token_id",

@@ -1,4 +1,4 @@
-"""Who may attend to whom when all blocks of a sequence run in one forward (dflash-spec.md §2.2).
+"""Who may attend to whom when all blocks of a sequence run in one forward (docs/training.md, "The drafter").
 
 Keys are ``[S context features | N*B block tokens]``; query slot k of block n (anchor a_n) sees
 - context key j iff j < a_n (strictly: the anchor's own target state does not exist yet at

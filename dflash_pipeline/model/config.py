@@ -1,8 +1,9 @@
 """The drafter's configuration and its z-lab ``config.json`` form (what SGLang and vLLM read).
 
-The fields that silently break serving when wrong (dflash-spec.md §1.7, §6) are written
-explicitly: ``block_size`` both at top level and in ``dflash_config``, the 0-based tapped layer
-ids, the mask token id, the layer types and the draft's own rope fields.
+The fields that silently break serving when wrong (docs/evaluation.md, "What the export writes
+for the engines") are written explicitly: ``block_size`` both at top level and in
+``dflash_config``, the 0-based tapped layer ids, the mask token id, the layer types and the
+draft's own rope fields.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ DFLASH = "dflash"
 DFLASH2 = "dflash2"
 ALGORITHMS = (DFLASH, DFLASH2)
 ARCHITECTURES = {DFLASH: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}
-# The DFlash2 hyperparameters the checkpoint carries (dflash2-spec.md §2.1), in dflash_config.
+# The DFlash2 hyperparameters the checkpoint carries (docs/training.md, "DFlash2"), in dflash_config.
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
@@ -35,7 +36,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 # Every drafter config field that vLLM's `dflash` and SGLang's `DFLASH` read (vLLM 0.20.1 source
-# and later fixes; SGLang 0.5.x; dflash-spec.md §1.7, peers.md), who reads it, and what the export
+# and later fixes; SGLang 0.5.x; docs/evaluation.md), who reads it, and what the export
 # writes. ``"uniform"``: written only when all layers are of one kind (see ``to_zlab``).
 ENGINE_FIELDS = {
     "dflash_config.mask_token_id": ("vllm sglang zlab", "the mask token the drafter was trained with"),
@@ -71,7 +72,7 @@ ENGINE_FIELDS = {
 UNIFORM_ONLY_FIELDS = ("dflash_config.causal", "is_causal")
 # What a DFlash2 export adds, read by the authors' DFlash2DraftModel (torch reads dflash_config
 # first, then the top level; their MLX loader reads the conv/selector keys from dflash_config
-# only, where a missing key silently becomes 0; dflash2-spec.md §2.1). No serving engine of the
+# only, where a missing key silently becomes 0; docs/training.md, "DFlash2"). No serving engine of the
 # versions this project runs (vLLM 0.20.1) dispatches DFlash2DraftModel.
 DFLASH2_FIELDS = {
     "architectures": ("zlab", '["DFlash2DraftModel"]: the only dispatch key'),
@@ -100,7 +101,7 @@ class DrafterConfig:
     attention_bias: bool = False
     hidden_act: str = "silu"
     dtype: str = "bfloat16"
-    # DFlash2 (dflash2-spec.md §1): a grouped dynamic causal convolution around every sublayer
+    # DFlash2 (docs/training.md, "DFlash2"): a grouped dynamic causal convolution around every sublayer
     # and a low-rank candidate selector; the four sizes are None for plain DFlash.
     algorithm: str = DFLASH
     conv_kernel_size: int | None = None
@@ -149,7 +150,8 @@ class DrafterConfig:
         missing = [key for key, value in values.items() if value is None]
         if missing:
             return [f"algorithm dflash2 needs {', '.join(missing)}"]
-        # The constraints of the authors' modules (dflash2-spec.md §2.1).
+        # The constraints of the authors' modules: the convolution fits in a block, its groups divide
+        # the width, the selector's top-K fits in the vocabulary.
         problems = []
         if not 1 <= self.conv_kernel_size <= self.block_size:
             problems.append(f"conv_kernel_size {self.conv_kernel_size} must lie in 1..block_size ({self.block_size})")
@@ -195,7 +197,8 @@ class DrafterConfig:
             "architectures": [ARCHITECTURES[self.algorithm]],
             "model_type": "qwen3",
             **fields,
-            # Written explicitly so no loader falls back to a guess (dflash-spec.md pitfall 10).
+            # Written explicitly so no loader falls back to a guess (a loader missing
+            # them would assume its own RoPE defaults and draft at the wrong positions).
             "rope_theta": self.rope_theta,
             "rope_scaling": None,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},

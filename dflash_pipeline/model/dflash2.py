@@ -1,4 +1,4 @@
-"""The two modules DFlash2 adds to the DFlash drafter (dflash2-spec.md §1.2, §1.3).
+"""The two modules DFlash2 adds to the DFlash drafter (docs/training.md, "DFlash2").
 
 ``GroupedCausalConv`` wraps a sublayer of every decoder layer: ``prepare`` convolves the
 sublayer's normalised input, ``finish`` its output, each with a base kernel shared by all slots

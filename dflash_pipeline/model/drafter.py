@@ -1,4 +1,4 @@
-"""The DFlash drafter (dflash-spec.md §1): Qwen3-style layers over a block of [anchor, MASK...]
+"""The DFlash drafter (docs/training.md, "The drafter"): Qwen3-style layers over a block of [anchor, MASK...]
 whose keys and values also include the target's fused context features ("KV injection").
 
 One module serves training (all blocks of a sequence in one forward, with a block-sparse mask)

@@ -2,7 +2,7 @@
 
 Tap id i is the OUTPUT of 0-based decoder layer i, i.e. transformers' ``hidden_states[i + 1]``
 (index 0 is the embedding output); the residual stream, never the final-normed state
-(dflash-spec.md §1.2, pitfall 1). Forward hooks catch the tapped layers' outputs and the forward
+(a drafter fed the normed state trains without error and drafts badly). Forward hooks catch the tapped layers' outputs and the forward
 stops after the deepest tapped layer, so neither the layers above it nor the full-vocabulary LM
 head run, and no other layer's hidden states are kept. Works for dense Qwen3 and hybrid
 Qwen3.5/3.6 (Gated DeltaNet) targets alike: only the decoder-layer list is needed.

@@ -1,7 +1,7 @@
 """Export the last segment's drafter in the z-lab format that SGLang and vLLM load:
 ``config.json`` + ``model.safetensors`` with unprefixed tensor names and no embedding or LM head
-(both engines take those from the target; dflash-spec.md §4.1). A DFlash2 drafter is written
-as the authors' ``DFlash2DraftModel`` (dflash2-spec.md §2): 15 tensors per layer + 6, bare
+(both engines take those from the target; docs/training.md, "Export"). A DFlash2 drafter is written
+as the authors' ``DFlash2DraftModel`` (docs/training.md, "DFlash2"): 15 tensors per layer + 6, bare
 codebook names, the conv/selector sizes in ``dflash_config``.
 
 Beside it, in ``speculators/``, the same drafter in the format of vllm-project/speculators 0.9

@@ -1,5 +1,5 @@
 """Training examples for the drafter: random anchors, their blocks, labels and loss weights
-(dflash-spec.md §2.1-§2.3), and the one forward that runs every block of a batch at once.
+(docs/training.md, "The drafter"), and the one forward that runs every block of a batch at once.
 
 Slot k of the block anchored at a holds ``[x_a, MASK, ..., MASK][k]``, sits at position a + k and
 predicts the token AT a + k (same-position labels; slot 0 is never a target). Its weight is

@@ -1,4 +1,4 @@
-"""DFlash2's selector objective (dflash2-spec.md §3.2); the DFlash loss stays the base term.
+"""DFlash2's selector objective (docs/training.md, "DFlash2"); the DFlash loss stays the base term.
 
 For every supervised slot (the same rows and per-slot weights w as the base loss):
 - candidates C = the top-K ids of the drafter's own logits at that slot (the serving candidate

@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("DFLASH_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
 # vLLM's CPU build wants a bounded KV cache and host-memory share on a 24 GiB machine
-# (engines.md: the default 0.92 of host RAM refuses to start).
+# (with the default, 0.92 of host RAM, it refuses to start).
 VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 VLLM_CPU_MEM_FRACTION = 0.1
 

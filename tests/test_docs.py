@@ -1,0 +1,54 @@
+"""The project cites only its own documents: every ``*.md`` file named in its text files exists.
+
+A citation of a file the reader cannot open (a private spec, a note outside the repository) is
+a dead end; the project's docs/ say the same things in its own words.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# The text files a reader meets: code, docs, configs, the workflow.
+TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".smk", ".toml", ".txt", ".sh", ".cfg", ".ini", ".json"}
+TEXT_NAMES = {"Snakefile", "Makefile"}
+URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+", re.IGNORECASE)
+# A file name ending in .md, with an optional relative folder (docs/training.md, ../README.md).
+CITED_MD = re.compile(r"(?<![\w./-])((?:\.{1,2}/)*[\w-]+(?:/[\w.-]+)*\.md)\b")
+
+
+def _tracked_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if line]
+
+
+def _cited_md(text: str) -> set[str]:
+    return {match.group(1) for match in CITED_MD.finditer(URL.sub(" ", text))}
+
+
+def test_the_citation_pattern_finds_names_and_skips_urls():
+    text = "see docs/training.md, ../README.md and spec.md; https://example.org/x/notes.md is a URL"
+    assert _cited_md(text) == {"docs/training.md", "../README.md", "spec.md"}
+
+
+def test_every_cited_markdown_file_is_in_the_repository():
+    tracked = _tracked_files()
+    md_files = [path for path in tracked if path.endswith(".md")]
+    missing = []
+    for path in tracked:
+        file = REPO / path
+        if (file.suffix not in TEXT_SUFFIXES and file.name not in TEXT_NAMES) or not file.is_file():
+            continue
+        if path.startswith("tests/fixtures/"):
+            continue  # data that imitates users' files, not the project's text
+        for name in sorted(_cited_md(file.read_text(errors="replace"))):
+            # A name resolves against the citing file's folder, the repository root, or, cited
+            # bare, as any tracked markdown file of that name (docs cite each other by name).
+            relative = (file.parent / name).resolve()
+            bare = name.lstrip("./")
+            if relative.is_file() or (REPO / bare).is_file() or any(md.endswith("/" + bare) for md in md_files):
+                continue
+            missing.append(f"{path}: {name}")
+    assert not missing, "cited markdown files that are not in the repository:\n" + "\n".join(missing)
