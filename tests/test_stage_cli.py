@@ -336,3 +336,14 @@ def test_a_long_or_multiline_value_is_shown_on_one_short_line():
         cli.json_object(text)
     message = str(err.value)
     assert "\n" not in message and len(message) < 200 and message.startswith("'{\\n")
+
+
+def test_verify_help_describes_the_command_in_full_sentences(capsys):
+    from dflash_pipeline.stages import verify
+
+    with pytest.raises(SystemExit):
+        verify.main(["--help"])
+    help_text = capsys.readouterr().out
+    description = help_text.split("\n\n")[1]
+    assert description.startswith("Check every stored shard object")
+    assert description.rstrip().endswith("exactly that."), description

@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, snakemake_args = argv[:at], argv[at + 1 :]
     parser = argparse.ArgumentParser(
         prog="python -m dflash_pipeline.stages.verify",
-        description=__doc__.splitlines()[0],
+        # The docstring's first paragraph: its first line alone stops mid-sentence.
+        description=" ".join(__doc__.split("\n\n")[0].split()),
         epilog="Arguments after -- go to snakemake (with --repair).",
     )
     parser.add_argument(
