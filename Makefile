@@ -78,9 +78,13 @@ demo: setup
 	@echo "Plan of what remains: $(SNAKEMAKE) -n"
 
 # The real-vLLM tests need the engine environment (built once, ~2 minutes); the SGLang argument
-# tests SGLang's parser (~1 minute more).
+# tests SGLang's parser (~1 minute more). Two pytest-xdist workers (CI has 2 cores; the suite's
+# time is mostly waiting on subprocesses); tests sharing one resource (the Slurm cluster, the vLLM
+# servers, a module's expensive fixture) carry an xdist_group and run on one worker
+# (tests/conftest.py). -ra lists every skip with its reason; --durations=30 keeps the slowest.
+PYTEST_WORKERS ?= 2
 test: setup vllm-env sglang-args-envs
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -ra --durations=30
 
 vllm-env: $(VLLM_STAMP)
 

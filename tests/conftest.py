@@ -37,6 +37,36 @@ WORKFLOW_FILES = [
     "data",
 ]
 
+# `make test` runs two pytest-xdist workers (--dist loadgroup): the tests of one group run on one
+# worker, one after another. Session and module fixtures are built once per worker, so a module
+# whose fixture is expensive keeps its tests together (built once, not once per worker), and
+# tests that share one resource or would starve each other run in turn:
+XDIST_GROUPS = {
+    # the single-node Slurm cluster (slurm_cluster): one per session, every CPU of the machine
+    "test_slurm_workflow.py": "slurm",
+    # vLLM CPU servers (the module's reference server lives through it, besides each job's):
+    # two at once on two workers would starve each other into timeouts and share 24 GiB of RAM;
+    # test_tune_workflow.py's vLLM case joins them (marked there)
+    "test_vllm_cpu.py": "vllm",
+    # modules whose module- or session-scoped fixtures train or build something
+    "test_demo_model.py": "test_demo_model",  # trains a demo target in its own cache
+    "test_dflash_compat.py": "test_dflash_compat",  # trains two drafters
+    "test_training.py": "test_training",  # tokenized shards and a reference training run
+    "test_heldout_rows.py": "test_heldout_rows",  # three tokenized shards
+    "test_sglang_args.py": "test_sglang_args",  # SGLang's parser, two versions
+    "test_speculators_export.py": "test_speculators_export",  # exports read in the vLLM env
+    "test_evaluation_loop.py": "test_evaluation_loop",  # dense and hybrid target models
+    "test_engines.py": "test_engines",  # a `transformers serve` of the demo target
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = XDIST_GROUPS.get(item.path.name)
+        if group and not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):

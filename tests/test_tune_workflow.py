@@ -32,7 +32,8 @@ def engine_settings(engine: str) -> tuple[dict, dict | None]:
     return {}, None
 
 
-@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+# vLLM's case with the other vLLM servers (tests/conftest.py XDIST_GROUPS): not at once.
+@pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=pytest.mark.xdist_group("vllm"))])
 def test_tune_measures_the_engine_and_generate_and_plan_take_its_choice(engine, workflow, demo_model, tmp_path):
     engines, server = engine_settings(engine)
     generation = {"engine": engine, "concurrency": None, "max_new_tokens": 32}
