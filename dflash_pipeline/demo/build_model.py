@@ -18,6 +18,7 @@ cached model.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import logging
@@ -217,11 +218,16 @@ def build_demo_model(
         _publish(out_dir, _train_into, replace=True)
         return out_dir
     cached = Path(cache_dir or default_cache_dir()) / f"demo-target-{source_key()}"
-    if is_complete(cached):
-        log.info("demo target cache hit: %s", cached)
-    else:
-        log.info("demo target not cached; training it into %s", cached)
-        _publish(cached, _train_into, replace=False)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    # Concurrent builds of one key (parallel test workers, two runs at once) train once: the
+    # others wait on the lock, then copy the finished build.
+    with open(cached.parent / f"{cached.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_complete(cached):
+            log.info("demo target cache hit: %s", cached)
+        else:
+            log.info("demo target not cached; training it into %s", cached)
+            _publish(cached, _train_into, replace=False)
     _publish(out_dir, lambda tmp: shutil.copytree(cached, tmp, dirs_exist_ok=True), replace=True)
     return out_dir
 
