@@ -557,3 +557,37 @@ def test_a_shard_is_read_from_s3_by_byte_range_not_whole(tmp_path, s3_server, s3
     size = (out / "prompts.parquet").stat().st_size
     # The footer (pyarrow reads the last 64 KiB) and one row group of 16.
     assert opened[0].bytes_fetched < size / 4, (opened[0].bytes_fetched, size)
+
+
+def test_a_refused_ingest_job_says_each_bad_row_and_the_refusal_once(tmp_path, capfd):
+    """The rule's script: each quarantined row once in the job log, the refusal once, no
+    traceback on stderr, and json's "starting at" message with a single "at"."""
+    import runpy
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    rows = [openai_row(f"q{i}") for i in range(4)] + [b'{"messages": "unterminated\n'] * 2
+    rows += [{"messages": "not a list"}] * 8
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    smk = SimpleNamespace(
+        params=SimpleNamespace(
+            num_shards=2,
+            dataset={"paths": [str(data)], "heldout_fraction": 0.1, "max_bad_fraction": 0.05,
+                     "max_row_bytes": 1 << 20, "id_field": "id"},
+        ),
+        output=SimpleNamespace(prompts=str(out / "p.parquet"), summary=str(out / "s.json"),
+                               quarantine=str(out / "q.jsonl")),
+        log=[str(logs / "ingest.log")],
+    )  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(Path(__file__).parents[1] / "scripts/ingest.py"), init_globals={"snakemake": smk})
+    assert exit_.value.code == 1
+    log = (logs / "ingest.log").read_text()
+    assert " at at " not in log and "Unterminated string starting at column" in log
+    for row in range(5, 15):  # 10 bad rows: each named exactly once
+        assert log.count(f"bad.jsonl row {row}:") == 1, (row, log)
+    assert log.count("10 of 14 rows (71.4%) are bad") == 1
+    stderr = capfd.readouterr().err
+    assert stderr.count("10 of 14 rows (71.4%) are bad") == 1 and "Traceback" not in stderr

@@ -248,7 +248,8 @@ def parse_json_line(line: bytes, file: str, number: int, max_row_bytes: int, id_
     try:
         row = json.loads(text)
     except json.JSONDecodeError as err:
-        return bad_row(file, number, "malformed_json", err.msg + f" at column {err.colno}")
+        # Some of json's messages end in "at" ("Unterminated string starting at"): one "at" only.
+        return bad_row(file, number, "malformed_json", f"{err.msg.removesuffix(' at')} at column {err.colno}")
     except RecursionError:
         return BadRow(file, number, "malformed_json", "nested too deeply")
     except ValueError as err:  # e.g. an integer of more digits than Python converts

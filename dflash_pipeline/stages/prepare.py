@@ -127,11 +127,12 @@ def check_bad_fraction(result: IngestResult, max_bad_fraction: float) -> None:
         first = result.bad[0]
         reasons = Counter(b.reason for b in result.bad).most_common()
         listed = ", ".join(f"{reason} {n}" for reason, n in reasons)
-        examples = "\n  ".join(b.describe() for b in result.bad[:5])
+        # The first row is named once, then up to four more.
+        more = "".join(f"\n  {b.describe()}" for b in result.bad[1:5])
         raise PrepareError(
             f"{len(result.bad)} of {result.rows_read} rows ({result.bad_fraction:.1%}) are bad, "
             f"above dataset.max_bad_fraction={max_bad_fraction}. First: {first.describe()}. "
-            f"Reasons: {listed}. Examples:\n  {examples}"
+            f"Reasons: {listed}." + (f" Next:{more}" if more else "")
         )
     if not result.prompts:
         raise PrepareError("no valid prompt rows remain after validation")
@@ -208,8 +209,13 @@ def write_report(result: IngestResult, summary: dict, out_summary: str, out_quar
         tmp.write_text("".join(json.dumps(b.to_json()) + "\n" for b in result.bad))
     with write_atomically(out_summary) as tmp:
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def log_quarantined(result: IngestResult, already_said: str = "") -> None:
+    """One warning per bad row (the first 20), skipping those a refusal's message names."""
     for bad in result.bad[:20]:
-        log.warning("quarantined: %s", bad.describe())
+        if bad.describe() not in already_said:
+            log.warning("quarantined: %s", bad.describe())
 
 
 def ingest(
@@ -239,6 +245,7 @@ def ingest(
         ids = assign_ids(result.prompts)
     except PrepareError as err:
         stopped = summarize(result, None, num_shards, paths, str(err))
+        log_quarantined(result, already_said=str(err))
         write_report(result, stopped, out_summary, out_quarantine)
         if refused_copy is None:
             raise
@@ -252,6 +259,7 @@ def ingest(
     table = build_table(result.prompts, ids, num_shards, heldout_fraction)
     write_by_shard(table, num_shards, out_prompts)
     summary = summarize(result, table, num_shards, paths)
+    log_quarantined(result)
     write_report(result, summary, out_summary, out_quarantine)
     log.info(
         "ingested %d rows: %d samples, %d bad, %d duplicates, %d held out, %d shards",
