@@ -477,3 +477,18 @@ def test_without_a_count_the_error_says_why_the_files_were_not_counted():
     rows, source = count_dataset_rows(config["dataset"]["paths"])
     with pytest.raises(PlanError, match=r"plan\.prompts.*is remote"):
         make_plan(config, Measured(dataset_rows=rows, dataset_rows_source=source), gpus=8)
+
+
+def test_a_run_whose_gpu_jobs_take_no_gpu_is_planned_on_the_cpu(monkeypatch):
+    """The CPU demo (gpus_per_job: 0 for generation and training) is not a run "on 8 GPUs"."""
+    from dflash_pipeline.stages import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_cpu_cores", lambda: 2)
+    demo = load_run_config([str(Path(__file__).parents[1] / "config.yaml")])
+    assert demo["generation"]["gpus_per_job"] == 0 and demo["train"]["gpus_per_job"] == 0
+    text = plan_module.format_plan(make_plan(demo, Measured(dataset_rows=160, dataset_rows_source="counted"), gpus=8))
+    assert text.splitlines()[0] == "Plan of run 'demo' on the CPU (2 cores)"
+    assert "Wall time on the CPU (2 cores)" in text and "GPUs" not in text
+    # A GPU run keeps its GPUs.
+    gpu_text = plan_module.format_plan(make_plan(seeds_config(), Measured(bench_train=BENCH[0]), gpus=8))
+    assert "on 8 GPUs" in gpu_text.splitlines()[0] and "the CPU" not in gpu_text

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,9 +363,12 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
     }
     if wall["generate_h"] is not None and wall["train_h"] is not None:
         wall["total_days"] = (wall["generate_h"] + wall["train_h"]) / 24
+    # A run whose GPU jobs take no GPU (the CPU demo) runs on this machine's cores, not on `gpus`.
+    cpu_only = gen["gpus_per_job"] == 0 and train["gpus_per_job"] == 0
     return {
         "run": config["run"],
         "gpus": gpus,
+        "cpu_cores": _cpu_cores() if cpu_only else None,
         "prompts": _asdict(prompts),
         "train_rows": train_rows,
         "shards": shards,
@@ -388,6 +392,14 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
         "hidden_bytes_per_token": per_token_hidden,
         "wall": wall,
     }
+
+
+def _cpu_cores() -> int:
+    """The cores this process may use (what `snakemake --cores all` takes)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _asdict(estimate: Estimate) -> dict:
@@ -419,14 +431,16 @@ def _num(x: float | None, digits: int = 1) -> str:
 
 def format_plan(plan: dict) -> str:
     t, g, w = plan["train"], plan["generation"], plan["wall"]
+    cores = plan.get("cpu_cores")
+    where = f"the CPU ({cores} cores)" if cores else f"{plan['gpus']} GPUs"
     lines = [
-        f"Plan of run {plan['run']!r} on {plan['gpus']} GPUs",
+        f"Plan of run {plan['run']!r} on {where}",
         f"  prompts            {plan['prompts']['value']:,}  ({plan['prompts']['source']}); "
         f"{plan['train_rows']:,} for training",
         f"  shards             {plan['shards']}  (~{plan['samples_per_shard']:,} samples each)",
         f"  generated tokens   {_count(plan['generated_tokens'])}  "
         f"({_num(plan['mean_response_tokens']['value'], 0)} per sample: {plan['mean_response_tokens']['source']})",
-        "GPU-hours",
+        "Hours of the GPU jobs (run on the CPU)" if cores else "GPU-hours",
         f"  generate           {_num(g['gpu_hours'])}  at {_num(g['tokens_per_s_per_gpu']['value'], 0)} tok/s per GPU "
         f"({g['tokens_per_s_per_gpu']['source']})",
         f"  train ({t['mode']})    {_num(t['gpu_hours_per_epoch'])} per epoch of {_count(t['epoch_tokens'])} tokens "
@@ -438,9 +452,9 @@ def format_plan(plan: dict) -> str:
     for stage, estimate in plan["bytes"].items():
         lines.append(f"  {stage:<18} {_bytes(estimate['value']):>10}  ({estimate['source']})")
     lines += [
-        f"Wall time on {plan['gpus']} GPUs",
+        f"Wall time on {where}",
         f"  generate           {_num(w['generate_h'])} h",
-        f"  train              {_num(w['train_h'])} h on {t['gpus_per_job']} GPUs",
+        f"  train              {_num(w['train_h'])} h on " + ("the CPU" if cores else f"{t['gpus_per_job']} GPUs"),
     ]
     if "total_days" in w:
         lines.append(f"  total              {_num(w['total_days'], 2)} days (plus tokenize, evaluate and report)")
