@@ -236,7 +236,15 @@ def test_verify_cli_exit_codes_and_dry_run_repair(tmp_path, monkeypatch, capsys)
     root, config = small_run(tmp_path)
     config_file = tmp_path / "run.yaml"
     config_file.write_text(
-        json.dumps({"results_dir": config["results_dir"], "run": "demo", "until": "tokenize", "num_shards": 2})
+        json.dumps(
+            {
+                "results_dir": config["results_dir"],
+                "results_dir_outside_workdir": True,
+                "run": "demo",
+                "until": "tokenize",
+                "num_shards": 2,
+            }
+        )
     )
     monkeypatch.chdir(tmp_path)
     assert verify.main(["--configfile", str(config_file)]) == 0

@@ -60,6 +60,58 @@ def test_invalid_config_names_the_bad_key(config, named):
     assert f"'{named}'" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("config", "line"),
+    [
+        # YAML's 2.0 is a float, which JSON Schema's "integer" would take: range(2.0) then fails.
+        ({"num_shards": 2.0}, "config key 'num_shards': 2.0 is not an integer (write 2)"),
+        (
+            {"tune": {"concurrencies": [16, 32.0]}},
+            "config key 'tune.concurrencies.1': 32.0 is not an integer (write 32)",
+        ),
+        # A float beyond a bound: the bound, not how to write the integer.
+        (
+            {"generation": {"max_new_tokens": 1e12}},
+            "config key 'generation.max_new_tokens': 1000000000000.0 is greater than the maximum of 1048576",
+        ),
+        (
+            {"generation": {"concurrency": 10**8}},
+            "config key 'generation.concurrency': 100000000 is greater than the maximum of 65536",
+        ),
+        (
+            {"generation": {"sampling": {"temperature": float("nan")}}},
+            "config key 'generation.sampling.temperature': nan is not a finite number",
+        ),
+        ({"evaluate": {"temperature": float("inf")}}, "config key 'evaluate.temperature': inf is not a finite number"),
+        (
+            {"engines": {"vllm": {"env": {"X": float("-inf")}}}},
+            "config key 'engines.vllm.env.X': -inf is not a finite number",
+        ),
+        (
+            {"results_dir": "/scratch/runs"},
+            "config key 'results_dir': '/scratch/runs' is an absolute path, outside the working directory; "
+            "use a relative folder inside it, or set results_dir_outside_workdir: true (local runs only)",
+        ),
+        (
+            {"results_dir": "runs/../../elsewhere"},
+            "config key 'results_dir': 'runs/../../elsewhere' leaves the working directory; "
+            "use a relative folder inside it, or set results_dir_outside_workdir: true (local runs only)",
+        ),
+    ],
+)
+def test_edge_values_are_refused_in_one_line_naming_key_value_and_reason(config, line):
+    with pytest.raises(ConfigError) as err:
+        validate_config(config)
+    assert str(err.value).splitlines() == ["invalid configuration:", f"  {line}"]
+
+
+def test_results_dir_outside_the_working_directory_only_when_allowed():
+    assert validate_config({"results_dir": "runs/../results"})["results_dir"] == "runs/../results"
+    allowed = {"results_dir": "/scratch/runs", "results_dir_outside_workdir": True}
+    assert validate_config(allowed)["results_dir"] == "/scratch/runs"
+    assert validate_config({"num_shards": 99999, "generation": {"max_new_tokens": 2**20}})["num_shards"] == 99999
+
+
 @pytest.mark.parametrize("example", sorted((REPO / "config/examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_configs_are_valid(example):
     validate_config(yaml.safe_load(example.read_text()))
@@ -194,3 +246,14 @@ def test_the_stage_order_is_one_list_that_the_schema_repeats():
     from dflash_pipeline.core.layout import STAGES
 
     assert tuple(load_schema()["properties"]["until"]["enum"]) == STAGES
+
+
+def test_a_float_shard_count_stops_the_dry_run_in_one_line(workflow):
+    # Before: the schema took 2.0 as an integer and rules/common.smk failed in range(2.0).
+    workflow.write_config(num_shards=2.0)
+    assert "num_shards: 2.0" in (workflow.root / "config.yaml").read_text()
+    proc = workflow.snakemake("-n", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "  config key 'num_shards': 2.0 is not an integer (write 2)" in out.splitlines()
+    assert "TypeError" not in out and "Traceback" not in out

@@ -8,6 +8,8 @@ dotted path (``dataset.max_bad_fraction``), so a user can fix the file without r
 from __future__ import annotations
 
 import copy
+import math
+import posixpath
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -58,22 +60,77 @@ def _key_path(error: jsonschema.ValidationError) -> str:
     return ".".join(parts) or "(top level)"
 
 
+# JSON Schema's "integer" takes any number with a zero fraction (2.0, 1e12 in JSON): the workflow
+# would then call range(2.0) and fail with a trace. A config's counts must be written as integers.
+_TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+    "integer", lambda _checker, value: isinstance(value, int) and not isinstance(value, bool)
+)
+_Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=_TYPES)
+
+
 def _describe(error: jsonschema.ValidationError) -> str:
     key = _key_path(error)
     if error.validator == "additionalProperties":
         known = ", ".join(sorted(error.schema.get("properties", {})))
         return f"config key '{key}' is not a known key (known here: {known})"
+    value = error.instance
+    if error.validator == "type" and isinstance(value, float) and value.is_integer():
+        # An integer written as a float: say what is wrong with the integer itself first (a
+        # bound), else how to write it.
+        whole = _Validator(error.schema).iter_errors(int(value))
+        beyond = next((e for e in whole if e.validator != "type"), None)
+        if beyond is not None:
+            return f"config key '{key}': {value!r} {beyond.message.split(' ', 1)[1]}"
+        return f"config key '{key}': {value!r} is not an integer (write {int(value)})"
     return f"config key '{key}': {error.message}"
 
 
+def _non_finite(instance: Any, path: tuple = ()) -> list[tuple[str, float]]:
+    """(dotted key, value) of every NaN or infinity in the config: YAML's .nan and .inf pass
+    every minimum and maximum (each comparison with NaN is false) and mean nothing as a setting."""
+    if isinstance(instance, float) and not math.isfinite(instance):
+        return [(".".join(path) or "(top level)", instance)]
+    if isinstance(instance, dict):
+        return [found for k, v in instance.items() for found in _non_finite(v, (*path, str(k)))]
+    if isinstance(instance, list):
+        return [found for i, v in enumerate(instance) for found in _non_finite(v, (*path, str(i)))]
+    return []
+
+
+def _results_dir_problem(config: dict) -> str | None:
+    """A results_dir that leaves the working directory (absolute, or `..` above it): outputs
+    of a run would land wherever the command happens to run from, and below an S3 prefix such
+    a path makes keys outside the run's prefix. Allowed only when the config says so."""
+    results_dir = config.get("results_dir")
+    if not isinstance(results_dir, str) or config.get("results_dir_outside_workdir") is True:
+        return None
+    normal = posixpath.normpath(results_dir)
+    if posixpath.isabs(normal):
+        reason = "is an absolute path, outside the working directory"
+    elif normal == ".." or normal.startswith("../"):
+        reason = "leaves the working directory"
+    else:
+        return None
+    return (
+        f"config key 'results_dir': {results_dir!r} {reason}; use a relative folder inside it, "
+        "or set results_dir_outside_workdir: true (local runs only)"
+    )
+
+
 def validate_config(config: dict, schema: dict | None = None) -> dict:
-    """Return a copy of ``config`` with defaults filled in; raise ConfigError if it is invalid."""
+    """Return a copy of ``config`` with defaults filled in; raise ConfigError if it is invalid.
+    One line per bad key: its dotted path, its value and the reason."""
     schema = load_schema() if schema is None else schema
     config = copy.deepcopy(dict(config))
     _fill_defaults(config, schema)
-    validator = jsonschema.Draft202012Validator(schema)
-    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
-    lines = [_describe(e) for e in errors] or _cross_key_problems(config)
+    problems = {key: f"config key '{key}': {value!r} is not a finite number" for key, value in _non_finite(config)}
+    errors = sorted(_Validator(schema).iter_errors(config), key=lambda e: list(e.absolute_path))
+    for error in errors:
+        problems.setdefault(_key_path(error), _describe(error))
+    results_dir = _results_dir_problem(config)
+    if results_dir and "results_dir" not in problems:
+        problems["results_dir"] = results_dir
+    lines = list(problems.values()) or _cross_key_problems(config)
     if lines:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines))
     return config
@@ -215,6 +272,10 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "checkpoint_async",
             "data_cache_dir",
             "offline_max_bytes",
+            # The experiment tracker: what is logged where, never what is trained.
+            "tracker",
+            "tracker_dir",
+            "tracker_project",
             # The drafter algorithm and its keys: extract stores taps, whatever trains on them.
             "algorithm",
             "conv_kernel_size",
@@ -280,6 +341,10 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "checkpoint_async",
             "data_cache_dir",
             "offline_max_bytes",
+            # The experiment tracker: what is logged where, never what is trained.
+            "tracker",
+            "tracker_dir",
+            "tracker_project",
         },
     },
     "evaluate": {
