@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from tests.support.ci import skip_unless_ci
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.workflow, pytest.mark.slurm]
@@ -243,7 +244,7 @@ def test_scancel_and_the_time_limit_are_resumed_from_parts_and_checkpoints_on_gp
     from dflash_pipeline.core.storage import open_storage
 
     if not slurm_cluster.gpus:
-        pytest.skip(slurm_cluster.no_gpus_reason)
+        skip_unless_ci(slurm_cluster.no_gpus_reason)
     prompts = 12
     configure(
         workflow,

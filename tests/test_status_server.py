@@ -28,6 +28,7 @@ from dflash_pipeline.status.events import RunJobBoard
 from dflash_pipeline.status.events import local_log_path
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
 from dflash_pipeline.core.storage import LocalStorage, open_storage
+from tests.support.ci import skip_unless_ci
 from tests.support.seaweed import free_port
 from tests.support.status_run import RUNNING_LOG, write_run
 
@@ -402,7 +403,7 @@ def test_the_server_listens_with_a_backlog_for_the_pages_clients(local_run):
         # The listening socket's accept queue limit, as the kernel reports it (ss's Send-Q).
         listening = subprocess.run(["ss", "-ltnH", f"sport = :{srv.port}"], capture_output=True, text=True)
         if listening.returncode != 0 or not listening.stdout.strip():
-            pytest.skip("ss (iproute2) is not available")
+            skip_unless_ci("ss (iproute2) is not available")
         assert int(listening.stdout.split()[2]) >= 128
     finally:
         srv.stop()
