@@ -81,8 +81,14 @@ def test_demo_config_plans_the_demo_model(workflow):
 def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model):
     # This test is about planning. The demo's greedy generation changes with CPU batching under
     # load and may hold a degenerate sample or two; whether a shard passes is the gate's business
-    # (tests/test_tokenize.py), so the limit here leaves room for them.
-    workflow.write_config(num_shards=3, tokenize={"max_degenerate_fraction": 0.5}, **use_built_demo_model(demo_model))
+    # (tests/test_tokenize.py), so the limit here leaves room for them. 36 prompts (about 11 a
+    # shard) are enough to plan with; the demo's 160 took a loaded CPU minutes more to generate.
+    workflow.write_config(
+        num_shards=3,
+        dataset={"paths": [workflow.few_prompts(36)]},
+        tokenize={"max_degenerate_fraction": 0.5},
+        **use_built_demo_model(demo_model),
+    )
     workflow.snakemake()
     shards = workflow.root / "results/demo/outputs"
     names = sorted(p.name for p in shards.glob("prepare-*"))
