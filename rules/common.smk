@@ -296,6 +296,8 @@ REPORT_ITEMS = {
 REPORT_STORAGE_ITEM = "storage.svg"
 # The table of tune's measurements, where the run tunes (its input is the tune result).
 REPORT_TUNE_ITEM = "tune.html"
+# The run's headline figures (rule report_headline), whatever `until` is.
+REPORT_HEADLINE_ITEM = "headline.html"
 
 
 def report_storage_inputs():
@@ -315,7 +317,49 @@ def report_storage_inputs():
         outputs += [run_path(layout.report_key(name)) for name in REPORT_ITEMS[stage]]
     if tune_runs():
         outputs.append(run_path(layout.report_key(REPORT_TUNE_ITEM)))
+    outputs.append(run_path(layout.report_key(REPORT_HEADLINE_ITEM)))
     return outputs
+
+
+def headline_benchmarks():
+    """{benchmark file: GPUs} of the GPU jobs the run builds, for the headline's GPU-hours."""
+    until = layout.STAGES.index(config["until"])
+    gen_gpus = config["generation"]["gpus_per_job"]
+    train_gpus = config["train"]["gpus_per_job"]
+    found = {}
+    if tune_runs():
+        found[benchmark_path("tune", per_shard=False)] = tune_gpus()
+    if until >= layout.STAGES.index("generate"):
+        found.update(
+            {p: gen_gpus for p in expand(benchmark_path("generate"), shard=SHARDS)}
+        )
+    if until >= layout.STAGES.index("train"):
+        if config["train"]["mode"] == "offline":
+            extract = expand(benchmark_path("extract"), shard=SHARDS)
+            found.update({p: min(1, train_gpus) for p in extract})
+        segments = range(config["train"]["segments"])
+        found.update(
+            {
+                run_path(
+                    layout.benchmark_key("train", layout.segment_name(k))
+                ): train_gpus
+                for k in segments
+            }
+        )
+    if until >= layout.STAGES.index("evaluate"):
+        found[benchmark_path("evaluate", per_shard=False)] = min(1, train_gpus)
+    return found
+
+
+def headline_inputs(wildcards):
+    """What the headline reads of the stages the run builds (none past `until`)."""
+    until = layout.STAGES.index(config["until"])
+    inputs = {"benchmarks": list(headline_benchmarks())}
+    if until >= layout.STAGES.index("generate"):
+        inputs["generated"] = expand(shard_output("generate"), shard=SHARDS)
+    if until >= layout.STAGES.index("evaluate"):
+        inputs["metrics"] = run_path(layout.EVAL_METRICS)
+    return inputs
 
 
 def get_final_output():

@@ -5,6 +5,7 @@
 # Small and quick: they run in the driver process, not as cluster jobs.
 localrules:
     all,
+    report_headline,
     report_prompts,
     report_generation,
     report_tune,
@@ -12,6 +13,40 @@ localrules:
     report_training,
     report_evaluation,
     report_storage,
+
+
+# The run's headline figures: the first item of the first category, and shown on the
+# report's landing page itself (report/workflow.rst includes this table).
+rule report_headline:
+    input:
+        unpack(headline_inputs),
+    output:
+        table=report(
+            run_path(layout.report_key(REPORT_HEADLINE_ITEM)),
+            caption="../report/headline.rst",
+            category="0. Headline",
+        ),
+    log:
+        log_path("report_headline", per_shard=False),
+    benchmark:
+        benchmark_path("report_headline", per_shard=False)
+    conda:
+        "../envs/pipeline.yaml"
+    threads: 1
+    resources:
+        **slurm(0),
+        mem_mb=1000,
+        runtime=30,
+    params:
+        run_url=lambda wildcards: RUN_URL,
+        # The generate shards whose counts give samples and tokens (none before generate).
+        shards=lambda wildcards: (
+            SHARDS if "generated" in headline_inputs(wildcards) else []
+        ),
+        benchmark_gpus=lambda wildcards: list(headline_benchmarks().values()),
+        gpu_hours_of="job benchmarks: tune, generate, extract, train, evaluate",
+    script:
+        "../scripts/report_headline.py"
 
 
 rule report_prompts:

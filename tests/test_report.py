@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -297,3 +298,34 @@ def test_the_tune_table_lists_every_setting_and_marks_the_choice(tmp_path):
     assert len(chosen) == 1 and "<td>yes</td><td>16</td><td>1500.0</td>" in chosen[0]
     assert "p90 per-token latency 40 ms &gt; 35" in page and "max_tpot_ms 35" in page
     assert "concurrency 16 with MTP: the best throughput within the bounds" in page
+
+
+def test_the_report_landing_page_shows_the_headline_figures(tmp_path):
+    """report/workflow.rst rendered as Snakemake renders it (Jinja with the report's files, then
+    docutils) includes the headline table; its category sorts first."""
+    from types import SimpleNamespace
+
+    from docutils.core import publish_parts
+    from jinja2 import Environment
+
+    from dflash_pipeline.report import headline
+
+    metrics = {
+        "overall": {"tau": 2.5, "speedup_estimate": 1.8},
+        "lossless": {"checked": True, "prompts": 3, "exact": 2, "near_tie": 1, "lost": 0, "passed": True},
+    }
+    table = tmp_path / "report-headline.html"
+    headline.write_headline_table(headline.headline(metrics, samples=10, tokens=2000), table)
+    repo = Path(__file__).resolve().parent.parent
+    files = [SimpleNamespace(target=table.name, path=table)]
+    config = {"run": "demo", "num_shards": 2, "target": {"model": "m"}}
+    source = (repo / "report/workflow.rst").read_text()
+    text = Environment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+    page = publish_parts(
+        text.render(snakemake=SimpleNamespace(config=config), categories={}, files=files), writer_name="html"
+    )["html_body"]
+    for shown in ("τ (loop)", "2.50", "passed: 3 prompts, 2 exact, 1 near tie, 0 lost", "1.80×", "2,000"):
+        assert shown in page, shown
+    assert "not measured yet" in page  # the engine's τ, GPU-hours
+    categories = re.findall(r'category="([^"]+)"', (repo / "rules/report.smk").read_text())
+    assert sorted(categories)[0] == "0. Headline"

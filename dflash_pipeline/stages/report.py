@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dflash_pipeline.core.jobstate import read_stage_telemetry
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.jobstate import StageTotals, read_stage_telemetry
 from dflash_pipeline.core.storage import ReadOnlyStorage
-from dflash_pipeline.report import figures, tables
+from dflash_pipeline.report import figures, headline, tables
 
 
 def report_prompts(summary: str, quarantine: str, figure: str, table: str) -> None:
@@ -49,6 +50,32 @@ def report_training(run_url: str, segments: int, figure: str) -> None:
 
 def report_evaluation(metrics: str, figure: str) -> None:
     figures.write_evaluation_report(metrics, figure)
+
+
+def report_headline(
+    metrics: str | None,
+    run_url: str,
+    shards: list[str],
+    benchmarks: dict[str, int],
+    gpu_hours_of: str,
+    table: str,
+) -> None:
+    """The report's first item: the headline figures (report/headline.py); ``metrics`` None (a run
+    that stops before evaluate) or no ``shards`` leave their figures "not measured yet"."""
+    totals = StageTotals(ReadOnlyStorage.open(run_url), "generate").read() if shards else {}
+    by_name = {layout.shard_name(k): v for k, v in totals.items()}
+    missing = [s for s in shards if s not in by_name]
+    records = [by_name[s] for s in shards if s in by_name]
+    records += list(read_stage_telemetry(run_url, "generate", missing).values()) if missing else []
+    samples, tokens = headline.generated_counts(records)
+    found = headline.headline(
+        figures.read_json(metrics) if metrics else None,
+        samples=samples,
+        tokens=tokens,
+        gpu_hours=headline.gpu_hours_from_benchmarks(benchmarks),
+        gpu_hours_of=gpu_hours_of,
+    )
+    headline.write_headline_table(found, table)
 
 
 def report_storage(run_url: str, figure: str) -> None:

@@ -35,6 +35,14 @@ KEPT_EVENTS = {
 }
 
 
+def _gpus(resources) -> int:
+    """A job's ``gpu`` resource (rules/common.smk), 0 where it has none."""
+    try:
+        return int((resources or {}).get("gpu") or 0)
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
 def _files(value) -> list[str]:
     if value is None:
         return []
@@ -62,6 +70,7 @@ def event_from_record(record: LogRecord, now: float | None = None) -> dict | Non
             wildcards={str(k): str(v) for k, v in dict(getattr(record, "wildcards", None) or {}).items()},
             log=_files(getattr(record, "log", None)),
             output=_files(getattr(record, "output", None)),
+            gpus=_gpus(getattr(record, "resources", None)),
         )
     elif kind == "job_started":
         event["jobids"] = [int(j) for j in (getattr(record, "jobs", None) or [])]
@@ -116,6 +125,7 @@ class Job:
     log: list[str]
     output: list[str]
     state: str = "planned"  # planned | running | done | failed | interrupted
+    gpus: int = 0  # its `gpu` resource: the headline's GPU-hours
     started_at: float | None = None
     ended_at: float | None = None
     message: str = ""
@@ -156,6 +166,7 @@ class RunEvents:
             job = self.jobs.setdefault(event["jobid"], Job(event["jobid"], "", {}, [], []))
             job.rule, job.wildcards = event["rule"], event["wildcards"]
             job.log, job.output = event["log"], event["output"]
+            job.gpus = int(event.get("gpus") or 0)
         elif kind == "job_started":
             for jobid in event.get("jobids", []):
                 job = self.jobs.setdefault(jobid, Job(jobid, "", {}, [], []))

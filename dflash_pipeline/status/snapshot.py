@@ -42,6 +42,7 @@ from dflash_pipeline.status.events import RunEvents, RunJobBoard, local_log_path
 from dflash_pipeline.status.summaries import (
     evaluation_summary,
     halt_summary,
+    headline_summary,
     lease_summary,
     training_summary,
     tune_summary,
@@ -379,6 +380,13 @@ class SnapshotBuilder:
             },
             "training": training_summary(segments),
             "evaluation": evaluation_summary(eval_metrics),
+            # The run's headline figures, as on the report's first page (report/headline.py).
+            "headline": headline_summary(
+                eval_metrics,
+                [t for (stage, _), t in telemetry.items() if stage == "generate"]
+                + [e for shard, e in totals.get("generate", {}).items() if shard in done.get("generate", ())],
+                events.jobs.values(),
+            ),
             # The engine settings measured before generation (stages/tune.py), if any.
             "tune": tune_summary(tune_result),
             "storage": {

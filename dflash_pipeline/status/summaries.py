@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.lease import describe_holder
+from dflash_pipeline.report import headline
 
 # The page draws at most this many points per training curve (evenly thinned, last kept).
 MAX_CURVE_POINTS = 600
@@ -46,6 +47,23 @@ def engine_summary(metrics: dict) -> dict | None:
         "lossless": lossless.get("passed") if lossless.get("checked") else None,
         "parity": metrics.get("engine_parity"),
     }
+
+
+def headline_summary(metrics, generate_records: list[dict], jobs) -> dict:
+    """The page's headline strip (report/headline.py): τ, lossless, speed-up from the metrics;
+    samples and tokens from the generate shards' counts; GPU-hours from the finished jobs of the
+    Snakemake run the page follows (their wall time times their ``gpu`` resource)."""
+    samples, tokens = headline.generated_counts(generate_records)
+    finished = [j for j in jobs if j.state == "done" and j.gpus and j.started_at and j.ended_at]
+    gpu_hours = sum((j.ended_at - j.started_at) * j.gpus for j in finished) / 3600 if finished else None
+    figures = headline.headline(
+        metrics,
+        samples=samples,
+        tokens=tokens,
+        gpu_hours=gpu_hours,
+        gpu_hours_of="this Snakemake run's finished jobs",
+    )
+    return {**figures, "rows": headline.headline_rows(figures)}
 
 
 def tune_summary(result) -> dict | None:

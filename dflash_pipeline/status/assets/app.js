@@ -185,6 +185,13 @@ function renderStorage(storage, throughput) {
   fillTable("storage", rows);
 }
 
+function renderHeadline(headline) {
+  // Rows come formatted (report/headline.py), the same as the report's; null is not measured yet.
+  const box = document.getElementById("headline");
+  box.replaceChildren(...((headline && headline.rows) || []).map((row) =>
+    el("div", { "data-key": row.key }, [el("dt", { text: row.label }), el("dd", { text: row.text ?? "—" })])));
+}
+
 function renderTune(tune) {
   const box = document.getElementById("tune");
   box.hidden = !tune;
@@ -226,6 +233,7 @@ function render(status) {
   renderTraining(status.training, status.evaluation);
   renderStorage(status.storage, status.throughput);
   renderTune(status.tune);
+  renderHeadline(status.headline);
 }
 
 async function poll() {

@@ -1,0 +1,133 @@
+"""The run's headline figures (report/headline.py): from evaluate's metrics with near ties and
+lost tokens, in the report's table and in the status page's snapshot."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.storage import LocalStorage, ReadOnlyStorage
+from dflash_pipeline.report import headline
+from dflash_pipeline.status.events import EventWriter
+from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
+from tests.support.status_run import write_run
+
+METRICS = {
+    "overall": {"tau": 3.456, "speedup_estimate": 2.25},
+    "lossless": {
+        "checked": True,
+        "prompts": 4,
+        "exact": 3,
+        "near_tie": 1,
+        "lost": 0,
+        "near_ties": {"p3": {"verdict": "near_tie"}},
+        "failures": {},
+        "passed": True,
+    },
+    "engine": {
+        "name": "vllm",
+        "overall": {"tau": 3.1},
+        "lossless": {
+            "checked": True,
+            "prompts": 4,
+            "exact": 1,
+            "near_tie": 2,
+            "lost": 1,
+            "near_ties": {"p1": {}, "p2": {}},
+            "failures": {"p4": {"verdict": "lost"}},
+            "passed": False,
+        },
+    },
+}
+
+
+def rows(figures: dict) -> dict:
+    return {r["key"]: r["text"] for r in headline.headline_rows(figures)}
+
+
+def test_headline_from_metrics_with_near_ties_and_a_lost_token():
+    figures = headline.headline(METRICS, samples=1200, tokens=3_400_000, gpu_hours=12.345)
+    assert (figures["tau_loop"], figures["tau_engine"], figures["speedup"]) == (3.456, 3.1, 2.25)
+    # The engine lost a token: the run's verdict is lost, though the loop passed.
+    assert figures["lossless"] == "lost"
+    assert figures["lossless_checks"]["loop"] == {
+        "checked": True, "passed": True, "prompts": 4, "exact": 3, "near_tie": 1, "lost": 0,
+    }  # fmt: skip
+    assert figures["lossless_checks"]["engine"]["lost"] == 1
+    text = rows(figures)
+    assert text == {
+        "tau_loop": "3.46",
+        "tau_engine": "3.10",
+        "lossless": "loop: passed: 4 prompts, 3 exact, 1 near tie, 0 lost; "
+        "vllm: LOST: 4 prompts, 1 exact, 2 near ties, 1 lost",
+        "speedup": "2.25×",
+        "samples": "1,200",
+        "tokens": "3,400,000",
+        "gpu_hours": "12.35",
+    }
+
+
+def test_headline_before_evaluate_and_of_a_sampled_run():
+    text = rows(headline.headline(None))
+    assert set(text.values()) == {None}  # every figure: not measured yet
+    sampled = {"overall": {"tau": 2.0}, "lossless": {"checked": False, "reason": "sampled (temperature > 0)"}}
+    figures = headline.headline(sampled)
+    assert figures["lossless"] is None and figures["tau_engine"] is None
+    assert rows(figures)["lossless"] == "loop: not checked (sampled (temperature > 0))"
+    # Counts missing from an older section come from its lists.
+    old = headline.lossless_counts({"checked": True, "prompts": 2, "exact": 1, "near_ties": {"a": {}}, "failures": {}})
+    assert (old["near_tie"], old["lost"], old["passed"]) == (1, 0, True)
+
+
+def test_gpu_hours_from_benchmarks_and_generated_counts(tmp_path):
+    bench = tmp_path / "benchmark.generate-00000.tsv"
+    bench.write_text("s\th:m:s\tmax_rss\n1800.0\t0:30:00\t1\n")
+    assert headline.gpu_hours_from_benchmarks({str(bench): 4, str(tmp_path / "missing.tsv"): 8}) == 2.0
+    assert headline.gpu_hours_from_benchmarks({}) is None
+    assert headline.generated_counts([{"samples_done": 3, "tokens_generated": 40}, {"samples_done": 2}]) == (5, 40)
+    assert headline.generated_counts([]) == (None, None)
+
+
+def test_headline_table_says_not_measured_yet(tmp_path):
+    headline.write_headline_table(headline.headline(None, samples=7), tmp_path / "h.html")
+    page = (tmp_path / "h.html").read_text()
+    assert "<th>samples</th><td class='headline-samples'>7</td>" in page
+    assert page.count("not measured yet") == 6
+    assert "<body" not in page and "body{" not in page  # includable in the report's landing page
+
+
+def test_status_snapshot_has_the_headline(tmp_path):
+    root = tmp_path / "results/demo"
+    run = LocalStorage(root)
+    events = write_run(run, tmp_path)
+    run.write_text(layout.EVAL_METRICS, json.dumps(METRICS))
+    # A finished GPU job of 30 minutes on 2 GPUs.
+    now = time.time()
+    writer = EventWriter(events)
+    writer.write({"event": "job_started", "time": now - 1800, "jobids": [7]})
+    writer.write(
+        {
+            "event": "job_info", "time": now - 1800, "jobid": 7, "rule": "evaluate", "wildcards": {},
+            "log": [], "output": [], "gpus": 2,
+        }
+    )  # fmt: skip
+    writer.write({"event": "job_finished", "time": now, "jobid": 7})
+    source = RunSource(ReadOnlyStorage.open(str(root)), num_shards=2, events_file=events, workdir=tmp_path)
+    snap = SnapshotBuilder(source).build()
+    figures = snap["headline"]
+    assert (figures["tau_loop"], figures["tau_engine"], figures["lossless"]) == (3.456, 3.1, "lost")
+    assert figures["speedup"] == 2.25
+    # The running generate shard's counts (write_run: 4 samples, 50 tokens so far).
+    assert (figures["samples"], figures["tokens"]) == (4, 50)
+    assert abs(figures["gpu_hours"] - 1.0) < 0.01
+    assert {r["key"]: r["text"] for r in figures["rows"]}["gpu_hours"] == "1.00"
+
+
+def test_status_snapshot_headline_before_evaluate(tmp_path):
+    root = tmp_path / "results/demo"
+    events = write_run(LocalStorage(root), tmp_path)
+    LocalStorage(root).delete(layout.EVAL_METRICS)
+    source = RunSource(ReadOnlyStorage.open(str(root)), num_shards=2, events_file=events, workdir=tmp_path)
+    figures = SnapshotBuilder(source).build()["headline"]
+    assert figures["tau_loop"] is None and figures["lossless"] is None and figures["gpu_hours"] is None
