@@ -1,6 +1,7 @@
 # The config, validated, and every path, input function and resource of the rules (run control:
 # rules/run_control.smk).
 import functools
+import os
 import sys
 
 # Import the package from this checkout even where it is not pip-installed (e.g. conda envs).
@@ -14,12 +15,27 @@ from dflash_pipeline.model import speculators_format
 from dflash_pipeline.core.storage import is_s3_url, open_storage
 from dflash_pipeline.engines.tuning import generate_waits_for_tune, tune_defining
 
+
+def refuse(message):
+    """Stop the workflow with ``message`` and the config it was read from, nothing else: an
+    exception raised while the workflow is parsed comes wrapped in Snakemake's frame (file,
+    line, stack) under an "in file rules/...smk" headline that hides the file to fix.
+    """
+    files = [
+        os.path.relpath(p) if not os.path.relpath(p).startswith("..") else str(p)
+        for p in workflow.overwrite_configfiles
+    ] or ["config.yaml"]
+    given = " and ".join(files) + (
+        " and --config" if workflow.config_settings.config else ""
+    )
+    print(f"{message}\n(check {given})", file=sys.stderr)
+    sys.exit(1)
+
+
 try:
     config.update(validate_config(config))
 except ConfigError as err:
-    raise ValueError(
-        f"{err}\n(check config.yaml or the file given with --configfile)"
-    ) from None
+    refuse(str(err))
 
 
 RUN_ROOT = layout.run_root(config["results_dir"], config["run"])

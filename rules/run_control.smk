@@ -38,9 +38,7 @@ def check_offline_budget():
     try:
         check_run(config, open_storage(RUN_URL))
     except OfflineBudgetError as err:
-        raise ValueError(
-            f"{err}\n(check config.yaml or the file given with --configfile)"
-        ) from None
+        refuse(str(err))
 
 
 # Planning checks run where the plan is made: a job process on a cluster node (which parses this
@@ -56,10 +54,7 @@ def preflight():
 
     problems, ready = run_problems(config, RUN_URL)
     if problems:
-        raise ValueError(
-            "\n".join(problems)
-            + "\n(check config.yaml or the file given with --configfile)"
-        )
+        refuse("\n".join(problems))
     for line in ready:
         logger.info(line)
 

@@ -261,3 +261,17 @@ def test_the_example_configs_pass_their_own_preflight_where_their_folders_exist(
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     proc = workflow.snakemake("-n", "--configfile", str(path))
     assert "evaluate.engine: vllm 0.26.0" in proc.stdout + proc.stderr
+
+
+@pytest.mark.workflow
+def test_a_refusal_is_one_message_naming_the_config_file_given(workflow):
+    """No Snakemake frame or traceback around it, and the file to fix is the one given with
+    --configfile, not config.yaml."""
+    workflow.write_config(target={"model": "Qwen/Qwen3.6-27B", "build_demo": False})
+    (workflow.root / "config.yaml").rename(workflow.root / "mine.yaml")
+    proc = workflow.snakemake("-n", "--configfile", "mine.yaml", check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    assert output.count("target.model: 'Qwen/Qwen3.6-27B' is not a folder here") == 1, output
+    assert "(check mine.yaml)" in output and "config.yaml" not in output, output
+    assert "Traceback" not in output and 'File "' not in output and "Error in file" not in output, output
