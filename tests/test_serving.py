@@ -442,6 +442,19 @@ def test_engine_lossless_tells_a_near_tie_from_a_lost_token_by_the_targets_margi
     assert not strict.lossless["passed"] and set(strict.lossless["failures"]) == {"p2"}
 
 
+def test_margins_from_a_real_vllm_reply():
+    """A reply of vLLM's CPU build 0.32.0 to the plain reference's request (``logprobs: 2``,
+    ``return_tokens_as_token_ids``), captured with the demo target: one {"token_id:<id>": logprob}
+    dict per generated token, the greedy token first."""
+    from dflash_pipeline.evaluation.engine_requests import top2_margins
+
+    reply = json.loads((FIXTURES / "vllm-0.32.0-cpu-completion-top2-logprobs.json").read_text())
+    margins = top2_margins("vllm", reply, "captured reply")
+    assert len(margins) == len(reply["choices"][0]["token_ids"]) == 4
+    assert margins[0] == pytest.approx(-1.627656102180481 + 1.9205514192581177)
+    assert margins[2] == pytest.approx(0.0287485, abs=1e-6)  # a near tie of the demo target
+
+
 def test_a_reply_without_top_logprobs_gives_unknown_margins_or_a_named_error():
     from dflash_pipeline.evaluation.engine_counters import EngineResponseError
     from dflash_pipeline.evaluation.engine_requests import top2_margins
