@@ -1,6 +1,6 @@
 """The demo target: task format, tokenizer, Qwen3-style chat template, trained model, cache.
 
-The model is built once per session (about two minutes on two CPU cores, or a copy when
+The model is built once per session (6-20 minutes on two CPU cores, by their load, or a copy when
 ``DFLASH_DEMO_CACHE`` already holds this source's build).
 """
 
@@ -128,3 +128,42 @@ def test_second_build_is_a_cache_hit(demo_dir, cache_dir, tmp_path):
     weights = "model.safetensors"
     assert (again / weights).read_bytes() == (demo_dir / weights).read_bytes()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def test_training_progress_names_steps_elapsed_and_time_left():
+    assert build_model.progress(20, 200, 65) == "step 20/200, 1m05s elapsed, ~9m45s left"
+    assert build_model.progress(200, 200, 600) == "step 200/200, 10m00s elapsed, ~0s left"
+    assert build_model.progress(0, 200, 0) == "step 0/200, 0s elapsed, ~? left"
+
+
+def test_two_concurrent_builds_of_one_key_train_once(tmp_path, monkeypatch):
+    """The second build waits on the cache entry's lock, then copies the first one's build."""
+    import threading
+
+    calls = []
+
+    def fake_train(out_dir):
+        calls.append(out_dir)
+        time.sleep(1.0)  # long enough for the other build to reach the lock meanwhile
+        for name in (*build_model.COMPLETE_FILES, build_model.BUILD_INFO):
+            (out_dir / name).write_text(name)
+
+    monkeypatch.setattr(build_model, "_train_into", fake_train)
+    cache = tmp_path / "cache"
+    errors = []
+
+    def build(name):
+        try:
+            build_model.build_demo_model(tmp_path / name, cache)
+        except Exception as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=build, args=(f"out{i}",)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and len(calls) == 1
+    for i in range(2):
+        assert (tmp_path / f"out{i}" / "config.json").read_text() == "config.json"
+    assert (cache / f"demo-target-{build_model.source_key()}.lock").exists()

@@ -1,4 +1,4 @@
-"""Build the demo target: a tiny Qwen3 trained in about a minute on two CPU cores.
+"""Build the demo target: a tiny Qwen3 trained in 6-20 minutes on two CPU cores (by their load).
 
 The model is a standard Hugging Face checkpoint (``Qwen3ForCausalLM`` + a fast tokenizer with a
 Qwen3-style chat template), so every later stage loads it exactly like a real target. It is
@@ -226,7 +226,11 @@ def build_demo_model(
         if is_complete(cached):
             log.info("demo target cache hit: %s", cached)
         else:
-            log.info("demo target not cached; training it into %s", cached)
+            log.info(
+                "demo target not cached; training it into %s (%d steps; 6-20 minutes on 2 CPU cores, by their load)",
+                cached,
+                SETTINGS.steps,
+            )
             _publish(cached, _train_into, replace=False)
     _publish(out_dir, lambda tmp: shutil.copytree(cached, tmp, dirs_exist_ok=True), replace=True)
     return out_dir
@@ -283,6 +287,7 @@ def _train_into(out_dir: Path) -> None:
     train_seconds = time.monotonic() - started
 
     heldout = heldout_problems(SETTINGS.eval_prompts)
+    log.info("checking the greedy replies to %d held-out prompts", len(heldout))
     rate = measure_format_rate(model, tokenizer, heldout, batch_size=SETTINGS.eval_batch_size)
     log.info("greedy format rate on %d held-out prompts: %.1f%%", len(heldout), 100 * rate)
 
@@ -397,15 +402,23 @@ def train(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, examples:
         optimizer.step()
         schedule.step()
         if (step + 1) % SETTINGS.log_every == 0 or step + 1 == SETTINGS.steps:
-            log.info(
-                "step %d/%d  loss %.4f  %.1fs",
-                step + 1,
-                SETTINGS.steps,
-                loss.item(),
-                time.monotonic() - started,
-            )
+            log.info("%s  loss %.4f", progress(step + 1, SETTINGS.steps, time.monotonic() - started), loss.item())
     model.eval()
     return loss.item()
+
+
+def progress(done: int, total: int, elapsed: float) -> str:
+    """``step 20/200, 1m05s elapsed, ~9m45s left``: the rest estimated at the mean pace so far
+    (the longest part of a first `make demo`, so the user sees how long it will take)."""
+    left = elapsed / done * (total - done) if done else math.nan
+    return f"step {done}/{total}, {_duration(elapsed)} elapsed, ~{_duration(left)} left"
+
+
+def _duration(seconds: float) -> str:
+    if math.isnan(seconds):
+        return "?"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def _lr_factor(step: int) -> float:
