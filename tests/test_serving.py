@@ -338,23 +338,22 @@ def stand_in_install(engine: str) -> EngineInstall:
 PROMPTS = [("p1", "math", [5, 6, 7, 8]), ("p2", "chat", [9, 10]), ("p3", "chat", [3, 3, 1])]
 
 
+def measure_greedy(engine: str, folder: Path, prompts=PROMPTS, **options):
+    """A greedy measurement of the stand-ins' drafter (exported once into ``folder``) in ``engine``."""
+    drafter = folder / "drafter"
+    if not drafter.exists():
+        exported_drafter(drafter)
+    runs = len(list(folder.glob("run*")))
+    return measure_in_engine(
+        engine, "/m/target", drafter, prompts, 4, max_new_tokens=64, temperature=0.0,
+        log_dir=folder / f"run{runs}", port=free_port(), hybrid=False, install=stand_in_install(engine),
+        **options,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_measurement_in_an_engine_end_to_end(tmp_path, stand_in_servers, engine):
-    drafter = exported_drafter(tmp_path / "drafter")
-    measurement = measure_in_engine(
-        engine,
-        "/m/target",
-        drafter,
-        PROMPTS,
-        4,
-        max_new_tokens=64,
-        temperature=0.0,
-        log_dir=tmp_path / "run",
-        port=free_port(),
-        hybrid=False,
-        seed=7,
-        install=stand_in_install(engine),
-    )
+    measurement = measure_greedy(engine, tmp_path, seed=7)
     speculative, plain = stand_in_servers.launched
     assert "dflash" in " ".join(speculative).lower() and "speculative" not in " ".join(plain)
     assert measurement.engine == engine
@@ -403,21 +402,7 @@ def test_engine_lossless_tells_a_near_tie_from_a_lost_token_by_the_targets_margi
     """In bf16 a divergence where the plain server's top-2 logprobs are within the dtype's
     tolerance (0.25) is a near tie and passes; one at a clear choice (margin 2.0) is lost and
     fails the check, named with its margin."""
-    prompts = [*PROMPTS, ("p4", "chat", [11, 2])]
-    measurement = measure_in_engine(
-        engine,
-        "/m/target",
-        exported_drafter(tmp_path / "drafter"),
-        prompts,
-        4,
-        max_new_tokens=64,
-        temperature=0.0,
-        log_dir=tmp_path / "run",
-        port=free_port(),
-        hybrid=False,
-        install=stand_in_install(engine),
-        dtype="bfloat16",
-    )
+    measurement = measure_greedy(engine, tmp_path, [*PROMPTS, ("p4", "chat", [11, 2])], dtype="bfloat16")
     lossless = measurement.lossless
     assert (lossless["exact"], lossless["near_tie"], lossless["lost"]) == (2, 1, 1)
     assert lossless["margin_tolerance"] == 0.25 and not lossless["passed"]
@@ -428,17 +413,9 @@ def test_engine_lossless_tells_a_near_tie_from_a_lost_token_by_the_targets_margi
     verdicts = {r.id: r.as_dict()["lossless"]["verdict"] for r in measurement.results}
     assert verdicts == {"p1": "exact", "p2": "near_tie", "p3": "exact", "p4": "lost"}
     # Without the clear divergence the check passes in bf16; a set tolerance of 0 fails the tie.
-    kept = measure_in_engine(
-        engine, "/m/target", tmp_path / "drafter", PROMPTS, 4, max_new_tokens=64, temperature=0.0,
-        log_dir=tmp_path / "run2", port=free_port(), hybrid=False, install=stand_in_install(engine),
-        dtype="bfloat16",
-    )  # fmt: skip
+    kept = measure_greedy(engine, tmp_path, dtype="bfloat16")
     assert kept.lossless["passed"] and kept.lossless["near_tie"] == 1
-    strict = measure_in_engine(
-        engine, "/m/target", tmp_path / "drafter", PROMPTS, 4, max_new_tokens=64, temperature=0.0,
-        log_dir=tmp_path / "run3", port=free_port(), hybrid=False, install=stand_in_install(engine),
-        dtype="bfloat16", margin_tolerance=0.0,
-    )  # fmt: skip
+    strict = measure_greedy(engine, tmp_path, dtype="bfloat16", margin_tolerance=0.0)
     assert not strict.lossless["passed"] and set(strict.lossless["failures"]) == {"p2"}
 
 
