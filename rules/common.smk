@@ -14,6 +14,7 @@ from dflash_pipeline.core.resources import job_memory_mb
 from dflash_pipeline.model import speculators_format
 from dflash_pipeline.core.storage import is_s3_url, open_storage
 from dflash_pipeline.engines.tuning import generate_waits_for_tune, tune_defining
+from dflash_pipeline.snakemake_patches.refusals import install_refusal_patch
 
 
 def refuse(message):
@@ -46,6 +47,9 @@ DEFAULT_STORAGE = workflow.storage_settings.default_storage_provider
 RUN_URL = layout.run_url(
     RUN_ROOT, DEFAULT_STORAGE, workflow.storage_settings.default_storage_prefix
 )
+# A job that refused a damaged input is not retried: every attempt would fail alike
+# (dflash_pipeline.snakemake_patches.refusals).
+install_refusal_patch(RUN_URL)
 
 
 wildcard_constraints:

@@ -34,7 +34,7 @@ def run(smk) -> None:
 
 def evaluate(smk, engine_dir: Path) -> None:
     # The held-out rows as their tokenize jobs wrote them (core.checksums).
-    verify_inputs(smk, list(smk.input.heldout))
+    verify_inputs(smk, [*smk.input.heldout, smk.input.drafter_config, smk.input.drafter_weights])
     # Token-by-token decoding of a small model on a CPU is latency-bound: one thread was
     # faster than two on the 2-core test machine (oversubscribed threads wait on each other).
     torch.set_num_threads(1 if not smk.resources.gpu else smk.threads)

@@ -3,6 +3,7 @@
 import sys
 from pathlib import Path
 
+from dflash_pipeline.core.checksums import record_outputs
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.stages.prepare import PrepareError, ingest
 
@@ -24,6 +25,8 @@ def run(smk) -> None:
                 # The outputs of a refused dataset are deleted with the failed job; these stay.
                 refused_copy=Path(smk.log[0]).with_suffix(""),
             )
+            # Read by every prepare job and by evaluate (dflash_pipeline.core.checksums).
+            record_outputs(smk, [smk.output.prompts, smk.output.summary, smk.output.quarantine])
     except PrepareError:
         # job_logging has written the refusal to the log and stderr; a traceback would repeat it.
         sys.exit(1)

@@ -2,7 +2,7 @@
 
 import torch
 
-from dflash_pipeline.core.checksums import verify_inputs
+from dflash_pipeline.core.checksums import record_outputs, verify_inputs
 from dflash_pipeline.core.config import job_settings
 from dflash_pipeline.core.gpu_slots import job_devices, pool_from_config
 from dflash_pipeline.core.joblog import JobAttempt
@@ -14,7 +14,8 @@ def run(smk) -> None:
     attempt = JobAttempt.of(smk, f"train-{smk.wildcards.segment}", smk.log[0])
     with attempt.logging(smk.log[0]):
         # Every tokenize shard (and extract manifest) as its job wrote it, before a GPU is taken.
-        verify_inputs(smk, [*smk.input.tokenized, *smk.input.get("hidden", [])])
+        previous = [smk.input.previous] if "previous" in smk.input.keys() else []  # segment K-1's manifest
+        verify_inputs(smk, [*smk.input.tokenized, *smk.input.get("hidden", []), *previous])
         torch.set_num_threads(smk.threads)  # as many compute threads as Snakemake granted
         # Operational keys (checkpoint interval, metrics interval...) come from the config.
         settings = job_settings(smk.config, "train", dict(smk.params.settings))
@@ -30,6 +31,8 @@ def run(smk) -> None:
                 smk.resources.gpu,
                 logs=[smk.log[0], attempt.local("job")],
             )
+        # The manifest names the segment's checkpoint and its index's sha256s (core.checksums).
+        record_outputs(smk, [smk.output.manifest], smk.wildcards.segment)
 
 
 run(snakemake)  # noqa: F821 (injected by Snakemake)

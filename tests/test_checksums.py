@@ -4,7 +4,6 @@ dflash_pipeline.stages.verify, on a local folder and on the session's real S3 se
 from __future__ import annotations
 
 import json
-import logging
 import os
 import uuid
 from pathlib import Path
@@ -19,6 +18,7 @@ from dflash_pipeline.core.checksums import (
     read_record,
     record_checksum,
     repair_command,
+    rule_and_shard_of,
     sidecar_key,
     verify_local_copy,
 )
@@ -71,11 +71,16 @@ def test_a_flipped_byte_or_a_truncated_copy_is_caught(store, tmp_path, damage):
     assert str(tmp_path / "job") not in message  # the stored object is named, not the local copy
 
 
-def test_an_object_without_a_record_is_accepted_with_a_note(store, tmp_path, caplog):
+def test_an_object_without_a_record_is_refused_naming_it_and_the_fix(store, tmp_path):
+    # A deleted record must not switch the check off: a changed row would be read unchecked.
     shard = write_shard(tmp_path / "job")
-    with caplog.at_level(logging.INFO, logger="dflash_pipeline.core.checksums"):
-        assert verify_local_copy(shard, store.url, "rule train") is None
-    assert "has no checksum record" in caplog.text and f"{store.url}/{KEY}" in caplog.text
+    record_checksum(store, shard, "tokenize", 0)
+    store.delete(sidecar_key(KEY))
+    with pytest.raises(ChecksumError) as err:
+        verify_local_copy(shard, store.url, "rule train")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{store.url}/{KEY} has no checksum record")
+    assert "verify --adopt" in message and "verify --repair" in message
 
 
 def test_a_missing_local_copy_is_an_error(tmp_path):
@@ -163,22 +168,26 @@ def small_run(tmp_path: Path, num_shards: int = 2) -> tuple[Path, dict]:
     }
     for key in verify.expected_keys(config):
         path = write_shard(root, key, key.encode() * 100)
-        record_checksum(store, path, key.split("/")[1].split("-")[0], key.split("-")[1][:5])
+        record_checksum(store, path, *rule_and_shard_of(key), key=key)
     return root, config
 
 
 def test_expected_keys_follow_num_shards_and_until():
     config = {"until": "tokenize", "num_shards": 2, "train": {"mode": "online"}}
     keys = verify.expected_keys(config)
-    assert len(keys) == 2 * 5 and "outputs/tokenize-00001.heldout.parquet" in keys
+    assert len(keys) == 3 + 2 * 5 and "outputs/tokenize-00001.heldout.parquet" in keys
     assert verify.expected_keys({**config, "until": "generate"}) == [
+        layout.INGESTED_PROMPTS,
+        layout.INGEST_SUMMARY,
+        layout.QUARANTINE,
         "outputs/prepare-00000.parquet",
         "outputs/generate-00000.parquet",
         "outputs/prepare-00001.parquet",
         "outputs/generate-00001.parquet",
     ]
-    offline = verify.expected_keys({**config, "until": "train", "train": {"mode": "offline"}})
+    offline = verify.expected_keys({**config, "until": "train", "train": {"mode": "offline", "segments": 2}})
     assert "outputs/extract-00001.manifest.json" in offline
+    assert {"outputs/train-segment-0001.json", layout.DRAFTER_CONFIG, layout.DRAFTER_WEIGHTS} <= set(offline)
 
 
 def test_check_run_lists_missing_damaged_and_orphaned_objects(tmp_path):
@@ -198,6 +207,7 @@ def test_check_run_lists_missing_damaged_and_orphaned_objects(tmp_path):
         ("missing", "outputs/generate-00001.parquet"),
         ("damaged", "outputs/tokenize-00000.parquet"),
         ("damaged", "outputs/tokenize-00001.stats.json"),
+        ("unrecorded", "outputs/prepare-00001.parquet"),
         ("orphaned", "_progress/checksums/outputs/generate-00007.parquet.json"),
         ("orphaned", "outputs/prepare-00002.parquet"),
     ]
@@ -207,7 +217,7 @@ def test_check_run_lists_missing_damaged_and_orphaned_objects(tmp_path):
     assert ("damaged", "outputs/tokenize-00000.parquet") not in [(f.kind, f.key) for f in quick.findings]
     lines = report.lines(store)
     assert lines[0].startswith(f"missing   {root}/outputs/generate-00001.parquet")
-    assert lines[-1].endswith("1 missing, 2 damaged, 2 orphaned")
+    assert lines[-1].endswith("1 missing, 2 damaged, 1 without a checksum record, 2 orphaned")
 
     command = verify.repair_command(report, "results/demo", ["my.yaml"], None, ["--cores", "2"])
     assert command[1:] == [
@@ -217,6 +227,7 @@ def test_check_run_lists_missing_damaged_and_orphaned_objects(tmp_path):
         "results/demo/outputs/generate-00001.parquet",
         "results/demo/outputs/tokenize-00000.parquet",
         "results/demo/outputs/tokenize-00001.stats.json",
+        "results/demo/outputs/prepare-00001.parquet",
         "--configfile",
         "my.yaml",
         "--cores",
@@ -248,7 +259,7 @@ def test_verify_cli_exit_codes_and_dry_run_repair(tmp_path, monkeypatch, capsys)
     )
     monkeypatch.chdir(tmp_path)
     assert verify.main(["--configfile", str(config_file)]) == 0
-    assert "0 missing, 0 damaged, 0 orphaned" in capsys.readouterr().out
+    assert "0 missing, 0 damaged, 0 without a checksum record, 0 orphaned" in capsys.readouterr().out
     os.remove(root / "outputs/generate-00001.parquet")
     assert verify.main(["--configfile", str(config_file)]) == 1
     out = capsys.readouterr().out

@@ -1,10 +1,13 @@
-"""Checksums of the run's shard objects: recorded by the job that writes one, checked by every job
-that reads one and by ``python -m dflash_pipeline.stages.verify``.
+"""Checksums of every output a later job reads: recorded by the job that writes one, checked by
+every job that reads one and by ``python -m dflash_pipeline.stages.verify``.
 
-What is recorded, and where. The job that writes a tracked shard object (``outputs/prepare-NNNNN.
+What is recorded, and where. The job that writes a tracked object records the sha256 and size of
+the file it wrote, with the rule, the shard (or segment) and the time, in a small JSON object of
+its own in the run root. Tracked (``is_checked_key``): the shard objects (``outputs/prepare-NNNNN.
 parquet``, ``generate-``, ``tokenize-`` with its ``.heldout.parquet`` and ``.stats.json``, the
-``extract-`` manifests; ``layout.SHARD_STAGES``) records the sha256 and size of the file it
-wrote, with the rule, the shard and the time, in a small JSON object of its own in the run root:
+``extract-`` manifests; ``layout.SHARD_STAGES``), the ingest outputs, the training segment
+manifests (``outputs/train-segment-KKKK.json``, which carry their checkpoint index's files with
+their sha256: the export checks the index against it) and the exported drafter's files:
 
     _progress/checksums/outputs/tokenize-00003.parquet.json
 
@@ -25,14 +28,22 @@ Why a sidecar object, and not S3 object metadata or a table:
 A sidecar states what the producing job wrote on its local disk: a byte flipped or a truncation
 anywhere after that (the upload, the bucket, the consumer's download or its local cache) shows as
 a mismatch when the consumer hashes its local copy (``verify_local_copy``), or when ``verify``
-hashes the stored object. An object without a sidecar (made before this module existed) is
-accepted with a note: such runs must keep working.
+hashes the stored object.
+
+An object without a sidecar is refused, by readers and by ``verify``: a deleted record must not
+switch the check off. A run made before records existed is adopted once, explicitly, by ``verify
+--adopt`` (it hashes the stored objects and writes their records).
+
+A reader that finds a damaged input also writes a refusal (``refusal_key``) naming the job and
+the input: the workflow (rules/common.smk) does not retry such a job, since a damaged input fails
+every attempt alike.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import logging
 import os
 import time
@@ -41,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.storage import NotFound, Storage, is_s3_url, open_storage
+from dflash_pipeline.core.storage import NotFound, Storage, is_s3_url, open_storage, sha256_and_size
 from dflash_pipeline.core.s3 import S3Storage
 
 log = logging.getLogger(__name__)
@@ -55,11 +66,24 @@ CHECKED_EXTS = {
     "tokenize": (layout.SHARD_STAGES["tokenize"], layout.TOKENIZE_HELDOUT_EXT, "stats.json"),
     "extract": (layout.SHARD_STAGES["extract"],),
 }
+# The run-level objects a later job reads, each with the rule that writes it.
+RUN_OBJECTS = {
+    layout.INGESTED_PROMPTS: "ingest",
+    layout.INGEST_SUMMARY: "ingest",
+    layout.QUARANTINE: "ingest",
+    layout.DRAFTER_CONFIG: "export",
+    layout.DRAFTER_WEIGHTS: "export",
+}
+SEGMENT_MANIFEST = re.compile(r"^outputs/train-segment-(?P<segment>\d{4})\.json$")
+# The speculators-format export beside the z-lab one (drafter/<folder>/<file>).
+SPECULATORS_FILE = re.compile(rf"^{layout.DRAFTER_DIR}/[^/]+/[^/]+$")
+REFUSALS_DIR = f"{CHECKSUMS_DIR}/refused"
 CHUNK = 1 << 24  # 16 MiB
 
 
 class ChecksumError(RuntimeError):
-    """A shard object is damaged or missing; the message names it, its producer and the repair."""
+    """A tracked object is damaged, missing or without its record; the message names it, its
+    producer and the repair."""
 
 
 def sidecar_key(key: str) -> str:
@@ -75,23 +99,21 @@ def object_key_of_sidecar(key: str) -> str | None:
 
 
 def object_key(path: str | os.PathLike) -> str:
-    """The run-root key of a shard object from any path to it (the job's local path, Snakemake's
-    local copy of an S3 object): every tracked output sits in the flat ``outputs/`` folder."""
+    """The run-root key of a tracked object from any path to it (the job's local path, Snakemake's
+    local copy of an S3 object): the drafter's files sit under ``drafter/``, every other tracked
+    output in the flat ``outputs/`` folder."""
+    parts = Path(path).parts
+    for depth in (2, 3):  # drafter/<file>, drafter/<folder>/<file>
+        if len(parts) > depth and parts[-depth] == layout.DRAFTER_DIR:
+            return "/".join(parts[-depth:])
     return f"{layout.OUTPUTS_DIR}/{Path(path).name}"
 
 
 def is_checked_key(key: str) -> bool:
+    if key in RUN_OBJECTS or SEGMENT_MANIFEST.match(key) or SPECULATORS_FILE.match(key):
+        return True
     match = layout.SHARD_OBJECT.match(key)
     return bool(match) and match["ext"] in CHECKED_EXTS.get(match["stage"], ())
-
-
-def sha256_and_size(path: str | os.PathLike) -> tuple[str, int]:
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(CHUNK), b""):
-            digest.update(chunk)
-            size += len(chunk)
-    return digest.hexdigest(), size
 
 
 def stored_sha256(storage: Storage, key: str) -> tuple[str, int]:
@@ -137,20 +159,35 @@ class Record:
         )
 
 
+def rule_and_shard_of(key: str) -> tuple[str, str]:
+    """The rule that writes ``key`` and its shard, segment or ``-`` (a run-level object)."""
+    match = layout.SHARD_OBJECT.match(key)
+    if match:
+        return match["stage"], match["shard"]
+    segment = SEGMENT_MANIFEST.match(key)
+    if segment:
+        return "train", segment["segment"]
+    if key in RUN_OBJECTS:
+        return RUN_OBJECTS[key], "-"
+    if SPECULATORS_FILE.match(key):
+        return "export", "-"
+    return "?", "-"
+
+
 def producer_of(key: str) -> str:
     """``rule tokenize (shard 00003)`` from the key alone (the stage is the rule's name)."""
-    match = layout.SHARD_OBJECT.match(key)
-    return f"rule {match['stage']} (shard {match['shard']})" if match else "an unknown rule"
+    rule, shard = rule_and_shard_of(key)
+    if rule == "?":
+        return "an unknown rule"
+    if shard == "-":
+        return f"rule {rule}"
+    return f"rule {rule} ({'segment' if rule == 'train' else 'shard'} {shard})"
 
 
-def record_checksum(
-    run_url: str | Storage, local_path: str | os.PathLike, rule: str, shard: int | str, key: str | None = None
+def write_record(
+    storage: Storage, key: str, sha: str, size: int, rule: str, shard: int | str, adopted: bool = False
 ) -> Record:
-    """Hash the file a job just wrote and store its record in the run root (before Snakemake
-    uploads the file: what it states is what the job wrote)."""
-    storage = run_url if isinstance(run_url, Storage) else open_storage(run_url)
-    key = key or object_key(local_path)
-    sha, size = sha256_and_size(local_path)
+    """Store the record of ``key`` (the one record format: ``Record.parse`` reads it back)."""
     record = Record(key, sha, size, rule, layout.shard_name(shard), time.time())
     doc = {
         "key": key,
@@ -161,9 +198,29 @@ def record_checksum(
         "written_at": record.written_at,
         "written_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.written_at)),
     }
+    if adopted:
+        # Hashed from the stored object by verify --adopt, not by the job that wrote it.
+        doc["adopted"] = True
     storage.write_text(sidecar_key(key), json.dumps(doc, indent=1) + "\n")
+    return record
+
+
+def record_checksum(
+    run_url: str | Storage, local_path: str | os.PathLike, rule: str, shard: int | str, key: str | None = None
+) -> Record:
+    """Hash the file a job just wrote and store its record in the run root (before Snakemake
+    uploads the file: what it states is what the job wrote)."""
+    storage = run_url if isinstance(run_url, Storage) else open_storage(run_url)
+    key = key or object_key(local_path)
+    sha, size = sha256_and_size(local_path)
+    record = write_record(storage, key, sha, size, rule, shard)
     log.info("recorded the checksum of %s: sha256 %s, %d bytes", storage.join(key), sha[:16], size)
     return record
+
+
+def adopt_command(run_url: str) -> str:
+    prefix = " --default-storage-prefix <the run's prefix>" if is_s3_url(run_url) else ""
+    return f"python -m dflash_pipeline.stages.verify --adopt{prefix}"
 
 
 def read_record(storage: Storage, key: str) -> Record | None:
@@ -223,7 +280,8 @@ def verify_local_copy(
     """Check the local copy of a shard object that a job is about to read against the record of
     the job that wrote it. Raises ChecksumError naming the stored object (its ``s3://`` URL or
     run path, never Snakemake's local cache path), its producer and the repair command; returns
-    the record, or None for an object without one (accepted, with a note in the job's log)."""
+    the record. An object without a record is refused too: deleting a record must not switch
+    the check off (a run made before records existed is adopted once by ``verify --adopt``)."""
     storage = open_storage(run_url)
     key = key or object_key(local_path)
     where = storage.join(key)
@@ -232,12 +290,11 @@ def verify_local_copy(
     if record is None:
         if not local.is_file():
             raise ChecksumError(_message(where, f"is missing (checked by {reader})", producer_of(key), run_url, config))
-        log.info(
-            "note: %s has no checksum record (written before checksums were recorded); read unchecked by %s",
-            where,
-            reader,
+        raise ChecksumError(
+            f"{where} has no checksum record ({storage.join(sidecar_key(key))}; checked by {reader}), so "
+            f"it cannot be trusted. A run made before checksums were recorded: adopt its objects once with "
+            f"{adopt_command(run_url)}; otherwise rebuild it: {repair_command(run_url, config, _config_hint(config))}"
         )
-        return None
     if not local.is_file():
         problem = "is missing"
     else:
@@ -300,8 +357,9 @@ def job_run_url(smk) -> str | None:
     return None
 
 
-def record_outputs(smk, paths: Iterable[str], shard: int | str) -> None:
-    """Record the checksums of a job's shard outputs (call it when the stage function returned)."""
+def record_outputs(smk, paths: Iterable[str], shard: int | str = "-") -> None:
+    """Record the checksums of a job's tracked outputs (call it when the stage function returned);
+    ``shard`` is the job's shard or segment, ``-`` for a run-level job."""
     run_url = job_run_url(smk)
     if run_url is None:
         log.warning("no run root known to rule %s: checksums of %s not recorded", smk.rule, list(paths))
@@ -311,14 +369,64 @@ def record_outputs(smk, paths: Iterable[str], shard: int | str) -> None:
         record_checksum(storage, path, smk.rule, shard)
 
 
+def verify_stored_size(smk, url: str) -> Record:
+    """A job's check of a tracked object it reads by byte range from the run root, never whole
+    (the ingested table, read one row group per prepare job): its record exists and its stored
+    size is the recorded one. ``verify`` hashes it whole."""
+    run_url = job_run_url(smk) or url.rsplit("/", 2)[0]
+    storage = open_storage(run_url)
+    key = url[len(run_url.rstrip("/")) + 1 :] if url.startswith(run_url.rstrip("/") + "/") else object_key(url)
+    where = storage.join(key)
+    record = read_record(storage, key)
+    listed = {o.key: o.size for o in storage.list(key)}
+    reader = f"rule {smk.rule}"
+    if key not in listed:
+        raise ChecksumError(_message(where, f"is missing (checked by {reader})", producer_of(key), run_url, None))
+    if record is None:
+        raise ChecksumError(
+            f"{where} has no checksum record ({storage.join(sidecar_key(key))}; checked by {reader}). A run made "
+            f"before checksums were recorded: {adopt_command(run_url)}; otherwise: {repair_command(run_url)}"
+        )
+    if listed[key] != record.size:
+        problem = f"is {listed[key]} bytes, not the {record.size} it was written with (checked by {reader})"
+        raise ChecksumError(_message(where, problem, record.producer(), run_url, None))
+    return record
+
+
+def refusal_key(rule: str, wildcards: dict) -> str:
+    """Where a job that refused a damaged input says so: ``_progress/checksums/refused/generate-
+    shard=00001.json``. One per job (its rule and wildcards), read by the workflow's driver."""
+    name = ",".join(f"{k}={v}" for k, v in sorted(wildcards.items())) or "-"
+    return f"{REFUSALS_DIR}/{rule}-{name}.json"
+
+
 def verify_inputs(smk, paths: Iterable[str]) -> None:
-    """Check a job's shard inputs before it reads them (ChecksumError on the first bad one)."""
+    """Check a job's tracked inputs before it reads them (ChecksumError on the first bad one,
+    after the job's refusal is written: the workflow does not retry it)."""
     run_url = job_run_url(smk)
     if run_url is None:
         log.warning("no run root known to rule %s: its inputs are read unchecked", smk.rule)
         return
-    wildcards = getattr(smk, "wildcards", None)
-    shard = wildcards.get("shard") if wildcards is not None else None
-    reader = f"rule {smk.rule}" + (f" (shard {shard})" if shard else "")
+    wildcards = dict(getattr(smk, "wildcards", None) or {})
+    shard = wildcards.get("shard") or wildcards.get("segment")
+    reader = f"rule {smk.rule}" + (f" ({'segment' if 'segment' in wildcards else 'shard'} {shard})" if shard else "")
+    storage = open_storage(run_url)
+    refusal = refusal_key(smk.rule, wildcards)
     for path in paths:
-        verify_local_copy(path, run_url, reader, config=dict(smk.config))
+        try:
+            verify_local_copy(path, run_url, reader, config=dict(smk.config))
+        except ChecksumError as err:
+            doc = {"rule": smk.rule, "wildcards": wildcards, "input": object_key(path), "error": str(err)}
+            doc["written_at"] = time.time()
+            storage.write_text(refusal, json.dumps(doc, indent=1) + "\n")
+            raise
+    if storage.exists(refusal):
+        storage.delete(refusal)  # an earlier run's refusal, repaired since
+
+
+def refused(storage: Storage, rule: str, wildcards: dict) -> dict | None:
+    """The refusal the job of ``rule`` with ``wildcards`` wrote (a damaged input), or None."""
+    try:
+        return json.loads(storage.read_bytes(refusal_key(rule, wildcards)))
+    except (NotFound, ValueError):
+        return None

@@ -341,15 +341,22 @@ def open_object(url: str | os.PathLike) -> tuple[Storage, str]:
     return LocalStorage(path.parent), path.name
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a local file, read in 16 MiB chunks (checkpoints and hidden shards are GBs)."""
+def sha256_and_size(path: str | os.PathLike) -> tuple[str, int]:
+    """Hex sha256 and byte size of a local file, read in 16 MiB chunks (checkpoints and hidden
+    shards are GBs): the one hash of the package's checksum records, manifests and indexes."""
     import hashlib
 
-    digest = hashlib.sha256()
+    digest, size = hashlib.sha256(), 0
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 24), b""):
             digest.update(chunk)
-    return digest.hexdigest()
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a local file (``sha256_and_size`` without the size)."""
+    return sha256_and_size(path)[0]
 
 
 # The status server's only handle on a run: listing and reading, nothing that could write.

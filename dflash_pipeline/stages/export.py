@@ -26,7 +26,7 @@ from dflash_pipeline.model import speculators_format
 from dflash_pipeline.model.config import DrafterConfig
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.core.storage import open_storage, write_atomically
-from dflash_pipeline.training.checkpoint import load_model_weights
+from dflash_pipeline.training.checkpoint import INDEX, load_model_weights, read_index
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -37,6 +37,18 @@ def expected_tensor_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         drafter = DFlashDrafter(config)
     return {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
+
+
+def check_index(storage, manifest: dict, manifest_path: str) -> None:
+    """The checkpoint's index must list the files (sizes, sha256s) the segment manifest recorded:
+    the manifest carries a checksum record (core.checksums), the index under checkpoints/ none."""
+    index = read_index(storage, manifest["checkpoint_prefix"])
+    if "files" in manifest and (index is None or index["files"] != manifest["files"]):
+        where = storage.join(manifest["checkpoint_prefix"] + INDEX)
+        raise ValueError(
+            f"{where} does not list the files {manifest_path} recorded: the checkpoint was changed "
+            "after its segment finished; rerun that segment (make verify REPAIR=1 names it)"
+        )
 
 
 def export_drafter(
@@ -59,6 +71,7 @@ def export_drafter(
     weights = load_model_weights(storage, manifest["checkpoint_prefix"])
     if weights is None:
         raise FileNotFoundError(f"no checkpoint at {storage.join(manifest['checkpoint_prefix'])}")
+    check_index(storage, manifest, manifest_path)
     config = DrafterConfig.from_zlab(manifest["drafter_config"], source=manifest_path)
     config.dtype = dtype
     reason = speculators_format.refusal(config.layer_types)

@@ -1,8 +1,9 @@
-"""Check every stored shard object of a run against its checksum; with --repair, rebuild what is
-missing or damaged, and exactly that.
+"""Check every stored object a later job reads (shard objects, ingest outputs, segment manifests
+with their checkpoint index, the exported drafter) against its checksum; with --repair, rebuild
+what is missing or damaged, and exactly that.
 
     python -m dflash_pipeline.stages.verify [--configfile FILE ...] [--default-storage-prefix s3://...]
-                                            [--repair [--dry-run]] [--sizes-only] [-- SNAKEMAKE ARGS]
+                                            [--repair [--dry-run] | --adopt] [--sizes-only] [-- SNAKEMAKE ARGS]
     make verify [CONFIG=...] [PREFIX=s3://bucket/prefix] [REPAIR=1] [SNAKEMAKE_ARGS="..."]
 
 The config is read as Snakemake reads it (``plan.load_run_config``); the objects the run should
@@ -11,11 +12,15 @@ hold follow from its ``num_shards`` and ``until``. One line per problem:
 * ``missing``: expected, absent (Snakemake does not rebuild a deleted intermediate of a finished
   run: it says "Nothing to be done", and only this check notices);
 * ``damaged``: its size or sha256 differs from what the producing job recorded
-  (dflash_pipeline.core.checksums);
+  (dflash_pipeline.core.checksums); for a segment manifest, also: its checkpoint's index no longer
+  lists the files the manifest recorded;
+* ``unrecorded``: present without its checksum record (a deleted record must not switch the
+  check off; readers refuse it too);
 * ``orphaned``: a checksum record without its object (and not of an expected one), or an object of
   a shard beyond ``num_shards``.
 
-Objects without a record (made before checksums were recorded) are counted, never refused.
+A run made before checksums were recorded: ``--adopt`` hashes each unrecorded object as stored
+and writes its record, once and explicitly (it says how many; a second --adopt finds none).
 Exit code 1 when anything is wrong (after --repair: when anything is still wrong).
 
 --repair deletes each damaged object with its record (and stale or orphaned records; an object
@@ -46,14 +51,17 @@ from pathlib import Path
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.checksums import (
     CHECKED_EXTS,
+    RUN_OBJECTS,
     CHECKSUMS_DIR,
     ChecksumError,
     is_checked_key,
     object_key_of_sidecar,
     producer_of,
     read_record,
+    rule_and_shard_of,
     sidecar_key,
     stored_sha256,
+    write_record,
 )
 from dflash_pipeline.core.storage import Storage, StorageError, is_s3_url, open_storage
 
@@ -62,7 +70,7 @@ PARALLEL = 8  # concurrent record reads and hashes (S3 round trips dominate)
 
 @dataclass
 class Finding:
-    kind: str  # missing, damaged, orphaned
+    kind: str  # missing, damaged, unrecorded, orphaned
     key: str
     detail: str
 
@@ -71,7 +79,7 @@ class Finding:
 class Report:
     run_url: str
     checked: int = 0  # objects compared with their record
-    unchecked: list[str] = field(default_factory=list)  # objects without a record
+    unchecked: list[str] = field(default_factory=list)  # objects without a record (also findings)
     findings: list[Finding] = field(default_factory=list)
     stale_records: list[str] = field(default_factory=list)  # records of missing/orphaned objects
 
@@ -85,16 +93,10 @@ class Report:
     def lines(self, storage: Storage) -> list[str]:
         out = [f"{f.kind:<9} {storage.join(f.key)}  {f.detail}" for f in self.findings]
         summary = (
-            f"verify {self.run_url}: {self.checked} shard object(s) match their checksums, "
-            f"{len(self.unchecked)} without a checksum record (accepted), "
+            f"verify {self.run_url}: {self.checked} object(s) match their checksums, "
             f"{len(self.of('missing'))} missing, {len(self.of('damaged'))} damaged, "
-            f"{len(self.of('orphaned'))} orphaned"
+            f"{len(self.of('unrecorded'))} without a checksum record, {len(self.of('orphaned'))} orphaned"
         )
-        if self.unchecked:
-            out.append(
-                f"note: {len(self.unchecked)} object(s) were written before checksums were "
-                f"recorded, e.g. {self.unchecked[0]}: not checked"
-            )
         return [*out, summary]
 
 
@@ -105,18 +107,41 @@ def expected_keys(config: dict) -> list[str]:
     stages = [s for s in ("prepare", "generate", "tokenize") if layout.STAGES.index(s) <= until]
     if until >= layout.STAGES.index("train") and config["train"]["mode"] == "offline":
         stages.append("extract")
-    return [
+    keys = [k for k, rule in RUN_OBJECTS.items() if rule == "ingest"]
+    keys += [
         layout.shard_key(stage, shard, ext)
         for shard in range(config["num_shards"])
         for stage in stages
         for ext in CHECKED_EXTS[stage]
     ]
+    if until >= layout.STAGES.index("train"):
+        keys += [layout.segment_manifest_key(k) for k in range(config["train"]["segments"])]
+        keys += [layout.DRAFTER_CONFIG, layout.DRAFTER_WEIGHTS]
+    return keys
+
+
+def index_mismatch(storage: Storage, key: str) -> str | None:
+    """For a segment manifest: why its checkpoint's index differs from the files it recorded."""
+    from dflash_pipeline.training.checkpoint import INDEX
+
+    manifest = json.loads(storage.read_bytes(key))
+    if "files" not in manifest or "checkpoint_prefix" not in manifest:
+        return None
+    index_key = manifest["checkpoint_prefix"] + INDEX
+    try:
+        index = json.loads(storage.read_bytes(index_key))
+    except Exception as err:  # noqa: BLE001 (absent or unreadable: either is the finding)
+        return f"(its checkpoint index {storage.join(index_key)} is unreadable: {type(err).__name__})"
+    if index.get("files") != manifest["files"]:
+        return f"(its checkpoint index {storage.join(index_key)} no longer lists the files it recorded)"
+    return None
 
 
 def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Report:
     report = Report(storage.url)
     expected = expected_keys(config)
-    objects = {o.key: o for o in storage.list(f"{layout.OUTPUTS_DIR}/") if is_checked_key(o.key)}
+    listed = [*storage.list(f"{layout.OUTPUTS_DIR}/"), *storage.list(f"{layout.DRAFTER_DIR}/")]
+    objects = {o.key: o for o in listed if is_checked_key(o.key)}
     recorded = {k for k in (object_key_of_sidecar(o.key) for o in storage.list(f"{CHECKSUMS_DIR}/")) if k}
     for key in expected:
         if key not in objects:
@@ -135,7 +160,11 @@ def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Repor
         report.findings.append(
             Finding("orphaned", sidecar_key(key), f"(a checksum record of {key}, which does not exist)")
         )
-    beyond = {k for k in objects if int(layout.SHARD_OBJECT.match(k)["shard"]) >= config["num_shards"]}
+    beyond = {
+        k
+        for k in objects
+        if layout.SHARD_OBJECT.match(k) and int(layout.SHARD_OBJECT.match(k)["shard"]) >= config["num_shards"]
+    }
     for key in sorted(beyond):
         report.findings.append(
             Finding("orphaned", key, f"(shard beyond num_shards={config['num_shards']}; left alone by --repair)")
@@ -144,7 +173,7 @@ def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Repor
     def check(key: str) -> Finding | str | None:
         record = read_record(storage, key) if key in recorded else None
         if record is None:
-            return key  # no record: accepted
+            return key
         size = objects[key].size
         if size != record.size:
             return Finding("damaged", key, f"({size} bytes, but {record.producer()} wrote {record.size})")
@@ -154,6 +183,10 @@ def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Repor
                 return Finding(
                     "damaged", key, f"(sha256 {sha[:16]}..., but {record.producer()} wrote {record.sha256[:16]}...)"
                 )
+            if layout.OUTPUTS_DIR + "/train-segment-" in key:
+                mismatch = index_mismatch(storage, key)
+                if mismatch:
+                    return Finding("damaged", key, mismatch)
         return None
 
     with ThreadPoolExecutor(PARALLEL) as pool:
@@ -162,9 +195,17 @@ def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Repor
                 report.findings.append(result)
             elif isinstance(result, str):
                 report.unchecked.append(result)
+                report.findings.append(
+                    Finding(
+                        "unrecorded",
+                        result,
+                        f"(no checksum record {sidecar_key(result)}: made by {producer_of(result)}; a run made "
+                        "before checksums were recorded: verify --adopt, once; else verify --repair rebuilds it)",
+                    )
+                )
             else:
                 report.checked += 1
-    order = {"missing": 0, "damaged": 1, "orphaned": 2}
+    order = {"missing": 0, "damaged": 1, "unrecorded": 2, "orphaned": 3}
     report.findings.sort(key=lambda f: (order[f.kind], f.key))
     return report
 
@@ -173,7 +214,7 @@ def repair_command(
     report: Report, root: str, configfiles: list[str] | None, prefix: str | None, snakemake_args: list[str]
 ) -> list[str] | None:
     """The Snakemake command that rebuilds the missing and damaged objects and what follows."""
-    targets = [f"{root}/{f.key}" for f in report.findings if f.kind in ("missing", "damaged")]
+    targets = [f"{root}/{f.key}" for f in report.findings if f.kind in ("missing", "damaged", "unrecorded")]
     if not targets:
         return None
     cmd = [sys.executable, "-m", "snakemake", "--forcerun", *targets]
@@ -194,6 +235,9 @@ def repair_command(
 def delete_damaged(storage: Storage, report: Report) -> list[str]:
     """Delete each damaged object with its record, and the stale records; the keys deleted."""
     deleted = []
+    for finding in report.of("unrecorded"):
+        storage.delete(finding.key)
+        deleted.append(finding.key)
     for finding in report.of("damaged"):
         for key in (finding.key, sidecar_key(finding.key)):
             storage.delete(key)
@@ -202,6 +246,20 @@ def delete_damaged(storage: Storage, report: Report) -> list[str]:
         storage.delete(sidecar_key(key))
         deleted.append(sidecar_key(key))
     return deleted
+
+
+def adopt(storage: Storage, report: Report) -> int:
+    """Write the record of each unrecorded object, hashed as stored; how many were written."""
+
+    def one(key: str) -> None:
+        sha, size = stored_sha256(storage, key)
+        rule, shard = rule_and_shard_of(key)
+        write_record(storage, key, sha, size, rule, shard, adopted=True)
+
+    keys = [f.key for f in report.of("unrecorded")]
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        list(pool.map(one, keys))
+    return len(keys)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dry-run", action="store_true", help="with --repair: print, change nothing")
     parser.add_argument(
+        "--adopt",
+        action="store_true",
+        help="a run made before checksums were recorded: hash each object without a record as "
+        "stored and write its record (once; the objects are taken as they are)",
+    )
+    parser.add_argument(
         "--sizes-only",
         action="store_true",
         help="compare sizes only (one listing, no object read; misses a flipped byte)",
@@ -241,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.default_storage_prefix and not is_s3_url(args.default_storage_prefix):
         parser.error(f"argument --default-storage-prefix: must be an s3:// URL, got {args.default_storage_prefix!r}")
+    if args.adopt and args.repair:
+        parser.error("--adopt and --repair: give one")
     if snakemake_args and not args.repair:
         parser.error("arguments after -- are for snakemake, which only --repair runs")
     from dflash_pipeline.stages.plan import PlanError, load_run_config
@@ -279,6 +345,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         print("\n".join(report.lines(storage)))
+    if args.adopt:
+        count = adopt(storage, report)
+        print(f"adopted {count} object(s) without a checksum record: their records are written")
+        remaining = [f for f in report.findings if f.kind != "unrecorded"]
+        if remaining:
+            print(
+                "repair: "
+                + shlex.join(
+                    ["python", "-m", "dflash_pipeline.stages.verify", *[a for a in argv if a != "--adopt"], "--repair"]
+                )
+            )
+        return 1 if remaining else 0
     if not args.repair:
         if not report.ok:
             print("repair: " + shlex.join(["python", "-m", "dflash_pipeline.stages.verify", *argv, "--repair"]))

@@ -1,0 +1,104 @@
+"""Checksum records beyond the shard objects (dflash_pipeline.core.checksums): a deleted record is
+an error, verify --adopt writes records once, the ingest outputs, segment manifests (with their
+checkpoint index) and the drafter are checked, and a job that refuses a damaged input says so."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from dflash_pipeline.core import layout
+from dflash_pipeline.core.checksums import (
+    ChecksumError,
+    record_checksum,
+    refusal_key,
+    refused,
+    rule_and_shard_of,
+    sidecar_key,
+    verify_inputs,
+)
+from dflash_pipeline.core.storage import open_storage
+from dflash_pipeline.stages import verify
+from tests.test_checksums import flip_byte, small_run, write_shard
+
+
+def test_a_deleted_record_fails_verify_and_adopt_writes_records_once(tmp_path, monkeypatch, capsys):
+    root, config = small_run(tmp_path)
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(
+        json.dumps(
+            {
+                "results_dir": config["results_dir"],
+                "results_dir_outside_workdir": True,
+                "run": "demo",
+                "until": "tokenize",
+                "num_shards": 2,
+            }
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    store = open_storage(root)
+    # A changed row with its record deleted: named, exit 1.
+    write_shard(root, "outputs/generate-00000.parquet", b"a changed row")
+    store.delete(sidecar_key("outputs/generate-00000.parquet"))
+    assert verify.main(["--configfile", str(config_file)]) == 1
+    out = capsys.readouterr().out
+    assert f"unrecorded {root}/outputs/generate-00000.parquet" in out and "verify --adopt" in out
+    # A run made before records existed: --adopt writes them, once, and says how many.
+    assert verify.main(["--configfile", str(config_file), "--adopt"]) == 0
+    assert "adopted 1 object(s)" in capsys.readouterr().out
+    assert json.loads(store.read_bytes(sidecar_key("outputs/generate-00000.parquet")))["adopted"] is True
+    assert verify.main(["--configfile", str(config_file), "--adopt"]) == 0
+    assert "adopted 0 object(s)" in capsys.readouterr().out
+    assert verify.main(["--configfile", str(config_file)]) == 0
+
+
+def test_verify_names_a_damaged_ingest_output_segment_manifest_index_and_drafter(tmp_path):
+    root = tmp_path / "results/demo"
+    store = open_storage(root)
+    config = {"until": "train", "num_shards": 1, "train": {"mode": "online", "segments": 2}}
+    for key in verify.expected_keys(config):
+        data = key.encode() * 100
+        if key.startswith("outputs/train-segment-"):
+            prefix = layout.checkpoint_prefix(key[-9:-5])
+            files = {"shard-00000-of-00001.pt": {"size": 1, "sha256": "ab"}}
+            data = json.dumps({"checkpoint_prefix": prefix, "files": files}).encode()
+            store.write_text(prefix + "checkpoint.json", json.dumps({"files": files}))
+        record_checksum(store, write_shard(root, key, data), *rule_and_shard_of(key), key=key)
+    assert verify.check_run(store, config).ok
+    flip_byte(root / layout.INGESTED_PROMPTS, 10)
+    flip_byte(root / layout.DRAFTER_WEIGHTS, 10)
+    (root / "outputs/train-segment-0000.json").write_bytes(b"{}")
+    index = layout.checkpoint_prefix(1) + "checkpoint.json"
+    store.write_text(index, json.dumps({"files": {"shard-00000-of-00001.pt": {"size": 1, "sha256": "cd"}}}))
+    found = [(f.kind, f.key, f.detail) for f in verify.check_run(store, config).findings]
+    assert [(k, key) for k, key, _ in found] == [
+        ("damaged", layout.DRAFTER_WEIGHTS),
+        ("damaged", layout.INGESTED_PROMPTS),
+        ("damaged", "outputs/train-segment-0000.json"),
+        ("damaged", "outputs/train-segment-0001.json"),
+    ]
+    assert "rule export" in found[0][2] and "checkpoint index" in found[3][2]
+
+
+def test_a_damaged_input_writes_the_jobs_refusal(tmp_path):
+    root = tmp_path / "results/demo"
+    store = open_storage(root)
+    shard = write_shard(root, "outputs/prepare-00001.parquet")
+    record_checksum(store, shard, "prepare", 1)
+    flip_byte(shard)
+    smk = SimpleNamespace(
+        rule="generate",
+        params={"run_url": str(root)},
+        wildcards={"shard": "00001"},
+        config={},
+        input=[str(shard)],
+        output=[],
+    )
+    with pytest.raises(ChecksumError, match="prepare-00001.parquet is damaged"):
+        verify_inputs(smk, [str(shard)])
+    refusal = refused(store, "generate", {"shard": "00001"})
+    assert refusal["input"] == "outputs/prepare-00001.parquet"
+    assert refusal_key("generate", {"shard": "00001"}).endswith("refused/generate-shard=00001.json")
