@@ -10,6 +10,7 @@ from dflash_pipeline.core.config import job_settings
 from dflash_pipeline.core.gpu_slots import job_devices, pool_from_config
 from dflash_pipeline.core.joblog import JobAttempt, bundle_logs
 from dflash_pipeline.stages.evaluate import evaluate_job
+from dflash_pipeline.training.tracker import log_evaluation
 
 
 def run(smk) -> None:
@@ -40,19 +41,24 @@ def evaluate(smk, engine_dir: Path) -> None:
     torch.set_num_threads(1 if not smk.resources.gpu else smk.threads)
     # The engine's memory share and extra arguments come from the config.
     settings = job_settings(smk.config, "evaluate", dict(smk.params.settings))
-    with job_devices(smk.resources.gpu, *pool_from_config(smk.config)):
-        evaluate_job(
-            smk.params.model,
-            str(Path(smk.input.drafter_config).parent),
-            smk.params.ingested,
-            list(smk.input.heldout),
-            smk.output.metrics,
-            settings,
-            smk.params.thinking,
-            Path(smk.log.job).with_suffix(".failed-metrics.json"),
-            engine_dir,
-            smk.config["engines"],
-        )
+    try:
+        with job_devices(smk.resources.gpu, *pool_from_config(smk.config)):
+            evaluate_job(
+                smk.params.model,
+                str(Path(smk.input.drafter_config).parent),
+                smk.params.ingested,
+                list(smk.input.heldout),
+                smk.output.metrics,
+                settings,
+                smk.params.thinking,
+                Path(smk.log.job).with_suffix(".failed-metrics.json"),
+                engine_dir,
+                smk.config["engines"],
+            )
+    finally:
+        # The experiment tracker (train.tracker) gets the headline figures, a failed gate's too:
+        # the metrics JSON is written before a gate fails.
+        log_evaluation(smk.config["train"], smk.params.run_url, smk.output.metrics)
 
 
 run(snakemake)  # noqa: F821 (injected by Snakemake)

@@ -149,6 +149,11 @@ def train_progress_prefix(segment: int | str) -> str:
 
 
 TRAIN_METRICS = "metrics.jsonl"
+# train.tracker tensorboard: the event files of every segment and of evaluate (a local run root
+# gets them written there; an S3 one, uploaded from the job's local folder).
+TENSORBOARD_DIR = f"{LOGS_DIR}/tensorboard"
+# train.tracker mlflow: the run id every later job of the run reopens.
+TRACKER_STATE = f"{PROGRESS_DIR}/tracker.json"
 # The exported drafter (z-lab format) that SGLang and vLLM load: a folder of two files.
 DRAFTER_DIR = "drafter"
 DRAFTER_CONFIG = f"{DRAFTER_DIR}/config.json"

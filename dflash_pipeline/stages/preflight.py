@@ -15,6 +15,7 @@ and what to do:
   variables, ``~/.aws``, an instance role), the endpoint reachable, the bucket readable;
 * offline mode's stored taps: ``train.hidden_dtype`` float32 is refused where ``extract`` runs
   the target on a GPU (``train.gpus_per_job`` > 0), which computes in bfloat16;
+* the experiment tracker (``train.tracker``): its library importable, else the pip extra to install;
 * the engines the run launches (``engines.preflight``): installed where ``engines`` says, and the
   evaluation engine's version serves the drafter the config trains.
 """
@@ -39,6 +40,7 @@ from dflash_pipeline.data.prompts import detect_format
 from dflash_pipeline.stages.cli import looks_like_hub_id
 from dflash_pipeline.engines.preflight import check_engines
 from dflash_pipeline.training.offline import extract_device, stored_dtype_problem
+from dflash_pipeline.training.tracker import tracker_problems
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
@@ -225,6 +227,7 @@ def run_problems(config: dict, run_url: str, workdir: Path = Path(".")) -> tuple
     problems += dataset_problems(config["dataset"]["paths"], workdir, check_s3=not storage)
     problems += storage
     problems += offline_problems(config["train"])
+    problems += tracker_problems(config["train"])
     engine_problems, ready = check_engines(config)
     return problems + engine_problems, ready
 

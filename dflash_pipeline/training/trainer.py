@@ -50,6 +50,7 @@ from dflash_pipeline.training.rolling_checkpoints import RollingCheckpoints
 from dflash_pipeline.training.data import BatchOrder, collate, read_training_sequences
 from dflash_pipeline.training.selector import selector_metrics, selector_weight
 from dflash_pipeline.training.step import optimizer_step
+from dflash_pipeline.training.tracker import Tracker, open_tracker, train_scalars
 
 log = logging.getLogger(__name__)
 PREEMPTED_EXIT_CODE = 143
@@ -367,6 +368,8 @@ class _SegmentRun:
             self.storage, self.job.segment, (self.start_step, self.end_step), s["metrics_every_seconds"]
         )
         metrics.resume_from(self.step)
+        # The experiment tracker (train.tracker), main rank only: it logs what metrics.jsonl holds.
+        self.tracker = open_tracker(s, self.job.run_url) if self.dist.is_main else Tracker()
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         log.info(
             f"segment {self.job.segment}: steps {self.step}..{self.end_step - 1} from {source}; "
@@ -385,6 +388,7 @@ class _SegmentRun:
                     self.rolling.reserve(self._state(), self.dist)
                 if self.dist.is_main:
                     metrics.add(record)
+                    self.tracker.log(train_scalars(record), record["step"])
                 # One all-reduce per step: a SIGTERM on any rank, whether a background
                 # checkpoint write is still running on any rank, and whether the driver is gone.
                 stop, writing, orphaned = self.dist.flags_any(
@@ -423,6 +427,7 @@ class _SegmentRun:
             return self._finish(metrics)
         finally:
             signal.signal(signal.SIGTERM, previous)
+            self.tracker.close()
 
     def _shared_state(self) -> dict:
         """The state every rank saves a share of: refused if the replicas differ (every
@@ -453,6 +458,7 @@ class _SegmentRun:
     def _flush(self, metrics: MetricsLog) -> None:
         if self.dist.is_main:
             metrics.flush("running")
+            self.tracker.flush()
 
     def _finish(self, metrics: MetricsLog) -> dict:
         manifest = None
