@@ -14,6 +14,8 @@ from dflash_pipeline.core.lease import (
 )
 from dflash_pipeline.snakemake_patches.planning import install_planning_patches
 from dflash_pipeline.snakemake_patches.s3_inventory import install_folder_inventory
+from dflash_pipeline.snakemake_patches.storage_outage import ride_out_plugin_outages
+from dflash_pipeline.core.outage import OUTAGE_TOLERANCE_ENV
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.core.s3 import S3Storage
 
@@ -23,6 +25,12 @@ install_folder_inventory()
 # Planning 10,000s of jobs: Snakemake's per-job checks without repeats
 # (dflash_pipeline.snakemake_patches.planning).
 install_planning_patches()
+
+# Storage outages up to storage.outage_tolerance_s are ridden out (dflash_pipeline.core.outage):
+# by the S3 plugin of this process, and by the jobs, which inherit the tolerance (locally and
+# through sbatch) and read the same config in their own Snakemake process.
+os.environ[OUTAGE_TOLERANCE_ENV] = str(config["storage"]["outage_tolerance_s"])
+ride_out_plugin_outages(workflow.storage_registry)
 
 
 def check_offline_budget():

@@ -230,11 +230,9 @@ def test_missing_credentials_are_one_line(s3_server, s3_env, tmp_path, monkeypat
 def test_an_unreachable_server_is_one_line(s3_env, tmp_path, monkeypatch, capsys):
     from tests.support.seaweed import free_port
 
-    import dflash_pipeline.core.s3 as storage
-
     monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
-    # Two attempts: the default rides out minutes of outage, which this test need not wait for.
-    monkeypatch.setattr(storage, "S3_MAX_ATTEMPTS", 2)
+    # No outage tolerance: the default rides out minutes of outage, which this test need not wait for.
+    monkeypatch.setenv("DFLASH_STORAGE_OUTAGE_TOLERANCE_S", "0")
     url = "s3://dflash-test/results/demo"
     err = one_line_error(capsys, ["--run-url", url, "--to", str(tmp_path / "d")])
-    assert url in err and "Could not connect" in err
+    assert url in err and "unreachable" in err and "EndpointConnectionError" in err

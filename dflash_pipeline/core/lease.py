@@ -290,9 +290,19 @@ def driver_problem(storage: Storage, token: str, now: float | None = None, host:
     owner = record.get("owner") or {}
     if owner.get("token") != token:
         return f"another driver took the run over: {describe_holder(record)}"
-    if is_stale(record, time.time() if now is None else now, host):
+    if is_stale(record, time.time() if now is None else now, host) and not _alive_here(owner, host):
         return f"its driver is gone: {describe_holder(record)}"
     return None
+
+
+def _alive_here(owner: dict, host: str | None) -> bool:
+    """Whether the lease's holder is a live process of this host: its lease expired only because
+    a storage outage longer than the lease kept its heartbeats out (it beats once storage is back)."""
+    try:
+        here = socket.gethostname() if host is None else host
+        return owner["host"] == here and process_alive(int(owner["pid"]), owner.get("process_start"))
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def raise_if_driverless(storage: Storage, job: str) -> None:

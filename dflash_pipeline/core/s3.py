@@ -4,8 +4,9 @@ The endpoint and credentials are resolved as the Snakemake S3 plugin resolves th
 environment variables (``SNAKEMAKE_STORAGE_S3_*``) first; whatever they leave unset is left to
 boto, which finds ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws`` profiles or an
 instance role, and ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3`` (the plugin hands boto ``None``
-for each unset setting, so jobs and plugin always agree). Every call retries with botocore's
-backoff and logs each failed try; one client is shared per process and configuration; conditional writes (``If-None-Match``,
+for each unset setting, so jobs and plugin always agree). Every call rides out a storage outage
+of up to ``storage.outage_tolerance_s`` (``dflash_pipeline.core.outage``), each failed try a
+warning; one client is shared per process and configuration; conditional writes (``If-None-Match``,
 ``If-Match``) serve the run lease; ranged reads serve parquet readers.
 """
 
@@ -13,16 +14,12 @@ from __future__ import annotations
 
 import functools
 import io
-import logging
 import os
 
+from dflash_pipeline.core import outage
 from dflash_pipeline.core.storage import NotFound, ObjectInfo, Storage, StorageError
 
 S3_ENV_PREFIX = "SNAKEMAKE_STORAGE_S3_"
-# botocore's standard mode backs off exponentially up to 20 s per attempt: 15 attempts ride out
-# an outage of about three minutes (the profiles give the S3 plugin the same); DFLASH_S3_MAX_ATTEMPTS
-# changes it.
-S3_MAX_ATTEMPTS = int(os.environ.get("DFLASH_S3_MAX_ATTEMPTS") or 15)
 BUCKET_SENTINEL_KEY = ".dflash-pipeline-bucket"
 
 
@@ -96,29 +93,12 @@ def s3_endpoint(client) -> str:
     return "AWS S3" if url.endswith(".amazonaws.com") else url
 
 
-_retry_log = logging.getLogger("dflash_pipeline.storage")
-
-
-def _log_retry(max_attempts, attempts=None, caught_exception=None, response=None, operation=None, **_):
-    """botocore's ``needs-retry`` event, seen by every attempt: a failed one is logged before
-    botocore's own handler backs off and retries it, so a job's log shows an outage it rode
-    out (returns None: the decision stays botocore's)."""
-    status = (response[1] if response else {}).get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-    if caught_exception is None and status < 500 and status != 429:
-        return None
-    cause = type(caught_exception).__name__ if caught_exception is not None else f"HTTP {status}"
-    name = getattr(operation, "name", "request")
-    # botocore's max_attempts counts the retries: one first try, then up to that many more.
-    tries = max_attempts + 1
-    then = "retrying with backoff" if (attempts or 0) < tries else "giving up"
-    _retry_log.warning("S3 %s failed (%s), try %s of %d; %s", name, cause, attempts, tries, then)
-    return None
-
-
 def s3_client(max_attempts: int | None = None, **timeouts):
     """A boto3 S3 client configured as the S3 plugin is (``SNAKEMAKE_STORAGE_S3_*``, else boto's
-    own resolution), retrying ``max_attempts`` times (default ``S3_MAX_ATTEMPTS``) with botocore's
-    backoff, each failed attempt logged; ``timeouts``: botocore's connect_timeout / read_timeout.
+    own resolution). By default it rides out storage outages (``dflash_pipeline.core.outage``:
+    backoff up to ``storage.outage_tolerance_s``, each try a warning); ``max_attempts`` instead
+    gives up after that many retries of botocore's own (a check that must answer at once);
+    ``timeouts``: botocore's connect_timeout / read_timeout.
 
     The default client (no arguments) is made once per process and configuration and shared
     (boto3 clients are thread-safe): a job opens many storages, each of which would otherwise
@@ -127,23 +107,25 @@ def s3_client(max_attempts: int | None = None, **timeouts):
     if max_attempts is None and not timeouts:
         aws = tuple((name, os.environ.get(name)) for name in AWS_ENV_VARS)
         return _shared_client(tuple(sorted(settings.items())), aws)
-    return _new_client(settings, max_attempts or S3_MAX_ATTEMPTS, timeouts)
+    return _new_client(settings, max_attempts, timeouts)
 
 
 @functools.lru_cache(maxsize=8)
 def _shared_client(settings: tuple, aws_env: tuple):
     """``aws_env``: boto's own variables, part of the key only (boto reads them itself)."""
-    return _new_client(dict(settings), S3_MAX_ATTEMPTS, {})
+    return _new_client(dict(settings), None, {})
 
 
-def _new_client(settings: dict, max_attempts: int, timeouts: dict):
+def _new_client(settings: dict, max_attempts: int | None, timeouts: dict):
     import boto3
     from botocore.config import Config
 
+    # Riding out an outage, botocore makes one try per call and outage.ride_out every retry.
+    retries = {"total_max_attempts": 1} if max_attempts is None else {"max_attempts": max_attempts}
     # Non-AWS servers (SeaweedFS, MinIO) store boto's default checksum trailers inside the
     # object; the S3 plugin switches them off the same way.
     config = Config(
-        retries={"max_attempts": max_attempts, "mode": "standard"},
+        retries={**retries, "mode": "standard"},
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         **timeouts,
@@ -160,7 +142,8 @@ def _new_client(settings: dict, max_attempts: int, timeouts: dict):
         region_name=settings["region"],
         config=config,
     )
-    client.meta.events.register("needs-retry.s3", functools.partial(_log_retry, max_attempts))
+    if max_attempts is None:
+        outage.install(client)
     return client
 
 
