@@ -197,3 +197,31 @@ def test_a_live_driver_whose_lease_expired_in_an_outage_still_drives_the_run(tmp
     elsewhere = driver_problem(store, lease.owner["token"], now=after_outage, host="another-host")
     assert elsewhere.startswith("its driver is gone")
     lease.release()
+
+
+def test_the_s3_plugin_rides_out_outages_too(monkeypatch):
+    """The driver's S3 plugin (its existence checks, uploads of declared outputs and logs) gets
+    the same handler: an unreachable endpoint is retried, then fails naming the outage."""
+    import types
+
+    import boto3
+    import snakemake_storage_plugin_s3 as plugin
+
+    from dflash_pipeline.snakemake_patches.storage_outage import ride_out_plugin_outages
+    from tests.support.seaweed import free_port
+
+    monkeypatch.setenv("DFLASH_STORAGE_OUTAGE_TOLERANCE_S", "1")
+    provider = object.__new__(plugin.StorageProvider)  # as the registry holds it, settings aside
+    provider.s3c = boto3.resource(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{free_port()}",
+        aws_access_key_id="k",
+        aws_secret_access_key="s",
+        region_name="us-east-1",
+        config=boto3.session.Config(retries={"max_attempts": 15, "mode": "standard"}),  # the profile's
+    )
+    assert ride_out_plugin_outages(types.SimpleNamespace(_storages={"s3": provider})) == 1
+    started = time.monotonic()
+    with pytest.raises(StorageOutage, match=r"s3://b/k unreachable since .*gave up after the outage tolerance of 1 s"):
+        provider.s3c.meta.client.head_object(Bucket="b", Key="k")
+    assert time.monotonic() - started < 10  # the tolerance, not the plugin's 15 retries, decides
