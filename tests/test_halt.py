@@ -135,10 +135,12 @@ def test_halted_generate_extract_and_train_jobs_refuse_before_loading_anything(t
         extract_job("none.parquet", missing, {}, str(tmp_path), "00002", "manifest.json")
     with pytest.raises(RunHalted, match=r"^train segment 0001 stopped: "):
         train_job(str(tmp_path), 1, {}, missing, [], [], "manifest.json", 0)
-    # Through the CLI: arguments that pass its checks (a prompts file, a folder with a config),
+    # Through the CLI: arguments that pass its checks (a prompt shard, a folder with a config),
     # and still nothing is loaded.
+    from dflash_pipeline.stages.prepare import PROMPT_SCHEMA
+
     prompts, model = tmp_path / "p.parquet", tmp_path / "model"
-    prompts.write_bytes(b"")
+    pq.write_table(PROMPT_SCHEMA.empty_table(), prompts)
     model.mkdir()
     (model / "config.json").write_text("{}")
     assert (

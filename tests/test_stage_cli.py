@@ -10,30 +10,36 @@ import json
 import subprocess
 import sys
 
+import pyarrow.parquet as pq
 import pytest
 
+from dflash_pipeline.data.tokenized import TOKENIZED_SCHEMA
+from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
 from dflash_pipeline.stages import cli
+from dflash_pipeline.stages.prepare import PROMPT_SCHEMA
 
 # Placeholders in the argument lists below, made real per test by `paths`.
 FILE, FOLDER, MODEL, MISSING, EMPTY_DIR, SETTINGS, MANIFEST, BAD_JSON_FILE = (
     "@file", "@folder", "@model", "@missing", "@empty-dir", "@settings", "@manifest", "@bad-json-file",
 )  # fmt: skip
+# Empty shards of each stage's schema: a shard reader reads its input's columns while parsing.
+PREPARE_SHARD, GENERATE_SHARD, TOKENIZE_SHARD = "@prepare-shard", "@generate-shard", "@tokenize-shard"
 
 # Valid arguments per stage (what one bad value replaces), as (option, value) pairs; an option
 # starting with "<" is a positional.
 VALID = {
-    "generate": [("--prompts", FILE), ("--out", "o.parquet"), ("--run-url", FOLDER), ("--shard", "0"),
+    "generate": [("--prompts", PREPARE_SHARD), ("--out", "o.parquet"), ("--run-url", FOLDER), ("--shard", "0"),
                  ("--model", MODEL), ("--generation-json", "{}"), ("--engines-json", "{}")],
     "evaluate": [("--target", MODEL), ("--drafter", MODEL), ("--prompts", FILE), ("--out", "m.json")],
-    "tokenize": [("<generated>", FILE), ("--model", MODEL), ("--out", "t.parquet"), ("--stats", "s.json"),
+    "tokenize": [("<generated>", GENERATE_SHARD), ("--model", MODEL), ("--out", "t.parquet"), ("--stats", "s.json"),
                  ("--settings-json", "{}")],
     "prepare ingest": [("<paths>", FILE), ("--num-shards", "2"), ("--out-prompts", "a"),
                        ("--out-summary", "b"), ("--out-quarantine", "c")],
     "prepare select": [("<ingested>", FILE), ("--shard", "0"), ("--out", "x.parquet")],
     "train": [("--run-url", FOLDER), ("--segment", "0"), ("--settings", SETTINGS), ("--target", MODEL),
-              ("--manifest", "m.json"), ("--tokenized", f"00000={FILE}")],
+              ("--manifest", "m.json"), ("--tokenized", f"00000={TOKENIZE_SHARD}")],
     "export": [("--run-url", FOLDER), ("--manifest", MANIFEST), ("--out", "drafter")],
-    "extract": [("<tokenized>", FILE), ("--target", MODEL), ("--settings-json", "{}"), ("--run-url", FOLDER),
+    "extract": [("<tokenized>", TOKENIZE_SHARD), ("--target", MODEL), ("--settings-json", "{}"), ("--run-url", FOLDER),
                 ("--shard", "00000"), ("--manifest", "m.json")],
     "tokenize clear-halt": [("--run-url", FOLDER)],
 }  # fmt: skip
@@ -97,6 +103,18 @@ CASES = [
     ("export", "--manifest", BAD_JSON_FILE, "is not valid JSON"),
     ("export", "--manifest", SETTINGS, "is not a segment manifest (no checkpoint_prefix, drafter_config)"),
     ("extract", "<tokenized>", MISSING, "no such file"),
+    # Another stage's shard: one line naming the file, what it is and what the stage reads.
+    (
+        "tokenize",
+        "<generated>",
+        PREPARE_SHARD,
+        "a prepare shard (columns id, shard, split, messages, source), tokenize reads generate shards",
+    ),
+    ("tokenize", "<generated>", FILE, "not a parquet file"),
+    ("generate", "--prompts", TOKENIZE_SHARD, "a tokenize shard (columns id, split, turn, input_ids"),
+    ("generate", "--prompts", GENERATE_SHARD, "a generate shard (columns id, shard, split, messages, turns"),
+    ("extract", "<tokenized>", GENERATE_SHARD, "a generate shard (columns "),
+    ("train", "--tokenized", f"00000={PREPARE_SHARD}", "), train reads tokenize shards (shard 00000)"),
     ("extract", "--target", MISSING, "no such folder"),
     ("extract", "--settings-json", "[]", "must be a JSON object"),
     ("extract", "--shard", "-1", "is not a shard number"),
@@ -115,7 +133,11 @@ def paths(tmp_path):
     (tmp_path / "settings.json").write_text('{"mode": "online"}')
     (tmp_path / "manifest.json").write_text('{"checkpoint_prefix": "c/", "drafter_config": {}}')
     (tmp_path / "bad.json").write_text('{"block_size": 4,\n "seed": 1,}\n')
+    shards = {PREPARE_SHARD: PROMPT_SCHEMA, GENERATE_SHARD: GENERATED_SCHEMA, TOKENIZE_SHARD: TOKENIZED_SCHEMA}
+    for placeholder, schema in shards.items():
+        pq.write_table(schema.empty_table(), tmp_path / f"{placeholder.strip('@')}.parquet")
     return {
+        **{placeholder: str(tmp_path / f"{placeholder.strip('@')}.parquet") for placeholder in shards},
         FILE: str(tmp_path / "data.parquet"), FOLDER: str(tmp_path / "run"), MODEL: str(tmp_path / "model"),
         MISSING: str(tmp_path / "no-such-thing"), EMPTY_DIR: str(tmp_path / "empty"),
         SETTINGS: str(tmp_path / "settings.json"), MANIFEST: str(tmp_path / "manifest.json"),
@@ -245,13 +267,16 @@ def test_end_to_end_a_missing_model_folder_never_reaches_transformers(paths):
         ("evaluate", "--target", MISSING, "no such folder"),
         ("train", "--tokenized", f"00000={MISSING}", "no such file"),
         ("prepare ingest", "--num-shards", "0", "must be an integer from 1 to 99999"),
+        # Before: KeyError: 'turns' from deep inside the tokenizer's rows.
+        ("tokenize", "<generated>", PREPARE_SHARD, "a prepare shard (columns id, shard, split, messages, source), "
+         "tokenize reads generate shards"),
     ],
 )  # fmt: skip
 def test_end_to_end_through_python_m(stage, option, value, reason, paths):
     proc = run_module(stage.split()[0], *argv_for(stage, paths, (option, value)))
     assert proc.returncode == 2, proc.stderr
     line = error_line(proc.stderr)
-    assert f"error: argument {option}: " in line and reason in line, line
+    assert f"error: argument {option.strip('<>')}: " in line and reason in line, line
 
 
 def test_a_failed_export_is_one_line_with_exit_code_1(paths):

@@ -171,3 +171,36 @@ def shard_file(value: str) -> str:
     except argparse.ArgumentTypeError as err:
         _fail(f"{err} (shard {shard})")
     return value
+
+
+def shard_of(expected: str, reader: str) -> Callable[[str], str]:
+    """A local parquet shard written by stage ``expected`` (told by its columns,
+    ``dflash_pipeline.data.shard_kinds``): another stage's shard is refused naming both."""
+    from dflash_pipeline.data.shard_kinds import ShardKindError, require_file_kind
+
+    def check(value: str) -> str:
+        existing_file(value)
+        try:
+            require_file_kind(value, expected, reader)
+        except ShardKindError as err:
+            _fail(str(err))
+        return value
+
+    check.__name__ = f"{expected}_shard"
+    return check
+
+
+def shard_file_of(expected: str, reader: str) -> Callable[[str], str]:
+    """``SHARD=PATH`` (``shard_file``) with PATH a local ``expected`` shard (``shard_of``)."""
+    kind_check = shard_of(expected, reader)
+
+    def check(value: str) -> str:
+        shard_file(value)
+        try:
+            kind_check(value.partition("=")[2])
+        except argparse.ArgumentTypeError as err:
+            _fail(f"{err} (shard {value.partition('=')[0]})")
+        return value
+
+    check.__name__ = f"{expected}_shard_file"
+    return check

@@ -29,6 +29,7 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import raise_if_halted
 from dflash_pipeline.core.lease import raise_if_driverless
 from dflash_pipeline.data.hidden import FP8_MAX, HIDDEN_DTYPES, StreamingSafetensors
+from dflash_pipeline.data.shard_kinds import ShardKindError, require_file_kind
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ def extract_shard(
     problem = stored_dtype_problem(hidden_dtype, device)
     if problem:
         raise ValueError(problem)
+    require_file_kind(tokenized_path, "tokenize", "extract")  # before the target loads
     table = pq.read_table(tokenized_path, columns=["split", "input_ids"])
     rows = [i for i, s in enumerate(table["split"].to_pylist()) if s == TRAIN]
     sequences = [np.asarray(table["input_ids"][i].values, dtype=np.int64) for i in rows]
@@ -151,10 +153,10 @@ def extract_job(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_pipeline.stages.cli import existing_file, json_object, model_dir, or_s3, shard_name
+    from dflash_pipeline.stages.cli import json_object, model_dir, or_s3, shard_name, shard_of
 
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.extract", description=__doc__)
-    parser.add_argument("tokenized", type=or_s3(existing_file), help="tokenized shard parquet")
+    parser.add_argument("tokenized", type=or_s3(shard_of("tokenize", "extract")), help="tokenized shard parquet")
     parser.add_argument("--target", type=model_dir, required=True, help="target model folder")
     parser.add_argument("--settings-json", type=json_object, required=True, help="the `train` config as JSON")
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://)")
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         extract_job(
             args.tokenized, args.target, args.settings_json, args.run_url, args.shard, args.manifest, args.device
         )
-    except RunHalted as err:
+    except (RunHalted, ShardKindError) as err:
         log.error("%s", err)
         return 1
     return 0

@@ -26,6 +26,7 @@ from dflash_pipeline.core.jobstate import RunHalted, ShardProgress, raise_if_hal
 from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.lease import DriverGone
 from dflash_pipeline.core.storage import open_storage, write_atomically
+from dflash_pipeline.data.shard_kinds import ShardKindError, require_file_kind
 from dflash_pipeline.engines.client import EngineClient, EngineError, make_adapter
 from dflash_pipeline.engines.environments import EngineSetupError, engine_version
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec, server_port
@@ -61,6 +62,8 @@ def run_job(
     workflow's: the job's declared log and this attempt's own file)."""
     progress = ShardProgress(open_storage(run_url), "generate", shard)
     raise_if_halted(progress.run, f"generate shard {shard:05d}")
+    # Before any engine starts: another stage's shard would fail on its first row.
+    require_file_kind(prompts_path, "prepare", "generate")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -120,10 +123,12 @@ def run_job(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_pipeline.stages.cli import existing_file, json_object, model_dir, non_negative_int, or_s3
+    from dflash_pipeline.stages.cli import json_object, model_dir, non_negative_int, or_s3, shard_of
 
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.generate", description=__doc__)
-    parser.add_argument("--prompts", type=or_s3(existing_file), required=True, help="prompt shard parquet")
+    parser.add_argument(
+        "--prompts", type=or_s3(shard_of("prepare", "generate")), required=True, help="prompt shard parquet"
+    )
     parser.add_argument("--out", required=True, help="generated shard parquet")
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://)")
     parser.add_argument("--shard", type=non_negative_int, required=True)
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             args.runtime_dir,
             args.engines_json,
         )
-    except (EngineError, EngineSetupError, RunHalted, DriverGone) as err:
+    except (EngineError, EngineSetupError, RunHalted, DriverGone, ShardKindError) as err:
         log.error("%s", err)
         return 1
     return 0

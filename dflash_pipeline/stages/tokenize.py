@@ -41,6 +41,7 @@ from dflash_pipeline.core.jobstate import (
 )
 from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage, write_atomically
 from dflash_pipeline.data.quality import DegenerateShard
+from dflash_pipeline.data.shard_kinds import ShardKindError, require_file_kind
 from dflash_pipeline.data.sharding import HELDOUT
 from dflash_pipeline.data.tokenized import ShardTokenizer
 
@@ -64,6 +65,8 @@ def tokenize_file(
     written there on their own (``heldout_rows``)."""
     from transformers import AutoTokenizer
 
+    # A prepare or tokenize shard would fail deep inside (KeyError: 'turns'): refuse it first.
+    require_file_kind(generated, "generate", "tokenize")
     tokenizer = AutoTokenizer.from_pretrained(model)
     table = pq.read_table(generated)
     name = generated.rsplit("/", 1)[-1]
@@ -196,11 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         return halt_main(argv)
     from dflash_pipeline.stages.cli import (
         existing_dir,
-        existing_file,
         json_object,
         non_negative_int,
         or_s3,
         positive_int,
+        shard_of,
     )
 
     parser = argparse.ArgumentParser(
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         epilog="Also: python -m dflash_pipeline.stages.tokenize clear-halt|show-halt --help",
     )
-    parser.add_argument("generated", type=or_s3(existing_file), help="generated shard parquet")
+    parser.add_argument("generated", type=or_s3(shard_of("generate", "tokenize")), help="generated shard parquet")
     parser.add_argument("--model", type=existing_dir, required=True, help="target model folder (its tokenizer)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--stats", required=True)
@@ -240,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
             args.heldout,
         )
     except DegenerateShard:
+        return 1
+    except ShardKindError as err:  # an s3:// input, not checked while the arguments were parsed
+        log.error("%s", err)
         return 1
     return 0
 

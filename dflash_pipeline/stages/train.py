@@ -117,14 +117,16 @@ def parse_shard_paths(values: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_pipeline.stages.cli import json_file, model_dir, non_negative_int, shard_file
+    from dflash_pipeline.stages.cli import json_file, model_dir, non_negative_int, shard_file, shard_file_of
 
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.train", description=__doc__)
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://bucket/prefix)")
     parser.add_argument("--segment", type=non_negative_int, required=True)
     parser.add_argument("--settings", type=json_file, required=True, help="JSON file with the config's `train` section")
     parser.add_argument("--target", type=model_dir, required=True, help="target model folder")
-    parser.add_argument("--tokenized", type=shard_file, nargs="+", default=[], metavar="SHARD=PATH")
+    parser.add_argument(
+        "--tokenized", type=shard_file_of("tokenize", "train"), nargs="+", default=[], metavar="SHARD=PATH"
+    )
     parser.add_argument("--hidden", type=shard_file, nargs="*", default=[], metavar="SHARD=MANIFEST")
     parser.add_argument(
         "--shards",

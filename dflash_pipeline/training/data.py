@@ -29,6 +29,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import torch
 
+from dflash_pipeline.data.shard_kinds import kind_problem
 from dflash_pipeline.data.sharding import TRAIN
 
 BUCKET_WINDOW_BATCHES = 16
@@ -140,6 +141,9 @@ def _convert(path: Path, out: Path) -> None:
         parquet = pq.ParquetFile(path)
     except (OSError, pa.ArrowInvalid) as err:
         raise TrainingDataError(f"{path}: not a readable tokenized shard ({err})") from None
+    problem = kind_problem(parquet.schema_arrow.names, str(path), "tokenize", "train")
+    if problem:
+        raise TrainingDataError(problem)
     missing = [c for c in COLUMNS if c not in parquet.schema_arrow.names]
     if missing:
         raise TrainingDataError(f"{path}: no column(s) {missing} (is it a tokenize stage output?)")
