@@ -90,6 +90,8 @@ return {
   stages: Object.fromEntries([...document.querySelectorAll("#stages tbody tr")].map(
     (row) => [row.dataset.stage, row.querySelectorAll("td")[2].textContent])),
   state: document.getElementById("workflow-state").textContent,
+  headline: Object.fromEntries([...document.querySelectorAll("#headline [data-key]")].map(
+    (item) => [item.dataset.key, item.querySelector("dd").textContent])),
 };
 """
 
@@ -176,6 +178,13 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
     assert final["curvePoints"] == 12  # every optimizer step of both segments
     assert final["evaluation"].startswith("Evaluation (DFlash): acceptance length τ = ")
     assert final["state"] == "finished"
+    # The headline strip: the loop's τ, the lossless check (greedy demo evaluation) and the
+    # speed-up are measured; no serving engine was, so its τ stays "—".
+    headline = final["headline"]
+    assert float(headline["tau_loop"]) > 0, headline
+    assert headline["lossless"].startswith("loop: passed: 2 prompts"), headline
+    assert headline["speedup"].endswith("×") and headline["tau_engine"] == "—", headline
+    assert headline["samples"] != "—" and headline["tokens"] != "—", headline
 
     workflow.snakemake("--report", "report.html")
     browser.get((workflow.root / "report.html").as_uri())
@@ -195,6 +204,10 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
     ):
         assert section in body, f"report section {section!r} missing"
     assert "data-quality gate" in body  # the workflow description page
+    # Its headline table (rule report_headline), and that item first in the first category.
+    assert "Headline figures" in body and "τ (loop)" in body and "lossless" in body, body[:2000]
+    assert "speed-up (estimated)" in body and "loop: passed: 2 prompts" in body
+    assert body.index("0. Headline") < body.index("1. Prompts")
     browser.find_element("xpath", "//*[normalize-space(text())='2. Generation']").click()
     body = wait_for(body_text, lambda text: "report-generation-lengths.svg" in text)
     assert "report-generation-lengths.svg" in body and "report-generation-finish.svg" in body
@@ -227,6 +240,7 @@ def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp
                   evaluation: document.getElementById("evaluation").textContent,
                   algorithm: document.getElementById("training-algorithm").textContent,
                   tune: document.getElementById("tune").textContent,
+                  headline: document.getElementById("headline").textContent,
                 };""")
 
         page = wait_for(read_training, lambda page: page["points"], poll_s=0.3)
@@ -240,4 +254,7 @@ def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp
     assert (page["points"], page["acceptPoints"], page["segments"]) == (5, 1, 2)
     assert "τ = 2.5" in page["evaluation"] and "math: 2.7" in page["evaluation"]
     assert page["algorithm"] == "Drafter: DFlash" and "Evaluation (DFlash)" in page["evaluation"]
+    # The headline strip: write_run's evaluation (τ 2.5, speed-up 2.1), no lossless check.
+    assert "τ (loop)2.50" in page["headline"] and "speed-up (estimated)2.10×" in page["headline"]
+    assert "lossless—" in page["headline"]
     assert page["tune"].startswith("Engine settings measured by tune: concurrency 128 with MTP, 2,345.6 tokens/s")
