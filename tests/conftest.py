@@ -60,12 +60,29 @@ XDIST_GROUPS = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = XDIST_GROUPS.get(item.path.name)
         if group and not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(group))
+    result = yield
+    # An xdist worker tells the scheduler an item's group by the suffix "@<group>" of its node id.
+    # xdist 3.8 writes it to Node._nodeid, which pytest 9.2 no longer reads (the id is Node._id):
+    # without this, --dist loadgroup spreads a group's tests over the workers like --dist load.
+    if getattr(config.option, "loadgroup", False):  # set on an xdist worker under --dist loadgroup
+        from _pytest.nodeid import coerce_node_id
+
+        for item in items:
+            names = sorted(
+                {
+                    str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")
+                }
+            )
+            if names and not item.nodeid.endswith(f"@{'_'.join(names)}") and hasattr(item, "_id"):
+                item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -73,6 +73,7 @@ AFTER_TRAIN = {
     "evaluate": 1,
     "report_training": 1,
     "report_evaluation": 1,
+    "report_headline": 1,
     "report_storage": 1,
     "all": 1,
 }
@@ -147,9 +148,12 @@ DEFINING_CHANGES = [
     ({"train": {"learning_rate": 0.01}}, AFTER_TRAIN),
     (
         {"train": {"export_dtype": "float32"}},
-        {"export": 1, "evaluate": 1, "report_evaluation": 1, "report_storage": 1, "all": 1},
+        {"export": 1, "evaluate": 1, "report_evaluation": 1, "report_headline": 1, "report_storage": 1, "all": 1},
     ),
-    ({"evaluate": {"max_prompts": 3}}, {"evaluate": 1, "report_evaluation": 1, "report_storage": 1, "all": 1}),
+    (
+        {"evaluate": {"max_prompts": 3}},
+        {"evaluate": 1, "report_evaluation": 1, "report_headline": 1, "report_storage": 1, "all": 1},
+    ),
 ]
 
 

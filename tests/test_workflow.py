@@ -29,6 +29,7 @@ def test_dry_run_lists_the_jobs_of_every_stage(workflow, demo_model):
         "evaluate": 1,
         "report_training": 1,
         "report_evaluation": 1,
+        "report_headline": 1,
         "report_storage": 1,
         "all": 1,
     }
@@ -69,6 +70,7 @@ def test_demo_trains_a_drafter_that_the_real_loop_accepts(workflow, demo_model):
         "evaluate": 1,
         "report_training": 1,
         "report_evaluation": 1,
+        "report_headline": 1,
         "report_storage": 1,
         "all": 1,
     }
