@@ -48,6 +48,7 @@ def test_a_damaged_prepare_shard_fails_its_generate_job_once_and_leaves_the_othe
     assert len(attempts) == 1 and attempts[0].endswith("-attempt-1.job.log"), attempts
     assert output.count("Error in rule generate") == 1, output[-6000:]
     assert "Trying to restart job" not in output, output[-6000:]
+    # The driver says so only where Snakemake would otherwise have restarted the job.
     assert "refused its damaged input outputs/prepare-00001.parquet: not retried" in output, output[-6000:]
 
     # The failure names the damaged stored object (not a local copy) and its producer.
