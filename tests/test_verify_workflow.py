@@ -35,10 +35,11 @@ def test_a_deleted_intermediate_is_found_and_only_its_chain_rebuilt(workflow, de
     workflow.snakemake()
     outputs = workflow.root / "results/demo/outputs"
     records = workflow.root / "results/demo/_progress/checksums/outputs"
-    # Every shard object of prepare, generate and tokenize carries its job's record, and each
-    # reading job checked its input against it.
+    # The ingest outputs and every shard object of prepare, generate and tokenize carry their
+    # job's record, and each reading job checked its input against it.
     recorded = {p.name.removesuffix(".json") for p in records.glob("*.json")}
-    expected = [f"{stage}-{shard:05d}.parquet" for stage in ("prepare", "generate") for shard in range(2)] + [
+    expected = ["ingest-prompts.parquet", "ingest-summary.json", "ingest-quarantine.jsonl"]
+    expected += [f"{stage}-{shard:05d}.parquet" for stage in ("prepare", "generate") for shard in range(2)] + [
         f"tokenize-{shard:05d}.{ext}" for shard in range(2) for ext in ("parquet", "heldout.parquet", "stats.json")
     ]
     assert recorded == set(expected)
@@ -46,15 +47,15 @@ def test_a_deleted_intermediate_is_found_and_only_its_chain_rebuilt(workflow, de
     assert "checksum of results/demo/outputs/generate-00001.parquet verified" in tokenize_log
     clean = run_verify(workflow)
     assert clean.returncode == 0, clean.stdout + clean.stderr
-    assert f"{len(recorded)} shard object(s) match their checksums" in clean.stdout
-    assert clean.stdout.rstrip().endswith("0 missing, 0 damaged, 0 orphaned")
+    assert f"{len(recorded)} object(s) match their checksums" in clean.stdout
+    assert clean.stdout.rstrip().endswith("0 missing, 0 damaged, 0 without a checksum record, 0 orphaned")
 
     (outputs / "generate-00001.parquet").unlink()
     assert workflow.planned_jobs() == {}  # Snakemake: "Nothing to be done"
     found = run_verify(workflow)
     assert found.returncode == 1, found.stdout + found.stderr
     assert "missing   results/demo/outputs/generate-00001.parquet  (made by rule generate (shard 00001)" in found.stdout
-    assert "1 missing, 0 damaged, 0 orphaned" in found.stdout
+    assert "1 missing, 0 damaged, 0 without a checksum record, 0 orphaned" in found.stdout
 
     untouched = {
         name: (outputs / name).stat().st_mtime_ns
@@ -77,5 +78,5 @@ def test_a_deleted_intermediate_is_found_and_only_its_chain_rebuilt(workflow, de
     assert (outputs / "tokenize-00001.parquet").stat().st_mtime_ns > before
     assert {name: (outputs / name).stat().st_mtime_ns for name in untouched} == untouched
     assert "after the repair:" in repaired.stdout
-    assert repaired.stdout.rstrip().endswith("0 missing, 0 damaged, 0 orphaned")
+    assert repaired.stdout.rstrip().endswith("0 missing, 0 damaged, 0 without a checksum record, 0 orphaned")
     assert workflow.planned_jobs() == {}
