@@ -2,49 +2,65 @@
 the damaged object, and is not retried: every attempt would read the same bytes and fail alike
 (dflash_pipeline.core.checksums.verify_inputs writes the job's refusal,
 dflash_pipeline.snakemake_patches.refusals turns it into the job's last attempt). The other
-shard's outputs are left as they were."""
+shard's outputs are left as they were. In a local run folder and in S3."""
 
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 
-from tests.test_checksums import flip_byte
+from dflash_pipeline.core.storage import open_storage
 from tests.test_generate_workflow import configure
 
 pytestmark = pytest.mark.workflow
 
-OUTPUTS = "results/demo/outputs"
-RECORDS = "results/demo/_progress/checksums/outputs"
+SHARD0 = [
+    "outputs/prepare-00000.parquet",
+    "outputs/generate-00000.parquet",
+    "_progress/checksums/outputs/prepare-00000.parquet.json",
+    "_progress/checksums/outputs/generate-00000.parquet.json",
+]
 
 
-def snapshot(root, names: list[str]) -> dict[str, tuple[bytes, int]]:
-    return {name: ((root / name).read_bytes(), (root / name).stat().st_mtime_ns) for name in names}
+def snapshot(store, keys: list[str]) -> dict[str, tuple[bytes, float]]:
+    """Each object's stored bytes and listed modification time."""
+    mtimes = {o.key: o.mtime for key in keys for o in store.list(key)}
+    return {key: (store.read_bytes(key), mtimes[key]) for key in keys}
 
 
-def test_a_damaged_prepare_shard_fails_its_generate_job_once_and_leaves_the_other_shard(workflow, demo_model, tmp_path):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_damaged_prepare_shard_fails_its_generate_job_once_and_leaves_the_other_shard(
+    where, workflow, demo_model, tmp_path, request
+):
     configure(workflow, demo_model, tmp_path, prompts=4, max_new_tokens=8, retries=2)
     workflow.write_config(num_shards=2, until="generate")
+    args, env, run_url = (), {}, str(workflow.root / "results/demo")
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        request.getfixturevalue("s3_env")
+        prefix = f"s3://{server.bucket}/refused-{uuid.uuid4().hex[:8]}"
+        args, env = ("--profile", "profiles/s3", "--default-storage-prefix", prefix), server.env
+        run_url = f"{prefix}/results/demo"
+    store = open_storage(run_url)
     # Both prepare shards and shard 0's generation, not shard 1's: the failing job below is then
     # its first run (a rerun would be the same job after Snakemake removed its old output).
-    workflow.snakemake(f"{OUTPUTS}/generate-00000.parquet", f"{OUTPUTS}/prepare-00001.parquet")
-    shard0 = [
-        f"{OUTPUTS}/prepare-00000.parquet",
-        f"{OUTPUTS}/generate-00000.parquet",
-        f"{RECORDS}/prepare-00000.parquet.json",
-        f"{RECORDS}/generate-00000.parquet.json",
-    ]
-    before = snapshot(workflow.root, shard0)
+    targets = ("results/demo/outputs/generate-00000.parquet", "results/demo/outputs/prepare-00001.parquet")
+    workflow.snakemake(*args, *targets, env=env)
+    before = snapshot(store, SHARD0)
 
-    damaged = workflow.root / OUTPUTS / "prepare-00001.parquet"
-    flip_byte(damaged, damaged.stat().st_size // 2)
-    proc = workflow.snakemake(check=False)
+    # A byte flipped in the stored object, after its job recorded its checksum.
+    data = bytearray(store.read_bytes("outputs/prepare-00001.parquet"))
+    data[len(data) // 2] ^= 0x01
+    store.write_bytes("outputs/prepare-00001.parquet", bytes(data))
+    proc = workflow.snakemake(*args, env=env, check=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
 
     # One attempt, although the rule allows two retries: one attempt log, one error, no restart.
-    attempts = sorted(p.name for p in (workflow.root / "results/demo/logs/attempts/generate-00001").glob("*.job.log"))
+    folder = "logs/attempts/generate-00001/"
+    attempts = sorted(o.key.rsplit("/", 1)[-1] for o in store.list(folder) if o.key.endswith(".job.log"))
     assert len(attempts) == 1 and attempts[0].endswith("-attempt-1.job.log"), attempts
     assert output.count("Error in rule generate") == 1, output[-6000:]
     assert "Trying to restart job" not in output, output[-6000:]
@@ -52,14 +68,13 @@ def test_a_damaged_prepare_shard_fails_its_generate_job_once_and_leaves_the_othe
     assert "refused its damaged input outputs/prepare-00001.parquet: not retried" in output, output[-6000:]
 
     # The failure names the damaged stored object (not a local copy) and its producer.
-    job_log = (workflow.root / "results/demo/logs/attempts/generate-00001" / attempts[0]).read_text()
-    assert "results/demo/outputs/prepare-00001.parquet is damaged" in job_log, job_log[-3000:]
+    job_log = store.read_text(folder + attempts[0])
+    named = f"{run_url}/outputs" if where == "s3" else "results/demo/outputs"  # the run's form of the path
+    assert f"{named}/prepare-00001.parquet is damaged" in job_log, job_log[-3000:]
     assert "rule prepare (shard 00001)" in job_log
-    refusal = json.loads(
-        (workflow.root / "results/demo/_progress/checksums/refused/generate-shard=00001.json").read_text()
-    )
+    refusal = json.loads(store.read_bytes("_progress/checksums/refused/generate-shard=00001.json"))
     assert refusal["input"] == "outputs/prepare-00001.parquet"
 
     # No output of shard 1's generation, and shard 0's objects and records as they were.
-    assert not (workflow.root / OUTPUTS / "generate-00001.parquet").exists()
-    assert snapshot(workflow.root, shard0) == before
+    assert not store.exists("outputs/generate-00001.parquet")
+    assert snapshot(store, SHARD0) == before
