@@ -116,7 +116,8 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
         "report_storage": 1,
         "all": 1,
     }
-    # A missing intermediate alone is not rebuilt (its product exists); all gone: the chain.
+    # A missing intermediate alone is not rebuilt (its product exists); all gone: the chain, with
+    # the headline, which counts the generate shards' samples and tokens.
     for stage in ("prepare", "generate", "tokenize"):
         (shards / f"{stage}-00002.parquet").unlink()
     proc = workflow.snakemake("-n")
@@ -125,6 +126,7 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
         "generate": 1,
         "tokenize": 2,
         "report_generation": 1,
+        "report_headline": 1,
         "report_tokenization": 1,
         "report_storage": 1,
         "all": 1,
