@@ -21,23 +21,12 @@ from dflash_pipeline.core.checksums import (
 )
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.stages import verify
-from tests.test_checksums import flip_byte, small_run, write_shard
+from tests.test_checksums import flip_byte, small_run, verify_config, write_shard
 
 
 def test_a_deleted_record_fails_verify_and_adopt_writes_records_once(tmp_path, monkeypatch, capsys):
     root, config = small_run(tmp_path)
-    config_file = tmp_path / "run.yaml"
-    config_file.write_text(
-        json.dumps(
-            {
-                "results_dir": config["results_dir"],
-                "results_dir_outside_workdir": True,
-                "run": "demo",
-                "until": "tokenize",
-                "num_shards": 2,
-            }
-        )
-    )
+    config_file = verify_config(tmp_path, config)
     monkeypatch.chdir(tmp_path)
     store = open_storage(root)
     # A changed row with its record deleted: named, exit 1.

@@ -243,20 +243,17 @@ def test_check_run_lists_missing_damaged_and_orphaned_objects(tmp_path):
     assert (root / "outputs/prepare-00002.parquet").exists()  # beyond num_shards: left alone
 
 
+def verify_config(tmp_path, config: dict) -> Path:
+    """The config file `verify` reads for ``small_run``'s run (its results_dir is a temp folder)."""
+    config_file = tmp_path / "run.yaml"
+    settings = {"results_dir": config["results_dir"], "results_dir_outside_workdir": True}
+    config_file.write_text(json.dumps({**settings, "run": "demo", "until": "tokenize", "num_shards": 2}))
+    return config_file
+
+
 def test_verify_cli_exit_codes_and_dry_run_repair(tmp_path, monkeypatch, capsys):
     root, config = small_run(tmp_path)
-    config_file = tmp_path / "run.yaml"
-    config_file.write_text(
-        json.dumps(
-            {
-                "results_dir": config["results_dir"],
-                "results_dir_outside_workdir": True,
-                "run": "demo",
-                "until": "tokenize",
-                "num_shards": 2,
-            }
-        )
-    )
+    config_file = verify_config(tmp_path, config)
     monkeypatch.chdir(tmp_path)
     assert verify.main(["--configfile", str(config_file)]) == 0
     assert "0 missing, 0 damaged, 0 without a checksum record, 0 orphaned" in capsys.readouterr().out
