@@ -131,6 +131,9 @@ def example_with_engines(workflow, tmp_path, vllm_version: str, model) -> str:
     place."""
     config = yaml.safe_load((REPO / "config/examples/qwen3.6-27b.yaml").read_text())
     config["target"]["model"] = str(model)
+    # A local dataset in place of the example's s3:// one (its HEAD at plan time is tested with
+    # the S3 server in tests/test_preflight.py): this test is about the engines.
+    config["dataset"]["paths"] = ["data/demo/prompts.jsonl"]
     config["engines"] = {
         "sglang": {"python": str(metadata_only_env(tmp_path / "sglang", "sglang", "0.5.17"))},
         "vllm": {"python": str(metadata_only_env(tmp_path / f"vllm-{vllm_version}", "vllm", vllm_version))},

@@ -54,6 +54,9 @@ OPERATIONAL_CHANGES = {
         "checkpoint_async": False,
         "data_cache_dir": "train-data-elsewhere",
         "offline_max_bytes": 12345,
+        "tracker": "tensorboard",
+        "tracker_dir": "tensorboard-elsewhere",
+        "tracker_project": "lab",
     },
     "evaluate": {
         "engine_mem_fraction": 0.5,

@@ -29,6 +29,7 @@ def test_records_become_events_and_other_records_are_dropped():
             wildcards={"shard": "00003"},
             log=["results/demo/logs/generate/00003.log"],
             output="results/demo/outputs/generate-00003.parquet",
+            resources={"gpu": 2, "mem_mb": 1000},
         ),
         now=10.0,
     )
@@ -40,6 +41,7 @@ def test_records_become_events_and_other_records_are_dropped():
         "wildcards": {"shard": "00003"},
         "log": ["results/demo/logs/generate/00003.log"],
         "output": ["results/demo/outputs/generate-00003.parquet"],
+        "gpus": 2,  # the headline's GPU-hours count it
     }
     assert event_from_record(record(LogEvent.JOB_STARTED, jobs=[7, 8]))["jobids"] == [7, 8]
     assert event_from_record(record(LogEvent.PROGRESS, done=3, total=9))["done"] == 3

@@ -134,7 +134,10 @@ def test_bad_shards_are_named(tmp_path):
         read_training_sequences({"00009": str(tmp_path / "tokenize-00009.parquet")}, cache_dir=tmp_path / "c")
     wrong = tmp_path / "tokenize-00003.parquet"
     pq.write_table(pa.table({"id": ["a"], "split": ["train"]}), wrong)
-    with pytest.raises(TrainingDataError, match=r"tokenize-00003\.parquet: no column\(s\) \['input_ids'"):
+    # Columns of no stage's shard: named as such, before any row is read (data/shard_kinds.py).
+    with pytest.raises(
+        TrainingDataError, match=r"tokenize-00003\.parquet: not a shard of any stage \(columns id, split\)"
+    ):
         read_training_sequences({"00003": str(wrong)}, cache_dir=tmp_path / "c")
     garbage = tmp_path / "tokenize-00004.parquet"
     garbage.write_bytes(b"not parquet")
