@@ -370,5 +370,46 @@ def test_verify_help_describes_the_command_in_full_sentences(capsys):
         verify.main(["--help"])
     help_text = capsys.readouterr().out
     description = help_text.split("\n\n")[1]
-    assert description.startswith("Check every stored shard object")
+    assert description.startswith("Check every stored object")
     assert description.rstrip().endswith("exactly that."), description
+
+
+def test_generate_train_and_tune_read_their_sections_from_the_runs_config_file(paths, tmp_path, monkeypatch):
+    """By hand, a stage takes the run's config file (`--configfile`, as snakemake does) instead of
+    a section copied out as JSON: each gets its validated section, the schema's defaults filled."""
+    from dflash_pipeline.core.config import load_config
+    from dflash_pipeline.stages import generate, train, tune
+
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("generation:\n  concurrency: 3\ntrain:\n  batch_size: 5\ntune:\n  prompts: 7\n")
+    expected = load_config(config_file)
+    seen = {}
+    monkeypatch.setattr(generate, "run_job", lambda *args: seen.update(generate=args))
+    monkeypatch.setattr(train, "run_segment", lambda args, settings: seen.update(train=settings))
+    monkeypatch.setattr(tune, "run_job", lambda *args: seen.update(tune=args))
+
+    argv = [a for a in argv_for("generate", paths) if a not in ("--generation-json", "--engines-json", "{}")]
+    assert generate.main([*argv, "--configfile", str(config_file)]) == 0
+    assert seen["generate"][5] == expected["generation"] and seen["generate"][5]["concurrency"] == 3
+    assert seen["generate"][8] == expected["engines"]
+    argv = argv_for("train", paths)
+    argv = argv[: argv.index("--settings")] + argv[argv.index("--settings") + 2 :]
+    assert train.main([*argv, "--configfile", str(config_file)]) == 0
+    assert seen["train"] == expected["train"] and seen["train"]["batch_size"] == 5
+    prompts = real(PREPARE_SHARD, paths)
+    argv = ["--prompts", prompts, "--out", str(tmp_path / "t.json"), "--model", real(MODEL, paths)]
+    assert tune.main([*argv, "--configfile", str(config_file)]) == 0
+    assert seen["tune"][4]["prompts"] == 7  # the tune section, validated
+
+
+def test_a_bad_run_config_file_is_one_error_line_naming_it(paths, tmp_path, capsys):
+    from dflash_pipeline.stages import generate
+
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("num_shards: 2.0\n")
+    argv = [a for a in argv_for("generate", paths) if a not in ("--generation-json", "--engines-json", "{}")]
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main([*argv, "--configfile", str(config_file)])
+    assert exit_info.value.code == 2
+    line = error_line(capsys.readouterr().err)
+    assert "argument --configfile" in line and str(config_file) in line and "num_shards" in line, line

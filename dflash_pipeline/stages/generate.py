@@ -123,7 +123,7 @@ def run_job(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_pipeline.stages.cli import json_object, model_dir, non_negative_int, or_s3, shard_of
+    from dflash_pipeline.stages.cli import json_object, model_dir, non_negative_int, or_s3, run_config_file, shard_of
 
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.generate", description=__doc__)
     parser.add_argument(
@@ -133,11 +133,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://)")
     parser.add_argument("--shard", type=non_negative_int, required=True)
     parser.add_argument("--model", type=model_dir, required=True, help="target model folder")
-    parser.add_argument("--generation-json", type=json_object, required=True, help="the `generation` config as JSON")
+    settings = parser.add_mutually_exclusive_group(required=True)
+    settings.add_argument(
+        "--configfile", type=run_config_file, help="the run's config file (its generation and engines sections)"
+    )
+    settings.add_argument("--generation-json", type=json_object, help="the `generation` config as JSON")
     parser.add_argument("--engine-log", default="engine.log")
     parser.add_argument("--runtime-dir", default=".")
-    parser.add_argument("--engines-json", type=json_object, default="{}", help="the `engines` config as JSON")
+    parser.add_argument(
+        "--engines-json", type=json_object, help="the `engines` config as JSON (default: --configfile's, else none)"
+    )
     args = parser.parse_args(argv)
+    if args.configfile:
+        args.generation_json = args.configfile["generation"]
+    if args.engines_json is None:
+        args.engines_json = args.configfile["engines"] if args.configfile else {}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         run_job(

@@ -117,12 +117,21 @@ def parse_shard_paths(values: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_pipeline.stages.cli import json_file, model_dir, non_negative_int, shard_file, shard_file_of
+    from dflash_pipeline.stages.cli import (
+        json_file,
+        model_dir,
+        non_negative_int,
+        run_config_file,
+        shard_file,
+        shard_file_of,
+    )
 
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.train", description=__doc__)
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://bucket/prefix)")
     parser.add_argument("--segment", type=non_negative_int, required=True)
-    parser.add_argument("--settings", type=json_file, required=True, help="JSON file with the config's `train` section")
+    given = parser.add_mutually_exclusive_group(required=True)
+    given.add_argument("--configfile", type=run_config_file, help="the run's config file (its train section)")
+    given.add_argument("--settings", type=json_file, help="JSON file with the config's `train` section")
     parser.add_argument("--target", type=model_dir, required=True, help="target model folder")
     parser.add_argument(
         "--tokenized", type=shard_file_of("tokenize", "train"), nargs="+", default=[], metavar="SHARD=PATH"
@@ -138,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--log", nargs="*", default=[], help="log files to append this process's records to")
     args = parser.parse_args(argv)
-    with open(args.settings) as fh:
-        settings = json.load(fh)
+    if args.configfile:
+        settings = args.configfile["train"]
+    else:
+        with open(args.settings) as fh:
+            settings = json.load(fh)
     if args.shards:
         with open(args.shards) as fh:
             listed = json.load(fh)
