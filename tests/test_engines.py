@@ -194,3 +194,36 @@ def test_a_leftover_server_holding_the_port_is_reaped(tmp_path):
     reap_leftover(pid_file, "127.0.0.1", port)
     assert leftover.wait(timeout=5) is not None
     assert not port_in_use("127.0.0.1", port) and not pid_file.exists()
+
+
+def test_a_server_that_dies_while_starting_takes_what_it_started_with_it(tmp_path):
+    """An engine that fails its start after starting children (vLLM's API server exits when its
+    engine core fails; the core and its workers stay) leaves nothing running: they would hold
+    the GPU's memory for the next attempt."""
+    import time
+
+    from dflash_pipeline.engines.client import EngineError
+    from dflash_pipeline.engines.launch import ManagedServer
+
+    child_pid_file = tmp_path / "child.pid"
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {child_pid_file}\necho engine core failed\nexit 3\n")
+    fake_python.chmod(0o755)
+    spec = ServerSpec(engine="vllm", model="/m/target", port=free_port(), python=str(fake_python))
+    server = ManagedServer(spec, tmp_path / "vllm.log", tmp_path)
+    with pytest.raises(EngineError, match="exited with code 3 while starting"):
+        server.start()
+    child = int(child_pid_file.read_text())
+
+    def running(pid: int) -> bool:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"  # a zombie is dead, waiting for its new parent to collect it
+
+    deadline = time.monotonic() + 10
+    while running(child) and time.monotonic() < deadline:  # SIGKILL is sent; delivery is async
+        time.sleep(0.05)
+    assert not running(child)
+    assert not server.pid_file.exists() and "engine core failed" in (tmp_path / "vllm.log").read_text()

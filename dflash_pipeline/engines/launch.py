@@ -299,6 +299,7 @@ class ManagedServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if not self.alive():
+                self.stop()  # what it started (an engine core, its workers) must not outlive it
                 raise self.fail(f"exited with code {self.process.returncode} while starting")
             if self.healthy():
                 log.info("%s server healthy at %s", self.spec.engine, self.spec.url)
@@ -322,6 +323,13 @@ class ManagedServer:
                 self.process.wait()
             except ProcessLookupError:
                 pass
+        # The rest of its process group goes too: a server that died (or exited on SIGTERM)
+        # leaves its own children running otherwise (vLLM's engine core and workers, holding
+        # the GPU's memory; the death signal reaches only the server's own process).
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.pid_file.unlink(missing_ok=True)
         # The server's own log cannot say that it was killed: its end is noted there, once.
         if died is None:
