@@ -342,39 +342,29 @@ def report_storage_inputs():
 
 
 def headline_benchmarks():
-    """{benchmark file: GPUs} of the GPU jobs the run builds, for the headline's GPU-hours."""
+    """The benchmark files of the GPU jobs the run builds, for the headline's GPU-hours (the
+    GPUs each job held are read from the config by the job: an operational key, no rerun).
+    """
     until = layout.STAGES.index(config["until"])
-    gen_gpus = config["generation"]["gpus_per_job"]
-    train_gpus = config["train"]["gpus_per_job"]
-    found = {}
-    if tune_runs():
-        found[benchmark_path("tune", per_shard=False)] = tune_gpus()
+    found = [benchmark_path("tune", per_shard=False)] if tune_runs() else []
     if until >= layout.STAGES.index("generate"):
-        found.update(
-            {p: gen_gpus for p in expand(benchmark_path("generate"), shard=SHARDS)}
-        )
+        found += expand(benchmark_path("generate"), shard=SHARDS)
     if until >= layout.STAGES.index("train"):
         if config["train"]["mode"] == "offline":
-            extract = expand(benchmark_path("extract"), shard=SHARDS)
-            found.update({p: min(1, train_gpus) for p in extract})
-        segments = range(config["train"]["segments"])
-        found.update(
-            {
-                run_path(
-                    layout.benchmark_key("train", layout.segment_name(k))
-                ): train_gpus
-                for k in segments
-            }
-        )
+            found += expand(benchmark_path("extract"), shard=SHARDS)
+        found += [
+            run_path(layout.benchmark_key("train", layout.segment_name(k)))
+            for k in range(config["train"]["segments"])
+        ]
     if until >= layout.STAGES.index("evaluate"):
-        found[benchmark_path("evaluate", per_shard=False)] = min(1, train_gpus)
+        found.append(benchmark_path("evaluate", per_shard=False))
     return found
 
 
 def headline_inputs(wildcards):
     """What the headline reads of the stages the run builds (none past `until`)."""
     until = layout.STAGES.index(config["until"])
-    inputs = {"benchmarks": list(headline_benchmarks())}
+    inputs = {"benchmarks": headline_benchmarks()}
     if until >= layout.STAGES.index("generate"):
         inputs["generated"] = expand(shard_output("generate"), shard=SHARDS)
     if until >= layout.STAGES.index("evaluate"):

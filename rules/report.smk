@@ -43,7 +43,6 @@ rule report_headline:
         shards=lambda wildcards: (
             SHARDS if "generated" in headline_inputs(wildcards) else []
         ),
-        benchmark_gpus=lambda wildcards: list(headline_benchmarks().values()),
         gpu_hours_of="job benchmarks: tune, generate, extract, train, evaluate",
     script:
         "../scripts/report_headline.py"

@@ -1,6 +1,7 @@
 """Snakemake glue for rule `report_headline`: dflash_pipeline.stages.report.report_headline."""
 
 from dflash_pipeline.core.joblog import job_logging
+from dflash_pipeline.report.headline import benchmark_gpus
 from dflash_pipeline.stages.report import report_headline
 
 
@@ -10,7 +11,7 @@ def run(smk) -> None:
             smk.input.get("metrics"),
             smk.params.run_url,
             list(smk.params.shards),
-            dict(zip(smk.input.get("benchmarks", []), smk.params.benchmark_gpus)),
+            benchmark_gpus(smk.input.get("benchmarks", []), smk.config),
             smk.params.gpu_hours_of,
             smk.output.table,
         )

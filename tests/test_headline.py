@@ -131,3 +131,19 @@ def test_status_snapshot_headline_before_evaluate(tmp_path):
     source = RunSource(ReadOnlyStorage.open(str(root)), num_shards=2, events_file=events, workdir=tmp_path)
     figures = SnapshotBuilder(source).build()["headline"]
     assert figures["tau_loop"] is None and figures["lossless"] is None and figures["gpu_hours"] is None
+
+
+def test_each_benchmark_counts_the_gpus_its_job_held_by_the_config():
+    from dflash_pipeline.report.headline import benchmark_gpus
+
+    config = {"generation": {"gpus_per_job": 2, "server": {"tp": 2}}, "train": {"gpus_per_job": 8}}
+    paths = [
+        "r/outputs/benchmark.tune.tsv",
+        "r/outputs/benchmark.generate-00003.tsv",
+        "r/outputs/benchmark.extract-00003.tsv",
+        "r/outputs/benchmark.train-segment-001.tsv",
+        "r/outputs/benchmark.evaluate.tsv",
+    ]
+    assert list(benchmark_gpus(paths, config).values()) == [2, 2, 1, 8, 1]
+    cpu = {"generation": {"gpus_per_job": 0, "server": {"tp": 1}}, "train": {"gpus_per_job": 0}}
+    assert set(benchmark_gpus(paths, cpu).values()) == {0}

@@ -170,3 +170,24 @@ def _fixed(value, digits: int) -> str | None:
 
 def _count(value) -> str | None:
     return None if value is None else f"{int(value):,}"
+
+
+def benchmark_gpus(paths: list[str], config: dict) -> dict[str, int]:
+    """{benchmark file: the GPUs its job held}, by the rule its name says
+    (``benchmark.<rule>[-<shard or segment>].tsv``) and the run's config: tune one server's tensor
+    parallelism, generate and train their ``gpus_per_job``, extract and evaluate one GPU of
+    training's. Read from the config by the report job, so editing ``gpus_per_job`` (an
+    operational key) reruns nothing."""
+    generation, train = config["generation"]["gpus_per_job"], config["train"]["gpus_per_job"]
+    per_rule = {
+        "tune": config["generation"]["server"]["tp"] if generation else 0,
+        "generate": generation,
+        "extract": min(1, train),
+        "train": train,
+        "evaluate": min(1, train),
+    }
+    found = {}
+    for path in paths:
+        rule = Path(path).name.removeprefix("benchmark.").split(".")[0].split("-")[0]
+        found[path] = per_rule.get(rule, 0)
+    return found
