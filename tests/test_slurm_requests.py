@@ -28,6 +28,7 @@ from dflash_pipeline.core.slurm import (
     requested_cpus,
 )
 from tests.conftest import REPO
+from tests.test_run_control import job_blocks
 from tests.support.ci import in_ci
 from tests.support.engine_envs import metadata_only_env
 
@@ -130,17 +131,10 @@ def test_the_pool_warning_is_said_for_a_local_run_only():
 
 def job_resources(text: str) -> dict[str, list[dict[str, str]]]:
     """Each planned job's resources, per rule, from a dry-run's job listing."""
-    found: dict[str, list[dict[str, str]]] = {}
-    rule = None
-    for line in text.splitlines():
-        match = re.match(r"^(?:local)?rule (\w+):$", line.strip())
-        if match:
-            rule = match[1]
-        elif rule and line.strip().startswith("resources:"):
-            pairs = re.findall(r"(\w+)=([^,]+)", line.strip()[len("resources:") :])
-            found.setdefault(rule, []).append({k: v.strip() for k, v in pairs})
-            rule = None
-    return found
+    return {
+        rule: [{k: v.strip() for k, v in re.findall(r"(\w+)=([^,]+)", line[len("resources:") :])} for line in lines]
+        for rule, lines in job_blocks(text).items()
+    }
 
 
 def example_config(workflow, tmp_path, demo_model) -> str:
