@@ -118,15 +118,8 @@ def test_s3_without_any_credentials_is_one_line_naming_both_ways(s3_server, no_s
 
 
 def test_s3_dataset_files_are_headed(s3_server, s3_env):
-    import boto3
 
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3_server.endpoint,
-        aws_access_key_id=s3_env["SNAKEMAKE_STORAGE_S3_ACCESS_KEY"],
-        aws_secret_access_key=s3_env["SNAKEMAKE_STORAGE_S3_SECRET_KEY"],
-        region_name="us-east-1",
-    )
+    client = s3_server.client()
     bucket = s3_server.bucket
     client.put_object(Bucket=bucket, Key="datasets/good.jsonl", Body=b'{"id": "a", "messages": []}\n')
     client.put_object(Bucket=bucket, Key="datasets/empty.jsonl", Body=b"")

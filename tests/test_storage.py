@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 
-import boto3
 import pytest
 
 from dflash_pipeline.core.storage import LocalStorage, StorageError, open_object, write_atomically
@@ -120,13 +119,7 @@ def test_ensure_bucket_creates_bucket_and_keeps_a_sentinel(s3_server, s3_env):
     store = S3Storage(f"s3://{bucket}/run")
     store.ensure_bucket()
     store.ensure_bucket()  # idempotent
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3_server.endpoint,
-        aws_access_key_id=s3_env["SNAKEMAKE_STORAGE_S3_ACCESS_KEY"],
-        aws_secret_access_key=s3_env["SNAKEMAKE_STORAGE_S3_SECRET_KEY"],
-        region_name="us-east-1",
-    )
+    client = s3_server.client()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
     assert keys == [BUCKET_SENTINEL_KEY]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 
-import boto3
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -17,14 +16,7 @@ NUM_SHARDS = 2
 
 
 def s3_client(server):
-    env = server.env
-    return boto3.client(
-        "s3",
-        endpoint_url=env["SNAKEMAKE_STORAGE_S3_ENDPOINT_URL"],
-        aws_access_key_id=env["SNAKEMAKE_STORAGE_S3_ACCESS_KEY"],
-        aws_secret_access_key=env["SNAKEMAKE_STORAGE_S3_SECRET_KEY"],
-        region_name="us-east-1",
-    )
+    return server.client()
 
 
 def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_server, demo_model):

@@ -42,6 +42,18 @@ class SeaweedServer:
             "SNAKEMAKE_STORAGE_S3_SECRET_KEY": SECRET_KEY,
         }
 
+    def client(self):
+        """A plain boto3 client of the server, for a test that looks at or plants objects itself."""
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+        )
+
     def stop(self) -> None:
         if self.process.poll() is None:
             # SIGINT stops weed in a few seconds; SIGTERM sometimes took over ten.
