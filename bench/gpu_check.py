@@ -37,6 +37,7 @@ from serving_parity import VARIANTS, gpu_name, run_variant
 
 sys.path.insert(0, str(REPO))
 
+from dflash_pipeline.engines.environments import installed_engine  # noqa: E402
 from dflash_pipeline.engines.limits import DrafterShape, refusals  # noqa: E402
 
 # The drafter shapes of the check (serving_parity's variants): "swa" is the mixed one.
@@ -48,15 +49,6 @@ def driver_version() -> str | None:
         ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
     )
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-
-
-def installed_version(python: str, distribution: str) -> str | None:
-    out = subprocess.run(
-        [python, "-c", f"import importlib.metadata as m; print(m.version({distribution!r}))"],
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def cuda_tests(junit: Path) -> dict:
@@ -139,7 +131,7 @@ def summarize(record: dict) -> dict:
 
 
 def check_engine(engine: str, python: str, args, work: Path) -> dict:
-    version = installed_version(python, engine)
+    version = installed_engine(engine, python).version  # the pipeline's own reading of an environment
     extra = [a for e, a in args.engine_args if e == engine]
     shapes, refused = served_shapes(engine, version, args.shape)
     result = {"version": version, "extra_args": extra, "refused_shapes": refused, "drafters": {}}
