@@ -130,7 +130,7 @@ def summarize(record: dict) -> dict:
     }
 
 
-def check_engine(engine: str, python: str, args, work: Path) -> dict:
+def check_engine(engine: str, python: str, args, work: Path, on_progress=lambda result: None) -> dict:
     version = installed_engine(engine, python).version  # the pipeline's own reading of an environment
     extra = [a for e, a in args.engine_args if e == engine]
     shapes, refused = served_shapes(engine, version, args.shape)
@@ -163,6 +163,7 @@ def check_engine(engine: str, python: str, args, work: Path) -> dict:
                 ),
                 flush=True,
             )
+            on_progress(result)  # a drafter's figures survive a later crash or a lost machine
         if "full" in shapes and not args.no_broken:
             broken = SimpleNamespace(**{**vars(run_args), "misexport": True, "misexport_kind": "reversed-taps"})
             record = summarize(run_variant(broken, "full", work, None))
@@ -204,7 +205,13 @@ def main() -> int:
         work = work_root / engine
         work.mkdir(parents=True, exist_ok=True)
         started = time.time()
-        record["engines"][engine] = check_engine(engine, python, args, work)
+        record["engines"][engine] = check_engine(
+            engine,
+            python,
+            args,
+            work,
+            lambda result: emit({**record, "engines": {**record["engines"], engine: result}}, str(out)),
+        )
         record["engines"][engine]["seconds"] = round(time.time() - started, 1)
         emit(record, str(out))  # what has run so far survives a later crash
     record["passed"] = passed(record, args)
