@@ -1,12 +1,13 @@
-"""Target taps = outputs of the tapped decoder layers (HF hidden_states[id + 1]), for a dense
-Qwen3 and a hybrid Gated-DeltaNet (Qwen3.5-style) target."""
+"""Target taps = outputs of the tapped decoder layers before the final norm (HF
+hidden_states[id + 1] for every layer but the last, whose HF entry is final-normed), for a dense
+Qwen3 and a hybrid Gated-DeltaNet (Qwen3.5-style) target; and the vLLM layer-id conventions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dflash_pipeline.model.taps import TargetTaps
+from dflash_pipeline.model.taps import TargetTaps, decoder_layers, vllm_aux_layer_ids, vllm_slot_order
 
 
 def tiny_qwen3():
@@ -69,3 +70,60 @@ def test_right_padding_does_not_change_a_sequence_taps():
     padded = torch.cat([ids, torch.zeros(1, 5, dtype=torch.long)], dim=1)
     taps = TargetTaps(model, [1, 3])
     torch.testing.assert_close(taps(padded)[:, :9], taps(ids), rtol=1e-5, atol=1e-5)
+
+
+def decoder_layer_outputs(model, input_ids) -> list[torch.Tensor]:
+    """Every decoder layer's output, caught by hooks on the layers themselves."""
+    outputs = []
+
+    def hook(module, args, output):
+        outputs.append(output[0] if isinstance(output, tuple) else output)
+
+    handles = [layer.register_forward_hook(hook) for layer in decoder_layers(model)]
+    try:
+        with torch.no_grad():
+            model(input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_hybrid])
+def test_the_last_layers_tap_is_its_output_before_the_final_norm(build):
+    model = build()
+    last = model.config.num_hidden_layers - 1
+    input_ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(3))
+    outputs = decoder_layer_outputs(model, input_ids)
+    taps = TargetTaps(model, [last, 0])(input_ids)
+    torch.testing.assert_close(taps, torch.cat([outputs[last], outputs[0]], dim=-1), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        hf_last = model(input_ids, output_hidden_states=True).hidden_states[last + 1]
+    # transformers' last hidden state is the final-normed one: not a tap.
+    torch.testing.assert_close(hf_last, model.model.norm(outputs[last]), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(taps[..., :32], hf_last, atol=1e-2)
+
+
+def test_the_evaluation_runner_taps_the_last_layer_before_the_final_norm():
+    from dflash_pipeline.evaluation.runner import TargetRunner
+
+    model = tiny_qwen3()
+    last = model.config.num_hidden_layers - 1
+    tokens = [3, 9, 14, 2, 7, 30, 41]
+    runner = TargetRunner(model, [1, last])
+    runner.start()
+    logits, rows = runner.forward(tokens)
+    outputs = decoder_layer_outputs(model, torch.tensor([tokens]))
+    torch.testing.assert_close(rows, torch.cat([outputs[1][0], outputs[last][0]], dim=-1), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(torch.tensor([tokens])).logits[0].float(), rtol=1e-5, atol=1e-5)
+
+
+def test_vllm_aux_ids_are_one_above_the_taps_and_come_back_ascending():
+    # Project tap k = transformers hidden_states[k + 1] = vLLM aux layer id k + 1.
+    assert vllm_aux_layer_ids([5, 1, 7]) == [2, 6, 8]
+    assert vllm_aux_layer_ids([3, 3]) == [4]
+    # vLLM stores [2, 6, 8] in that order; taps asked as [5, 1, 7] are slots 1, 0, 2.
+    assert vllm_slot_order([5, 1, 7]) == [1, 0, 2]
+    assert vllm_slot_order([1, 5]) == [0, 1]
+    assert vllm_slot_order([3, 3]) == [0, 0]

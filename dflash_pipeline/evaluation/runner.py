@@ -23,6 +23,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from dflash_pipeline.model.taps import concatenated_taps, decoder_layers, layer_outputs
+
 try:  # the linear-attention cache layers (hybrid targets) arrived in transformers 5
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 except ImportError:  # pragma: no cover - older transformers have no hybrid cache layers
@@ -84,8 +86,8 @@ def _crop_attention(layer, tokens_to_remove: int) -> None:
 class TargetRunner:
     """One sequence through the target: prefill, verify blocks, keep the accepted prefix.
 
-    ``tap_layer_ids`` are 0-based decoder layers whose outputs feed the drafter (HF
-    ``hidden_states[id + 1]``), concatenated in order into rows of [K*H].
+    ``tap_layer_ids`` are 0-based decoder layers whose outputs (before the final norm,
+    ``model.taps``) feed the drafter, concatenated in order into rows of [K*H].
     """
 
     def __init__(self, model, tap_layer_ids: list[int] | tuple[int, ...] = ()):
@@ -105,6 +107,7 @@ class TargetRunner:
         # Prefill needs only the last position's logits: [P, V] fp32 would be GBs on long prompts.
         self.can_keep_last_logits = "logits_to_keep" in params
         self.device = next(model.parameters()).device
+        self.layers = decoder_layers(model)
         self.cache = None
         self.length = 0
         self._pending: tuple[list[int], list[LinearStateSnapshot] | None] | None = None
@@ -163,17 +166,11 @@ class TargetRunner:
             # attention mask assumes the window, so trim before every forward (crop(0)).
             if layer.is_initialized:
                 layer.crop(0)
-        out = self.model(
-            input_ids=ids,
-            use_cache=True,
-            output_hidden_states=want_taps,
-            **{self.cache_argument: self.cache},
-            **extra,
-        )
+        # Hooks, not output_hidden_states: its last entry is the final-normed state (model.taps).
+        with layer_outputs(self.layers, self.tap_layer_ids if want_taps else ()) as captured:
+            out = self.model(input_ids=ids, use_cache=True, **{self.cache_argument: self.cache}, **extra)
         self.length += len(tokens)
-        tap_rows = None
-        if want_taps:
-            tap_rows = torch.cat([out.hidden_states[i + 1][0] for i in self.tap_layer_ids], dim=-1)
+        tap_rows = concatenated_taps(captured, self.tap_layer_ids)[0] if want_taps else None
         logits = out.logits[0, -1:] if last_logits_only else out.logits[0]
         return logits.float(), tap_rows
 
