@@ -367,6 +367,63 @@ def test_engine_ids_are_kept_after_the_prompt_and_a_non_canonical_split_is_a_mis
     assert (kept["s3"]["input_ids"], kept["s3"]["loss_mask"]) == pieces(tok, (prompt, 0), (engine_text, 1))
 
 
+def split_in_two(tokenizer, ids):
+    """``ids`` with their first merged token replaced by two vocabulary tokens that spell it:
+    the same text, an engine's possible output, but not the tokenizer's split of it."""
+    vocab, added = tokenizer.get_vocab(), set(tokenizer.get_added_vocab())
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    for k, token in enumerate(tokens):
+        if token in added:
+            continue
+        for cut in range(1, len(token)):
+            head, tail = token[:cut], token[cut:]
+            if head in vocab and tail in vocab:
+                return ids[:k] + [vocab[head], vocab[tail]] + ids[k + 1 :]
+    raise AssertionError("no token of the text is a merge of two others")
+
+
+def test_the_stage_supervises_the_engines_ids_not_the_tokens_of_the_stored_text(tok, demo_model, tmp_path):
+    """The tokenize stage, parquet in and out: a turn whose engine split one word in two tokens
+    (the same text, which tokenized again gives the tokenizer's own split) is supervised on
+    exactly the engine's ids; the same row without ids, on its text's tokens. Were the ids
+    ignored, both rows would come out alike."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from dflash_pipeline.stages.tokenize import main
+
+    reasoning = "1+1=2, write 2\n2+2=4, write 4"
+    text = f"<think>\n{reasoning}\n</think>\n\n1 + 1 = 2"
+    eos = tok.eos_token_id
+    canonical = tok(text, add_special_tokens=False)["input_ids"]
+    engine = split_in_two(tok, canonical)
+    # The premise: the engine's ids spell the stored text, and re-tokenizing it does not give them.
+    assert tok.decode(engine) == tok.decode(canonical) == text
+    assert tok(tok.decode(engine), add_special_tokens=False)["input_ids"] == canonical != engine
+    with_ids = generated_row(1, "1 + 1 = 2", reasoning)
+    with_ids["turns"][0]["output_ids"] = engine + [eos]
+    without_ids = {**generated_row(1, "1 + 1 = 2", reasoning), "id": "s1-text"}
+    generated = tmp_path / "generate-00000.parquet"
+    pq.write_table(pa.Table.from_pylist([with_ids, without_ids], schema=GENERATED_SCHEMA), generated)
+    # Kept by choice: the round trip flags a split the tokenizer would not give (template_mismatch).
+    reasons = [r for r in ShardTokenizer(tok, True).cfg["degenerate_reasons"] if r != "template_mismatch"]
+    settings = {**LENIENT, "degenerate_reasons": reasons}
+    out, stats = tmp_path / "tokenize-00000.parquet", tmp_path / "tokenize-00000.stats.json"
+    argv = [str(generated), "--model", str(demo_model), "--out", str(out), "--stats", str(stats)]
+    assert main([*argv, "--settings-json", json.dumps(settings), "--workers", "1"]) == 0
+    rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    prompt = tok.apply_chat_template(
+        with_ids["messages"][:1], tokenize=False, add_generation_prompt=True, enable_thinking=True
+    )
+    prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    assert (rows["s1"]["input_ids"], rows["s1"]["loss_mask"]) == joined((prompt_ids, 0), (engine + [eos], 1))
+    assert (rows["s1-text"]["input_ids"], rows["s1-text"]["loss_mask"]) == joined(
+        (prompt_ids, 0), (canonical + [eos], 1)
+    )
+    assert json.loads(stats.read_text())["round_trip_mismatches"] == 1
+
+
 # --------------------------------------------------------------------------------------------
 # Special-token literals in generated text, turns cut at the token limit, the real Qwen3 tokenizer
 

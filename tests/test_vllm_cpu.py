@@ -93,7 +93,7 @@ def vllm_generated(demo_model, vllm_engines, tmp_path_factory):
     return workflow
 
 
-def test_generation_stores_the_engines_ids_for_every_turn_and_tokenize_uses_them(vllm_generated):
+def test_generation_stores_the_engines_ids_for_every_turn_and_tokenize_uses_them(vllm_generated, demo_model, tmp_path):
     root = vllm_generated.root
     rows = pq.read_table(root / SHARD).to_pylist()
     assert rows and not any(r["error"] for r in rows)
@@ -120,6 +120,35 @@ def test_generation_stores_the_engines_ids_for_every_turn_and_tokenize_uses_them
             assert any(_contains(sup, ids) for sup in supervised), (row["id"], turn["message_index"])
             checked += 1
     assert checked >= 2 * len(multi_turn)
+    # Those ids are mostly the tokenizer's own split of their text, which tokenize would also
+    # give from the text alone. One of these rows with a turn's ids split otherwise (the same
+    # text), through the stage again, is supervised on exactly the new ids.
+    assert_tokenize_takes_the_engine_ids(multi_turn[0], demo_model, tmp_path)
+
+
+def assert_tokenize_takes_the_engine_ids(row: dict, demo_model, tmp_path) -> None:
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
+    from dflash_pipeline.stages.tokenize import main as tokenize_main
+    from tests.test_tokenize import LENIENT, split_in_two
+
+    tok = AutoTokenizer.from_pretrained(demo_model)
+    turn = row["turns"][0]
+    ids = split_in_two(tok, list(turn["output_ids"]))
+    assert tok.decode(ids) == tok.decode(turn["output_ids"]) and ids != turn["output_ids"]
+    changed = {**row, "turns": [{**turn, "output_ids": ids}, *row["turns"][1:]]}
+    generated = tmp_path / "generate-00000.parquet"
+    pq.write_table(pa.Table.from_pylist([changed], schema=GENERATED_SCHEMA), generated)
+    # A split the tokenizer would not give is a template mismatch, kept here by choice.
+    settings = {**LENIENT, "degenerate_reasons": ["generation_error"]}
+    out = tmp_path / "tokenize-00000.parquet"
+    argv = [str(generated), "--model", str(demo_model), "--out", str(out), "--stats", str(tmp_path / "stats.json")]
+    assert tokenize_main([*argv, "--settings-json", json.dumps(settings), "--workers", "1"]) == 0
+    sequences = pq.read_table(out).to_pylist()
+    supervised = [[t for t, m in zip(s["input_ids"], s["loss_mask"]) if m] for s in sequences]
+    assert any(_contains(sup, ids) for sup in supervised), row["id"]
 
 
 def _contains(haystack: list[int], needle: list[int]) -> bool:
