@@ -15,6 +15,7 @@ from dflash_pipeline.model import speculators_format
 from dflash_pipeline.core.storage import is_s3_url, open_storage
 from dflash_pipeline.engines.tuning import generate_waits_for_tune, tune_defining
 from dflash_pipeline.snakemake_patches.refusals import install_refusal_patch
+from dflash_pipeline.snakemake_patches.slurm_states import install_state_fix
 
 
 def refuse(message):
@@ -182,7 +183,8 @@ def slurm_plan():
                 + "\n(check the config's `slurm` section, or the cluster)"
             )
         logger.info(plan.line)
-        slurm_checks.install_state_fix()
+        # A scancelled job ends for the plugin (dflash_pipeline.snakemake_patches.slurm_states).
+        install_state_fix()
     _SLURM_PLAN.append(plan)
     return plan
 

@@ -375,24 +375,3 @@ def gpu_pool_warning(limit: int | None, pool: int, local: bool) -> str | None:
 def job_state(state: str) -> str:
     """sacct's state without its qualifier: a scancelled job is ``CANCELLED by 0``."""
     return state.split()[0] if state and state.strip() else state
-
-
-def install_state_fix() -> None:
-    """The executor plugin (2.8.0) compares sacct's states exactly, and sacct reports a job
-    cancelled with scancel as ``CANCELLED by <uid>``: neither ended nor failed to the plugin, the
-    driver waits for ever on it (seen on Slurm 22.05). Its status query is wrapped so that every
-    state reaches it without the qualifier, and the retry starts as for any failed job."""
-    import snakemake_executor_plugin_slurm as plugin
-
-    original = plugin.query_job_status
-    if getattr(original, "dflash_state_fix", False):
-        return
-
-    async def query_job_status(command, logger):
-        states, duration = await original(command, logger)
-        if states is not None:
-            states = {job: job_state(state) for job, state in states.items()}
-        return states, duration
-
-    query_job_status.dflash_state_fix = True
-    plugin.query_job_status = query_job_status
