@@ -27,6 +27,30 @@ def test_write_read_list_delete_round_trip(store):
     assert store.list() == []
 
 
+def test_any_under_is_an_existence_check_that_lists_one_key(store):
+    """What a planning decision asks (dflash_pipeline.engines.tuning.generate_waits_for_tune): on
+    S3 one listing of one key, however many objects share the prefix."""
+    assert not store.any_under("outputs/generate-")
+    for shard in range(3):
+        store.write_text(f"outputs/generate-0000{shard}.parquet", "x")
+    asked = []
+    if isinstance(store, S3Storage):
+        events = store.client.meta.events
+        events.register(
+            "provide-client-params.s3.ListObjectsV2",
+            lambda params, **_: asked.append(params),
+            unique_id="any-under-test",
+        )
+    try:
+        assert store.any_under("outputs/generate-") and store.any_under("")
+        assert not store.any_under("outputs/tokenize-")
+    finally:
+        if isinstance(store, S3Storage):
+            events.unregister("provide-client-params.s3.ListObjectsV2", unique_id="any-under-test")
+    assert all(params["MaxKeys"] == 1 for params in asked)
+    assert len(asked) == (3 if isinstance(store, S3Storage) else 0)
+
+
 def test_overwrite_replaces_whole_object(store):
     store.write_bytes("x", b"long old content")
     store.write_bytes("x", b"new")

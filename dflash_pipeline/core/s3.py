@@ -252,6 +252,13 @@ class S3Storage(Storage):
                 found.append(_listed(obj, base))
         return sorted(found, key=lambda o: o.key)
 
+    def any_under(self, prefix: str) -> bool:
+        base = f"{self.prefix}/" if self.prefix else ""
+        page = self._call(
+            "listing", prefix, self.client.list_objects_v2, Bucket=self.bucket, Prefix=base + prefix, MaxKeys=1
+        )
+        return bool(page.get("Contents"))
+
     def list_range(self, prefix: str, start: str = "", stop: str | None = None) -> list[ObjectInfo]:
         base = f"{self.prefix}/" if self.prefix else ""
         kwargs = {"Bucket": self.bucket, "Prefix": base + prefix}

@@ -99,6 +99,11 @@ class Storage(ABC):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (recursively), sorted by key."""
 
+    def any_under(self, prefix: str) -> bool:
+        """Whether some object's key starts with ``prefix``: an existence check, which stops at
+        the first key found (on S3 a listing of one key), however many objects share it."""
+        return bool(self.list(prefix))
+
     @abstractmethod
     def delete(self, key: str) -> None:
         """Delete ``key``; deleting a missing key is not an error."""
@@ -222,11 +227,11 @@ class LocalStorage(Storage):
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def _objects(self, prefix: str) -> Iterator[ObjectInfo]:
+        """The objects under ``prefix`` in the order the folders are walked."""
         root = self.root.resolve()
         if not root.is_dir():
-            return []
-        found = []
+            return
         for dirpath, _, filenames in os.walk(root):
             for name in filenames:
                 if PARTIAL_MARKER in name or LOCK_MARKER in name:
@@ -238,8 +243,13 @@ class LocalStorage(Storage):
                         st = full.stat()
                     except FileNotFoundError:
                         continue  # removed while listing (a job replaced or cleaned it)
-                    found.append(ObjectInfo(key, st.st_size, st.st_mtime))
-        return sorted(found, key=lambda o: o.key)
+                    yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return sorted(self._objects(prefix), key=lambda o: o.key)
+
+    def any_under(self, prefix: str) -> bool:
+        return next(self._objects(prefix), None) is not None
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)

@@ -70,7 +70,7 @@ def generate_waits_for_tune(storage) -> bool:
     result keeps them: tune then runs beside, and measuring again never reruns a finished shard."""
     from dflash_pipeline.core import layout
 
-    return storage.exists(layout.TUNE_RESULT) or not storage.list(f"{layout.OUTPUTS_DIR}/generate-")
+    return storage.exists(layout.TUNE_RESULT) or not storage.any_under(f"{layout.OUTPUTS_DIR}/generate-")
 
 
 def has_mtp_head(model_dir: str) -> bool:
