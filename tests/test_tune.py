@@ -5,6 +5,7 @@ generate takes the choice and when a result is refused as measured for other set
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -198,29 +199,84 @@ def test_the_replayed_request_is_the_first_turn_of_a_conversation():
     assert first_turn(messages) == [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"}]
 
 
-class DeadServer:
-    """Stands for a ManagedServer whose process is gone (what `fail` and `alive` report)."""
+# A stand-in engine server for ManagedServer: healthy at once, then it dies, saying why in its
+# log, right after answering its first health check (so the job has seen it healthy first).
+DYING_ENGINE = """
+import http.server, sys
 
-    def __init__(self, alive: bool):
-        self._alive = alive
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
 
-    def alive(self) -> bool:
-        return self._alive
+    def log_message(self, *args):
+        pass
 
-    def fail(self, what: str) -> EngineError:
-        return EngineError(f"vllm server {what}; see its log logs/tune-engine.log")
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Health)
+server.handle_request()
+print("engine core died: CUDA error: an illegal memory access", flush=True)
+sys.exit(1)
+"""
 
 
-def test_a_failed_replay_or_a_dead_server_names_the_setting_and_the_engine_log():
+def test_a_failed_replay_or_a_dead_server_names_the_setting_and_the_engine_log(tmp_path):
+    """Against a real ManagedServer whose process answers its health check and then exits: the
+    messages name the setting and the log label, with the server's last lines."""
+    from dflash_pipeline.engines.launch import ManagedServer, ServerSpec, free_port
     from dflash_pipeline.engines.replay import ReplayError
     from dflash_pipeline.stages.tune import engine_failures_named
 
-    with pytest.raises(EngineError, match=r"failed the replay at MTP, concurrency 64 \(ReplayError: every"):
-        with engine_failures_named(DeadServer(True), "MTP, concurrency 64"):
-            raise ReplayError("every request at concurrency 64 failed")
-    with pytest.raises(EngineError, match=r"died while measuring plain, concurrency 8; see its log"):
-        with engine_failures_named(DeadServer(False), "plain, concurrency 8"):
-            pass
+    engine = tmp_path / "engine"
+    engine.write_text(f"#!{sys.executable}\n{DYING_ENGINE}")
+    engine.chmod(0o755)
+    spec = ServerSpec("vllm", "/models/target", free_port(), python=str(engine))
+    label = "logs/tune/engine.log (this attempt: logs/tune/engine.attempt-1.log)"
+    server = ManagedServer(spec, tmp_path / "engine.log", tmp_path / "run", startup_timeout=120, log_label=label)
+    with server:
+        with pytest.raises(EngineError) as failed:
+            with engine_failures_named(server, "MTP, concurrency 64"):
+                raise ReplayError("every request at concurrency 64 failed")
+        server.process.wait(timeout=120)  # it exits after its health check
+        with pytest.raises(EngineError) as died:
+            with engine_failures_named(server, "plain, concurrency 8"):
+                pass
+    assert str(failed.value).startswith(
+        f"vllm server failed the replay at MTP, concurrency 64 (ReplayError: every request at concurrency 64 "
+        f"failed); see its log {label}. Last lines:"
+    )
+    assert str(died.value).startswith(f"vllm server died while measuring plain, concurrency 8; see its log {label}.")
+    assert "engine core died: CUDA error" in str(died.value)
+    assert "died before the job stopped it: exit code 1" in (tmp_path / "engine.log").read_text()
+
+
+def test_a_server_that_exits_while_starting_fails_tune_naming_the_engine_log(demo_model, tmp_path):
+    """tune's own launch of an engine whose server cannot start (an environment with vLLM's
+    metadata but not vLLM: ``python -m vllm...`` exits at once): ManagedServer's startup failure,
+    naming the log label with the engine's last words."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_pipeline.engines.tuning import tune_defining
+    from dflash_pipeline.stages.tune import run_job
+    from tests.support.engine_envs import metadata_only_env
+
+    python = metadata_only_env(tmp_path / "vllm", "vllm", "0.24.0")
+    config = validate_config({"generation": {"engine": "vllm"}, "target": {"model": str(demo_model)}})
+    prompts = tmp_path / "prepare-00000.parquet"
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    pq.write_table(pa.Table.from_pylist([{"id": "p0", "messages": messages}]), prompts)
+    label = "logs/tune/engine.log (this attempt: logs/tune/engine.attempt-1.log)"
+    log = tmp_path / "engine.log"
+    with pytest.raises(EngineError) as failed:
+        run_job(
+            [str(prompts)], str(tmp_path / "tune-result.json"), str(demo_model), config["generation"],
+            config["tune"], tune_defining(config), str(log), str(tmp_path / "run"),
+            {"vllm": {"python": str(python)}}, engine_log_label=label,
+        )  # fmt: skip
+    message = str(failed.value)
+    assert message.startswith(f"vllm server exited with code 1 while starting; see its log {label}. Last lines:")
+    assert "No module named 'vllm'" in message and "No module named 'vllm'" in log.read_text()
+    assert not (tmp_path / "tune-result.json").exists()
 
 
 def test_the_mtp_setting_reaches_both_engines_command_lines():
