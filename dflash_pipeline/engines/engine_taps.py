@@ -1,0 +1,268 @@
+"""Taps from a vLLM server: token ids in, the target's taps out, checked before use.
+
+The server runs vLLM's ``extract_hidden_states`` speculative method with the project's connector
+(``engines/vllm_connector/dflash_taps_connector.py``, loaded by the server from a folder put on
+its ``PYTHONPATH``).
+Each request is a one-token completion of the sample's token ids; the connector writes the rows of
+the prompt's tokens to a file the response names. The client checks that the file holds the ids
+it sent, one row per id and the layers it asked for, puts the layers in the asked tap order
+(``model.taps.vllm_slot_order``), and deletes the file.
+
+Layer ids: project tap k = vLLM aux layer id k + 1 (``model.taps.vllm_aux_layer_ids``), both the
+decoder layer's output before the final norm.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors.torch import load_file
+
+from dflash_pipeline.engines.client import EngineError
+from dflash_pipeline.engines.launch import ServerSpec
+from dflash_pipeline.model.taps import vllm_aux_layer_ids, vllm_slot_order
+
+# The name the server imports the connector by: a copy of the module in a folder of the run's own,
+# so the engine's environment never sees the pipeline's package. Its folder is not a package (the
+# pipeline never imports it: it imports vLLM).
+CONNECTOR_MODULE = "dflash_taps_connector"
+CONNECTOR_SOURCE = Path(__file__).parent / "vllm_connector" / f"{CONNECTOR_MODULE}.py"
+CONNECTOR_CLASS = "DFlashTapsConnector"
+
+
+class TapsMismatch(EngineError):
+    """The engine's file does not hold the taps of the sample that was sent."""
+
+
+def install_connector(folder: str | Path) -> Path:
+    """Copy the connector module into ``folder``; returns the folder (for ``PYTHONPATH``)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(CONNECTOR_SOURCE, folder / f"{CONNECTOR_MODULE}.py")
+    return folder
+
+
+def taps_server_spec(
+    model: str | Path,
+    tap_ids: Sequence[int],
+    port: int,
+    run_dir: str | Path,
+    *,
+    python: str | None,
+    env: dict[str, str],
+    tp: int = 1,
+    mem_fraction: float | None = None,
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    extra_args: Sequence[str] = (),
+) -> ServerSpec:
+    """A vLLM server that computes the taps ``tap_ids`` of ``model``; its files go to
+    ``<run_dir>/taps`` and its connector module to ``<run_dir>/connector``."""
+    run_dir = Path(run_dir)
+    connector_dir = install_connector(run_dir / "connector")
+    storage = run_dir / "taps"
+    storage.mkdir(parents=True, exist_ok=True)
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(tap_ids)}},
+    }
+    transfer = {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+    args = ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer)]
+    # Same sampling on every run (the one generated token is thrown away anyway).
+    args += ["--seed", "0", "--generation-config", "vllm"]
+    if dtype:
+        args += ["--dtype", dtype]
+    if max_model_len:
+        args += ["--max-model-len", str(max_model_len)]
+    # Only the connector's folder: the engine's environment must not import the pipeline's packages.
+    server_env = {**env, "PYTHONPATH": str(connector_dir)}
+    return ServerSpec(
+        engine="vllm",
+        model=str(model),
+        port=port,
+        tp=tp,
+        mem_fraction=mem_fraction,
+        extra_args=args + list(extra_args),
+        python=python,
+        env=server_env,
+    )
+
+
+def taps_storage(spec: ServerSpec) -> Path:
+    """Where the server of ``spec`` writes its tap files."""
+    transfer = json.loads(spec.extra_args[spec.extra_args.index("--kv-transfer-config") + 1])
+    return Path(transfer["kv_connector_extra_config"]["shared_storage_path"])
+
+
+def arrange_taps(found: dict[str, torch.Tensor], token_ids: Sequence[int], tap_ids: Sequence[int]) -> torch.Tensor:
+    """The checked taps [T, K*H] in ``tap_ids`` order from a connector file's tensors (the server
+    may capture more layers than asked); raises ``TapsMismatch`` when they are not the rows of
+    ``token_ids`` or do not hold those layers in vLLM's ascending order."""
+    hidden, ids, layers = found.get("hidden_states"), found.get("token_ids"), found.get("layer_ids")
+    if hidden is None or ids is None or layers is None:
+        raise TapsMismatch("the engine's taps file lacks hidden_states, token_ids or layer_ids")
+    if ids.tolist() != list(token_ids):
+        raise TapsMismatch(f"the engine's taps are of other token ids ({len(ids)} ids, {len(token_ids)} sent)")
+    if hidden.ndim != 3 or hidden.shape[0] != len(token_ids):
+        raise TapsMismatch(f"the engine returned taps of shape {tuple(hidden.shape)} for {len(token_ids)} tokens")
+    captured = layers.tolist()
+    wanted = vllm_aux_layer_ids(tap_ids)
+    if captured != sorted(set(captured)) or hidden.shape[1] != len(captured) or not set(wanted) <= set(captured):
+        raise TapsMismatch(
+            f"the engine captured vLLM layers {captured} in {hidden.shape[1]} slots; taps "
+            f"{list(tap_ids)} need layers {wanted} (vLLM id = tap + 1, slots in ascending id order)"
+        )
+    slots = [captured.index(layer_id) for layer_id in vllm_aux_layer_ids(tap_ids)]
+    ordered = hidden[:, [slots[i] for i in vllm_slot_order(tap_ids)]]
+    return ordered.reshape(len(token_ids), -1)
+
+
+class EngineTaps:
+    """Taps of token-id sequences from a running taps server at ``url`` serving ``model`` and
+    writing its files into ``storage``.
+
+    ``alive`` says whether the server still runs (a dead one fails the wait at once instead of
+    after ``timeout``)."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        storage: str | Path,
+        tap_ids: Sequence[int],
+        *,
+        alive: Callable[[], bool] = lambda: True,
+        timeout: float = 600,
+        concurrency: int = 4,
+    ):
+        self.url = url
+        self.model = model
+        self.storage = Path(storage)
+        self.tap_ids = list(tap_ids)
+        self.alive = alive
+        self.timeout = timeout
+        self.concurrency = concurrency
+        self.http = httpx.Client(timeout=timeout)
+
+    @classmethod
+    def of_server(cls, spec: ServerSpec, tap_ids: Sequence[int], **kwargs) -> EngineTaps:
+        return cls(spec.url, spec.model, taps_storage(spec), tap_ids, **kwargs)
+
+    def address(self) -> dict:
+        """What another process needs to reach the same server (``EngineTaps(**address)``)."""
+        return {"url": self.url, "model": self.model, "storage": str(self.storage)}
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> EngineTaps:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def taps(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """The taps [T, K*H] of one sequence (the engine's dtype, on the CPU)."""
+        token_ids = [int(t) for t in token_ids]
+        path = self._request(token_ids)
+        try:
+            found = self._wait_and_load(path)
+        finally:
+            path.unlink(missing_ok=True)
+        return arrange_taps(found, token_ids, self.tap_ids)
+
+    def taps_of(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The taps of several sequences, ``concurrency`` requests in flight (the engine batches
+        them), in the order given."""
+        if len(sequences) <= 1:
+            return [self.taps(s) for s in sequences]
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(sequences))) as pool:
+            return list(pool.map(self.taps, sequences))
+
+    def _request(self, token_ids: list[int]) -> Path:
+        body = {"model": self.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0}
+        try:
+            resp = self.http.post(f"{self.url}/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"taps request to {self.url} failed: {exc!r}") from exc
+        if resp.status_code != 200:
+            raise EngineError(f"taps request to {self.url} failed: HTTP {resp.status_code}: {resp.text[:500]}")
+        params = resp.json().get("kv_transfer_params") or {}
+        if "hidden_states_path" not in params:
+            raise EngineError(
+                f"the server at {self.url} returned no hidden_states_path: is it a taps server "
+                "(extract_hidden_states with the project's connector)?"
+            )
+        path = Path(params["hidden_states_path"])
+        if path.parent.resolve() != self.storage.resolve():
+            raise EngineError(f"the engine wrote taps to {path}, outside its taps folder {self.storage}")
+        return path
+
+    def _wait_and_load(self, path: Path) -> dict[str, torch.Tensor]:
+        # The response comes before the worker has written the file (it writes when the request's
+        # blocks are released); the file appears whole (renamed into place).
+        deadline = time.monotonic() + self.timeout
+        delay = 0.002
+        while not path.exists():
+            if not self.alive():
+                raise EngineError(f"the taps server at {self.url} died before writing {path.name}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"the taps server at {self.url} did not write {path.name} in {self.timeout:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        return load_file(str(path))
+
+
+class EngineTapSource:
+    """Training batches' taps from a taps server, with the interface of stored taps
+    (``data.hidden.HiddenShards.taps``): right-padded [b, length, K*H] on ``device``."""
+
+    def __init__(self, client: EngineTaps):
+        self.client = client
+
+    def taps(self, sequences, length: int, device, dtype) -> torch.Tensor:
+        rows = self.client.taps_of([seq.input_ids.tolist() for seq in sequences])
+        padded = [torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[0])) for row in rows]
+        return torch.stack(padded).to(device=device, dtype=dtype)
+
+
+def taps_difference(engine: torch.Tensor, reference: torch.Tensor, num_taps: int) -> float:
+    """The largest of the taps' max-abs differences, each relative to its tap's largest absolute
+    reference value (a relative measure, so one tolerance serves every model scale)."""
+    worst = 0.0
+    for got, want in zip(engine.float().chunk(num_taps, dim=-1), reference.float().chunk(num_taps, dim=-1)):
+        scale = want.abs().max().clamp_min(1e-12)
+        worst = max(worst, float((got - want).abs().max() / scale))
+    return worst
+
+
+def check_engine_taps(client: EngineTaps, target, token_ids: Sequence[int], tolerance: float) -> float:
+    """One sample's taps from the engine against the in-process target's (``model.taps``):
+    raises ``TapsMismatch`` above ``tolerance`` (``taps_difference``); returns the difference.
+    Catches what the engine may do differently from the target's forward (hybrid layers,
+    prefix caching, chunked prefill, a wrong layer)."""
+    from dflash_pipeline.model.taps import TargetTaps
+
+    device = next(target.parameters()).device
+    reference = TargetTaps(target, client.tap_ids)(torch.tensor([list(token_ids)], device=device))[0].cpu()
+    difference = taps_difference(client.taps(token_ids), reference, len(client.tap_ids))
+    if not difference <= tolerance:
+        raise TapsMismatch(
+            f"the engine's taps differ from the target's by {difference:.3g} (largest absolute "
+            f"difference relative to the tap's largest value) over {len(token_ids)} tokens, above "
+            f"train.taps_server.parity_tolerance {tolerance}: the engine computes other taps"
+        )
+    return difference

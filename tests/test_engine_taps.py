@@ -1,0 +1,143 @@
+"""Taps from vLLM (engines.engine_taps and the project's connector): the checks a client makes on
+every file before use, the server's command line, and against real vLLM (its CPU build, fp32) the
+taps equal to the in-process target's (model.taps) to 1e-4, with chunked prefill, prefix-cache
+hits, several concurrent sequences, the last layer and an unsorted tap order."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from dflash_pipeline.engines.engine_taps import (
+    CONNECTOR_MODULE,
+    EngineTaps,
+    TapsMismatch,
+    arrange_taps,
+    check_engine_taps,
+    taps_difference,
+    taps_server_spec,
+    taps_storage,
+)
+
+# fp32 on both sides; measured worst 1.6e-5 (the last layer of a 301-token sequence).
+FP32_ATOL = 1e-4
+
+
+def connector_file(tokens: list[int], layers: list[int], hidden: int = 3) -> dict[str, torch.Tensor]:
+    """What the connector writes: slot s of token t holds 100 * layer + t in every element."""
+    rows = torch.tensor([[[100.0 * layer + t] * hidden for layer in layers] for t in range(len(tokens))])
+    return {"hidden_states": rows, "token_ids": torch.tensor(tokens), "layer_ids": torch.tensor(layers)}
+
+
+def test_taps_come_out_in_the_asked_order_from_vllms_ascending_slots():
+    found = connector_file([7, 8, 9], [2, 6, 8])
+    # taps [5, 1] = vLLM layers 6 and 2; layer 8 was captured too and is not asked for.
+    taps = arrange_taps(found, [7, 8, 9], [5, 1])
+    assert taps.shape == (3, 6)
+    assert taps[:, 0].tolist() == [600.0, 601.0, 602.0]
+    assert taps[:, 3].tolist() == [200.0, 201.0, 202.0]
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"token_ids": torch.tensor([7, 8, 10])}, "other token ids"),
+        ({"token_ids": torch.tensor([7, 8])}, "other token ids"),
+        ({"hidden_states": torch.zeros(2, 2, 3)}, "shape"),
+        ({"layer_ids": torch.tensor([6, 2])}, "ascending"),
+        ({"layer_ids": torch.tensor([2, 7])}, r"need layers \[2, 6\]"),
+    ],
+)
+def test_a_file_that_is_not_the_samples_taps_is_refused(change, message):
+    found = {**connector_file([7, 8, 9], [2, 6]), **change}
+    with pytest.raises(TapsMismatch, match=message):
+        arrange_taps(found, [7, 8, 9], [5, 1])
+
+
+def test_the_server_asks_vllm_for_layer_ids_one_above_the_taps_and_sees_only_the_connector(tmp_path):
+    spec = taps_server_spec(
+        "/models/target", [5, 1, 7], 8123, tmp_path, python="/engine/bin/python", env={"PYTHONPATH": "/pipeline"}
+    )
+    args = spec.extra_args
+    speculative = json.loads(args[args.index("--speculative-config") + 1])
+    assert speculative["method"] == "extract_hidden_states"
+    assert speculative["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 6, 8]
+    transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector_module_path"] == CONNECTOR_MODULE
+    assert taps_storage(spec) == tmp_path / "taps"
+    # The engine imports the connector from the run's copy, and nothing of the pipeline's.
+    assert spec.env["PYTHONPATH"] == str(tmp_path / "connector")
+    assert (tmp_path / "connector" / f"{CONNECTOR_MODULE}.py").read_text().count("import dflash_pipeline") == 0
+
+
+def test_the_relative_difference_is_per_tap():
+    reference = torch.cat([torch.full((2, 3), 100.0), torch.full((2, 3), 1.0)], dim=-1)
+    engine = reference.clone()
+    engine[:, 3:] += 0.1  # 10% of the second tap, 0.1% of the first tap's scale
+    assert taps_difference(engine, reference, 2) == pytest.approx(0.1)
+
+
+# --- real vLLM ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target(demo_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
+
+
+def client_for(server, tap_ids) -> EngineTaps:
+    return EngineTaps.of_server(server.spec, tap_ids, alive=server.alive, timeout=600)
+
+
+def reference_taps(target, tokens, tap_ids) -> torch.Tensor:
+    from dflash_pipeline.model.taps import TargetTaps
+
+    return TargetTaps(target, tap_ids)(torch.tensor([tokens]))[0]
+
+
+def prefix_cache_hits(server) -> float:
+    metrics = httpx.get(f"{server.spec.url}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits"))
+
+
+@pytest.mark.workflow
+def test_vllm_taps_equal_the_targets_with_chunked_prefill_prefix_hits_and_concurrency(vllm_taps_server, target):
+    last = target.config.num_hidden_layers - 1
+    tap_ids = [5, 1, last]  # unsorted, and the last layer (its output before the final norm)
+    generator = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    # Longer than the 64-token prefill chunk, several at once.
+    sequences = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (37, 129, 250, 301)]
+    with client_for(vllm_taps_server, tap_ids) as client:
+        first = client.taps_of(sequences)
+        hits_before = prefix_cache_hits(vllm_taps_server)
+        # Again, and a new sequence sharing 200 tokens with one of them: served from cached blocks.
+        again = client.taps_of([*sequences, sequences[3][:200] + sequences[0]])
+        assert prefix_cache_hits(vllm_taps_server) > hits_before
+    worst = 0.0
+    for tokens, got in zip([*sequences, *sequences, sequences[3][:200] + sequences[0]], [*first, *again]):
+        expected = reference_taps(target, tokens, tap_ids)
+        assert got.dtype == torch.float32 and got.shape == expected.shape == (
+            len(tokens),
+            3 * target.config.hidden_size,
+        )
+        worst = max(worst, (got - expected).abs().max().item())
+    assert worst <= FP32_ATOL
+    # Nothing left behind: each file is deleted once read.
+    assert not list(taps_storage(vllm_taps_server.spec).iterdir())
+
+
+@pytest.mark.workflow
+def test_the_per_run_check_passes_the_engine_and_catches_other_layers(vllm_taps_server, target):
+    tokens = list(range(3, 90))
+    with client_for(vllm_taps_server, [1, 5]) as client, client_for(vllm_taps_server, [0, 4]) as shifted:
+        assert check_engine_taps(client, target, tokens, tolerance=1e-4) <= 1e-4
+        # An engine that hands over the layers below the asked ones (the off-by-one).
+        client.taps = shifted.taps
+        with pytest.raises(TapsMismatch, match="differ from the target's"):
+            check_engine_taps(client, target, tokens, tolerance=1e-4)
