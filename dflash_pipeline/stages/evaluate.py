@@ -214,7 +214,7 @@ def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str
 
 def evaluate_job(
     target: str,
-    drafter_dir: str,
+    drafter_config: str,
     prompts: str,
     heldout: list[str],
     out: str | Path,
@@ -223,12 +223,39 @@ def evaluate_job(
     failed_copy: str | Path,
     runtime_dir: str | Path | None = None,
     engines: dict | None = None,
+    tracker: tuple[dict, str] | None = None,
 ) -> dict:
     """What the `evaluate` rule runs: the simulated tau on held-out tokenized rows, the loop on
     the held-out prompts (gated on losslessness and parity), then the extra prompt sets; one
-    target load for all of it. A failed job's metrics are kept at ``failed_copy`` (Snakemake
-    removes the output of a failed job); a serving engine's logs and raw counters go to
-    ``runtime_dir``."""
+    target load for all of it, of the drafter exported as ``drafter_config`` (its folder's
+    config.json). A failed job's metrics are kept at ``failed_copy`` (Snakemake removes the
+    output of a failed job); a serving engine's logs and raw counters go to ``runtime_dir``.
+    ``tracker`` (the ``train`` section and the run root) is the experiment tracker that gets
+    the headline figures, a failed gate's too: the metrics JSON is written before a gate fails."""
+    try:
+        drafter_dir = str(Path(drafter_config).parent)
+        return _evaluate(
+            target, drafter_dir, prompts, heldout, out, settings, thinking, failed_copy, runtime_dir, engines
+        )
+    finally:
+        if tracker is not None:
+            from dflash_pipeline.training.tracker import log_evaluation
+
+            log_evaluation(*tracker, out)
+
+
+def _evaluate(
+    target: str,
+    drafter_dir: str,
+    prompts: str,
+    heldout: list[str],
+    out: str | Path,
+    settings: dict,
+    thinking: bool,
+    failed_copy: str | Path,
+    runtime_dir: str | Path | None,
+    engines: dict | None,
+) -> dict:
     import shutil
 
     from dflash_pipeline.evaluation.simulated import simulated_tau

@@ -30,7 +30,7 @@ from dflash_pipeline.data.shard_kinds import ShardKindError, require_file_kind
 from dflash_pipeline.engines.client import EngineClient, EngineError, make_adapter
 from dflash_pipeline.engines.environments import EngineSetupError, engine_version
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec, server_port
-from dflash_pipeline.engines.tuning import TunedChoice, apply_choice
+from dflash_pipeline.engines.tuning import TunedChoice, apply_choice, read_tune_result, tune_defining, tune_key
 from dflash_pipeline.engines.regenerate import (
     GenerationSettings,
     ShardGenerator,
@@ -39,6 +39,12 @@ from dflash_pipeline.engines.regenerate import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def tuned_choice(run_url: str, config: dict) -> TunedChoice | None:
+    """The run's tune result for this config's defining settings (None: not measured, or
+    measured for other settings)."""
+    return read_tune_result(open_storage(run_url), tune_key(tune_defining(config)))
 
 
 def run_job(
