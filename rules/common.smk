@@ -16,6 +16,12 @@ from dflash_pipeline.core.storage import is_s3_url, open_storage
 from dflash_pipeline.engines.tuning import generate_waits_for_tune, tune_defining
 from dflash_pipeline.snakemake_patches.refusals import install_refusal_patch
 from dflash_pipeline.snakemake_patches.slurm_states import install_state_fix
+from dflash_pipeline.core.credentials import protect_storage_credentials
+
+# The driver and each job's Snakemake process hold the storage credentials in their environment:
+# non-dumpable, so that no engine (same user) reads them from their /proc files; it also means no
+# core dump and no debugger attach (py-spy) for them except as root (dflash_pipeline.core.credentials).
+protect_storage_credentials()
 
 
 def refuse(message):

@@ -10,6 +10,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_pipeline.core.credentials import protect_storage_credentials
+
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -22,6 +24,8 @@ def job_logging(
     An exception leaving the block is written to the log first, so the job's log file (what the
     status page and the user read) always says why the job failed. ``copies`` get every record
     too (an attempt's own job log, which Snakemake does not empty when it retries the job).
+    A job holding storage credentials in its environment makes itself non-dumpable, so that no
+    engine (this job's or another's) reads them from its ``/proc`` files (``core.credentials``).
     """
     root = logging.getLogger()
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
@@ -34,6 +38,7 @@ def job_logging(
     old_level = root.level
     root.setLevel(level)
     job_log = logging.getLogger("dflash_pipeline.job")
+    protect_storage_credentials()  # after the handlers: its warning, if any, is in the job's log
     try:
         yield job_log
     except Exception as err:

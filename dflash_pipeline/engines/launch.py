@@ -3,7 +3,9 @@
 The job starts the server in its own process group with a parent-death signal (Linux
 ``PR_SET_PDEATHSIG``), so a SIGKILLed job takes its server down with it; a pid file per port lets a
 restarted job reap a leftover that still holds the port. The server's output goes to a log file
-that every error message names.
+that every error message names. The server gets no storage credentials, and a job that holds
+them makes itself non-dumpable before it starts one, so the server cannot read them from the job's
+``/proc/<pid>/environ`` either (``dflash_pipeline.core.credentials``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from dflash_pipeline.core.credentials import protect_storage_credentials
 from dflash_pipeline.engines.client import EngineError
 from dflash_pipeline.engines.environments import engine_env, engine_python, server_module_command
 
@@ -277,6 +280,10 @@ class ManagedServer:
         # The spec's environment (engines.<engine>.env applied), else this process's; either way
         # without storage credentials or the job's thread limits.
         env = engine_env(self.spec.engine, None, self.spec.env)
+        # ... and it cannot read them from this job's /proc files either (same user): with a
+        # credential in this process's environment, the job makes itself non-dumpable first
+        # (no core dump and no debugger attach for it; core.credentials).
+        protect_storage_credentials()
         self._end_noted = False
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(

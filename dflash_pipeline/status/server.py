@@ -31,6 +31,7 @@ from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
+from dflash_pipeline.core.credentials import SECRET_ENV_VARS
 from dflash_pipeline.status.http import REQUEST_TIMEOUT_S, WORKERS, StatusHTTPServer
 from dflash_pipeline.status.snapshot import SnapshotBuilder
 
@@ -40,15 +41,6 @@ ASSETS = {
     "app.js": "application/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
-# Environment variables whose values must never leave the server.
-SECRET_ENV_VARS = (
-    "SNAKEMAKE_STORAGE_S3_ACCESS_KEY",
-    "SNAKEMAKE_STORAGE_S3_SECRET_KEY",
-    "SNAKEMAKE_STORAGE_S3_TOKEN",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-)
 REDACTED = "[redacted]"
 TOKEN_ENV = "DFLASH_STATUS_TOKEN"
 
