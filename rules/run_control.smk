@@ -36,7 +36,7 @@ ride_out_plugin_outages(workflow.storage_registry)
 def check_offline_budget():
     """Offline mode above train.offline_max_bytes stops the plan (dflash_pipeline.training.offline);
     it is checked again when a training job starts."""
-    from dflash_pipeline.training.offline import OfflineBudgetError, check_run
+    from dflash_pipeline.training.offline import OfflineBudgetError, check_offline_run
 
     if config["train"]["mode"] != "offline" or config["until"] not in (
         "train",
@@ -44,7 +44,7 @@ def check_offline_budget():
     ):
         return
     try:
-        check_run(config, open_storage(RUN_URL))
+        check_offline_run(config, open_storage(RUN_URL))
     except OfflineBudgetError as err:
         refuse(str(err))
 

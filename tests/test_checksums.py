@@ -219,7 +219,7 @@ def test_check_run_lists_missing_damaged_and_orphaned_objects(tmp_path):
     assert lines[0].startswith(f"missing   {root}/outputs/generate-00001.parquet")
     assert lines[-1].endswith("1 missing, 2 damaged, 1 without a checksum record, 2 orphaned")
 
-    command = verify.repair_command(report, "results/demo", ["my.yaml"], None, ["--cores", "2"])
+    command = verify.rebuild_command(report, "results/demo", ["my.yaml"], None, ["--cores", "2"])
     assert command[1:] == [
         "-m",
         "snakemake",
@@ -233,7 +233,7 @@ def test_check_run_lists_missing_damaged_and_orphaned_objects(tmp_path):
         "--cores",
         "2",
     ]
-    s3 = verify.repair_command(report, "results/demo", None, "s3://b/p", [])
+    s3 = verify.rebuild_command(report, "results/demo", None, "s3://b/p", [])
     assert s3[-6:] == ["--default-storage-provider", "s3", "--default-storage-prefix", "s3://b/p", "--cores", "all"]
 
     deleted = verify.delete_damaged(store, report)

@@ -15,7 +15,7 @@ from dflash_pipeline.training.offline import (
     TargetShape,
     TokenCount,
     check_offline_budget,
-    check_run,
+    check_offline_run,
     check_stored,
     count_tokens,
     estimate,
@@ -126,9 +126,9 @@ def test_refusal_names_the_bytes_the_limit_and_what_online_would_cost():
 def test_check_run_is_silent_when_the_run_cannot_be_sized_yet_or_is_online(tmp_path):
     c = config(offline_max_bytes=0)
     c["target"]["model"] = str(tmp_path / "not-built-yet")
-    assert check_run(c, open_storage(tmp_path)) is None
+    assert check_offline_run(c, open_storage(tmp_path)) is None
     c["train"]["mode"] = "online"
-    assert check_run(c, open_storage(tmp_path)) is None
+    assert check_offline_run(c, open_storage(tmp_path)) is None
 
 
 def test_train_start_refuses_from_the_extract_manifests():

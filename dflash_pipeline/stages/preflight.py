@@ -16,7 +16,7 @@ and what to do:
 * offline mode's stored taps: ``train.hidden_dtype`` float32 is refused where ``extract`` runs
   the target on a GPU (``train.gpus_per_job`` > 0), which computes in bfloat16;
 * the experiment tracker (``train.tracker``): its library importable, else the pip extra to install;
-* the engines the run launches (``engines.preflight``): installed where ``engines`` says, and the
+* the engines the run launches (``engines.readiness``): installed where ``engines`` says, and the
   evaluation engine's version serves the drafter the config trains.
 """
 
@@ -38,7 +38,7 @@ from dflash_pipeline.core.s3 import (
 from dflash_pipeline.core.storage import StorageError
 from dflash_pipeline.data.prompts import detect_format
 from dflash_pipeline.stages.cli import looks_like_hub_id
-from dflash_pipeline.engines.preflight import check_engines
+from dflash_pipeline.engines.readiness import check_engines
 from dflash_pipeline.training.offline import extract_device, stored_dtype_problem
 from dflash_pipeline.training.tracker import tracker_problems
 

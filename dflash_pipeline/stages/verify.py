@@ -210,7 +210,7 @@ def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Repor
     return report
 
 
-def repair_command(
+def rebuild_command(
     report: Report, root: str, configfiles: list[str] | None, prefix: str | None, snakemake_args: list[str]
 ) -> list[str] | None:
     """The Snakemake command that rebuilds the missing and damaged objects and what follows."""
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     if report.ok:
         print("nothing to repair")
         return 0
-    cmd = repair_command(report, root, args.configfile, args.default_storage_prefix, snakemake_args)
+    cmd = rebuild_command(report, root, args.configfile, args.default_storage_prefix, snakemake_args)
     if args.dry_run:
         for key in [f.key for f in report.of("damaged")] + [sidecar_key(k) for k in report.stale_records]:
             print(f"would delete {storage.join(key)}")

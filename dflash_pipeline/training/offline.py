@@ -242,7 +242,7 @@ def check_offline_budget(config: dict, target: TargetShape, count: TokenCount) -
     return est
 
 
-def check_run(config: dict, storage: Storage) -> OfflineEstimate | None:
+def check_offline_run(config: dict, storage: Storage) -> OfflineEstimate | None:
     """The plan-time check of an offline run; None when it cannot be sized yet (no target
     config.json, or no token count) or the run is online."""
     if config["train"]["mode"] != "offline":
