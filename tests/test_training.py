@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from dflash_pipeline.training.trainer import (
     check_replicas,
     lr_factor,
 )
+from tests.support.paused_run import Pause
 from tests.support.train_data import write_tokenized_shard
 
 STEPS = 8
@@ -143,33 +143,28 @@ def test_two_segments_equal_one_segment_bit_for_bit(reference, demo_model, token
     assert_same_state(final_state(tmp_path, 1), final_state(reference[0]))
 
 
-def start_training(run_dir: Path, s: dict, demo_model, tokenized) -> subprocess.Popen:
+def start_training(run_dir: Path, s: dict, demo_model, tokenized, pause: Pause | None = None) -> subprocess.Popen:
+    """Segment 0 of a run in ``run_dir`` by the stage's command line; its output goes to
+    ``training.log`` beside it (a pipe nobody reads while the test waits could fill and stall it).
+    With ``pause``, held after a write until the test lets it go on."""
     settings_file = run_dir / "settings.json"
     settings_file.write_text(json.dumps(s))
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dflash_pipeline.stages.train",
-            "--run-url",
-            str(run_dir),
-            "--segment",
-            "0",
-            "--settings",
-            str(settings_file),
-            "--target",
-            str(demo_model),
-            "--device",
-            "cpu",
-            "--manifest",
-            str(run_dir / layout.segment_manifest_key(0)),
-            "--tokenized",
-            *[f"{k}={v}" for k, v in tokenized.items()],
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    command = [
+        sys.executable, "-m", "dflash_pipeline.stages.train", "--run-url", str(run_dir), "--segment", "0",
+        "--settings", str(settings_file), "--target", str(demo_model), "--device", "cpu",
+        "--manifest", str(run_dir / layout.segment_manifest_key(0)),
+        "--tokenized", *[f"{k}={v}" for k, v in tokenized.items()],
+    ]  # fmt: skip
+    with open(run_dir / "training.log", "w") as out:
+        if pause is None:
+            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(pause.command(command), stdout=out, stderr=subprocess.STDOUT, env=pause.env())
+
+
+def finished(proc: subprocess.Popen, run_dir: Path) -> str:
+    """The training's output once it has ended."""
+    proc.wait(timeout=PATIENCE_S)
+    return (run_dir / "training.log").read_text()
 
 
 # Bounds for a hang only (each test also has pytest-timeout's): a loaded machine only makes the
@@ -177,41 +172,32 @@ def start_training(run_dir: Path, s: dict, demo_model, tokenized) -> subprocess.
 PATIENCE_S = 600
 
 
-def wait_for(predicate, proc, timeout=PATIENCE_S):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"training ended first ({proc.returncode}):\n{proc.stdout.read()}")
-        time.sleep(0.005)
-    raise AssertionError("timed out")
-
-
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_killed_and_resumed_equals_uninterrupted_bit_for_bit(how, reference, demo_model, tokenized, tmp_path):
-    # Many steps per checkpoint interval's worth of work after the kill: make the tail long.
     s = settings()
     metrics = tmp_path / layout.train_progress_prefix(0) / layout.TRAIN_METRICS
-    latest = tmp_path / layout.train_progress_prefix(0) / "checkpoint" / "latest.json"
-    proc = start_training(tmp_path, s, demo_model, tokenized)
+    # Held where the signal comes: after the first step's metrics (SIGTERM: the job checkpoints
+    # where it is and exits), or after the first periodic checkpoint (SIGKILL: the rerun resumes
+    # from it), so the signal never comes after the segment has ended.
+    suffix = layout.TRAIN_METRICS if how == "sigterm" else "checkpoint/latest.json"
+    pause = Pause(tmp_path / "pause", suffix)
+    proc = start_training(tmp_path, s, demo_model, tokenized, pause)
+    pause.wait_held(proc, PATIENCE_S)
     if how == "sigterm":
-        # Any time after the first step: the job checkpoints where it is and exits.
-        wait_for(lambda: metrics.exists(), proc)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=PATIENCE_S)
+        pause.resume_once_signalled(proc, PATIENCE_S)
+        out = finished(proc, tmp_path)
         assert proc.returncode == PREEMPTED_EXIT_CODE, out
-        assert "SIGTERM: checkpointed at step" in out
+        assert "SIGTERM: checkpointed at step 1;" in out
     else:
-        wait_for(lambda: latest.exists(), proc)
         proc.kill()
-        proc.communicate(timeout=PATIENCE_S)
+        finished(proc, tmp_path)
         assert proc.returncode == -signal.SIGKILL
-    assert not (tmp_path / layout.segment_manifest_key(0)).exists(), "the kill came too late"
+    assert not (tmp_path / layout.segment_manifest_key(0)).exists()
     resumed = start_training(tmp_path, s, demo_model, tokenized)
-    out, _ = resumed.communicate(timeout=PATIENCE_S)
+    out = finished(resumed, tmp_path)
     assert resumed.returncode == 0, out
-    assert "from in-segment checkpoint" in out
+    assert f"steps {1 if how == 'sigterm' else STEPS // 2}..{STEPS - 1} from in-segment checkpoint" in out
     assert_same_state(final_state(tmp_path), final_state(reference[0]))
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == list(range(STEPS)), "metrics must hold each step once after a resume"
@@ -390,16 +376,19 @@ def test_ddp_over_two_processes_trains_and_resumes_after_sigterm(demo_model, tok
     s = settings(steps_per_segment=12, checkpoint_every_steps=100, batch_size=1)
     job, settings_file, command = two_rank_segment(tmp_path, s, demo_model, tokenized)
     metrics = tmp_path / layout.train_progress_prefix(0) / layout.TRAIN_METRICS
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    wait_for(lambda: metrics.exists(), proc)
-    os.killpg(proc.pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=PATIENCE_S)
+    # Rank 0 held after the first step's metrics (rank 1 waits for it at the step's all-reduce):
+    # the signal reaches both ranks in the segment's first steps, whatever the machine's speed.
+    pause = Pause(tmp_path / "pause", layout.TRAIN_METRICS)
+    with open(tmp_path / "training.log", "w") as log_file:
+        proc = subprocess.Popen(
+            pause.command(command), stdout=log_file, stderr=subprocess.STDOUT, env=pause.env(), start_new_session=True
+        )
+    pause.wait_held(proc, PATIENCE_S)
+    os.killpg(proc.pid, signal.SIGTERM)  # torchrun's group: it forwards the signal to the ranks
+    pause.resume_once_signalled(proc, PATIENCE_S)
+    out = finished(proc, tmp_path)
     assert proc.returncode != 0
-    assert out.count("SIGTERM: checkpointed at step") == 2, out  # both ranks, same step
-    steps = {line.rsplit(" ", 3)[-2].rstrip(";") for line in out.splitlines() if "checkpointed at step" in line}
-    assert len(steps) == 1, out
+    assert out.count("SIGTERM: checkpointed at step 1;") == 2, out  # both ranks, same step
     latest = json.loads((tmp_path / layout.train_progress_prefix(0) / "checkpoint" / "latest.json").read_text())
     shares = json.loads((tmp_path / latest["prefix"] / "checkpoint.json").read_text())["files"]
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=PATIENCE_S)
