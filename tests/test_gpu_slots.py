@@ -8,8 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-from itertools import combinations
 from pathlib import Path
 
 import pytest
@@ -53,24 +51,27 @@ def test_zero_gpus_takes_no_lock(tmp_path):
     assert lease.acquire() == [] and lease.visible_devices == ""
 
 
-def _hold(lock_dir, seconds, queue):
+def _hold(lock_dir, held, release):
     lease = GpuLease(1, device_pool(1), lock_dir)
-    lease.acquire(timeout=5)
-    queue.put(("held", time.time()))
-    time.sleep(seconds)
+    lease.acquire(timeout=60)
+    held.set()
+    release.wait()
     os._exit(0)  # no release: the kernel must free the lock when the process dies
 
 
 def test_lock_is_freed_when_the_holder_dies(tmp_path):
-    queue = multiprocessing.get_context("fork").Queue()
-    proc = multiprocessing.get_context("fork").Process(target=_hold, args=(tmp_path, 1.0, queue))
+    fork = multiprocessing.get_context("fork")
+    held, release = fork.Event(), fork.Event()
+    proc = fork.Process(target=_hold, args=(tmp_path, held, release))
     proc.start()
-    assert queue.get(timeout=10)[0] == "held"
+    assert held.wait(timeout=60), "the holder never took the lock"
     waiter = GpuLease(1, device_pool(1), tmp_path)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError):  # held until the test lets the holder die
         waiter.acquire(timeout=0.3, poll=0.1)
-    proc.join()
-    assert waiter.acquire(timeout=5) == ["0"]
+    release.set()
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert waiter.acquire(timeout=0) == ["0"]  # free at once: no wait for anything
     waiter.release()
 
 
@@ -104,14 +105,13 @@ def test_concurrent_snakemake_gpu_jobs_never_share_a_device(tmp_path):
         capture_output=True,
         timeout=300,
     )
-    jobs = [json.loads(p.read_text()) for p in sorted((wf / "out").glob("job*.json"))]
+    jobs = {p.stem: json.loads(p.read_text()) for p in sorted((wf / "out").glob("job*.json"))}
     assert len(jobs) == 8
-    for job in jobs:
+    for job in jobs.values():
         assert len(job["devices"]) == job["asked"]
         assert set(job["devices"]) <= {"0", "1", "2", "3"}
-    overlapping = 0
-    for a, b in combinations(jobs, 2):
-        if a["start"] < b["end"] and b["start"] < a["end"]:
-            overlapping += 1
-            assert set(a["devices"]).isdisjoint(b["devices"]), (a, b)
-    assert overlapping > 0, "the jobs never ran side by side; the test proved nothing"
+    # Pairs of jobs seen holding their devices at the same moment (record_job.py).
+    side_by_side = [(name, other) for name, job in jobs.items() for other in job["alongside"]]
+    assert side_by_side, "no job ran beside another; the test proved nothing"
+    for name, other in side_by_side:
+        assert set(jobs[name]["devices"]).isdisjoint(jobs[other]["devices"]), (name, other, jobs)
