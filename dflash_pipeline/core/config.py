@@ -237,7 +237,7 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "repetition_min_repeats",
             "repetition_min_fraction",
         },
-        "operational": set(),
+        "operational": {"telemetry_every_seconds"},
     },
     "extract": {
         "section": "train",
@@ -276,6 +276,9 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "tracker",
             "tracker_dir",
             "tracker_project",
+            # Online training's tap source: extract always uses the target.
+            "taps_from",
+            "taps_server",
             # The drafter algorithm and its keys: extract stores taps, whatever trains on them.
             "algorithm",
             "conv_kernel_size",
@@ -345,6 +348,9 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "tracker",
             "tracker_dir",
             "tracker_project",
+            # The same taps either way (checked per run), so switching retrains nothing.
+            "taps_from",
+            "taps_server",
         },
     },
     "evaluate": {

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from dflash_pipeline.core import layout
@@ -22,6 +25,8 @@ from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.core.lease import raise_if_driverless
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.training.trainer import SegmentJob
+
+log = logging.getLogger(__name__)
 
 
 def shard_paths(paths: list[str]) -> dict[str, str]:
@@ -53,6 +58,8 @@ def segment_args(job: SegmentJob, settings_file: str, logs: list[str] = ()) -> l
     ]  # fmt: skip
     if logs:
         args += ["--log", *map(str, logs)]
+    if job.taps_server:
+        args += ["--taps-server", json.dumps(job.taps_server)]
     return args
 
 
@@ -85,10 +92,13 @@ def train_job(
     manifest: str,
     gpus: int,
     logs: list[str] = (),
+    engines: dict | None = None,
 ) -> int:
     """What the `train` rule runs: the segment over the job's shards on ``gpus`` devices; refused
     while the run is halted (a tokenize shard failed the data-quality gate). Under torchrun the
-    ranks log into ``logs`` (the job's log files) too."""
+    ranks log into ``logs`` (the job's log files) too. With ``train.taps_from: engine`` (online)
+    the job first starts its node's taps server (the ``engines`` config section says where vLLM
+    is installed) and checks one sample's taps against the target's."""
     run, name = open_storage(run_url), f"train segment {segment:04d}"
     raise_if_halted(run, name)
     raise_if_driverless(run, name)  # a job queued by a driver that is gone since does not start
@@ -102,7 +112,52 @@ def train_job(
         manifest_path=manifest,
         device=None if gpus else "cpu",
     )
+    if settings.get("taps_from", "target") == "engine" and settings["mode"] == "online":
+        # Node-local: the server writes each request's taps there and the trainer reads them.
+        with tempfile.TemporaryDirectory(prefix="dflash-taps-") as run_dir:
+            with taps_server(job, engines, Path(run_dir), logs) as address:
+                job.taps_server = address
+                return run_train_job(job, gpus, logs)
     return run_train_job(job, gpus, logs)
+
+
+@contextmanager
+def taps_server(job: SegmentJob, engines: dict | None, run_dir: Path, logs: list[str] = ()) -> Iterator[dict]:
+    """The job's vLLM taps server, running and checked against the target on one sample; yields
+    its address (``EngineTaps.address``). Its log is appended to the job's first log."""
+    import torch
+
+    from dflash_pipeline.engines.engine_taps import EngineTaps, check_engine_taps, taps_server_spec
+    from dflash_pipeline.engines.environments import engine_env, engine_python
+    from dflash_pipeline.engines.launch import ManagedServer, free_port
+    from dflash_pipeline.model.config import build_drafter_config
+    from dflash_pipeline.model.target import load_target, target_compute_dtype
+    from dflash_pipeline.training.data import read_training_sequences
+
+    server = job.settings["taps_server"]
+    device = torch.device(job.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = target_compute_dtype(device)
+    tap_ids = build_drafter_config(job.settings, job.target_dir).target_layer_ids
+    spec = taps_server_spec(
+        job.target_dir, tap_ids, free_port(), run_dir, python=engine_python("vllm", engines),
+        env=engine_env("vllm", engines), tp=max(1, torch.cuda.device_count()) if device.type == "cuda" else 1,
+        mem_fraction=server["mem_fraction"], dtype=server["dtype"] or dtype,
+        max_model_len=server["max_model_len"], extra_args=server["extra_args"],
+    )  # fmt: skip
+    log_path = Path(logs[0]).with_name(f"{Path(logs[0]).stem}-vllm-taps.log") if logs else run_dir / "vllm-taps.log"
+    with ManagedServer(spec, log_path, run_dir, startup_timeout=server["startup_timeout_s"]) as managed:
+        with EngineTaps.of_server(spec, tap_ids, alive=managed.alive, timeout=server["request_timeout_s"]) as client:
+            # One sample, the first of the training set, up to 256 tokens: cheap, and enough for
+            # several prefill chunks of a small chunk size.
+            sample = read_training_sequences(job.tokenized)[0].input_ids[:256].tolist()
+            target = load_target(job.target_dir, device, getattr(torch, dtype))
+            difference = check_engine_taps(client, target, sample, server["parity_tolerance"])
+            del target
+            log.info(
+                "taps server %s: one sample's taps (%d tokens) within %.3g of the target's (tolerance %g)",
+                spec.url, len(sample), difference, server["parity_tolerance"],
+            )  # fmt: skip
+            yield client.address()
 
 
 def parse_shard_paths(values: list[str]) -> dict[str, str]:
@@ -146,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--manifest", required=True, help="where to write the segment manifest")
     parser.add_argument("--device", default=None)
     parser.add_argument("--log", nargs="*", default=[], help="log files to append this process's records to")
+    parser.add_argument(
+        "--taps-server", type=json.loads, default=None, help="JSON address of a running taps server (taps_from engine)"
+    )
     args = parser.parse_args(argv)
     if args.configfile:
         settings = args.configfile["train"]
@@ -174,6 +232,7 @@ def run_segment(args: argparse.Namespace, settings: dict) -> None:
         hidden=parse_shard_paths(args.hidden),
         manifest_path=args.manifest,
         device=args.device,
+        taps_server=args.taps_server,
     ).run()
 
 

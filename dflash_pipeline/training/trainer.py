@@ -158,6 +158,8 @@ class SegmentJob:
     manifest_path: str
     hidden: dict[str, str] = field(default_factory=dict)  # offline mode: shard -> manifest
     device: str | None = None
+    # train.taps_from engine: the running taps server (engines.engine_taps.EngineTaps.address)
+    taps_server: dict | None = None
 
     def run(self) -> dict:
         return _SegmentRun(self).run()
@@ -193,7 +195,23 @@ class _SegmentRun:
         from dflash_pipeline.model.taps import TargetTaps
 
         self.drafter_config = build_drafter_config(self.settings, self.job.target_dir)
-        if self.settings["mode"] == "online":
+        if self.settings["mode"] == "online" and self.job.taps_server:
+            from dflash_pipeline.engines.engine_taps import EngineTaps, EngineTapSource
+            from dflash_pipeline.model.target import load_target_embeddings
+
+            # Taps from the engine, with the stored taps' interface; only embeddings here.
+            server = self.settings["taps_server"]
+            client = EngineTaps(
+                **self.job.taps_server,
+                tap_ids=self.drafter_config.target_layer_ids,
+                timeout=server["request_timeout_s"],
+                concurrency=server["concurrency"],
+            )
+            self.taps, self.hidden = None, EngineTapSource(client)
+            self.embed_weight, self.lm_head_weight = load_target_embeddings(
+                self.job.target_dir, self.device, self.compute_dtype
+            )
+        elif self.settings["mode"] == "online":
             target = load_target(self.job.target_dir, self.device, self.compute_dtype)
             self.taps = TargetTaps(target, self.drafter_config.target_layer_ids)
             self.embed_weight, self.lm_head_weight = target_embeddings(target)
