@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +23,7 @@ from dflash_pipeline.snakemake_patches.s3_inventory import (
 )
 from dflash_pipeline.core.s3 import S3Storage
 from tests.conftest import parse_job_table
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.s3
 
@@ -63,15 +63,25 @@ rule tokenize:
 
 @pytest.fixture
 def finished_run(s3_server, s3_env, tmp_path):
-    """Every output of a finished run of 40 shards in one S3 folder (tokenize written after
-    generate: S3 mtimes have a resolution of one second)."""
+    """Every output of a finished run of 40 shards in one S3 folder, tokenize's objects newer
+    than generate's (S3 mtimes have a resolution of one second: tokenize's are written once the
+    server's own clock, read from a probe object's mtime, has passed generate's newest)."""
     prefix = f"s3://{s3_server.bucket}/inventory-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ)
     store = S3Storage(prefix)
-    for stage in ("generate", "tokenize"):
-        for shard in range(SHARDS):
-            store.write_bytes(f"run/outputs/{stage}-{shard}.txt", b"x")
-        time.sleep(1.1)
+    for shard in range(SHARDS):
+        store.write_bytes(f"run/outputs/generate-{shard}.txt", b"x")
+    generated = max(o.mtime for o in store.list("run/outputs/generate-"))
+
+    def server_time() -> float:
+        store.write_bytes("clock-probe", b"")
+        return store.list("clock-probe")[0].mtime
+
+    wait_until(lambda: server_time() > generated, 60, "the S3 server's clock to pass generate's mtimes")
+    store.delete("clock-probe")
+    for shard in range(SHARDS):
+        store.write_bytes(f"run/outputs/tokenize-{shard}.txt", b"x")
+    assert min(o.mtime for o in store.list("run/outputs/tokenize-")) > generated
     (tmp_path / "Snakefile").write_text(SNAKEFILE)
     return tmp_path, prefix, store, env
 
