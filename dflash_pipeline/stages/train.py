@@ -134,6 +134,13 @@ def taps_server(job: SegmentJob, engines: dict | None, run_dir: Path, logs: list
     from dflash_pipeline.model.target import load_target, target_compute_dtype
     from dflash_pipeline.training.data import read_training_sequences
 
+    from dflash_pipeline.engines.environments import configured_engine
+    from dflash_pipeline.engines.limits import taps_refusal
+
+    installed = configured_engine("vllm", engines)
+    refused = taps_refusal("vllm", installed.version, installed.build)
+    if refused:
+        raise SystemExit(f"train.taps_from engine: {refused}")
     server = job.settings["taps_server"]
     device = torch.device(job.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = target_compute_dtype(device)
