@@ -15,7 +15,7 @@ rule build_demo_model:
     threads: 2
     resources:
         **slurm(0),
-        mem_mb=4000,
-        runtime=120,
+        mem_mb=config["resources"]["mem_mb"]["build_demo_model"],
+        runtime=config["resources"]["runtime_minutes"]["build_demo_model"],
     script:
         "../scripts/build_demo_model.py"

@@ -32,7 +32,7 @@ rule evaluate:
         **slurm(min(1, config["train"]["gpus_per_job"])),
         gpu=min(1, config["train"]["gpus_per_job"]),
         mem_mb=job_memory("evaluate", min(1, config["train"]["gpus_per_job"])),
-        runtime=240,
+        runtime=config["resources"]["runtime_minutes"]["evaluate"],
         # Snakemake's attempt number (a `--retries` run): each attempt keeps its logs apart.
         attempt=lambda wildcards, attempt: attempt,
     params:

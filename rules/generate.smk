@@ -23,7 +23,7 @@ rule tune:
         **slurm(tune_gpus()),
         gpu=tune_gpus(),
         mem_mb=job_memory("generate", tune_gpus()),
-        runtime=240,
+        runtime=config["resources"]["runtime_minutes"]["tune"],
         attempt=lambda wildcards, attempt: attempt,
     params:
         run_url=lambda wildcards: RUN_URL,
@@ -62,7 +62,7 @@ rule generate:
         mem_mb=job_memory("generate", config["generation"]["gpus_per_job"]),
         # Minutes (a cluster's time limit): a shard is sized for ~1 GPU-hour; a job cut at
         # the limit resumes from its parts on retry.
-        runtime=240,
+        runtime=config["resources"]["runtime_minutes"]["generate"],
         # Snakemake's attempt number (it reaches a job through its resources only): each
         # attempt keeps its logs apart (dflash_pipeline.core.joblog.JobAttempt).
         attempt=lambda wildcards, attempt: attempt,

@@ -17,8 +17,8 @@ rule ingest:
     threads: 1
     resources:
         **slurm(0),
-        mem_mb=4000,
-        runtime=120,
+        mem_mb=config["resources"]["mem_mb"]["ingest"],
+        runtime=config["resources"]["runtime_minutes"]["ingest"],
     params:
         num_shards=config["num_shards"],
         # Sorted keys: the order of keys in the config file says nothing about the output.
@@ -44,8 +44,8 @@ rule prepare:
     threads: 1
     resources:
         **slurm(0),
-        mem_mb=2000,
-        runtime=30,
+        mem_mb=config["resources"]["mem_mb"]["prepare"],
+        runtime=config["resources"]["runtime_minutes"]["prepare"],
     params:
         ingested=lambda wildcards: f"{RUN_URL}/{layout.INGESTED_PROMPTS}",
     script:

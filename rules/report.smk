@@ -35,8 +35,8 @@ rule report_headline:
     threads: 1
     resources:
         **slurm(0),
-        mem_mb=1000,
-        runtime=30,
+        mem_mb=config["resources"]["mem_mb"]["report_headline"],
+        runtime=config["resources"]["runtime_minutes"]["report_headline"],
     params:
         run_url=lambda wildcards: RUN_URL,
         # The generate shards whose counts give samples and tokens (none before generate).
@@ -72,8 +72,8 @@ rule report_prompts:
     threads: 1
     resources:
         **slurm(0),
-        mem_mb=1000,
-        runtime=30,
+        mem_mb=config["resources"]["mem_mb"]["report_prompts"],
+        runtime=config["resources"]["runtime_minutes"]["report_prompts"],
     script:
         "../scripts/report_prompts.py"
 
@@ -107,8 +107,8 @@ rule report_generation:
     threads: 1
     resources:
         **slurm(0),
-        mem_mb=2000,
-        runtime=30,
+        mem_mb=config["resources"]["mem_mb"]["report_generation"],
+        runtime=config["resources"]["runtime_minutes"]["report_generation"],
     params:
         run_url=lambda wildcards: RUN_URL,
     script:
@@ -133,8 +133,8 @@ rule report_tune:
     threads: 1
     resources:
         **slurm(0),
-        mem_mb=1000,
-        runtime=30,
+        mem_mb=config["resources"]["mem_mb"]["report_tune"],
+        runtime=config["resources"]["runtime_minutes"]["report_tune"],
     script:
         "../scripts/report_tune.py"
 
@@ -167,8 +167,8 @@ rule report_tokenization:
     threads: 1
     resources:
         **slurm(0),
-        mem_mb=1000,
-        runtime=30,
+        mem_mb=config["resources"]["mem_mb"]["report_tokenization"],
+        runtime=config["resources"]["runtime_minutes"]["report_tokenization"],
     script:
         "../scripts/report_tokenization.py"
 
@@ -191,8 +191,8 @@ rule report_training:
     threads: 1
     resources:
         **slurm(0),
-        mem_mb=2000,
-        runtime=30,
+        mem_mb=config["resources"]["mem_mb"]["report_training"],
+        runtime=config["resources"]["runtime_minutes"]["report_training"],
     params:
         run_url=lambda wildcards: RUN_URL,
         segments=config["train"]["segments"],
@@ -218,8 +218,8 @@ rule report_evaluation:
     threads: 1
     resources:
         **slurm(0),
-        mem_mb=1000,
-        runtime=30,
+        mem_mb=config["resources"]["mem_mb"]["report_evaluation"],
+        runtime=config["resources"]["runtime_minutes"]["report_evaluation"],
     script:
         "../scripts/report_evaluation.py"
 
@@ -243,8 +243,8 @@ rule report_storage:
     threads: 1
     resources:
         **slurm(0),
-        mem_mb=1000,
-        runtime=30,
+        mem_mb=config["resources"]["mem_mb"]["report_storage"],
+        runtime=config["resources"]["runtime_minutes"]["report_storage"],
     params:
         run_url=lambda wildcards: RUN_URL,
     script:

@@ -23,8 +23,8 @@ rule tokenize:
     threads: 4
     resources:
         **slurm(0),
-        mem_mb=4000,
-        runtime=60,
+        mem_mb=config["resources"]["mem_mb"]["tokenize"],
+        runtime=config["resources"]["runtime_minutes"]["tokenize"],
     params:
         run_url=lambda wildcards: RUN_URL,
         model=config["target"]["model"],

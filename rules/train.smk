@@ -22,7 +22,7 @@ rule extract:
         **slurm(min(1, config["train"]["gpus_per_job"])),
         gpu=min(1, config["train"]["gpus_per_job"]),
         mem_mb=job_memory("extract", min(1, config["train"]["gpus_per_job"])),
-        runtime=240,
+        runtime=config["resources"]["runtime_minutes"]["extract"],
         # Each attempt keeps its own log (dflash_pipeline.core.joblog.JobAttempt).
         attempt=lambda wildcards, attempt: attempt,
     params:
@@ -54,7 +54,7 @@ rule train:
         mem_mb=job_memory("train", config["train"]["gpus_per_job"]),
         # Minutes per segment (a cluster's time limit); a segment cut at the limit resumes
         # from its last checkpoint on retry.
-        runtime=720,
+        runtime=config["resources"]["runtime_minutes"]["train"],
         attempt=lambda wildcards, attempt: attempt,
     params:
         run_url=lambda wildcards: RUN_URL,
@@ -92,7 +92,7 @@ rule export:
     resources:
         **slurm(0),
         mem_mb=job_memory("export"),
-        runtime=60,
+        runtime=config["resources"]["runtime_minutes"]["export"],
     params:
         run_url=lambda wildcards: RUN_URL,
         dtype=config["train"]["export_dtype"],

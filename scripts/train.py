@@ -8,13 +8,11 @@ with stage_job(smk, "train") as job:
     # Every tokenize shard, extract manifest and segment K-1's manifest, before a GPU is taken.
     job.verify(smk.input.tokenized, smk.input.get("hidden", []), smk.input.get("previous", []))
     job.torch_threads(smk.threads)  # as many compute threads as Snakemake granted
-    # Operational keys (checkpoint interval, metrics interval...) come from the config.
-    settings = job.settings()
     with job.devices():
         train_job(
             job.run_url,
             int(smk.wildcards.segment),
-            settings,
+            job.settings(),  # with the operational keys (checkpoint, metrics intervals) from the config
             smk.params.model,
             list(smk.input.tokenized),
             list(smk.input.get("hidden", [])),

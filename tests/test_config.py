@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,43 @@ def test_every_schema_property_is_documented_with_a_default():
             walk(sub, f"{path}{name}.")
 
     walk(load_schema(), "")
+
+
+def test_the_settings_that_lived_in_code_are_schema_defaults():
+    """Each default once, in the schema: the run lease's lifetime, the live telemetry's interval,
+    how many prepared shards tune draws from, fetch's parallel downloads, and every rule's time
+    limit and memory."""
+    import inspect
+
+    from dflash_pipeline.core.jobstate import Telemetry
+    from dflash_pipeline.core.lease import RunLease
+    from dflash_pipeline.stages import fetch
+
+    defaults = validate_config({})
+    assert defaults["lease"]["ttl_s"] == 300 and defaults["tokenize"]["telemetry_every_seconds"] == 10
+    assert defaults["tune"]["prompt_shards"] == 8 and defaults["fetch"]["jobs"] == 8
+    # No second default in the code that reads them.
+    assert inspect.signature(RunLease).parameters["ttl_s"].default is inspect.Parameter.empty
+    assert inspect.signature(Telemetry).parameters["every_s"].default is inspect.Parameter.empty
+    assert inspect.signature(fetch.fetch).parameters["jobs"].default == defaults["fetch"]["jobs"]
+    # Every rule's time limit and memory come from resources (mem_mb through job_memory for the
+    # rules whose memory follows the model, with resources.mem_mb as the floor).
+    asked: dict[str, dict[str, str]] = {}
+    for smk in sorted((REPO / "rules").glob("*.smk")):
+        rule = None
+        for line in smk.read_text().splitlines():
+            if found := re.match(r"rule (\w+):", line):
+                rule = found[1]
+            elif found := re.match(r"\s+(runtime|mem_mb)=(.*),$", line):
+                asked.setdefault(rule, {})[found[1]] = found[2]
+    resources = load_schema()["properties"]["resources"]["properties"]
+    assert set(asked) == set(resources["runtime_minutes"]["properties"])
+    assert set(resources["mem_mb"]["properties"]) == set(asked) - {"tune"}  # tune asks for generate's
+    for rule, wanted in asked.items():
+        assert wanted["runtime"] == f'config["resources"]["runtime_minutes"]["{rule}"]', rule
+        assert wanted["mem_mb"] == f'config["resources"]["mem_mb"]["{rule}"]' or wanted["mem_mb"].startswith(
+            "job_memory("
+        ), rule
 
 
 @pytest.mark.parametrize(
@@ -163,6 +201,7 @@ def test_rule_params_keep_the_defining_keys_only_in_a_stable_order():
     [
         ("generate", "concurrency", 3),
         ("generate", "telemetry_every_seconds", 1),
+        ("tokenize", "telemetry_every_seconds", 1),
         ("generate", "server", {"port_base": 31000}),
         ("train", "checkpoint_every_steps", 7),
         ("train", "metrics_every_seconds", 1),

@@ -260,6 +260,6 @@ def test_a_telemetry_write_that_fails_never_stops_the_job(tmp_path, caplog):
         def write_text(self, key, text):
             raise StorageError(f"writing s3://b/{key} failed: Could not connect to the endpoint URL")
 
-    telemetry = Telemetry(Unreachable(), "_progress/generate/shard-00000/", {"shard": 0}, total=4)
+    telemetry = Telemetry(Unreachable(), "_progress/generate/shard-00000/", {"shard": 0}, total=4, every_s=10)
     telemetry.write("failed")  # the job's last word, in its `finally`: logged, not raised
     assert telemetry.state == "failed" and "telemetry not written (the job goes on)" in caplog.text

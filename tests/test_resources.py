@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dflash_pipeline.core.config import validate_config
-from dflash_pipeline.core.resources import FLOORS_MB, checkpoint_bytes, drafter_params, job_memory_mb
+from dflash_pipeline.core.resources import MODEL_SIZED_RULES, checkpoint_bytes, drafter_params, job_memory_mb
 from tests.conftest import REPO
 
 # Qwen3.6-27B's text shape (hidden 5120, intermediate 17408) and its bf16 checkpoint's size.
@@ -52,7 +52,15 @@ def test_the_speculators_export_also_holds_the_verifiers_embedding_and_head(tmp_
 
 
 def test_the_demo_and_a_missing_folder_keep_the_floors(tmp_path, demo_model):
+    """The floors are the config's resources.mem_mb (the schema's defaults unless set)."""
     config = validate_config({"target": {"model": str(tmp_path / "not-built-yet")}})
-    assert job_memory_mb(config) == FLOORS_MB
+    floors = {rule: config["resources"]["mem_mb"][rule] for rule in MODEL_SIZED_RULES}
+    assert job_memory_mb(config) == floors == {
+        "generate": 8000, "extract": 16000, "train": 16000, "export": 8000, "evaluate": 16000,
+    }  # fmt: skip
     demo = validate_config(yaml.safe_load((REPO / "config.yaml").read_text()) | {"target": {"model": str(demo_model)}})
-    assert job_memory_mb(demo) == FLOORS_MB  # a few MB of weights: the floors
+    assert job_memory_mb(demo) == floors  # a few MB of weights: the floors
+    raised = validate_config(
+        {"target": {"model": str(tmp_path / "not-built-yet")}, "resources": {"mem_mb": {"train": 64000}}}
+    )
+    assert job_memory_mb(raised)["train"] == 64000

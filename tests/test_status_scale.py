@@ -158,7 +158,7 @@ def test_a_cold_refresh_reads_the_stage_totals_not_every_finished_shards_telemet
 
     def job_finishes(shard):
         run.write_bytes(layout.shard_key("generate", shard), b"x")
-        telemetry = ShardProgress(run, "generate", shard).telemetry(4, token_field="tokens_generated")
+        telemetry = ShardProgress(run, "generate", shard).telemetry(4, every_s=10, token_field="tokens_generated")
         telemetry.update(4, 10 + shard)
         telemetry.write("done")
 

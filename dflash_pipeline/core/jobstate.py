@@ -29,7 +29,6 @@ from dflash_pipeline.core.storage import NotFound, Storage, StorageError, open_s
 log = logging.getLogger(__name__)
 
 TELEMETRY = "telemetry.json"
-TELEMETRY_EVERY_S = 10.0
 CLEAR_HALT_COMMAND = "python -m dflash_pipeline.stages.tokenize clear-halt --run-url {run_url}"
 
 
@@ -200,10 +199,10 @@ class Telemetry:
         identity: dict,
         total: int,
         *,
+        every_s: float,
         resumed: int = 0,
         unit: str = "samples",
         token_field: str | None = None,
-        every_s: float = TELEMETRY_EVERY_S,
     ):
         self.storage, self.prefix, self.identity = storage, prefix, identity
         self.total, self.resumed, self.done = total, resumed, resumed
@@ -300,9 +299,12 @@ class ShardProgress:
             self.run.delete(key)
         return len(keys)
 
-    def telemetry(self, total: int, **options) -> Telemetry:
-        """The shard job's live telemetry (``Telemetry`` options: resumed, token_field, every_s)."""
-        return Telemetry(self.run, self.prefix, {"stage": self.stage, "shard": self.shard}, total, **options)
+    def telemetry(self, total: int, every_s: float, **options) -> Telemetry:
+        """The shard job's live telemetry, written at most every ``every_s`` seconds (its stage's
+        ``telemetry_every_seconds``) while running; ``Telemetry`` options: resumed, token_field."""
+        return Telemetry(
+            self.run, self.prefix, {"stage": self.stage, "shard": self.shard}, total, every_s=every_s, **options
+        )
 
     def write_telemetry(self, record: dict) -> None:
         write_telemetry(self.run, self.prefix, {"stage": self.stage, "shard": self.shard}, record)

@@ -20,7 +20,7 @@ expiry:
   retried within seconds), so a lease that does not change is its dead holder's and is taken
   over then, without waiting for the rest of its expiry (a driver killed by an outage on
   another machine frees its run about 3 minutes after its last beat instead of 5, with the
-  default ``ttl_s``);
+  default ``lease.ttl_s`` of the config schema);
 * the holder deletes it when the run ends (success or error).
 
 Only real executions take it (the workflow's ``onstart``): dry-runs, ``--lint``, reports and the
@@ -46,7 +46,6 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.storage import Storage, StorageError, open_storage
 
 LEASE_KEY = layout.RUN_LEASE
-DEFAULT_TTL_S = 300.0
 # How late a beat may be (slow storage, clock skew between hosts) before its holder is watched.
 WATCH_GRACE_S = 15.0
 # A failed beat (storage unreachable) is tried again this soon, not a whole interval later.
@@ -115,12 +114,13 @@ def describe_holder(record: dict) -> str:
 
 
 class RunLease:
-    """This process's claim on one run root."""
+    """This process's claim on one run root, valid ``ttl_s`` seconds (the config's ``lease.ttl_s``)
+    past each heartbeat."""
 
     def __init__(
         self,
         storage: Storage,
-        ttl_s: float = DEFAULT_TTL_S,
+        ttl_s: float,
         *,
         host: str | None = None,
         pid: int | None = None,

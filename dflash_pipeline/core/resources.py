@@ -16,9 +16,9 @@ the CPU demo. The figures follow what each job holds in host memory at its peak:
   peak RSS within 17.8 GB, ``bench/results/export_memory-27b.json``); for a drafter the
   speculators format expresses, also the target's embedding and LM head, read and written.
 
-Each figure has a floor (what the rules asked for before: enough for the demo and small models).
-Where the target folder does not exist yet (the demo builds it), the floors apply. Override one
-job's figure with ``--set-resources train:mem_mb=N``.
+Each figure has a floor, the config's ``resources.mem_mb.<rule>`` (enough for the demo and small
+models). Where the target folder does not exist yet (the demo builds it), the floors apply.
+Override one job's figure with ``--set-resources train:mem_mb=N``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ MB = 1_000_000
 LOAD_FACTOR = 1.2  # weights read through host memory: the file's bytes plus the loader's slack
 JOB_OVERHEAD_MB = 4000  # Python, torch, CUDA context and the job's own buffers
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two moments
-FLOORS_MB = {"generate": 8000, "extract": 16000, "train": 16000, "export": 8000, "evaluate": 16000}
+# The rules whose memory follows the model's size (tune asks for generate's).
+MODEL_SIZED_RULES = ("generate", "extract", "train", "export", "evaluate")
 
 
 def checkpoint_bytes(model: str | Path) -> int | None:
@@ -80,11 +81,12 @@ def job_memory_mb(config: dict, speculators_export: bool = False) -> dict[str, i
     """``mem_mb`` per rule of a validated config; ``speculators_export``: the export job also
     writes the speculators format (``dflash_pipeline.model.speculators_format.refusal`` of the
     drafter's layer types is None)."""
+    floors = {rule: config["resources"]["mem_mb"][rule] for rule in MODEL_SIZED_RULES}
     model = config["target"]["model"]
     weights = checkpoint_bytes(model)
     params = drafter_params(model, config["train"])
     if weights is None:
-        return dict(FLOORS_MB)
+        return floors
     target_mb = LOAD_FACTOR * weights / MB
     ranks = max(1, config["train"]["gpus_per_job"])
     on_cpu = config["train"]["gpus_per_job"] == 0
@@ -100,4 +102,4 @@ def job_memory_mb(config: dict, speculators_export: bool = False) -> dict[str, i
         "export": JOB_OVERHEAD_MB + (params or 0) * (4 + 4) / MB + speculators_mb,
         "evaluate": JOB_OVERHEAD_MB + max(target_mb, loop_mb),
     }
-    return {rule: max(FLOORS_MB[rule], int(round(mb, -3))) for rule, mb in figures.items()}
+    return {rule: max(floors[rule], int(round(mb, -3))) for rule, mb in figures.items()}

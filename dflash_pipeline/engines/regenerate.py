@@ -294,7 +294,9 @@ async def generate_shard(
     done = reusable_rows(progress.load_reusable(GENERATED_SCHEMA), generator.fingerprint, wanted, "earlier build's")
     done.update(reusable_rows(progress.load_parts(GENERATED_SCHEMA), generator.fingerprint, wanted, "progress part"))
     todo = [r for r in rows if r["id"] not in done]
-    telemetry = progress.telemetry(len(rows), resumed=len(rows) - len(todo), token_field="tokens_generated")
+    telemetry = progress.telemetry(
+        len(rows), settings.telemetry_every_seconds, resumed=len(rows) - len(todo), token_field="tokens_generated"
+    )
     log.info(
         "shard %05d: %d prompts, %d resumed from earlier work, %d to generate",
         progress.shard,

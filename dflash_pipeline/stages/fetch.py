@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.s3 import BUCKET_SENTINEL_KEY, S3Storage
 from dflash_pipeline.core.storage import (
     Storage,
@@ -177,7 +178,7 @@ def fetch(
     with_checkpoints: bool = False,
     with_shards: bool = False,
     dry_run: bool = False,
-    jobs: int = 8,
+    jobs: int = schema_defaults("fetch")["jobs"],
 ) -> Summary:
     """Copy the selected objects of the run at ``run_url`` that DIR lacks; raises StorageError
     when the run cannot be listed (and copies nothing then)."""
@@ -255,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-checkpoints", action="store_true", help="also the checkpoint shards")
     parser.add_argument("--with-shards", action="store_true", help="also the row data and hidden states")
     parser.add_argument("--dry-run", action="store_true", help="list what would be copied; write nothing")
-    parser.add_argument("--jobs", type=int, default=8, help="parallel downloads (default: %(default)s)")
+    parser.add_argument(
+        "--jobs", type=int, default=schema_defaults("fetch")["jobs"], help="parallel downloads (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     try:
         summary = fetch(

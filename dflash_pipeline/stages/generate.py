@@ -4,9 +4,9 @@ Each conversation is replayed turn by turn on its regenerated history (on-policy
 assistant turn of the source is replaced by the target's own response, and a conversation that
 ends with a user or tool turn gets one more assistant turn. Finished conversations are saved in
 parts under ``_progress/generate/shard-NNNNN/`` every K samples or T seconds, so a killed job
-resumes where it stopped; telemetry for the status page is written at least every 10 s. The
-regeneration itself is ``dflash_pipeline.engines.regenerate``; this module starts or reaches the
-engine and writes the shard. While the run is halted (``_progress/HALT.json``: a tokenize shard
+resumes where it stopped; telemetry for the status page is written every
+``generation.telemetry_every_seconds``. The regeneration itself is
+``dflash_pipeline.engines.regenerate``; this module starts or reaches the engine and writes the shard. While the run is halted (``_progress/HALT.json``: a tokenize shard
 failed the data-quality gate) a job refuses to start, and a running one stops after its next part.
 
 Run by hand: ``python -m dflash_pipeline.stages.generate --help``.

@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.jobstate import (
     ShardProgress,
     Telemetry,
@@ -70,10 +71,12 @@ def tokenize_file(
     tokenizer = AutoTokenizer.from_pretrained(model)
     table = pq.read_table(generated)
     name = generated.rsplit("/", 1)[-1]
+    # The CLI's --settings-json may leave the key out.
+    every_s = settings.get("telemetry_every_seconds", schema_defaults("tokenize")["telemetry_every_seconds"])
     if run_url and shard is not None:
-        telemetry = ShardProgress(open_storage(run_url), "tokenize", shard).telemetry(table.num_rows)
+        telemetry = ShardProgress(open_storage(run_url), "tokenize", shard).telemetry(table.num_rows, every_s)
     else:
-        telemetry = Telemetry(None, "", {}, table.num_rows)  # counts only: nowhere to write
+        telemetry = Telemetry(None, "", {}, table.num_rows, every_s=every_s)  # counts only: nowhere to write
     telemetry.write("running")
     try:
         shard_tokenizer = ShardTokenizer(tokenizer, thinking, settings, workers or os.cpu_count() or 1)
