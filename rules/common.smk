@@ -274,7 +274,7 @@ def tune_gpus():
 
 
 def tune_prompt_shards():
-    count = min(config["num_shards"], layout.TUNE_PROMPT_SHARDS)
+    count = min(config["num_shards"], config["tune"]["prompt_shards"])
     return [shard_output("prepare").format(shard=shard) for shard in SHARDS[:count]]
 
 

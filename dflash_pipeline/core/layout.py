@@ -103,9 +103,6 @@ INGEST_SUMMARY = f"{OUTPUTS_DIR}/ingest-summary.json"
 QUARANTINE = f"{OUTPUTS_DIR}/ingest-quarantine.jsonl"
 # The engine settings measured before the first generate job (dflash_pipeline.stages.tune).
 TUNE_RESULT = f"{OUTPUTS_DIR}/tune-result.json"
-# Tune replays prompts of at most this many prepared shards (the first ones): enough for a few
-# hundred prompts at any shard size, without waiting for, or downloading, every shard.
-TUNE_PROMPT_SHARDS = 8
 
 
 def run_root(results_dir: str, run: str) -> str:
