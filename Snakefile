@@ -1,5 +1,6 @@
 # DFlash drafter pipeline: prompts -> target responses -> loss-masked tokens -> drafter -> report.
-# A table of contents: the logic lives in the dflash_pipeline package, paths in rules/common.smk.
+# A table of contents: the logic lives in the dflash_pipeline package, paths in rules/common.smk,
+# each job's resources in rules/slurm.smk.
 from snakemake.utils import min_version
 
 min_version("9.27.1")
@@ -17,6 +18,8 @@ report: "report/workflow.rst"
 
 
 include: "rules/common.smk"
+include: "rules/slurm.smk"
+include: "rules/inputs.smk"
 include: "rules/run_control.smk"
 include: "rules/demo.smk"
 include: "rules/prepare.smk"

@@ -1,5 +1,6 @@
 # Tune: measure the engine on the run's prompts (dflash_pipeline.stages.tune); generate: regenerate
 # every assistant turn with the target (dflash_pipeline.stages.generate).
+from dflash_pipeline.engines.tuning import tune_defining, tune_gpus
 
 
 rule tune:
@@ -20,9 +21,9 @@ rule tune:
     threads: 2
     resources:
         # One device's share: the server's tensor parallelism, one data-parallel rank.
-        **slurm(tune_gpus()),
-        gpu=tune_gpus(),
-        mem_mb=job_memory("generate", tune_gpus()),
+        **slurm(tune_gpus(config)),
+        gpu=tune_gpus(config),
+        mem_mb=job_memory("generate", tune_gpus(config)),
         runtime=config["resources"]["runtime_minutes"]["tune"],
         attempt=lambda wildcards, attempt: attempt,
     params:

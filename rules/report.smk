@@ -1,5 +1,6 @@
 # Report: figures and tables of each stage, flagged with report() for `snakemake --report`
-# (dflash_pipeline.report.figures).
+# (dflash_pipeline.report.figures); their inputs: rules/inputs.smk.
+from dflash_pipeline.report import targets as report_targets
 
 
 # Small and quick: they run in the driver process, not as cluster jobs.
@@ -22,7 +23,7 @@ rule report_headline:
         unpack(headline_inputs),
     output:
         table=report(
-            run_path(layout.report_key(REPORT_HEADLINE_ITEM)),
+            run_path(layout.report_key(report_targets.HEADLINE_ITEM)),
             caption="../report/headline.rst",
             category="0. Headline",
         ),
@@ -230,7 +231,7 @@ rule report_storage:
         stage_outputs=lambda wildcards: report_storage_inputs(),
     output:
         figure=report(
-            run_path(layout.report_key("storage.svg")),
+            run_path(layout.report_key(report_targets.STORAGE_ITEM)),
             caption="../report/storage.rst",
             category="6. Storage",
         ),

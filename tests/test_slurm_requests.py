@@ -20,12 +20,18 @@ from dflash_pipeline.core.slurm import (
     UNPROBED_CPUS_PER_GPU,
     Cluster,
     Partition,
+    SlurmClusterError,
     check_cluster,
     cpus_per_gpu,
+    fixed_resources,
     gpu_pool_warning,
     job_cpus,
     job_memory,
+    partitions_used,
+    plan_run,
     requested_cpus,
+    runs_locally,
+    smallest_node_mb,
 )
 from tests.conftest import REPO
 from tests.test_run_control import job_blocks
@@ -127,6 +133,53 @@ def test_the_pool_warning_is_said_for_a_local_run_only():
     assert gpu_pool_warning(8, 0, local=False) is None  # SLURM: the cluster gives each job its GPUs
     assert gpu_pool_warning(8, 8, local=True) is None
     assert gpu_pool_warning(None, 0, local=True) is None
+
+
+def test_a_job_goes_to_its_partition_with_the_qos_and_a_gpu_job_with_the_constraint():
+    assert fixed_resources(settings(), 0) == {"slurm_partition": "cpu"}
+    assert fixed_resources(settings(qos="long", gpu_constraint="h100"), 8) == {
+        "slurm_partition": "gpu",
+        "qos": "long",
+        "constraint": "h100",
+    }
+    assert fixed_resources(settings(qos="long", gpu_constraint="h100"), 0) == {"slurm_partition": "cpu", "qos": "long"}
+
+
+def test_the_partitions_used_carry_the_most_gpus_a_job_asks_for():
+    cpu_run = validate_config({"generation": {"gpus_per_job": 0}, "train": {"gpus_per_job": 0}})
+    assert partitions_used(cpu_run) == {"cpu": 0}
+    gpu_run = validate_config({"generation": {"gpus_per_job": 1}, "train": {"gpus_per_job": 8}})
+    assert partitions_used(gpu_run) == {"cpu": 0, "gpu": 8}
+    one = validate_config(
+        {"slurm": {"gpu_partition": "cpu"}, "generation": {"gpus_per_job": 2}, "train": {"gpus_per_job": 1}}
+    )
+    assert partitions_used(one) == {"cpu": 2}  # GPU jobs in the CPU jobs' partition
+
+
+def test_the_driver_plan_reads_the_cluster_once_and_stops_on_any_problem():
+    config = validate_config({"generation": {"gpus_per_job": 1}, "train": {"gpus_per_job": 8}})
+    plan = plan_run(config, None, read=h100_cluster)
+    assert plan.account == "dflash" and plan.cpu_caps == {"cpu": 64, "gpu": 96}
+    assert smallest_node_mb(plan) == 256_000 and smallest_node_mb(None) == 0
+    bad = validate_config({"slurm": {"qos": "long"}, "train": {"gpus_per_job": 16}})
+    with pytest.raises(ValueError) as refused:
+        plan_run(bad, "sacct", read=h100_cluster)
+    lines = str(refused.value).splitlines()
+    assert len(lines) == 3 and lines[-1] == "(check the config's `slurm` section, or the cluster)", lines
+    assert "slurm.qos 'long'" in lines[0] and "16 GPU(s) in partition 'gpu'" in lines[1], lines
+
+    def unreachable():
+        raise SlurmClusterError("`scontrol show config` failed: no cluster here")
+
+    with pytest.raises(ValueError, match="^SLURM: `scontrol show config` failed: no cluster here$"):
+        plan_run(config, None, read=unreachable)
+
+
+def test_a_dry_run_of_a_remote_profile_is_told_from_a_local_one_by_its_threads():
+    assert runs_locally("dryrun", local_exec=True, use_threads=False)
+    assert not runs_locally("dryrun", local_exec=True, use_threads=True)  # -n under profiles/slurm
+    assert runs_locally("local", local_exec=True, use_threads=False)
+    assert not runs_locally("slurm", local_exec=False, use_threads=True)
 
 
 def job_resources(text: str) -> dict[str, list[dict[str, str]]]:

@@ -290,6 +290,53 @@ def _constraint_met(constraint: str, features: set[str]) -> bool:
     return any(n in features for n in names) if names else True
 
 
+def partition_of(settings: dict, gpus: int) -> str:
+    """The partition of a job that takes ``gpus`` GPUs (``slurm.gpu_partition`` or
+    ``slurm.cpu_partition``)."""
+    return settings["gpu_partition" if gpus else "cpu_partition"]
+
+
+def partitions_used(config: dict) -> dict[str, int]:
+    """The partitions a run's jobs go to, each with the most GPUs one of its jobs asks for: the
+    CPU jobs', generate's, train's and extract's (one of train's GPUs)."""
+    settings = config["slurm"]
+    used = {partition_of(settings, 0): 0}
+    train_gpus = config["train"]["gpus_per_job"]
+    for gpus in (config["generation"]["gpus_per_job"], train_gpus, min(1, train_gpus)):
+        if gpus:
+            used[partition_of(settings, gpus)] = max(used.get(partition_of(settings, gpus), 0), gpus)
+    return used
+
+
+def fixed_resources(settings: dict, gpus: int) -> dict[str, str]:
+    """What a job of ``gpus`` GPUs asks for that the config alone decides: its partition, the QoS
+    and, for a GPU job, the node constraint (``slurm.qos``, ``slurm.gpu_constraint``)."""
+    found = {"slurm_partition": partition_of(settings, gpus)}
+    if settings["qos"]:
+        found["qos"] = settings["qos"]
+    if gpus and settings["gpu_constraint"]:
+        found["constraint"] = settings["gpu_constraint"]
+    return found
+
+
+def plan_run(config: dict, status_command: str | None, read=read_cluster) -> SlurmPlan:
+    """The driver's look at the cluster before its first sbatch (``check_cluster`` of the
+    partitions the run uses). A cluster that cannot be asked, or any problem, raises ValueError
+    with every problem on its own line: the run stops before a job that would never start."""
+    try:
+        plan = check_cluster(config["slurm"], read(), partitions_used(config), status_command or "sacct")
+    except SlurmClusterError as err:
+        raise ValueError(f"SLURM: {err}") from None
+    if plan.problems:
+        raise ValueError("\n".join(plan.problems) + "\n(check the config's `slurm` section, or the cluster)")
+    return plan
+
+
+def smallest_node_mb(plan: SlurmPlan | None) -> int:
+    """The least memory of a node of the run's partitions (0: not read, no cap)."""
+    return min(plan.memory_caps.values(), default=0) if plan else 0
+
+
 def cpus_in_this_job() -> int | None:
     """Inside a Slurm job: the CPUs its allocation gives a task (None elsewhere)."""
     for key in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
@@ -370,6 +417,15 @@ def gpu_pool_warning(limit: int | None, pool: int, local: bool) -> str | None:
     return (
         f"--resources gpu={limit} exceeds the GPU pool ({pool}, config key `gpus`): GPU jobs will wait for free devices"
     )
+
+
+def runs_locally(executor: str, local_exec: bool, use_threads: bool) -> bool:
+    """Whether a run's jobs run on this machine. A dry-run's executor is Snakemake's ``dryrun``
+    whatever the profile names; only for a remote executor (SLURM) does Snakemake turn on its
+    threads for the run (snakemake.api's execute_workflow), which tells the two apart."""
+    if executor == "dryrun":
+        return not use_threads
+    return local_exec
 
 
 def job_state(state: str) -> str:
