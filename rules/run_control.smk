@@ -12,6 +12,7 @@ from dflash_pipeline.core.lease import (
     RunLease,
     describe_holder,
 )
+from dflash_pipeline.snakemake_patches.execution import on_execution
 from dflash_pipeline.snakemake_patches.planning import install_planning_patches
 from dflash_pipeline.snakemake_patches.s3_inventory import install_folder_inventory
 from dflash_pipeline.snakemake_patches.storage_outage import ride_out_plugin_outages
@@ -49,12 +50,6 @@ def check_offline_budget():
         refuse(str(err))
 
 
-# Planning checks run where the plan is made: a job process on a cluster node (which parses this
-# file again) has nothing to plan, and the training job checks the offline budget itself.
-if workflow.is_main_process:
-    check_offline_budget()
-
-
 def preflight():
     """What would fail the run days in, refused now, one line per problem: the target folder,
     the dataset files, the storage, the engines (dflash_pipeline.stages.preflight)."""
@@ -67,8 +62,19 @@ def preflight():
         logger.info(line)
 
 
-if workflow.is_main_process:
+def plan_checks(executor=None):
+    """What refuses a run before its first job (the executor is not needed to know it)."""
+    check_offline_budget()
     preflight()
+
+
+# The checks read the run's storage, the dataset files and the engine environments, so they run
+# where a plan is made: when the driver starts a run or a dry-run, not for --report, --lint or
+# --list-rules (dflash_pipeline.snakemake_patches.execution), nor in a job's own process on a
+# cluster node (which parses this file again; the training job checks the offline budget
+# itself). Where the patch is off, they run now, as the workflow is read.
+if workflow.is_main_process and not on_execution(workflow, plan_checks):
+    plan_checks()
 
 
 def start_status_page():

@@ -217,17 +217,21 @@ def test_an_output_inside_another_is_refused_as_snakemake_refuses_it(tmp_path):
 
 def test_every_patch_is_written_against_the_installed_functions():
     """The fingerprints pinned in the patches are those of the installed Snakemake, storage
-    interface and S3 plugin: a drift in any of them fails here first (and turns exactly that
-    patch off in a run, with a warning)."""
+    interface, S3 plugin and Slurm executor plugin: a drift in any of them fails here first (and
+    turns exactly that patch off in a run, with a warning)."""
+    modules = sorted(p.stem for p in (REPO / "dflash_pipeline/snakemake_patches").glob("[!_]*.py"))
     script = (  # a fresh interpreter: this one's functions may already be the patches
+        "import importlib\n"
         "import snakemake.api\n"
-        "from dflash_pipeline.snakemake_patches import planning, s3_inventory\n"
-        "for patch in planning.PATCHES + s3_inventory.PATCHES:\n"
-        "    print(patch.name, patch.changed())\n"
+        f"for name in {modules!r}:\n"
+        "    module = importlib.import_module('dflash_pipeline.snakemake_patches.' + name)\n"
+        "    for patch in getattr(module, 'PATCHES', []):\n"
+        "        print(patch.name, patch.changed())\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True)
     lines = proc.stdout.splitlines()
-    assert len(lines) == 9 and all(line.endswith(" []") for line in lines), proc.stdout
+    # planning 5, s3_inventory 4, refusals, slurm_states and execution 1 each.
+    assert len(lines) == 12 and all(line.endswith(" []") for line in lines), proc.stdout
 
 
 def test_a_patch_whose_function_changed_turns_itself_off_with_a_warning():

@@ -229,6 +229,32 @@ def test_an_engine_that_cannot_serve_the_drafter_is_refused(workflow, tmp_path):
 
 
 @pytest.mark.workflow
+def test_only_a_run_or_a_dry_run_is_refused(workflow, tmp_path, demo_model):
+    """Preflight reads the engines, the dataset files and the storage where a plan is made, in
+    the driver of a run or a dry-run: the report of a finished run, --lint or --list-rules on a
+    machine without the run's engines reads none of them
+    (dflash_pipeline.snakemake_patches.execution)."""
+    from tests.test_run_control import finished_run
+
+    finished_run(workflow, demo_model)  # every output in place, nothing computed
+    vllm = metadata_only_env(tmp_path / "vllm", "vllm", "0.24.0")
+    workflow.write_config(
+        engines={"vllm": {"python": str(vllm)}},
+        train={"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 16},
+        evaluate={"engine": "vllm"},
+    )
+    refusal = "evaluate.engine: vllm 0.24.0 cannot serve this dflash drafter"
+    named_early(refused(workflow), refusal)
+    run = workflow.snakemake("--touch", check=False)
+    assert run.returncode != 0 and refusal in run.stdout + run.stderr
+    for args in (["--report", "report.html"], ["--lint"], ["--list-rules"]):
+        proc = workflow.snakemake(*args, check=False)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and refusal not in output, (args, output[-3000:])
+    assert (workflow.root / "report.html").stat().st_size > 0
+
+
+@pytest.mark.workflow
 @pytest.mark.parametrize("example", sorted((REPO / "config/examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_the_example_configs_pass_their_own_preflight_where_their_folders_exist(
     example, workflow, tmp_path, demo_model, s3_env

@@ -1,6 +1,9 @@
-"""Changes to Snakemake and its S3 storage plugin, made in the process that plans a run, so that
+"""Changes to Snakemake and its S3 and SLURM plugins, made in the process that plans a run, so that
 a plan of 10,000s of jobs is built fast (``planning``) and against S3 from folder listings
-(``s3_inventory``). Nothing else in the package imports this one; the rules install it.
+(``s3_inventory``), a job that refused a damaged input is not retried (``refusals``), the run's
+checks start with a run or a dry-run (``execution``), and a scancelled SLURM job ends
+(``slurm_states``). Nothing else in the package imports this one (tests/test_layers.py); the
+rules install it.
 
 Each patch replaces functions written by others, relying on what they do. So each is guarded by
 the fingerprints of the functions it replaces or relies on: a hash of their source as the pinned
