@@ -4,11 +4,17 @@ Each package of ``dflash_pipeline`` has a rank; a module may import from its own
 packages of a lower rank only. Packages of one rank are siblings that never import each other, so
 each can be read (and tested) without the others. ``stages/`` is the top: nothing in the package
 imports it. Imports inside functions count as much as those at the top of a module.
+
+Above the package sit the workflow's own files, which only wire it, each to its own part of it
+(``WIRING``): the rules plan (config, paths, resources, the plan-time checks and Snakemake's
+patches, which nothing else installs), the scripts run one stage's job (its entry point and the
+job glue). Neither imports another file of the workflow, and every module they name exists.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -30,6 +36,20 @@ LAYERS: list[tuple[str, ...]] = [
     ("stages",),
 ]
 RANK = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
+# Snakemake's internals are patched in the process that plans a run: by the rules alone.
+RULES_ONLY = "snakemake_patches"
+
+REPO = PACKAGE.parent
+# The packages each part of the workflow may import. The rules: the config, paths and resources
+# (core, model), what a plan decides (engines.tuning: whether generate waits for tune;
+# report.targets: what the run builds), the plan-time checks (training.offline's budget,
+# stages.preflight) and the patches. The scripts: a stage's entry point (stages; the demo
+# target's build, demo; the report's figures, report) and the job glue (core). Neither asks the
+# status page (a process of its own), the data or the evaluation code directly.
+WIRING: dict[str, set[str]] = {
+    "rules": {"core", "model", "engines", "report", "training", "stages", RULES_ONLY},
+    "scripts": {"core", "stages", "demo", "report"},
+}
 
 
 def package_of(module: str) -> str | None:
@@ -78,6 +98,8 @@ def violations(package_dir: Path = PACKAGE) -> list[str]:
             where = f"{path.relative_to(package_dir.parent)}:{line}"
             if other not in RANK:
                 problems.append(f"{where}: {own} imports {imported}, which is in no layer")
+            elif other == RULES_ONLY:
+                problems.append(f"{where}: {own} imports {imported}: only the rules install Snakemake's patches")
             elif RANK[other] > RANK[own]:
                 problems.append(f"{where}: {own} imports {imported} from a layer above it")
             elif RANK[other] == RANK[own]:
@@ -87,6 +109,97 @@ def violations(package_dir: Path = PACKAGE) -> list[str]:
 
 def test_every_import_points_down():
     assert violations() == []
+
+
+# `from x import y` or `import x` at the start of a line of a .smk file (Snakemake's Python lines).
+SMK_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import\s+([\w, ()]+)|import\s+([\w.]+))", re.M)
+
+
+def wiring_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of a rule file or a script; ``from dflash_pipeline.x import
+    y`` is ``dflash_pipeline.x.y`` where y is a module."""
+    if path.suffix == ".py":
+        found = imports_of(path, path.parent)
+    else:
+        text = path.read_text()
+        found = []
+        for match in SMK_IMPORT.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            module = match.group(1) or match.group(3)
+            names = [n.strip() for n in (match.group(2) or "").replace("(", "").split(",") if n.strip()]
+            found += (
+                [(line, f"{module}.{n.split()[0]}") for n in names] if module == "dflash_pipeline" else [(line, module)]
+            )
+    return found
+
+
+def module_exists(module: str, root: Path = REPO) -> bool:
+    """Whether ``dflash_pipeline.a.b`` is a module or a package of the checkout."""
+    base = root.joinpath(*module.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def wiring_violations(root: Path = REPO) -> list[str]:
+    """Every import of a rule file or a script outside its part of the package, of another file
+    of the workflow, or of a module that does not exist."""
+    problems = []
+    files = {"rules": sorted((root / "rules").glob("*.smk")), "scripts": sorted((root / "scripts").glob("*.py"))}
+    files["rules"].insert(0, root / "Snakefile")
+    for part, paths in files.items():
+        for path in paths:
+            for line, imported in wiring_imports(path):
+                where = f"{path.relative_to(root)}:{line}"
+                top = imported.split(".")[0]
+                if top in ("rules", "scripts", "tests"):
+                    problems.append(
+                        f"{where}: imports {imported}, a file of the workflow (the package holds shared code)"
+                    )
+                if top != "dflash_pipeline":
+                    continue
+                package = package_of(imported)
+                if package not in WIRING[part]:
+                    problems.append(f"{where}: {part} import {imported} (allowed: {', '.join(sorted(WIRING[part]))})")
+                elif not module_exists(imported, root):
+                    problems.append(f"{where}: imports {imported}, which does not exist")
+    return problems
+
+
+def test_the_rules_and_the_scripts_import_only_their_part_of_the_package():
+    assert wiring_violations() == []
+
+
+@pytest.mark.parametrize(
+    "path, source, message",
+    [
+        ("rules/extra.smk", "from dflash_pipeline.status.server import serve\n", "rules import"),
+        ("rules/extra.smk", "def f():\n    from dflash_pipeline.evaluation import loop\n", "rules import"),
+        ("scripts/extra.py", "from dflash_pipeline.training.trainer import train\n", "scripts import"),
+        ("scripts/extra.py", "from dflash_pipeline.snakemake_patches import install\n", "scripts import"),
+        ("scripts/extra.py", "from dflash_pipeline.stages.nothing_here import run\n", "does not exist"),
+        ("rules/extra.smk", "from scripts.generate import main\n", "a file of the workflow"),
+    ],
+)
+def test_a_rule_or_script_import_outside_its_part_fails(tmp_path, path, source, message):
+    """The check catches what it is for: a copy of the workflow's files with one bad import."""
+    import shutil
+
+    for name in ("rules", "scripts"):
+        shutil.copytree(REPO / name, tmp_path / name)
+    shutil.copy(REPO / "Snakefile", tmp_path / "Snakefile")
+    shutil.copytree(PACKAGE, tmp_path / "dflash_pipeline", ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    (tmp_path / path).write_text(source)
+    found = wiring_violations(tmp_path)
+    assert len(found) == 1 and message in found[0] and path in found[0], found
+
+
+def test_only_the_rules_install_snakemakes_patches(tmp_path):
+    import shutil
+
+    copy = tmp_path / "dflash_pipeline"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    (copy / "stages" / "extra.py").write_text("from dflash_pipeline.snakemake_patches.planning import PATCHES\n")
+    found = violations(copy)
+    assert len(found) == 1 and "only the rules install" in found[0], found
 
 
 def test_every_package_has_a_layer():
@@ -105,7 +218,7 @@ def test_every_package_has_a_layer():
         ("training/extra.py", "from dflash_pipeline.engines import client\n", "sibling"),
         ("data/extra.py", "from ..evaluation import loop\n", "above"),
         ("report/extra.py", "from dflash_pipeline import status\n", "above"),
-        ("model/extra.py", "from dflash_pipeline.snakemake_patches import install\n", "sibling"),
+        ("model/extra.py", "from dflash_pipeline.snakemake_patches import install\n", "only the rules install"),
     ],
 )
 def test_an_upward_or_sideways_import_fails(tmp_path, module, source, message):
