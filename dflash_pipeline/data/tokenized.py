@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.data.loss_masks import (
     MaskedSequence,
     Pieces,
@@ -41,7 +42,7 @@ TOKENIZED_SCHEMA = pa.schema(
     ]
 )
 # Settings of the `tokenize` config section that shape sequences; the gate's are in DEFAULT_GATE.
-DEFAULTS = {"max_length": 8192, **DEFAULT_GATE}
+DEFAULTS = {"max_length": schema_defaults("tokenize")["max_length"], **DEFAULT_GATE}
 
 CHUNK = 256  # rows per batch at most: one rendering call, one tokenizer call, one worker task
 _WORKER = None  # (ShardTokenizer, rows) a forked worker encodes from
