@@ -251,3 +251,41 @@ def test_an_engine_killed_mid_segment_fails_it_cleanly_and_it_resumes(
     assert sorted(resumed) == list(range(STEPS))
     for step, loss in target_fed.items():
         assert resumed[step] == pytest.approx(loss, abs=LOSS_ATOL), step
+
+
+@pytest.mark.workflow
+def test_the_demo_trains_a_drafter_with_taps_from_the_engine(demo_model, workflow):
+    """The workflow to a drafter with train.taps_from: engine: each train job starts its vLLM
+    taps server, checks a sample against the target and trains from the engine's taps."""
+    from dflash_pipeline.core import layout
+    from tests.support.engine_envs import VLLM_CPU_ENV, VLLM_CPU_MEM_FRACTION, vllm_python
+
+    workflow.write_config(
+        num_shards=1,
+        until="train",
+        target={"model": str(demo_model), "build_demo": False},
+        dataset={"paths": [workflow.few_prompts(8)]},
+        generation={"max_new_tokens": 48},
+        tokenize={"max_degenerate_fraction": 1.0},
+        engines={"vllm": {"python": str(vllm_python()), "env": dict(VLLM_CPU_ENV)}},
+        train={
+            "segments": 1, "steps_per_segment": 3, "checkpoint_every_steps": 2, "batch_size": 2,
+            "taps_from": "engine",
+            "taps_server": {"mem_fraction": VLLM_CPU_MEM_FRACTION, "max_model_len": 512},
+        },
+    )  # fmt: skip
+    workflow.snakemake()
+    run = workflow.root / "results/demo"
+    manifest = json.loads((run / layout.segment_manifest_key(0)).read_text())
+    assert manifest["steps"] == [0, 3]
+    logs = (run / "logs" / "train" / "segment-0000.log").read_text(errors="replace")
+    assert "one sample's taps" in logs  # the per-run check ran, and passed
+
+
+def test_the_limits_table_says_which_engines_serve_taps():
+    from dflash_pipeline.engines.limits import taps_refusal
+
+    assert taps_refusal("vllm", "0.26.0", "gpu") is None
+    assert taps_refusal("vllm", "0.32.0", "cpu") is None
+    assert "0.25.1" in taps_refusal("vllm", "0.25.1", "gpu")
+    assert "only the last layer" in taps_refusal("sglang", "0.5.17", "gpu")
