@@ -12,6 +12,7 @@ import time
 import pytest
 
 from dflash_pipeline.core.outage import Outage, StorageOutage, backoff_delay, outage_tolerance_s, transient_error
+from tests.conftest import REPO
 
 
 class FakeClock:
@@ -225,3 +226,24 @@ def test_the_s3_plugin_rides_out_outages_too(monkeypatch):
     with pytest.raises(StorageOutage, match=r"s3://b/k unreachable since .*gave up after the outage tolerance of 1 s"):
         provider.s3c.meta.client.head_object(Bucket="b", Key="k")
     assert time.monotonic() - started < 10  # the tolerance, not the plugin's 15 retries, decides
+
+
+def test_a_changed_s3_plugin_turns_the_outage_patch_off_with_a_warning():
+    """Simulated drift: another plugin release's provider set-up. The patch stays off (the
+    provider is the plugin's own), named in one warning with the function that changed."""
+    script = (
+        "import logging\n"
+        "logging.basicConfig(level=logging.WARNING, format='%(message)s')\n"
+        "import snakemake_storage_plugin_s3 as plugin\n"
+        "def __post_init__(self):\n"
+        "    pass  # a release that makes its client differently\n"
+        "plugin.StorageProvider.__post_init__ = __post_init__\n"
+        "from dflash_pipeline.snakemake_patches.storage_outage import ride_out_plugin_outages\n"
+        "print(ride_out_plugin_outages(), plugin.StorageProvider.__post_init__ is __post_init__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True)
+    assert proc.stdout.splitlines() == ["0 True"], proc.stdout + proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "is off" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert "snakemake patch 'S3 plugin rides out storage outages' is off" in warnings[0]
+    assert "snakemake_storage_plugin_s3:StorageProvider.__post_init__" in warnings[0]
