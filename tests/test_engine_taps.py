@@ -173,13 +173,20 @@ def tokenized(demo_model, tmp_path_factory):
 
 def run_segment(run_dir, demo_model, tokenized, taps_server=None):
     from dflash_pipeline.core import layout
+    from dflash_pipeline.stages.train import engine_tap_source
     from dflash_pipeline.training.trainer import SegmentJob
 
     return SegmentJob(
         run_url=str(run_dir), segment=0, settings=train_settings(), target_dir=str(demo_model),
         tokenized=tokenized, manifest_path=str(run_dir / layout.segment_manifest_key(0)), device="cpu",
-        taps_server=taps_server,
+        tap_source=engine_tap_source(taps_server, train_settings(), drafter_taps(demo_model)) if taps_server else None,
     ).run()  # fmt: skip
+
+
+def drafter_taps(demo_model) -> list[int]:
+    from dflash_pipeline.model.config import build_drafter_config
+
+    return list(build_drafter_config(train_settings(), str(demo_model)).target_layer_ids)
 
 
 def losses(run_dir) -> dict[int, float]:

@@ -47,7 +47,9 @@ def torchrun_command(nproc: int, args: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def segment_args(job: SegmentJob, settings_file: str, logs: list[str] = ()) -> list[str]:
+def segment_args(
+    job: SegmentJob, settings_file: str, logs: list[str] = (), taps_server: dict | None = None
+) -> list[str]:
     """The per-rank command line of a torchrun segment. The shard lists go into a file beside
     ``settings_file``: at 10,000 offline shards they are megabytes, past Linux's argv limit."""
     shards_file = Path(settings_file).with_name("shards.json")
@@ -58,20 +60,21 @@ def segment_args(job: SegmentJob, settings_file: str, logs: list[str] = ()) -> l
     ]  # fmt: skip
     if logs:
         args += ["--log", *map(str, logs)]
-    if job.taps_server:
-        args += ["--taps-server", json.dumps(job.taps_server)]
+    if taps_server:
+        args += ["--taps-server", json.dumps(taps_server)]
     return args
 
 
-def run_train_job(job: SegmentJob, gpus: int, logs: list[str] = ()) -> int:
-    """Run the segment here (gpus <= 1) or under torchrun over ``gpus`` devices."""
+def run_train_job(job: SegmentJob, gpus: int, logs: list[str] = (), taps_server: dict | None = None) -> int:
+    """Run the segment here (gpus <= 1) or under torchrun over ``gpus`` devices (each rank
+    reaching the taps server at ``taps_server``, when there is one)."""
     if gpus <= 1:
         job.run()
         return 0
     with tempfile.TemporaryDirectory(prefix="dflash-train-") as tmp:
         settings_file = Path(tmp) / "settings.json"
         settings_file.write_text(json.dumps(job.settings))
-        proc = subprocess.Popen(torchrun_command(gpus, segment_args(job, str(settings_file), logs)))
+        proc = subprocess.Popen(torchrun_command(gpus, segment_args(job, str(settings_file), logs, taps_server)))
         previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
         try:
             code = proc.wait()
@@ -116,9 +119,23 @@ def train_job(
         # Node-local: the server writes each request's taps there and the trainer reads them.
         with tempfile.TemporaryDirectory(prefix="dflash-taps-") as run_dir:
             with taps_server(job, engines, Path(run_dir), logs) as address:
-                job.taps_server = address
-                return run_train_job(job, gpus, logs)
+                job.tap_source = engine_tap_source(address, job.settings)
+                return run_train_job(job, gpus, logs, address)
     return run_train_job(job, gpus, logs)
+
+
+def engine_tap_source(address: dict, settings: dict, tap_ids: list[int] | None = None):
+    """Batches' taps from the taps server at ``address`` (``EngineTaps.address``)."""
+    from dflash_pipeline.engines.engine_taps import EngineTaps, EngineTapSource
+
+    server = settings["taps_server"]
+    client = EngineTaps(
+        **address,
+        tap_ids=tap_ids or list(address["tap_ids"]),
+        timeout=server["request_timeout_s"],
+        concurrency=server["concurrency"],
+    )
+    return EngineTapSource(client)
 
 
 @contextmanager
@@ -164,7 +181,7 @@ def taps_server(job: SegmentJob, engines: dict | None, run_dir: Path, logs: list
                 "taps server %s: one sample's taps (%d tokens) within %.3g of the target's (tolerance %g)",
                 spec.url, len(sample), difference, server["parity_tolerance"],
             )  # fmt: skip
-            yield client.address()
+            yield {**client.address(), "tap_ids": list(tap_ids)}
 
 
 def parse_shard_paths(values: list[str]) -> dict[str, str]:
@@ -239,7 +256,7 @@ def run_segment(args: argparse.Namespace, settings: dict) -> None:
         hidden=parse_shard_paths(args.hidden),
         manifest_path=args.manifest,
         device=args.device,
-        taps_server=args.taps_server,
+        tap_source=engine_tap_source(args.taps_server, settings) if args.taps_server else None,
     ).run()
 
 

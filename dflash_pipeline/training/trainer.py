@@ -158,8 +158,9 @@ class SegmentJob:
     manifest_path: str
     hidden: dict[str, str] = field(default_factory=dict)  # offline mode: shard -> manifest
     device: str | None = None
-    # train.taps_from engine: the running taps server (engines.engine_taps.EngineTaps.address)
-    taps_server: dict | None = None
+    # train.taps_from engine: where batches' taps come from instead of the target, with the
+    # interface of stored taps, taps(sequences, length, device, dtype) (engines.engine_taps)
+    tap_source: object | None = None
 
     def run(self) -> dict:
         return _SegmentRun(self).run()
@@ -195,19 +196,12 @@ class _SegmentRun:
         from dflash_pipeline.model.taps import TargetTaps
 
         self.drafter_config = build_drafter_config(self.settings, self.job.target_dir)
-        if self.settings["mode"] == "online" and self.job.taps_server:
-            from dflash_pipeline.engines.engine_taps import EngineTaps, EngineTapSource
+        if self.settings["mode"] == "online" and self.job.tap_source is not None:
             from dflash_pipeline.model.target import load_target_embeddings
 
-            # Taps from the engine, with the stored taps' interface; only embeddings here.
-            server = self.settings["taps_server"]
-            client = EngineTaps(
-                **self.job.taps_server,
-                tap_ids=self.drafter_config.target_layer_ids,
-                timeout=server["request_timeout_s"],
-                concurrency=server["concurrency"],
-            )
-            self.taps, self.hidden = None, EngineTapSource(client)
+            # Taps from outside (train.taps_from engine), with the stored taps' interface; only
+            # the embeddings here.
+            self.taps, self.hidden = None, self.job.tap_source
             self.embed_weight, self.lm_head_weight = load_target_embeddings(
                 self.job.target_dir, self.device, self.compute_dtype
             )
