@@ -20,6 +20,7 @@ from dflash_pipeline.engines.client import (
 from dflash_pipeline.engines.launch import ServerSpec, server_command
 from dflash_pipeline.engines.regenerate import sampling_from_config
 from tests.support.seaweed import free_port
+from tests.support.waiting import wait_until
 
 
 def test_sglang_command_carries_parallelism_memory_and_mtp_flags():
@@ -175,7 +176,6 @@ def test_shared_client_path_against_a_real_transformers_server(transformers_serv
 def test_a_leftover_server_holding_the_port_is_reaped(tmp_path):
     import subprocess
     import sys
-    import time
 
     from dflash_pipeline.engines.launch import port_in_use, reap_leftover
 
@@ -186,9 +186,7 @@ def test_a_leftover_server_holding_the_port_is_reaped(tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 10
-    while not port_in_use("127.0.0.1", port) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: port_in_use("127.0.0.1", port), 120, "the leftover server to listen")
     pid_file = tmp_path / f"server-{port}.pid"
     pid_file.write_text(f"{leftover.pid}\nleft by a killed job\n")
     reap_leftover(pid_file, "127.0.0.1", port)
@@ -200,8 +198,6 @@ def test_a_server_that_dies_while_starting_takes_what_it_started_with_it(tmp_pat
     """An engine that fails its start after starting children (vLLM's API server exits when its
     engine core fails; the core and its workers stay) leaves nothing running: they would hold
     the GPU's memory for the next attempt."""
-    import time
-
     from dflash_pipeline.engines.client import EngineError
     from dflash_pipeline.engines.launch import ManagedServer
 
@@ -222,8 +218,6 @@ def test_a_server_that_dies_while_starting_takes_what_it_started_with_it(tmp_pat
             return False
         return state != "Z"  # a zombie is dead, waiting for its new parent to collect it
 
-    deadline = time.monotonic() + 10
-    while running(child) and time.monotonic() < deadline:  # SIGKILL is sent; delivery is async
-        time.sleep(0.05)
-    assert not running(child)
+    # SIGKILL is sent; its delivery is asynchronous.
+    wait_until(lambda: not running(child), 120, "the server's child to die")
     assert not server.pid_file.exists() and "engine core failed" in (tmp_path / "vllm.log").read_text()

@@ -30,6 +30,7 @@ from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
 from dflash_pipeline.core.storage import LocalStorage, open_storage
 from tests.support.ci import skip_unless_ci
 from tests.support.seaweed import free_port
+from tests.support.waiting import wait_until
 from tests.support.status_run import RUNNING_LOG, write_run
 
 
@@ -272,15 +273,7 @@ def test_start_serves_in_the_background_until_stop(tmp_path):
     finally:
         stopped = subprocess.run([*cli, "stop", *common], capture_output=True, text=True, timeout=60)
     assert "Stopped" in stopped.stdout
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            http.client.HTTPConnection("127.0.0.1", port, timeout=1).request("GET", "/")
-        except OSError:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError("the status server still answers after stop")
+    wait_until(lambda: answers(port) is None, 120, "the status server to stop answering after stop")
 
 
 def test_snapshot_is_rebuilt_in_the_background_and_picks_up_new_shards(tmp_path):
@@ -291,10 +284,7 @@ def test_snapshot_is_rebuilt_in_the_background_and_picks_up_new_shards(tmp_path)
     redact = Redactor([])
     assert json.loads(state.body(redact))["stages"][0]["done"] == 0
     run.write_bytes("outputs/prepare-00001.parquet", b"x")
-    deadline = time.monotonic() + 10
-    while json.loads(state.body(redact))["stages"][0]["done"] != 1:
-        assert time.monotonic() < deadline, "the new shard never showed"
-        time.sleep(0.05)
+    wait_until(lambda: json.loads(state.body(redact))["stages"][0]["done"] == 1, 120, "the new shard to show")
 
 
 # -- Host header (DNS rebinding) -----------------------------------------------------------------
@@ -440,10 +430,7 @@ def answers(port: int, headers=None) -> int | None:
 
 
 def wait_until_silent(port: int) -> None:
-    deadline = time.monotonic() + 10
-    while answers(port) is not None:
-        assert time.monotonic() < deadline, f"a status server still answers on {port}"
-        time.sleep(0.1)
+    wait_until(lambda: answers(port) is None, 120, f"the status server on {port} to stop answering")
 
 
 def test_the_token_never_reaches_the_background_servers_command_line(tmp_path):
