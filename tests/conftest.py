@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("project", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("project")
 
+from tests.support.ci import skip_unless_ci  # noqa: E402
 from tests.support.seaweed import start_seaweed  # noqa: E402 (after the profile, before any test module)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,9 +264,7 @@ def qwen3_tokenizer():
     try:
         folder = qwen3_tokenizer_dir()
     except NpmMissing as err:
-        if os.environ.get("CI", "").lower() in ("true", "1"):
-            pytest.fail(f"{err} (CI=true: the Qwen3 tokenizer tests must run)")
-        pytest.skip(str(err))
+        skip_unless_ci(str(err))
     return AutoTokenizer.from_pretrained(folder)
 
 
@@ -321,9 +320,7 @@ def slurm_cluster(tmp_path_factory):
 
     reason = missing()
     if reason:
-        if os.environ.get("CI", "").lower() in ("true", "1"):
-            pytest.fail(f"no Slurm cluster: {reason} (CI=true: the Slurm tests must run)")
-        pytest.skip(f"no Slurm cluster: {reason}")
+        skip_unless_ci(f"no Slurm cluster: {reason}")
     cluster = start_slurm_cluster(tmp_path_factory.mktemp("slurm"))
     yield cluster
     cluster.stop()

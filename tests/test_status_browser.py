@@ -20,6 +20,7 @@ import pytest
 from dflash_pipeline.core.storage import ReadOnlyStorage
 from dflash_pipeline.status.server import StatusServer
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
+from tests.support.ci import skip_unless_ci
 
 pytestmark = [pytest.mark.workflow, pytest.mark.browser]
 
@@ -33,10 +34,7 @@ def chromium_paths() -> tuple[str, str]:
     driver = shutil.which("chromedriver")
     if browser and driver:
         return browser, driver
-    message = "headless Chromium is missing: run `make browser-deps` (Debian chromium + chromium-driver)"
-    if os.environ.get("CI"):
-        pytest.fail(message)  # CI installs it: a missing browser there is a broken set-up
-    pytest.skip(message)
+    skip_unless_ci("headless Chromium is missing: run `make browser-deps` (Debian chromium + chromium-driver)")
 
 
 @pytest.fixture

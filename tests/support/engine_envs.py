@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.support.ci import skip_unless_ci
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("DFLASH_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
@@ -36,7 +36,4 @@ def vllm_python() -> Path:
     in CI (``CI=true``), where `make test` builds it."""
     if VLLM_PYTHON.exists():
         return VLLM_PYTHON
-    message = f"{VLLM_PYTHON} does not exist: `make vllm-env` builds vLLM's CPU build there"
-    if os.environ.get("CI", "").lower() in ("true", "1"):
-        pytest.fail(f"{message} (CI=true: the real-vLLM tests must run)")
-    pytest.skip(message)
+    skip_unless_ci(f"{VLLM_PYTHON} does not exist: `make vllm-env` builds vLLM's CPU build there")
