@@ -9,7 +9,7 @@ with stage_job(smk, "export") as job:
     # Declared only for drafters the speculators format can express (rules/train.smk).
     speculators = [smk.output[k] for k in ("speculators_config", "speculators_weights") if k in smk.output.keys()]
     export_drafter(
-        smk.params.run_url,
+        job.run_url,
         smk.input.manifest,
         smk.output.config,
         smk.output.weights,
