@@ -57,6 +57,9 @@ OPERATIONAL_CHANGES = {
         "tracker": "tensorboard",
         "tracker_dir": "tensorboard-elsewhere",
         "tracker_project": "lab",
+        # Engine taps equal the target's (tests/test_engine_taps.py): where they come from is no change.
+        "taps_from": "engine",
+        "taps_server": {"concurrency": 2, "mem_fraction": 0.4},
     },
     "evaluate": {
         "engine_mem_fraction": 0.5,
