@@ -4,7 +4,7 @@
 import functools
 
 from dflash_pipeline.core.storage import open_storage
-from dflash_pipeline.engines.tuning import generate_waits_for_tune, tune_runs
+from dflash_pipeline.engines.tuning import generate_waits_for_tune
 from dflash_pipeline.report import targets as report_targets
 
 
@@ -24,7 +24,7 @@ def tune_orders_generate():
     """Whether generate waits for tune (dflash_pipeline.engines.tuning.generate_waits_for_tune).
     Only the driver of a run or a dry-run asks the run's storage, once: a job's own process has
     no order to keep, and a report reads the order of a run that tunes first."""
-    if not tune_runs(config) or not workflow.is_main_process:
+    if "tune" not in layout.stages_built(config) or not workflow.is_main_process:
         return False
     return workflow.executor_plugin is None or stored_order()
 
@@ -50,13 +50,13 @@ def train_inputs(wildcards):
 
 def report_storage_inputs():
     """Everything the run builds but the storage figure, which is made once all of it exists."""
-    keys = report_targets.storage_figure_inputs(config, tune_runs(config))
+    keys = report_targets.storage_figure_inputs(config)
     return [run_path(key) for key in keys]
 
 
 def headline_inputs(wildcards):
     """What the headline reads of the stages the run builds (none past `until`)."""
-    found = report_targets.headline_inputs(config, tune_runs(config))
+    found = report_targets.headline_inputs(config)
     return {
         name: run_path(keys) if isinstance(keys, str) else [run_path(k) for k in keys]
         for name, keys in found.items()
@@ -66,9 +66,7 @@ def headline_inputs(wildcards):
 def get_final_output():
     # Every tracked output lives in one folder, so the S3 plugin's single listing covers the
     # whole run (dflash_pipeline.core.layout). `until` names the last stage built by default.
-    outputs = [
-        run_path(key) for key in report_targets.final_keys(config, tune_runs(config))
-    ]
+    outputs = [run_path(key) for key in report_targets.final_keys(config)]
     if config["target"]["build_demo"]:
         outputs.append(local(config["target"]["model"]))
     return outputs

@@ -34,22 +34,6 @@ os.environ[OUTAGE_TOLERANCE_ENV] = str(config["storage"]["outage_tolerance_s"])
 ride_out_plugin_outages(workflow.storage_registry)
 
 
-def check_offline_budget():
-    """Offline mode above train.offline_max_bytes stops the plan (dflash_pipeline.training.offline);
-    it is checked again when a training job starts."""
-    from dflash_pipeline.training.offline import OfflineBudgetError, check_offline_run
-
-    if config["train"]["mode"] != "offline" or config["until"] not in (
-        "train",
-        "evaluate",
-    ):
-        return
-    try:
-        check_offline_run(config, open_storage(RUN_URL))
-    except OfflineBudgetError as err:
-        refuse(str(err))
-
-
 def preflight():
     """What would fail the run days in, refused now, one line per problem: the target folder,
     the dataset files, the storage, the engines (dflash_pipeline.stages.preflight)."""
@@ -63,8 +47,15 @@ def preflight():
 
 
 def plan_checks(executor=None):
-    """What refuses a run before its first job (the executor is not needed to know it)."""
-    check_offline_budget()
+    """What refuses a run before its first job (the executor is not needed to know it): a run
+    whose offline taps exceed train.offline_max_bytes (dflash_pipeline.training.offline; the
+    training job checks again as it starts), then the preflight."""
+    from dflash_pipeline.training.offline import OfflineBudgetError, check_offline_run
+
+    try:
+        check_offline_run(config, RUN_URL)
+    except OfflineBudgetError as err:
+        refuse(str(err))
     preflight()
 
 

@@ -123,12 +123,25 @@ def test_refusal_names_the_bytes_the_limit_and_what_online_would_cost():
     assert check_offline_budget(c, SEEDS_TARGET, count).total_bytes == count.tokens * 51200
 
 
-def test_check_run_is_silent_when_the_run_cannot_be_sized_yet_or_is_online(tmp_path):
+def test_check_run_is_silent_when_the_run_cannot_be_sized_yet_or_extracts_nothing(tmp_path):
     c = config(offline_max_bytes=0)
     c["target"]["model"] = str(tmp_path / "not-built-yet")
-    assert check_offline_run(c, open_storage(tmp_path)) is None
+    assert check_offline_run(c, str(tmp_path)) is None
     c["train"]["mode"] = "online"
-    assert check_offline_run(c, open_storage(tmp_path)) is None
+    assert check_offline_run(c, str(tmp_path)) is None
+
+
+def test_check_run_refuses_a_run_that_extracts_and_not_one_that_stops_before(tmp_path):
+    c = config(offline_max_bytes=1000)
+    c["target"]["model"] = str(tmp_path / "target")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target/config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 4}))
+    for shard in range(4):
+        write_stats(open_storage(tmp_path / "run"), shard, 1000, 10)
+    with pytest.raises(OfflineBudgetError, match="above train.offline_max_bytes"):
+        check_offline_run(c, str(tmp_path / "run"))
+    c["until"] = "tokenize"  # extracts nothing: nothing stored to refuse
+    assert check_offline_run(c, str(tmp_path / "run")) is None
 
 
 def test_train_start_refuses_from_the_extract_manifests():

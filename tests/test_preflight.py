@@ -19,15 +19,17 @@ from tests.support.engine_envs import metadata_only_env
 
 
 def test_offline_float32_taps_are_refused_where_extract_computes_in_bf16():
-    def train(**keys):
-        return {**validate_config({"train": {}})["train"], **keys}
+    def run(until="evaluate", **train):
+        return validate_config({"until": until, "train": train})
 
-    (line,) = offline_problems(train(mode="offline", hidden_dtype="float32", gpus_per_job=1))
+    (line,) = offline_problems(run(mode="offline", hidden_dtype="float32", gpus_per_job=1))
     assert line.startswith("train.hidden_dtype: float32 would store taps that extract computes in bfloat16 on cuda")
     assert "Set train.hidden_dtype: bfloat16" in line
-    assert offline_problems(train(mode="offline", hidden_dtype="float32", gpus_per_job=0)) == []  # fp32 on CPU
-    assert offline_problems(train(mode="offline", hidden_dtype="bfloat16", gpus_per_job=1)) == []
-    assert offline_problems(train(mode="online", hidden_dtype="float32", gpus_per_job=1)) == []  # nothing stored
+    assert offline_problems(run(mode="offline", hidden_dtype="float32", gpus_per_job=0)) == []  # fp32 on CPU
+    assert offline_problems(run(mode="offline", hidden_dtype="bfloat16", gpus_per_job=1)) == []
+    assert offline_problems(run(mode="online", hidden_dtype="float32", gpus_per_job=1)) == []  # nothing stored
+    # A run that stops before training extracts nothing either.
+    assert offline_problems(run("tokenize", mode="offline", hidden_dtype="float32", gpus_per_job=1)) == []
 
 
 def test_a_model_folder_needs_config_tokenizer_and_weights(tmp_path, demo_model):

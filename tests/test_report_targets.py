@@ -9,12 +9,12 @@ from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.report import targets
 
 
-def config(**changes) -> dict:
-    return validate_config({"num_shards": 2, **changes})
+def config(tunes: bool = False, **changes) -> dict:
+    return validate_config({"num_shards": 2, "tune": {"enabled": tunes}, **changes})
 
 
 def test_a_run_up_to_tokenize_asks_for_its_shards_and_the_items_of_three_stages():
-    keys = targets.final_keys(config(until="tokenize"), tunes=False)
+    keys = targets.final_keys(config(until="tokenize"))
     assert keys[0] == layout.INGEST_SUMMARY and keys[-1] == layout.report_key(targets.STORAGE_ITEM)
     assert [layout.shard_key("tokenize", 0), layout.shard_key("tokenize", 1)] == keys[1:3]
     items = [k for k in keys if k.startswith(layout.report_key(""))]
@@ -25,17 +25,17 @@ def test_a_run_up_to_tokenize_asks_for_its_shards_and_the_items_of_three_stages(
 
 
 def test_a_full_run_asks_for_the_drafter_the_evaluation_and_the_tune_table_where_it_tunes():
-    keys = targets.storage_figure_inputs(config(until="evaluate"), tunes=True)
+    keys = targets.storage_figure_inputs(config(tunes=True, until="evaluate"))
     assert {layout.DRAFTER_CONFIG, layout.DRAFTER_WEIGHTS, layout.EVAL_METRICS} <= set(keys)
     assert layout.report_key(targets.TUNE_ITEM) in keys
     assert layout.report_key(targets.STORAGE_ITEM) not in keys  # made once all of these exist
     assert not any(k.startswith(f"{layout.OUTPUTS_DIR}/tokenize-") for k in keys)
-    assert layout.report_key(targets.TUNE_ITEM) not in targets.storage_figure_inputs(config(), tunes=False)
+    assert layout.report_key(targets.TUNE_ITEM) not in targets.storage_figure_inputs(config())
 
 
 def test_the_headline_reads_the_stages_built_and_the_gpu_jobs_benchmarks():
-    offline = config(until="evaluate", train={"mode": "offline", "segments": 2})
-    found = targets.headline_inputs(offline, tunes=True)
+    offline = config(tunes=True, until="evaluate", train={"mode": "offline", "segments": 2})
+    found = targets.headline_inputs(offline)
     assert found["metrics"] == layout.EVAL_METRICS
     assert found["generated"] == [layout.shard_key("generate", 0), layout.shard_key("generate", 1)]
     assert found["benchmarks"] == [
@@ -48,4 +48,4 @@ def test_the_headline_reads_the_stages_built_and_the_gpu_jobs_benchmarks():
         layout.benchmark_key("train", "0001"),
         layout.benchmark_key("evaluate"),
     ]
-    assert targets.headline_inputs(config(until="prepare"), tunes=False) == {"benchmarks": []}
+    assert targets.headline_inputs(config(tunes=True, until="prepare")) == {"benchmarks": []}

@@ -13,6 +13,8 @@ from dflash_pipeline.core.jobstate import ShardProgress
 from dflash_pipeline.core.storage import ReadOnlyStorage, open_storage
 from dflash_pipeline.status.snapshot import SETTLED_BLOCK, RunSource, SnapshotBuilder
 
+# The stages of a run up to tokenize (layout.stages_built without tune).
+UP_TO_TOKENIZE = ("prepare", "generate", "tokenize")
 NUM_SHARDS = 2 * SETTLED_BLOCK + 10  # two full blocks and a partial one
 
 
@@ -62,7 +64,7 @@ def test_settled_blocks_are_not_listed_or_read_again(run):
         finish(run, "prepare", shard)
     for shard in range(SETTLED_BLOCK):  # generate: block 0 done, the rest not yet
         finish(run, "generate", shard)
-    source = RunSource(CountingStorage(run), num_shards=NUM_SHARDS, until="tokenize", full_listing_every_s=1e9)
+    source = RunSource(CountingStorage(run), num_shards=NUM_SHARDS, stages=UP_TO_TOKENIZE, full_listing_every_s=1e9)
     builder = SnapshotBuilder(source)
     storage = source.storage
 
@@ -93,7 +95,7 @@ def test_settled_blocks_are_not_listed_or_read_again(run):
     assert builder.last_listing == "incremental"
     telemetry_reads = [k for kind, k in storage.calls if kind == "read" and k.endswith("telemetry.json")]
     assert len(telemetry_reads) == 3  # only the new telemetry (the running job's log tail too)
-    fresh = SnapshotBuilder(RunSource(ReadOnlyStorage(run), num_shards=NUM_SHARDS, until="tokenize")).build()
+    fresh = SnapshotBuilder(RunSource(ReadOnlyStorage(run), num_shards=NUM_SHARDS, stages=UP_TO_TOKENIZE)).build()
     assert comparable(third) == comparable(fresh)
     stages = {s["stage"]: s for s in third["stages"]}
     assert stages["generate"]["done"] == SETTLED_BLOCK + 1 and stages["generate"]["running"] == 1
@@ -103,7 +105,7 @@ def test_settled_blocks_are_not_listed_or_read_again(run):
 def test_a_change_in_a_settled_block_shows_at_the_next_full_listing(run):
     for shard in range(NUM_SHARDS):
         finish(run, "prepare", shard)
-    source = RunSource(ReadOnlyStorage(run), num_shards=NUM_SHARDS, until="prepare", full_listing_every_s=1e9)
+    source = RunSource(ReadOnlyStorage(run), num_shards=NUM_SHARDS, stages=("prepare",), full_listing_every_s=1e9)
     builder = SnapshotBuilder(source)
     assert builder.build()["stages"][0]["done"] == NUM_SHARDS
     run.delete(layout.shard_key("prepare", 5))  # e.g. removed by hand to rebuild it
@@ -123,7 +125,7 @@ def test_a_running_job_unsettles_its_block(tmp_path):
         finish(run, "prepare", shard)
     events = tmp_path / "events.jsonl"
     source = RunSource(
-        ReadOnlyStorage(run), num_shards=NUM_SHARDS, until="prepare", events_file=events, full_listing_every_s=1e9
+        ReadOnlyStorage(run), num_shards=NUM_SHARDS, stages=("prepare",), events_file=events, full_listing_every_s=1e9
     )
     writer = EventWriter(events)
     writer.write({"event": "workflow_started", "time": time.time()})
@@ -168,7 +170,7 @@ def test_a_cold_refresh_reads_the_stage_totals_not_every_finished_shards_telemet
         list(pool.map(job_finishes, range(NUM_SHARDS)))
     assert sorted(StageTotals(run, "generate").read()) == list(range(NUM_SHARDS))
 
-    source = RunSource(CountingStorage(run), num_shards=NUM_SHARDS, until="tokenize", full_listing_every_s=1e9)
+    source = RunSource(CountingStorage(run), num_shards=NUM_SHARDS, stages=UP_TO_TOKENIZE, full_listing_every_s=1e9)
     snapshot = SnapshotBuilder(source).build()
     reads = [key for kind, key in source.storage.calls if kind == "read"]
     assert reads == [layout.stage_totals_key("generate")]

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.jobstate import ShardProgress
 from dflash_pipeline.status.__main__ import parser, resolve_source
 from dflash_pipeline.core.storage import ReadOnlyStorage
@@ -32,6 +33,11 @@ from tests.support.ci import skip_unless_ci
 from tests.support.seaweed import free_port
 from tests.support.waiting import wait_until
 from tests.support.status_run import RUNNING_LOG, write_run
+
+
+def built(**config) -> tuple[str, ...]:
+    """The stages a run of this config builds, as the CLI hands them to the snapshot."""
+    return layout.stages_built(validate_config(config))
 
 
 @pytest.fixture
@@ -119,15 +125,27 @@ def test_a_run_that_stops_at_tokenize_is_complete_without_training(tmp_path):
     run = LocalStorage(tmp_path / "run")
     for stage in ("prepare", "generate", "tokenize"):
         run.write_bytes(f"outputs/{stage}-00000.parquet", b"x")
-    source = RunSource(ReadOnlyStorage(run), num_shards=1, num_segments=2, until="tokenize")
+    source = RunSource(ReadOnlyStorage(run), num_shards=1, num_segments=2, stages=built(until="tokenize"))
     snap = SnapshotBuilder(source).build()
     assert [s["stage"] for s in snap["stages"]] == ["prepare", "generate", "tokenize"]
     assert snap["progress_percent"] == 100.0
-    source.until = "prepare"
+    source.stages = built(until="prepare")
     assert [s["stage"] for s in SnapshotBuilder(source).build()["stages"]] == ["prepare", "generate", "tokenize"]
     (tmp_path / "run2").mkdir()
-    source = RunSource(ReadOnlyStorage(LocalStorage(tmp_path / "run2")), num_shards=1, until="prepare")
+    source = RunSource(ReadOnlyStorage(LocalStorage(tmp_path / "run2")), num_shards=1, stages=built(until="prepare"))
     assert [s["stage"] for s in SnapshotBuilder(source).build()["stages"]] == ["prepare"]
+
+
+def test_an_offline_run_counts_its_extract_shards_before_the_first_exists(tmp_path):
+    run = LocalStorage(tmp_path / "run")
+    run.write_bytes("outputs/prepare-00000.parquet", b"x")
+    offline = built(until="train", train={"mode": "offline"})
+    source = RunSource(ReadOnlyStorage(run), num_shards=1, num_segments=2, stages=offline)
+    stages = SnapshotBuilder(source).build()["stages"]
+    assert [s["stage"] for s in stages] == ["prepare", "generate", "tokenize", "extract", "train"]
+    assert stages[3]["missing"] == 1
+    source.stages = built(until="train")
+    assert "extract" not in [s["stage"] for s in SnapshotBuilder(source).build()["stages"]]
 
 
 def test_stale_telemetry_without_a_job_is_not_shown_as_running(tmp_path):
@@ -251,9 +269,15 @@ def test_cli_finds_the_run_from_the_config_and_the_s3_prefix(tmp_path):
     args = parser().parse_args(["--workdir", str(tmp_path)])
     source = resolve_source(args)
     assert source.storage.url == str(tmp_path / "out/r1") and source.num_shards == 3
+    assert source.stages == built()
     assert source.events_file == tmp_path / "logs/snakemake-events.jsonl"
     args = parser().parse_args(["--workdir", str(tmp_path), "--default-storage-prefix", "s3://b/p"])
     assert resolve_source(args).storage.url == "s3://b/p/out/r1"
+    (tmp_path / "config.yaml").write_text("until: evaluate\ntrain: {mode: offline}\n")
+    args = parser().parse_args(["--workdir", str(tmp_path), "--until", "train"])
+    assert resolve_source(args).stages == built(until="train", train={"mode": "offline"})
+    args = parser().parse_args(["--run-url", str(tmp_path / "run"), "--num-shards", "1", "--until", "tokenize"])
+    assert resolve_source(args).stages == built(until="tokenize")  # no config: a default run's
 
 
 def test_start_serves_in_the_background_until_stop(tmp_path):

@@ -303,12 +303,16 @@ def test_generate_waits_for_tune_unless_its_shards_were_generated_before_a_resul
 
 
 def test_tune_runs_where_the_run_launches_a_server_and_generates():
-    from dflash_pipeline.engines.tuning import tune_gpus, tune_runs
+    from dflash_pipeline.core.layout import stages_built
+    from dflash_pipeline.engines.tuning import tune_gpus
 
-    assert tune_runs(validate_config({"tune": {"enabled": True}}))
-    assert not tune_runs(validate_config({"tune": {"enabled": False}}))
-    assert not tune_runs(validate_config({"tune": {"enabled": True}, "until": "prepare"}))
-    assert not tune_runs(validate_config({"tune": {"enabled": True}, "generation": {"engine": "endpoint"}}))
+    def tunes(**config):
+        return "tune" in stages_built(validate_config(config))
+
+    assert tunes(tune={"enabled": True})
+    assert not tunes(tune={"enabled": False})
+    assert not tunes(tune={"enabled": True}, until="prepare")
+    assert not tunes(tune={"enabled": True}, generation={"engine": "endpoint"})
     # One server's devices: its tensor parallelism on a GPU run, none on a CPU run.
     assert tune_gpus(validate_config({"generation": {"gpus_per_job": 4, "server": {"tp": 2}}})) == 2
     assert tune_gpus(validate_config({"generation": {"gpus_per_job": 0}})) == 0

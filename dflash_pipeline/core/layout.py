@@ -37,6 +37,24 @@ SHARD_STAGES = {
 }
 
 
+def stages_built(config: dict) -> tuple[str, ...]:
+    """The stages a run of ``config`` (a validated config) builds, in pipeline order, each named
+    like its rule: those of ``STAGES`` up to ``until``; ``tune`` before ``generate`` where the
+    run measures its engine first (``tune.enabled`` and a server the run launches, not
+    ``endpoint``); ``extract`` before ``train`` where training is offline. The one answer the
+    rules, the preflight, verify, the status page and the report read."""
+    tunes = config["tune"]["enabled"] and config["generation"]["engine"] != "endpoint"
+    offline = config["train"]["mode"] == "offline"
+    built: list[str] = []
+    for stage in STAGES[: STAGES.index(config["until"]) + 1]:
+        if stage == "generate" and tunes:
+            built.append("tune")
+        if stage == "train" and offline:
+            built.append("extract")
+        built.append(stage)
+    return tuple(built)
+
+
 def shard_name(shard: int | str) -> str:
     """``3`` -> ``"00003"``; a name (a wildcard such as ``"{shard}"``) stays as it is."""
     return shard if isinstance(shard, str) else f"{shard:05d}"

@@ -6,7 +6,7 @@ setting fails the plan in one line per problem instead of a job days later.
 
 from __future__ import annotations
 
-from dflash_pipeline.core.layout import STAGES
+from dflash_pipeline.core.layout import stages_built
 from dflash_pipeline.engines.environments import EngineSetupError, configured_engine
 from dflash_pipeline.engines.limits import DrafterShape, refusals
 
@@ -15,14 +15,15 @@ SERVING_ENGINES = ("vllm", "sglang")
 
 
 def engines_in_use(config: dict) -> dict[str, str]:
-    """{engine: the config key that uses it} for the engines the run up to ``until`` launches."""
-    until = STAGES.index(config["until"])
+    """{engine: the config key that uses it} for the engines the stages the run builds launch
+    (``layout.stages_built``)."""
+    built = stages_built(config)
     used: dict[str, str] = {}
     generation = config["generation"]["engine"]
-    if until >= STAGES.index("generate") and generation != "endpoint":
+    if "generate" in built and generation != "endpoint":
         used[generation] = "generation.engine"
     evaluation = config["evaluate"]["engine"]
-    if until >= STAGES.index("evaluate") and evaluation in SERVING_ENGINES:
+    if "evaluate" in built and evaluation in SERVING_ENGINES:
         used.setdefault(evaluation, "evaluate.engine")
     return used
 
@@ -32,13 +33,14 @@ def check_engines(config: dict) -> tuple[list[str], list[str]]:
     a validated config."""
     problems, ready = [], []
     shape = DrafterShape.from_train_config(config["train"])
+    evaluates = "evaluate" in stages_built(config)
     for engine, key in engines_in_use(config).items():
         try:
             install = configured_engine(engine, config["engines"])
         except EngineSetupError as err:
             problems.append(f"{key}: {err}")
             continue
-        serves = engine in SERVING_ENGINES and config["until"] == "evaluate" and config["evaluate"]["engine"] == engine
+        serves = engine in SERVING_ENGINES and evaluates and config["evaluate"]["engine"] == engine
         refused = refusals(engine, install.version, install.build, shape) if serves else []
         problems += [f"evaluate.engine: {text} (engines.{engine}.python: {install.python})" for text in refused]
         if not refused:

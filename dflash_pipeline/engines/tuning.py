@@ -64,18 +64,6 @@ def tune_defining(config: dict) -> dict:
     }
 
 
-def tune_runs(config: dict) -> bool:
-    """Whether a run measures its engine before generating: ``tune.enabled``, a server the run
-    launches (not ``endpoint``), and a run that generates (``until`` generate or later)."""
-    from dflash_pipeline.core import layout
-
-    return (
-        config["tune"]["enabled"]
-        and config["generation"]["engine"] != "endpoint"
-        and layout.STAGES.index(config["until"]) >= layout.STAGES.index("generate")
-    )
-
-
 def tune_gpus(config: dict) -> int:
     """A tune job's GPUs: one server's tensor parallelism (none on a CPU run)."""
     return config["generation"]["server"]["tp"] if config["generation"]["gpus_per_job"] else 0

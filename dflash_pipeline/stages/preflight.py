@@ -26,6 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from dflash_pipeline.core import layout
 from dflash_pipeline.core.storage import is_s3_url
 from dflash_pipeline.core.s3 import (
     NO_CREDENTIALS,
@@ -207,11 +208,12 @@ def storage_problems(run_url: str) -> list[str]:
     return []
 
 
-def offline_problems(train: dict) -> list[str]:
-    """The ``train`` section of an offline run: its stored taps' dtype against the dtype the
-    target computes them in on the device ``extract`` takes. [] for an online run."""
-    if train["mode"] != "offline":
+def offline_problems(config: dict) -> list[str]:
+    """A run that extracts taps (``layout.stages_built``): their stored dtype against the dtype
+    the target computes them in on the device ``extract`` takes. [] for a run that stores none."""
+    if "extract" not in layout.stages_built(config):
         return []
+    train = config["train"]
     problem = stored_dtype_problem(train["hidden_dtype"], extract_device(train))
     return [problem] if problem else []
 
@@ -226,7 +228,7 @@ def run_problems(config: dict, run_url: str, workdir: Path = Path(".")) -> tuple
     # each s3:// dataset file again.
     problems += dataset_problems(config["dataset"]["paths"], workdir, check_s3=not storage)
     problems += storage
-    problems += offline_problems(config["train"])
+    problems += offline_problems(config)
     problems += tracker_problems(config["train"])
     engine_problems, ready = check_engines(config)
     return problems + engine_problems, ready

@@ -137,13 +137,16 @@ def resolve_source(args) -> RunSource:
     num_segments = args.num_segments
     if num_segments is None:
         num_segments = config.get("train", {}).get("segments", 0)
-    until = args.until or config.get("until", "evaluate")
+    # The stages the run builds: without a config file (--run-url and --num-shards given), those
+    # of a default run up to --until.
+    config = config or validate_config({})
+    stages = layout.stages_built({**config, "until": args.until or config["until"]})
     events = Path(args.events_file)
     return RunSource(
         storage=ReadOnlyStorage.open(run_url),
         num_shards=num_shards,
         num_segments=num_segments,
-        until=until,
+        stages=stages,
         # The plugin writes one file per working directory, whatever run Snakemake drives there:
         # the snapshot shows only the Snakemake runs whose jobs write into this run root.
         events_file=events if events.is_absolute() else workdir / events,

@@ -50,9 +50,6 @@ from dflash_pipeline.status.summaries import (
 
 # Shard stages in pipeline order; each is named like the rule that builds its objects.
 SHARD_STAGES = tuple(layout.SHARD_STAGES)
-# Shown even before their first object exists (up to the run's `until`); the others appear
-# once they have one.
-ALWAYS_SHOWN = ("prepare", "generate", "tokenize")
 
 TELEMETRY_KEY = layout.SHARD_TELEMETRY
 TOTALS_KEY = re.compile(r"^_progress/(?P<stage>[a-z_]+)/totals\.json$")
@@ -89,8 +86,9 @@ class RunSource:
     storage: ReadOnlyStorage  # the run root
     num_shards: int
     num_segments: int = 0  # training segments (config train.segments); 0: as many as seen
-    # The last stage the run builds (config `until`): later stages are not counted as missing.
-    until: str = "evaluate"
+    # The stages the run builds (layout.stages_built): shown, and counted, before their first
+    # object exists; a stage it does not build appears once it has one, and is not missing.
+    stages: tuple[str, ...] = layout.STAGES
     events_file: Path | None = None
     workdir: Path = Path(".")  # Snakemake's working directory: local log paths are relative to it
     # Telemetry not refreshed for this long belongs to a job that died without saying so.
@@ -279,7 +277,7 @@ class SnapshotBuilder:
 
         stages, running, failed = [], [], []
         for stage in SHARD_STAGES:
-            planned = stage in self._planned_shard_stages()
+            planned = stage in self.source.stages
             present = planned or done[stage] or any(s == stage for s, _ in jobs_by_stage_shard)
             if not present:
                 continue
@@ -397,15 +395,9 @@ class SnapshotBuilder:
             },
         }
 
-    def _planned_shard_stages(self) -> tuple[str, ...]:
-        until = self.source.until
-        if until in ALWAYS_SHOWN:
-            return ALWAYS_SHOWN[: ALWAYS_SHOWN.index(until) + 1]
-        return ALWAYS_SHOWN
-
     def _train_stage(self, segments, events, now, running, failed) -> dict | None:
         """Training as a stage whose units are checkpoint segments (progress: steps)."""
-        trains = layout.STAGES.index(self.source.until) >= layout.STAGES.index("train")
+        trains = "train" in self.source.stages
         total = (self.source.num_segments if trains else 0) or (max(segments) + 1 if segments else 0)
         if not total:
             return None

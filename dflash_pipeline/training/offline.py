@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.storage import Storage, StorageError
+from dflash_pipeline.core.storage import Storage, StorageError, open_storage
 from dflash_pipeline.model.config import default_target_layer_ids
 from dflash_pipeline.model.target import target_compute_dtype
 
@@ -242,13 +242,14 @@ def check_offline_budget(config: dict, target: TargetShape, count: TokenCount) -
     return est
 
 
-def check_offline_run(config: dict, storage: Storage) -> OfflineEstimate | None:
-    """The plan-time check of an offline run; None when it cannot be sized yet (no target
-    config.json, or no token count) or the run is online."""
-    if config["train"]["mode"] != "offline":
+def check_offline_run(config: dict, run_url: str) -> OfflineEstimate | None:
+    """The plan-time check of a run that extracts taps (``layout.stages_built``: offline, up to
+    train or evaluate); None when it cannot be sized yet (no target config.json, or no token
+    count) or the run extracts none. The run root at ``run_url`` is opened only to count tokens."""
+    if "extract" not in layout.stages_built(config):
         return None
     target = read_target_shape(config["target"]["model"])
-    count = count_tokens(config, storage) if target else None
+    count = count_tokens(config, open_storage(run_url)) if target else None
     if target is None or count is None:
         return None
     return check_offline_budget(config, target, count)
