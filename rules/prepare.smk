@@ -20,6 +20,10 @@ rule ingest:
         mem_mb=config["resources"]["mem_mb"]["ingest"],
         runtime=config["resources"]["runtime_minutes"]["ingest"],
     params:
+        # Where the run lives (its checksum records); a function of `input`, so that it is no
+        # rerun trigger: the run root defines no output, and runs finished before this rule had
+        # the param are not rerun for it.
+        run_url=lambda wildcards, input: RUN_URL,
         num_shards=config["num_shards"],
         # Sorted keys: the order of keys in the config file says nothing about the output.
         dataset=rule_params(config, "ingest"),
@@ -47,6 +51,7 @@ rule prepare:
         mem_mb=config["resources"]["mem_mb"]["prepare"],
         runtime=config["resources"]["runtime_minutes"]["prepare"],
     params:
+        run_url=lambda wildcards, input: RUN_URL,  # no rerun trigger: see rule ingest
         ingested=lambda wildcards: f"{RUN_URL}/{layout.INGESTED_PROMPTS}",
     script:
         "../scripts/prepare.py"

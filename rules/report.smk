@@ -170,6 +170,9 @@ rule report_tokenization:
         **slurm(0),
         mem_mb=config["resources"]["mem_mb"]["report_tokenization"],
         runtime=config["resources"]["runtime_minutes"]["report_tokenization"],
+    params:
+        # It checks the stats' records; no rerun trigger (see rule ingest).
+        run_url=lambda wildcards, input: RUN_URL,
     script:
         "../scripts/report_tokenization.py"
 

@@ -5,7 +5,6 @@ checkpoint index) and the drafter are checked, and a job that refuses a damaged 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -78,16 +77,8 @@ def test_a_damaged_input_writes_the_jobs_refusal(tmp_path):
     shard = write_shard(root, "outputs/prepare-00001.parquet")
     record_checksum(store, shard, "prepare", 1)
     flip_byte(shard)
-    smk = SimpleNamespace(
-        rule="generate",
-        params={"run_url": str(root)},
-        wildcards={"shard": "00001"},
-        config={},
-        input=[str(shard)],
-        output=[],
-    )
     with pytest.raises(ChecksumError, match="prepare-00001.parquet is damaged"):
-        verify_inputs(smk, [str(shard)])
+        verify_inputs(str(root), "generate", {"shard": "00001"}, {}, [str(shard)])
     refusal = refused(store, "generate", {"shard": "00001"})
     assert refusal["input"] == "outputs/prepare-00001.parquet"
     assert refusal_key("generate", {"shard": "00001"}).endswith("refused/generate-shard=00001.json")

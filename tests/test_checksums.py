@@ -7,21 +7,21 @@ import json
 import os
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.checksums import (
     ChecksumError,
-    job_run_url,
     read_record,
     record_checksum,
     repair_command,
     rule_and_shard_of,
     sidecar_key,
     verify_local_copy,
+    verify_stored_size,
 )
+from dflash_pipeline.core.digest import Digest, digest_file
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.stages import verify
 
@@ -104,21 +104,30 @@ def test_repair_command_names_the_prefix_of_an_s3_run():
     )
 
 
-def fake_job(output: str, params: dict | None = None):
-    from snakemake.iocontainers import Namedlist
+def test_records_written_before_core_digest_read_as_they_are(store, tmp_path):
+    """Records in runs made before the digest helper (its two keys were already these) need no
+    conversion: read, checked and adopted alike."""
+    shard = write_shard(tmp_path / "job")
+    old = {"key": KEY, "sha256": digest_file(shard).sha256, "size": len(CONTENT), "rule": "tokenize"}
+    store.write_text(sidecar_key(KEY), json.dumps({**old, "shard": "00000", "written_at": 1.0}))
+    assert verify_local_copy(shard, store.url, "rule train").digest == Digest.of(old)
 
-    named = Namedlist(fromdict=params or {})
-    return SimpleNamespace(
-        output=[output], input=[], params=named, rule="prepare", config={"results_dir": "results", "run": "demo"}
-    )
 
-
-def test_job_run_url_from_params_or_from_where_snakemake_put_the_output():
-    assert job_run_url(fake_job("x", {"run_url": "s3://b/p/results/demo"})) == "s3://b/p/results/demo"
-    assert job_run_url(fake_job("results/demo/outputs/prepare-00000.parquet")) == "results/demo"
-    local_copy = ".snakemake/storage/s3/bucket/some/prefix/results/demo/outputs/prepare-00001.parquet"
-    assert job_run_url(fake_job(local_copy)) == "s3://bucket/some/prefix/results/demo"
-    assert job_run_url(fake_job("elsewhere/x.parquet")) is None
+def test_a_ranged_reader_checks_the_record_and_the_stored_size(tmp_path):
+    store = open_storage(tmp_path / "run")
+    key = layout.INGESTED_PROMPTS
+    written = write_shard(tmp_path / "job", key)
+    record_checksum(store, written, "ingest", "-")
+    store.upload_file(key, written)
+    assert verify_stored_size(store.url, store.join(key), "rule prepare").size == len(CONTENT)
+    store.write_bytes(key, CONTENT[:100])
+    with pytest.raises(ChecksumError, match=f"{key} is 100 bytes, not the {len(CONTENT)}.*rule prepare"):
+        verify_stored_size(store.url, store.join(key), "rule prepare")
+    store.delete(sidecar_key(key))
+    with pytest.raises(ChecksumError, match="has no checksum record"):
+        verify_stored_size(store.url, store.join(key), "rule prepare")
+    with pytest.raises(ValueError, match="not in the run root"):
+        verify_stored_size(store.url, f"{tmp_path}/elsewhere/{key}", "rule prepare")
 
 
 def test_flipped_and_truncated_s3_objects_are_caught_at_read_with_their_s3_name(s3_server, s3_env, tmp_path):

@@ -60,25 +60,34 @@ def package_of(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else ""
 
 
-def imports_of(path: Path, package_dir: Path = PACKAGE) -> list[tuple[int, str]]:
-    """(line, absolute module) of every import in a file, relative imports resolved."""
+def import_statements(path: Path, package_dir: Path = PACKAGE) -> list[tuple[int, str, list[str]]]:
+    """(line, absolute module, the names a ``from`` import takes from it) of every import in a
+    file, relative imports resolved."""
     module = ".".join(path.relative_to(package_dir.parent).with_suffix("").parts)
     tree = ast.parse(path.read_text(), filename=str(path))
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
+            found += [(node.lineno, alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = module.split(".")[: -node.level]
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            if name == "dflash_pipeline":
-                # `from dflash_pipeline import layout` names the subpackage in the alias
-                found += [(node.lineno, f"{name}.{alias.name}") for alias in node.names]
-            else:
-                found.append((node.lineno, name))
+            found.append((node.lineno, name, [alias.name for alias in node.names]))
+    return found
+
+
+def imports_of(path: Path, package_dir: Path = PACKAGE) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in a file, relative imports resolved."""
+    found = []
+    for line, name, names in import_statements(path, package_dir):
+        if name == "dflash_pipeline" and names:
+            # `from dflash_pipeline import layout` names the subpackage in the alias
+            found += [(line, f"{name}.{alias}") for alias in names]
+        else:
+            found.append((line, name))
     return found
 
 
@@ -109,6 +118,86 @@ def violations(package_dir: Path = PACKAGE) -> list[str]:
 
 def test_every_import_points_down():
     assert violations() == []
+
+
+def module_name(path: Path, package_dir: Path = PACKAGE) -> str:
+    parts = path.relative_to(package_dir.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package_dir: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports; ``from a import b`` is
+    module ``a.b`` where ``b`` is one (``from dflash_pipeline.core import layout``)."""
+    files = {module_name(path, package_dir): path for path in sorted(package_dir.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        targets = set()
+        for _, name, names in import_statements(path, package_dir):
+            submodules = {f"{name}.{alias}" for alias in names} & files.keys()
+            targets |= submodules
+            if len(submodules) < len(names) or not names:  # some names are the module's own
+                targets.add(name)
+        graph[module] = (targets & files.keys()) - {module}
+    return graph
+
+
+def import_cycles(package_dir: Path = PACKAGE) -> list[list[str]]:
+    """The package's import circles: each set of modules that import one another, directly or
+    round a loop (a strongly connected component of ``import_graph``), sorted."""
+    graph = import_graph(package_dir)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(cycles)
+
+
+def test_no_import_circle_inside_the_package():
+    """Within a layer too, no two modules import each other, however indirectly: each module
+    can be read knowing only the ones below it."""
+    assert import_cycles() == []
+
+
+@pytest.mark.parametrize(
+    "module, source, circle",
+    [
+        ("core/layout.py", "def f():\n    from dflash_pipeline.core import checksums\n", "checksums"),
+        ("core/storage_api.py", "from dflash_pipeline.core.storage import open_storage\n", "storage"),
+        ("data/chat.py", "from . import tokenized\n", "tokenized"),
+    ],
+)
+def test_an_import_circle_fails(tmp_path, module, source, circle):
+    """The check catches what it is for: a copy of the package with one import that closes a
+    circle (inside a function, through a relative import too)."""
+    import shutil
+
+    copy = tmp_path / "dflash_pipeline"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    with open(copy / module, "a") as fh:
+        fh.write(source)
+    (found,) = import_cycles(copy)
+    own = "dflash_pipeline." + module.removesuffix(".py").replace("/", ".")
+    assert own in found and any(m.endswith("." + circle) for m in found), found
 
 
 # `from x import y` or `import x` at the start of a line of a .smk file (Snakemake's Python lines).

@@ -6,7 +6,8 @@ import uuid
 
 import pytest
 
-from dflash_pipeline.core.storage import LocalStorage, StorageError, open_object, write_atomically
+from dflash_pipeline.core.digest import Digest
+from dflash_pipeline.core.storage import LocalStorage, NotFound, StorageError, open_object, write_atomically
 from dflash_pipeline.core.s3 import BUCKET_SENTINEL_KEY, S3Storage, s3_settings_from_env
 
 
@@ -163,9 +164,23 @@ def test_boto_credentials_alone_serve_the_storage_layer(s3_server, aws_env):
     assert [o.key for o in store.list("a/")] == ["a/b.json"]
 
 
-def test_a_missing_object_is_a_typed_not_found(store):
-    from dflash_pipeline.core.storage import NotFound
+def test_sha256_hashes_a_stored_object_as_it_streams(store, monkeypatch):
+    """``Storage.sha256`` is what ``verify`` checks records against: the digest of the stored
+    bytes, read in chunks (made small here, so that several are read)."""
+    import hashlib
 
+    from dflash_pipeline.core import digest, s3
+
+    monkeypatch.setattr(digest, "CHUNK", 1000)
+    monkeypatch.setattr(s3, "CHUNK", 1000)
+    data = bytes(range(256)) * 20  # 5120 bytes: six chunks
+    store.write_bytes("outputs/x.parquet", data)
+    assert store.sha256("outputs/x.parquet") == Digest(hashlib.sha256(data).hexdigest(), len(data))
+    with pytest.raises(NotFound, match="outputs/missing.parquet does not exist"):
+        store.sha256("outputs/missing.parquet")
+
+
+def test_a_missing_object_is_a_typed_not_found(store):
     with pytest.raises(NotFound, match="does not exist"):
         store.read_bytes("nope/missing.json")
     assert not store.exists("nope/missing.json")
@@ -182,8 +197,6 @@ def test_no_access_to_a_bucket_never_creates_one(s3_server, s3_env, monkeypatch)
 
 
 def test_copying_a_missing_object_is_a_typed_not_found(store, tmp_path):
-    from dflash_pipeline.core.storage import NotFound
-
     with pytest.raises(NotFound, match="missing.bin does not exist"):
         store.download_file("missing.bin", tmp_path / "out.bin")
     with pytest.raises(NotFound), store.local_copy("missing.bin"):

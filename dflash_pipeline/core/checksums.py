@@ -2,7 +2,7 @@
 every job that reads one and by ``python -m dflash_pipeline.stages.verify``.
 
 What is recorded, and where. The job that writes a tracked object records the sha256 and size of
-the file it wrote, with the rule, the shard (or segment) and the time, in a small JSON object of
+the file it wrote (``core.digest``, the format of every integrity record of the package), with the rule, the shard (or segment) and the time, in a small JSON object of
 its own in the run root. Tracked (``is_checked_key``): the shard objects (``outputs/prepare-NNNNN.
 parquet``, ``generate-``, ``tokenize-`` with its ``.heldout.parquet`` and ``.stats.json``, the
 ``extract-`` manifests; ``layout.SHARD_STAGES``), the ingest outputs, the training segment
@@ -15,8 +15,9 @@ Why a sidecar object, and not S3 object metadata or a table:
 
 * Snakemake (and its S3 plugin) uploads a rule's declared outputs after the job has ended: the job
   never holds the S3 object, so it cannot set the object's metadata, and the plugin sets none.
-  What the job can do is write beside it through the storage layer (``open_storage(run_url)``),
-  as it already does for ``_progress/`` telemetry; the same code then serves local and S3 runs.
+  What the job can do is write beside it through the storage layer (``open_storage(run_url)``,
+  the run root every rule that records or checks is given as its ``run_url`` param), as it
+  already does for ``_progress/`` telemetry; the same code then serves local and S3 runs.
 * One object per shard object: jobs run concurrently on many machines and each writes only its
   own record (no shared file to update, no lock, no lost update). A consuming job reads exactly
   the records of its inputs (one small GET each), never the whole run; ``verify`` lists the
@@ -41,19 +42,18 @@ every attempt alike.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.storage import NotFound, Storage, is_s3_url, open_storage, sha256_and_size
-from dflash_pipeline.core.s3 import S3Storage
+from dflash_pipeline.core.digest import Digest, digest_file
+from dflash_pipeline.core.storage import NotFound, Storage, is_s3_url, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,6 @@ SEGMENT_MANIFEST = re.compile(r"^outputs/train-segment-(?P<segment>\d{4})\.json$
 # The speculators-format export beside the z-lab one (drafter/<folder>/<file>).
 SPECULATORS_FILE = re.compile(rf"^{layout.DRAFTER_DIR}/[^/]+/[^/]+$")
 REFUSALS_DIR = f"{CHECKSUMS_DIR}/refused"
-CHUNK = 1 << 24  # 16 MiB
 
 
 class ChecksumError(RuntimeError):
@@ -116,24 +115,6 @@ def is_checked_key(key: str) -> bool:
     return bool(match) and match["ext"] in CHECKED_EXTS.get(match["stage"], ())
 
 
-def stored_sha256(storage: Storage, key: str) -> tuple[str, int]:
-    """sha256 and size of a stored object, streamed (an S3 object is never written to disk)."""
-    if isinstance(storage, S3Storage):
-        resp = storage._call("reading", key, storage.client.get_object, Bucket=storage.bucket, Key=storage._key(key))
-        digest, size = hashlib.sha256(), 0
-
-        def read():
-            nonlocal size
-            for chunk in resp["Body"].iter_chunks(CHUNK):
-                digest.update(chunk)
-                size += len(chunk)
-
-        storage._call("reading", key, read)
-        return digest.hexdigest(), size
-    with storage.local_copy(key) as path:
-        return sha256_and_size(path)
-
-
 @dataclass(frozen=True)
 class Record:
     key: str
@@ -143,16 +124,21 @@ class Record:
     shard: str
     written_at: float
 
+    @property
+    def digest(self) -> Digest:
+        return Digest(self.sha256, self.size)
+
     def producer(self) -> str:
         return f"rule {self.rule} (shard {self.shard})"
 
     @classmethod
     def parse(cls, key: str, data: bytes) -> Record:
         doc = json.loads(data)
+        digest = Digest.of(doc)
         return cls(
             key,
-            str(doc["sha256"]),
-            int(doc["size"]),
+            digest.sha256,
+            digest.size,
             str(doc.get("rule", "?")),
             str(doc.get("shard", "?")),
             float(doc.get("written_at", 0.0)),
@@ -185,14 +171,13 @@ def producer_of(key: str) -> str:
 
 
 def write_record(
-    storage: Storage, key: str, sha: str, size: int, rule: str, shard: int | str, adopted: bool = False
+    storage: Storage, key: str, digest: Digest, rule: str, shard: int | str, adopted: bool = False
 ) -> Record:
-    """Store the record of ``key`` (the one record format: ``Record.parse`` reads it back)."""
-    record = Record(key, sha, size, rule, layout.shard_name(shard), time.time())
+    """Store the record of ``key`` (``Record.parse`` reads it back)."""
+    record = Record(key, digest.sha256, digest.size, rule, layout.shard_name(shard), time.time())
     doc = {
         "key": key,
-        "sha256": sha,
-        "size": size,
+        **digest.fields(),
         "rule": rule,
         "shard": record.shard,
         "written_at": record.written_at,
@@ -212,9 +197,9 @@ def record_checksum(
     uploads the file: what it states is what the job wrote)."""
     storage = run_url if isinstance(run_url, Storage) else open_storage(run_url)
     key = key or object_key(local_path)
-    sha, size = sha256_and_size(local_path)
-    record = write_record(storage, key, sha, size, rule, shard)
-    log.info("recorded the checksum of %s: sha256 %s, %d bytes", storage.join(key), sha[:16], size)
+    digest = digest_file(local_path)
+    record = write_record(storage, key, digest, rule, shard)
+    log.info("recorded the checksum of %s: sha256 %s, %d bytes", storage.join(key), digest.sha256[:16], digest.size)
     return record
 
 
@@ -295,23 +280,10 @@ def verify_local_copy(
             f"it cannot be trusted. A run made before checksums were recorded: adopt its objects once with "
             f"{adopt_command(run_url)}; otherwise rebuild it: {repair_command(run_url, config, _config_hint(config))}"
         )
-    if not local.is_file():
-        problem = "is missing"
-    else:
-        sha, size = sha256_and_size(local)
-        if size != record.size:
-            problem = (
-                f"is {'short' if size < record.size else 'too long'}: {size} bytes, not the "
-                f"{record.size} it was written with"
-            )
-        elif sha != record.sha256:
-            problem = (
-                f"is damaged: its sha256 is {sha}, not the {record.sha256} it was written "
-                f"with (same size, {size} bytes)"
-            )
-        else:
-            log.info("checksum of %s verified (sha256 %s, %d bytes)", where, sha[:16], size)
-            return record
+    problem = record.digest.problem(digest_file(local)) if local.is_file() else "is missing"
+    if problem is None:
+        log.info("checksum of %s verified (sha256 %s, %d bytes)", where, record.sha256[:16], record.size)
+        return record
     written = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(record.written_at))
     raise ChecksumError(
         _message(where, f"{problem} (written {written}; checked by {reader})", record.producer(), run_url, config)
@@ -325,61 +297,28 @@ def _message(where: str, problem: str, producer: str, run_url: str, config: dict
     )
 
 
-# --- the Snakemake glue: scripts/*.py call these two ------------------------------------------
+# --- what a job does (core.stage_job calls these with the job's ``run_url`` param) ------------
 
 
-def job_run_url(smk) -> str | None:
-    """The run root of a Snakemake job: its ``run_url`` param, or (for a rule without one, e.g.
-    ``prepare``) worked out from where Snakemake put its outputs: locally ``<run root>/outputs/
-    <name>``; in an S3 run Snakemake's local copy ``<local storage prefix>/s3/<bucket>/<prefix>/
-    <run root>/outputs/<name>`` of ``s3://<bucket>/<prefix>/<run root>/outputs/<name>``."""
-    params = getattr(smk, "params", None)
-    run_url = params.get("run_url") if params is not None else None
-    if run_url:
-        return run_url
-    root = layout.run_root(smk.config["results_dir"], smk.config["run"]).strip("/")
-    for path in [*smk.output, *smk.input]:
-        parts = Path(os.path.normpath(path)).parts
-        tail = (*Path(root).parts, layout.OUTPUTS_DIR)
-        if len(parts) < len(tail) + 1 or tuple(parts[-len(tail) - 1 : -1]) != tail:
-            continue
-        base = parts[: -len(tail) - 1]
-        if not base:
-            return root
-        # The S3 plugin's local copies sit under <local storage prefix>/s3/<bucket>/<key>.
-        default = (".snakemake", "storage", "s3")
-        index = (
-            len(default) if tuple(base[: len(default)]) == default else (base.index("s3") + 1 if "s3" in base else None)
-        )
-        if index is not None and len(base) > index:
-            return "s3://" + "/".join([*base[index:], *Path(root).parts])
-        return str(Path(*base, root))
-    return None
-
-
-def record_outputs(smk, paths: Iterable[str], shard: int | str = "-") -> None:
+def record_outputs(run_url: str, rule: str, paths: Iterable[str], shard: int | str = "-") -> None:
     """Record the checksums of a job's tracked outputs (call it when the stage function returned);
     ``shard`` is the job's shard or segment, ``-`` for a run-level job."""
-    run_url = job_run_url(smk)
-    if run_url is None:
-        log.warning("no run root known to rule %s: checksums of %s not recorded", smk.rule, list(paths))
-        return
     storage = open_storage(run_url)
     for path in paths:
-        record_checksum(storage, path, smk.rule, shard)
+        record_checksum(storage, path, rule, shard)
 
 
-def verify_stored_size(smk, url: str) -> Record:
+def verify_stored_size(run_url: str, url: str, reader: str) -> Record:
     """A job's check of a tracked object it reads by byte range from the run root, never whole
     (the ingested table, read one row group per prepare job): its record exists and its stored
     size is the recorded one. ``verify`` hashes it whole."""
-    run_url = job_run_url(smk) or url.rsplit("/", 2)[0]
-    storage = open_storage(run_url)
-    key = url[len(run_url.rstrip("/")) + 1 :] if url.startswith(run_url.rstrip("/") + "/") else object_key(url)
+    root = run_url.rstrip("/") + "/"
+    if not url.startswith(root):
+        raise ValueError(f"{url} is not in the run root {run_url}")
+    storage, key = open_storage(run_url), url[len(root) :]
     where = storage.join(key)
     record = read_record(storage, key)
     listed = {o.key: o.size for o in storage.list(key)}
-    reader = f"rule {smk.rule}"
     if key not in listed:
         raise ChecksumError(_message(where, f"is missing (checked by {reader})", producer_of(key), run_url, None))
     if record is None:
@@ -400,23 +339,19 @@ def refusal_key(rule: str, wildcards: dict) -> str:
     return f"{REFUSALS_DIR}/{rule}-{name}.json"
 
 
-def verify_inputs(smk, paths: Iterable[str]) -> None:
-    """Check a job's tracked inputs before it reads them (ChecksumError on the first bad one,
-    after the job's refusal is written: the workflow does not retry it)."""
-    run_url = job_run_url(smk)
-    if run_url is None:
-        log.warning("no run root known to rule %s: its inputs are read unchecked", smk.rule)
-        return
-    wildcards = dict(getattr(smk, "wildcards", None) or {})
+def verify_inputs(run_url: str, rule: str, wildcards: dict, config: dict, paths: Iterable[str]) -> None:
+    """Check the tracked inputs of the job of ``rule`` with ``wildcards`` before it reads them
+    (ChecksumError on the first bad one, after the job's refusal is written: the workflow does
+    not retry it)."""
     shard = wildcards.get("shard") or wildcards.get("segment")
-    reader = f"rule {smk.rule}" + (f" ({'segment' if 'segment' in wildcards else 'shard'} {shard})" if shard else "")
+    reader = f"rule {rule}" + (f" ({'segment' if 'segment' in wildcards else 'shard'} {shard})" if shard else "")
     storage = open_storage(run_url)
-    refusal = refusal_key(smk.rule, wildcards)
+    refusal = refusal_key(rule, wildcards)
     for path in paths:
         try:
-            verify_local_copy(path, run_url, reader, config=dict(smk.config))
+            verify_local_copy(path, run_url, reader, config=config)
         except ChecksumError as err:
-            doc = {"rule": smk.rule, "wildcards": wildcards, "input": object_key(path), "error": str(err)}
+            doc = {"rule": rule, "wildcards": wildcards, "input": object_key(path), "error": str(err)}
             doc["written_at"] = time.time()
             storage.write_text(refusal, json.dumps(doc, indent=1) + "\n")
             raise

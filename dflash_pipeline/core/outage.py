@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dflash_pipeline.core.storage import StorageError
+from dflash_pipeline.core.storage_api import StorageError
 
 OUTAGE_TOLERANCE_ENV = "DFLASH_STORAGE_OUTAGE_TOLERANCE_S"
 DEFAULT_OUTAGE_TOLERANCE_S = 900.0

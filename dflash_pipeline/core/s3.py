@@ -17,7 +17,8 @@ import io
 import os
 
 from dflash_pipeline.core import outage
-from dflash_pipeline.core.storage import NotFound, ObjectInfo, Storage, StorageError
+from dflash_pipeline.core.digest import CHUNK, Digest, Hasher
+from dflash_pipeline.core.storage_api import NotFound, ObjectInfo, Storage, StorageError
 
 S3_ENV_PREFIX = "SNAKEMAKE_STORAGE_S3_"
 BUCKET_SENTINEL_KEY = ".dflash-pipeline-bucket"
@@ -230,6 +231,14 @@ class S3Storage(Storage):
     def open_ranged(self, key: str) -> io.RawIOBase:
         head = self._call("checking", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
         return S3RangedFile(self, key, int(head["ContentLength"]), head.get("ETag"))
+
+    def sha256(self, key: str) -> Digest:
+        def stream() -> Digest:
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            return Hasher().update_all(resp["Body"].iter_chunks(CHUNK)).digest()
+
+        # The GET and the read of its body in one call: a stream cut midway fails as a StorageError.
+        return self._call("reading", key, stream)
 
     def exists(self, key: str) -> bool:
         try:

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from dflash_pipeline.core.checksums import record_outputs, verify_inputs
+from dflash_pipeline.core.checksums import record_outputs, verify_inputs, verify_stored_size
 from dflash_pipeline.core.config import job_settings
 from dflash_pipeline.core.gpu_slots import GpuLease, job_devices, pool_from_config
 from dflash_pipeline.core.joblog import JobAttempt, bundle_logs, job_logging
@@ -57,7 +57,7 @@ class StageJob:
         logs = _names(smk.log)
         self.log_file = smk.log.job if "job" in logs else smk.log[0]
         self.engine_declared = smk.log.engine if "engine" in logs else None
-        wildcards = dict(getattr(smk, "wildcards", None) or {})
+        wildcards = self.wildcards = dict(getattr(smk, "wildcards", None) or {})
         # The shard or segment the job works on ("-": a job of the whole run), as its records name it.
         self.part = wildcards.get("shard") or wildcards.get("segment") or "-"
         keeps_attempts = "attempt" in _names(getattr(smk, "resources", None)) or self.engine_declared is not None
@@ -66,7 +66,12 @@ class StageJob:
 
     @property
     def run_url(self) -> str:
-        return self.smk.params.run_url
+        """The run root, local or S3: the rule's ``run_url`` param, as the plan resolved it (a
+        job never works it out from where Snakemake put its files)."""
+        try:
+            return self.smk.params.run_url
+        except AttributeError:
+            raise ValueError(f"rule {self.smk.rule} declares no run_url param (params: run_url=RUN_URL)") from None
 
     @property
     def engine_log(self) -> str:
@@ -101,11 +106,16 @@ class StageJob:
     def verify(self, *paths) -> None:
         """Check tracked inputs against their producers' checksum records before reading them
         (``core.checksums.verify_inputs``); call it before a GPU is taken."""
-        verify_inputs(self.smk, _flat(paths))
+        verify_inputs(self.run_url, self.smk.rule, self.wildcards, dict(self.smk.config), _flat(paths))
+
+    def verify_stored(self, url: str) -> None:
+        """Check a tracked input the job reads by byte range from the run root, never whole:
+        its record and its stored size (``core.checksums.verify_stored_size``)."""
+        verify_stored_size(self.run_url, url, f"rule {self.smk.rule}")
 
     def record(self, *paths) -> None:
         """Record the checksums of the outputs the stage function wrote, for every job that reads them."""
-        record_outputs(self.smk, _flat(paths), self.part)
+        record_outputs(self.run_url, self.smk.rule, _flat(paths), self.part)
 
     def settings(self, defining: dict | None = None) -> dict:
         """The stage's config section: ``defining`` (the rule's param, by default ``settings``:

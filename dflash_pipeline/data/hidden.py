@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_pipeline.core.storage import Storage, sha256_file
+from dflash_pipeline.core.digest import Digest, digest_file
+from dflash_pipeline.core.storage import Storage
 
 HIDDEN_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
 _SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64"}
@@ -81,8 +82,9 @@ class HiddenShards:
                 )
             local = Path(self._tmp.name) / f"{shard}.safetensors"
             storage.download_file(manifest["key"], local)
-            if local.stat().st_size != manifest["size"] or sha256_file(local) != manifest["sha256"]:
-                raise ValueError(f"{storage.join(manifest['key'])} does not match {manifest_path}")
+            problem = Digest.of(manifest).problem(digest_file(local))
+            if problem:
+                raise ValueError(f"{storage.join(manifest['key'])} does not match {manifest_path}: it {problem}")
             handle = safe_open(str(local), framework="pt")
             offsets = handle.get_tensor("offsets").tolist()
             rows = handle.get_tensor("rows").tolist()

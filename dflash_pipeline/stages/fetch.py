@@ -42,12 +42,12 @@ from pathlib import Path, PurePosixPath
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import schema_defaults
+from dflash_pipeline.core.digest import Digest, digest_file
 from dflash_pipeline.core.s3 import BUCKET_SENTINEL_KEY, S3Storage
 from dflash_pipeline.core.storage import (
     Storage,
     StorageError,
     open_storage,
-    sha256_file,
     write_atomically,
 )
 
@@ -128,12 +128,19 @@ def is_fetched(listed: Listed, path: Path, record: dict | None) -> bool:
         return bool(MD5_ETAG.fullmatch(listed.tag)) and md5_file(path) == listed.tag
     if (record.get("size"), record.get("tag")) != (listed.size, listed.tag):
         return False
-    return record.get("mtime_ns") == st.st_mtime_ns or sha256_file(path) == record.get("sha256")
+    if record.get("mtime_ns") == st.st_mtime_ns:
+        return True
+    try:
+        return Digest.of(record) == digest_file(path)
+    except (KeyError, ValueError, TypeError):  # a record without its digest: copy again
+        return False
 
 
 def record_of(listed: Listed, path: Path) -> dict:
+    """The file's digest (the package's record format, ``core.digest``), the tag the object was
+    listed with, and the file's mtime."""
     st = path.stat()
-    return {"size": listed.size, "tag": listed.tag, "sha256": sha256_file(path), "mtime_ns": st.st_mtime_ns}
+    return {**digest_file(path).fields(), "tag": listed.tag, "mtime_ns": st.st_mtime_ns}
 
 
 def local_path(dest: Path, key: str) -> Path | None:

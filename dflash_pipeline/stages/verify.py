@@ -60,7 +60,6 @@ from dflash_pipeline.core.checksums import (
     read_record,
     rule_and_shard_of,
     sidecar_key,
-    stored_sha256,
     write_record,
 )
 from dflash_pipeline.core.storage import Storage, StorageError, is_s3_url, open_storage
@@ -178,10 +177,12 @@ def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Repor
         if size != record.size:
             return Finding("damaged", key, f"({size} bytes, but {record.producer()} wrote {record.size})")
         if not sizes_only:
-            sha, size = stored_sha256(storage, key)
-            if sha != record.sha256 or size != record.size:
+            stored = storage.sha256(key)
+            if stored != record.digest:
                 return Finding(
-                    "damaged", key, f"(sha256 {sha[:16]}..., but {record.producer()} wrote {record.sha256[:16]}...)"
+                    "damaged",
+                    key,
+                    f"(sha256 {stored.sha256[:16]}..., but {record.producer()} wrote {record.sha256[:16]}...)",
                 )
             if layout.OUTPUTS_DIR + "/train-segment-" in key:
                 mismatch = index_mismatch(storage, key)
@@ -252,9 +253,8 @@ def adopt(storage: Storage, report: Report) -> int:
     """Write the record of each unrecorded object, hashed as stored; how many were written."""
 
     def one(key: str) -> None:
-        sha, size = stored_sha256(storage, key)
         rule, shard = rule_and_shard_of(key)
-        write_record(storage, key, sha, size, rule, shard, adopted=True)
+        write_record(storage, key, storage.sha256(key), rule, shard, adopted=True)
 
     keys = [f.key for f in report.of("unrecorded")]
     with ThreadPoolExecutor(PARALLEL) as pool:

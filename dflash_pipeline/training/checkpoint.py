@@ -44,7 +44,8 @@ from typing import Any, Protocol
 
 import torch
 
-from dflash_pipeline.core.storage import Storage, StorageError, sha256_file
+from dflash_pipeline.core.digest import Digest, Hasher, digest_file
+from dflash_pipeline.core.storage import Storage, StorageError
 
 FORMAT = 2
 INDEX = "checkpoint.json"
@@ -199,15 +200,11 @@ class _HashingWriter:
     read of the file after ``torch.save``."""
 
     def __init__(self, fh):
-        import hashlib
-
-        self._fh, self.digest, self.size = fh, hashlib.sha256(), 0
+        self._fh, self.hasher = fh, Hasher()
 
     def write(self, data) -> int:
-        view = memoryview(data)
-        self.digest.update(view)
-        self.size += view.nbytes
-        return self._fh.write(view)
+        self.hasher.update(data)
+        return self._fh.write(data)
 
     def flush(self) -> None:
         self._fh.flush()
@@ -221,10 +218,10 @@ def write_shard(storage: Storage, prefix: str, payload: dict) -> dict:
             writer = _HashingWriter(fh)
             torch.save(payload, writer)
             fh.flush()
-        entry = {"name": name, "size": path.stat().st_size, "sha256": writer.digest.hexdigest()}
-        if entry["size"] != writer.size:
-            raise CheckpointError(f"shard {name}: wrote {writer.size} bytes, the file holds {entry['size']}")
-    return entry
+        written = writer.hasher.digest()
+        if path.stat().st_size != written.size:
+            raise CheckpointError(f"shard {name}: wrote {written.size} bytes, the file holds {path.stat().st_size}")
+    return {"name": name, **written.fields()}
 
 
 def write_index(storage: Storage, prefix: str, step: int, world: int, entries: list[dict]) -> dict:
@@ -233,7 +230,7 @@ def write_index(storage: Storage, prefix: str, step: int, world: int, entries: l
         "format": FORMAT,
         "step": step,
         "world": world,
-        "files": {e["name"]: {"size": e["size"], "sha256": e["sha256"]} for e in entries},
+        "files": {e["name"]: Digest.of(e).fields() for e in entries},
     }
     storage.write_text(prefix + INDEX, json.dumps(index, indent=1))
     return index
@@ -342,11 +339,11 @@ def _checked_shard(storage: Storage, prefix: str, name: str, expected: dict) -> 
     entry (size and sha256); CheckpointError names the stored object."""
     try:
         with storage.local_copy(prefix + name) as path:
-            actual = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-            if actual != expected:
+            problem = Digest.of(expected).problem(digest_file(path))
+            if problem:
                 raise CheckpointError(
-                    f"checkpoint {storage.join(prefix + name)} does not match its index "
-                    f"({actual} != {expected}); delete the folder to start that segment again"
+                    f"checkpoint {storage.join(prefix + name)} does not match its index: it {problem}; "
+                    "delete the folder to start that segment again"
                 )
             yield path
     except StorageError as err:
