@@ -23,10 +23,12 @@ from dflash_pipeline.training.checkpoint import load_checkpoint
 from dflash_pipeline.training.distributed import Distributed
 from dflash_pipeline.training.trainer import (
     PREEMPTED_EXIT_CODE,
+    Boundary,
     SegmentJob,
     TrainingError,
     check_replicas,
     lr_factor,
+    step_boundary,
 )
 from tests.support.paused_run import Pause
 from tests.support.train_data import write_tokenized_shard
@@ -521,6 +523,39 @@ def test_a_gpu_segment_with_background_checkpoints_ends_with_its_checkpoint_on_t
     loaded = load_checkpoint(open_storage(str(tmp_path)), layout.checkpoint_prefix(0), map_location=device)
     assert loaded.state["step"] == STEPS
     assert all(t.device == device for t in loaded.state["model"].values())
+
+
+def boundary(step: int, **flags):
+    """The decisions after ``step`` steps of segment 1 (steps 8..15), checkpointing every 4."""
+    given = dict(first=False, checkpoint_async=False, pending=False, writing=False, stop=False, orphaned=False)
+    return step_boundary(step, (8, 16), 4, **{**given, **flags})
+
+
+def test_a_step_boundary_goes_on_or_saves_every_few_steps_but_never_at_the_last():
+    assert boundary(9) == Boundary(commit=False, reserve=False, stop=None, last=False, save=False)
+    assert boundary(12).save and boundary(12).stop is None
+    assert not boundary(16).save and boundary(16).last  # the final checkpoint follows instead
+    assert [step for step in range(9, 17) if boundary(step).save] == [12]
+
+
+def test_a_step_boundary_commits_a_background_save_once_every_rank_has_written_it():
+    assert boundary(13, pending=True).commit
+    assert not boundary(13, pending=True, writing=True).commit  # a rank still writes: next step
+    assert not boundary(13).commit  # nothing in flight
+    # The buffers of background saves: reserved once, after the job's first step.
+    assert boundary(9, first=True, checkpoint_async=True).reserve
+    assert not boundary(9, first=True).reserve and not boundary(10, checkpoint_async=True).reserve
+
+
+def test_a_step_boundary_stops_on_sigterm_or_a_gone_driver_except_at_the_last_step():
+    sigterm = boundary(12, stop=True)
+    assert sigterm.stop == "SIGTERM" and not sigterm.save and not sigterm.last  # checkpoint, exit
+    assert boundary(10, orphaned=True).stop == "driver gone"
+    assert boundary(10, stop=True, orphaned=True).stop == "SIGTERM"  # preempted: the retry resumes
+    at_last = boundary(16, stop=True)
+    assert at_last.stop == "SIGTERM" and at_last.last  # the segment finishes: its checkpoint is the save
+    # A finished background save is committed before stopping, as at any boundary.
+    assert boundary(11, stop=True, pending=True).commit
 
 
 def test_sigterm_at_the_last_step_finishes_the_segment(reference, demo_model, tokenized, tmp_path, monkeypatch, caplog):

@@ -11,9 +11,11 @@ gone (``dflash_pipeline.core.lease``, checked about once a minute); a periodic c
 (written in the background while training goes on) bounds what a SIGKILL loses. Checkpoints are
 written by every rank, each its share (``dflash_pipeline.training.checkpoint``).
 
-Its length (over 400 lines): the segment's run loop, with its checkpoint, SIGTERM and driver checks at
-each step boundary, is one state machine; the process group (``training.distributed``), the
-checkpoint format, the data and the drafter config live in their own modules.
+The run loop reads a batch, steps, logs and checkpoints; what each step boundary decides (commit
+a background save, stop, finish, a periodic save) is one function of flags OR-ed over the ranks,
+``step_boundary``. Its length (over 400 lines): set-up, loop and saves of one segment; the process
+group (``training.distributed``), the checkpoint format, the data and the drafter config live in
+their own modules.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -148,6 +151,46 @@ class MetricsLog:
         self.last_flush = time.time()
 
 
+@dataclass(frozen=True)
+class Boundary:
+    """What the end of a step decides; every rank decides alike (``step_boundary`` of flags
+    OR-ed over the ranks)."""
+
+    commit: bool  # the background save in flight finished on every rank: it becomes the latest
+    reserve: bool  # the job's first step: the background saves' buffers are allocated now
+    stop: str | None  # why the segment stops here ("SIGTERM", "driver gone"); None: it goes on
+    last: bool  # the segment's last step: its final checkpoint follows
+    save: bool  # a periodic checkpoint is due (never at the last step, nor when stopping)
+
+
+def step_boundary(
+    step: int,
+    steps: tuple[int, int],
+    every: int,
+    *,
+    first: bool,
+    checkpoint_async: bool,
+    pending: bool,
+    writing: bool,
+    stop: bool,
+    orphaned: bool,
+) -> Boundary:
+    """The decisions once ``step`` steps are done in a segment of ``steps`` [start, end) that
+    checkpoints every ``every`` steps. ``first``: the job's first step; ``pending``: a background
+    save is in flight, ``writing``: still written on some rank; ``stop``: a SIGTERM on some rank,
+    ``orphaned``: the driver is gone (a SIGTERM names the stop when both came)."""
+    start, end = steps
+    last = step >= end
+    why = "SIGTERM" if stop else "driver gone" if orphaned else None
+    return Boundary(
+        commit=pending and not writing,
+        reserve=checkpoint_async and first,
+        stop=why,
+        last=last,
+        save=why is None and not last and (step - start) % every == 0,
+    )
+
+
 @dataclass
 class SegmentJob:
     run_url: str
@@ -189,6 +232,7 @@ class _SegmentRun:
         self.stop_requested = False
         self.driver_checked_at = time.monotonic()
         self.driver_gone: str | None = None
+        self.pending: PendingSave | None = None  # the background checkpoint save in flight
 
     # --- set-up --------------------------------------------------------------------------------
     def _load_target(self):
@@ -363,6 +407,24 @@ class _SegmentRun:
         return False
 
     def run(self) -> dict:
+        metrics = self._prepare()
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        resumed_at = self.step
+        try:
+            while self.step < self.end_step:
+                record = self._train_step(self.step)  # reads its batch, one optimizer step
+                self.step += 1
+                self._log(record, metrics)
+                self._checkpoint(self._boundary(resumed_at), metrics)
+            self._commit_pending(metrics)
+            return self._finish(metrics)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.tracker.close()
+
+    def _prepare(self) -> MetricsLog:
+        """The target (or its embeddings), the training sequences, the drafter and the state it
+        resumes from; the segment's metrics log."""
         s = self.settings
         self._load_target()
         # Memory-mapped: every rank maps the same local copies (shared page cache), none holds
@@ -382,64 +444,66 @@ class _SegmentRun:
         metrics.resume_from(self.step)
         # The experiment tracker (train.tracker), main rank only: it logs what metrics.jsonl holds.
         self.tracker = open_tracker(s, self.job.run_url) if self.dist.is_main else Tracker()
-        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         log.info(
             f"segment {self.job.segment}: steps {self.step}..{self.end_step - 1} from {source}; "
             f"{len(self.sequences)} training sequences, {self.dist.world} process(es), "
             f"{self.device}, attention {self.backend}",
         )
-        self.pending: PendingSave | None = None
-        resumed_at = self.step
-        try:
-            while self.step < self.end_step:
-                record = self._train_step(self.step)
-                self.step += 1
-                if s["checkpoint_async"] and self.step == resumed_at + 1:
-                    # Once per job, now that the optimizer state exists: the background saves'
-                    # page-locked buffers are allocated beside training, not on its first save.
-                    self.rolling.reserve(self._state(), self.dist)
-                if self.dist.is_main:
-                    metrics.add(record)
-                    self.tracker.log(train_scalars(record), record["step"])
-                # One all-reduce per step: a SIGTERM on any rank, whether a background
-                # checkpoint write is still running on any rank, and whether the driver is gone.
-                stop, writing, orphaned = self.dist.flags_any(
-                    [
-                        self.stop_requested,
-                        self.pending is not None and not self.pending.done(),
-                        self._check_driver(),
-                    ],
-                    self.device,
-                )
-                if self.pending is not None and not writing:
-                    self._commit_pending(metrics)
-                last = self.step >= self.end_step
-                if last and (stop or orphaned):
-                    # The final checkpoint below is the save: nothing is dropped, no new rolling
-                    # checkpoint is needed, and the segment is done.
-                    log.warning(
-                        f"{'SIGTERM' if stop else 'driver gone'} at the segment's last step "
-                        f"({self.step}): finishing the segment, then exiting"
-                    )
-                    break
-                if stop or orphaned:
-                    self._commit_pending(metrics)
-                    self.rolling.save(self._shared_state(), capture_rng(self.device), self.dist)
-                    self._flush(metrics)
-                    if stop:
-                        log.warning(f"SIGTERM: checkpointed at step {self.step}; exiting")
-                        raise SystemExit(PREEMPTED_EXIT_CODE)
-                    raise DriverGone(
-                        (self.driver_gone or "train stopped: its driver is gone")
-                        + f" (checkpointed at step {self.step})"
-                    )
-                if (self.step - self.start_step) % s["checkpoint_every_steps"] == 0 and not last:
-                    self._save_rolling(metrics)
+        return metrics
+
+    def _log(self, record: dict, metrics: MetricsLog) -> None:
+        if self.dist.is_main:
+            metrics.add(record)
+            self.tracker.log(train_scalars(record), record["step"])
+
+    def _boundary(self, resumed_at: int) -> Boundary:
+        """The decisions at the end of step ``self.step - 1``, alike on every rank: one
+        all-reduce of a SIGTERM on any rank, whether a background checkpoint write is still
+        running on any rank, and whether the driver is gone."""
+        stop, writing, orphaned = self.dist.flags_any(
+            [self.stop_requested, self.pending is not None and not self.pending.done(), self._check_driver()],
+            self.device,
+        )
+        return step_boundary(
+            self.step,
+            (self.start_step, self.end_step),
+            self.settings["checkpoint_every_steps"],
+            first=self.step == resumed_at + 1,
+            checkpoint_async=self.settings["checkpoint_async"],
+            pending=self.pending is not None,
+            writing=writing,
+            stop=stop,
+            orphaned=orphaned,
+        )
+
+    def _checkpoint(self, at: Boundary, metrics: MetricsLog) -> None:
+        """What a step boundary decided, done: the finished background save committed, the
+        buffers reserved, then a stop (after an in-segment checkpoint) or a periodic save."""
+        if at.commit:
             self._commit_pending(metrics)
-            return self._finish(metrics)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-            self.tracker.close()
+        if at.reserve:
+            self.rolling.reserve(self._state(), self.dist)
+        if at.stop and at.last:
+            # The final checkpoint after the loop is the save: nothing is dropped, no new
+            # rolling checkpoint is needed, and the segment is done.
+            log.warning(f"{at.stop} at the segment's last step ({self.step}): finishing the segment, then exiting")
+        elif at.stop:
+            self._stop(at.stop, metrics)
+        elif at.save:
+            self._save_rolling(metrics)
+
+    def _stop(self, why: str, metrics: MetricsLog) -> NoReturn:
+        """An in-segment checkpoint, then out: SIGTERM exits as preempted (the retry resumes
+        here), a job whose driver is gone fails with DriverGone."""
+        self._commit_pending(metrics)
+        self.rolling.save(self._shared_state(), capture_rng(self.device), self.dist)
+        self._flush(metrics)
+        if why == "SIGTERM":
+            log.warning(f"SIGTERM: checkpointed at step {self.step}; exiting")
+            raise SystemExit(PREEMPTED_EXIT_CODE)
+        raise DriverGone(
+            (self.driver_gone or "train stopped: its driver is gone") + f" (checkpointed at step {self.step})"
+        )
 
     def _shared_state(self) -> dict:
         """The state every rank saves a share of: refused if the replicas differ (every
