@@ -9,6 +9,7 @@ import json
 import pytest
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.checksums import (
     ChecksumError,
     record_checksum,
@@ -46,7 +47,7 @@ def test_a_deleted_record_fails_verify_and_adopt_writes_records_once(tmp_path, m
 def test_verify_names_a_damaged_ingest_output_segment_manifest_index_and_drafter(tmp_path):
     root = tmp_path / "results/demo"
     store = open_storage(root)
-    config = {"until": "train", "num_shards": 1, "train": {"mode": "online", "segments": 2}}
+    config = validate_config({"until": "train", "num_shards": 1, "train": {"mode": "online", "segments": 2}})
     for key in verify.expected_keys(config):
         data = key.encode() * 100
         if key.startswith("outputs/train-segment-"):

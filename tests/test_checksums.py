@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.checksums import (
     ChecksumError,
     read_record,
@@ -168,13 +169,15 @@ def small_run(tmp_path: Path, num_shards: int = 2) -> tuple[Path, dict]:
     """A local run root with every shard object of `until: tokenize` and its record."""
     root = tmp_path / "results/demo"
     store = open_storage(root)
-    config = {
-        "results_dir": str(tmp_path / "results"),
-        "run": "demo",
-        "until": "tokenize",
-        "num_shards": num_shards,
-        "train": {"mode": "online"},
-    }
+    config = validate_config(
+        {
+            "results_dir": str(tmp_path / "results"),
+            "results_dir_outside_workdir": True,  # a temp folder
+            "run": "demo",
+            "until": "tokenize",
+            "num_shards": num_shards,
+        }
+    )
     for key in verify.expected_keys(config):
         path = write_shard(root, key, key.encode() * 100)
         record_checksum(store, path, *rule_and_shard_of(key), key=key)
@@ -182,7 +185,7 @@ def small_run(tmp_path: Path, num_shards: int = 2) -> tuple[Path, dict]:
 
 
 def test_expected_keys_follow_num_shards_and_until():
-    config = {"until": "tokenize", "num_shards": 2, "train": {"mode": "online"}}
+    config = validate_config({"until": "tokenize", "num_shards": 2, "train": {"mode": "online"}})
     keys = verify.expected_keys(config)
     assert len(keys) == 3 + 2 * 5 and "outputs/tokenize-00001.heldout.parquet" in keys
     assert verify.expected_keys({**config, "until": "generate"}) == [
@@ -194,7 +197,9 @@ def test_expected_keys_follow_num_shards_and_until():
         "outputs/prepare-00001.parquet",
         "outputs/generate-00001.parquet",
     ]
-    offline = verify.expected_keys({**config, "until": "train", "train": {"mode": "offline", "segments": 2}})
+    offline = verify.expected_keys(
+        validate_config({"until": "train", "num_shards": 2, "train": {"mode": "offline", "segments": 2}})
+    )
     assert "outputs/extract-00001.manifest.json" in offline
     assert {"outputs/train-segment-0001.json", layout.DRAFTER_CONFIG, layout.DRAFTER_WEIGHTS} <= set(offline)
 

@@ -101,11 +101,9 @@ class Report:
 
 def expected_keys(config: dict) -> list[str]:
     """Every shard object a finished run of ``config`` holds: per shard, the objects of each
-    stage up to ``until`` (extract manifests when training offline)."""
-    until = layout.STAGES.index(config["until"])
-    stages = [s for s in ("prepare", "generate", "tokenize") if layout.STAGES.index(s) <= until]
-    if until >= layout.STAGES.index("train") and config["train"]["mode"] == "offline":
-        stages.append("extract")
+    shard stage it builds (``layout.stages_built``: extract manifests when training offline)."""
+    built = layout.stages_built(config)
+    stages = [s for s in layout.SHARD_STAGES if s in built]
     keys = [k for k, rule in RUN_OBJECTS.items() if rule == "ingest"]
     keys += [
         layout.shard_key(stage, shard, ext)
@@ -113,7 +111,7 @@ def expected_keys(config: dict) -> list[str]:
         for stage in stages
         for ext in CHECKED_EXTS[stage]
     ]
-    if until >= layout.STAGES.index("train"):
+    if "train" in built:
         keys += [layout.segment_manifest_key(k) for k in range(config["train"]["segments"])]
         keys += [layout.DRAFTER_CONFIG, layout.DRAFTER_WEIGHTS]
     return keys
