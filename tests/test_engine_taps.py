@@ -1,22 +1,28 @@
 """Taps from vLLM (engines.engine_taps and the project's connector): the checks a client makes on
-every file before use, the server's command line, and against real vLLM (its CPU build, fp32) the
-taps equal to the in-process target's (model.taps) to 1e-4, with chunked prefill, prefix-cache
-hits, several concurrent sequences, the last layer and an unsorted tap order."""
+every file before use, the server's command line, the node-local cache's byte bound and folder,
+the quiet request log, and against real vLLM (its CPU build, fp32) the taps equal to the
+in-process target's (model.taps) to 1e-4, with chunked prefill, prefix-cache hits, several
+concurrent sequences, the last layer and an unsorted tap order."""
 
 from __future__ import annotations
 
 import json
+import logging
+from contextlib import nullcontext
 
 import httpx
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from dflash_pipeline.engines.engine_taps import (
     CONNECTOR_MODULE,
+    CacheBound,
     EngineTaps,
     TapsMismatch,
     arrange_taps,
     check_engine_taps,
+    node_local_root,
     taps_difference,
     taps_server_spec,
     taps_storage,
@@ -78,6 +84,78 @@ def test_the_relative_difference_is_per_tap():
     engine = reference.clone()
     engine[:, 3:] += 0.1  # 10% of the second tap, 0.1% of the first tap's scale
     assert taps_difference(engine, reference, 2) == pytest.approx(0.1)
+
+
+# --- the node-local cache: its byte bound, its folder, the request log ---------------------------
+
+
+def test_the_cache_bound_counts_every_file_waiting_in_the_folder(tmp_path):
+    bound = CacheBound(tmp_path / "taps", max_bytes=100)
+    assert bound.held_bytes() == 0 and bound.has_room()  # no folder yet: nothing held
+    (tmp_path / "taps").mkdir()
+    (tmp_path / "taps" / "a.safetensors").write_bytes(b"x" * 60)
+    (tmp_path / "taps" / "b.safetensors.partial").write_bytes(b"x" * 40)  # being written
+    assert bound.held_bytes() == 100 and bound.has_room()  # at the bound: still room
+    (tmp_path / "taps" / "c.safetensors").write_bytes(b"x")
+    assert bound.held_bytes() == 101 and not bound.has_room()
+    assert CacheBound(tmp_path / "taps", max_bytes=None).has_room()  # no bound
+
+
+def test_no_request_goes_out_while_the_cache_holds_more_than_the_bound(tmp_path):
+    """Another reader's 100 bytes fill a 50-byte cache: the client waits, sending nothing, until
+    they are consumed; then it asks, and reads and deletes its own file."""
+    storage = tmp_path / "taps"
+    storage.mkdir()
+    unread = storage / "other-rank.safetensors"
+    unread.write_bytes(b"x" * 100)
+    events = []
+    client = EngineTaps("http://engine", "target", storage, [1], alive=lambda: True, max_cache_bytes=50)
+
+    def request(token_ids):
+        events.append("request")
+        path = storage / "mine.safetensors"
+        save_file(connector_file(token_ids, [2]), str(path))
+        return path
+
+    def sleep(_seconds):  # the other reader consumes its file while this client waits
+        events.append("wait")
+        unread.unlink()
+
+    client._request, client.sleep = request, sleep
+    with client:
+        taps = client.taps([7, 8, 9])
+    assert events == ["wait", "request"]
+    assert taps[:, 0].tolist() == [200.0, 201.0, 202.0]
+    assert not list(storage.iterdir())  # its own file deleted once read
+
+
+def test_tap_files_go_to_shared_memory_when_it_has_room_else_to_the_temp_folder(tmp_path):
+    import tempfile
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    assert node_local_root(1024, candidates=[tmp_path / "absent", shm]) == str(shm)
+    (tmp_path / "a-file").write_text("")
+    assert node_local_root(1024, candidates=[tmp_path / "a-file"]) == tempfile.gettempdir()
+    # Twice the bound must be free (requests in flight may pass it): no file system has 2**62.
+    assert node_local_root(2**61, candidates=[shm]) == tempfile.gettempdir()
+
+
+def test_the_taps_requests_are_not_logged_one_by_one(tmp_path, caplog):
+    """httpx logs each request at INFO: quiet (WARNING) while a taps client is open, as before
+    once it is closed."""
+    before = logging.getLogger("httpx").level
+    caplog.set_level(logging.INFO)
+    client = EngineTaps("http://engine", "target", tmp_path, [1])
+    client.http = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200)))
+    with client:
+        assert client._healthy()
+        assert not logging.getLogger("httpcore").isEnabledFor(logging.INFO)
+    assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]
+    assert logging.getLogger("httpx").level == before
+    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200))) as plain:
+        plain.get("http://elsewhere/")
+    assert [r for r in caplog.records if r.name == "httpx"]  # other clients log as before
 
 
 # --- real vLLM ---------------------------------------------------------------------------------
@@ -176,11 +254,13 @@ def run_segment(run_dir, demo_model, tokenized, taps_server=None):
     from dflash_pipeline.stages.train import engine_tap_source
     from dflash_pipeline.training.trainer import SegmentJob
 
-    return SegmentJob(
-        run_url=str(run_dir), segment=0, settings=train_settings(), target_dir=str(demo_model),
-        tokenized=tokenized, manifest_path=str(run_dir / layout.segment_manifest_key(0)), device="cpu",
-        tap_source=engine_tap_source(taps_server, train_settings(), drafter_taps(demo_model)) if taps_server else None,
-    ).run()  # fmt: skip
+    source = engine_tap_source(taps_server, train_settings(), drafter_taps(demo_model)) if taps_server else None
+    with source or nullcontext():
+        return SegmentJob(
+            run_url=str(run_dir), segment=0, settings=train_settings(), target_dir=str(demo_model),
+            tokenized=tokenized, manifest_path=str(run_dir / layout.segment_manifest_key(0)), device="cpu",
+            tap_source=source,
+        ).run()  # fmt: skip
 
 
 def drafter_taps(demo_model) -> list[int]:

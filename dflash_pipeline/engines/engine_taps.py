@@ -8,6 +8,11 @@ the prompt's tokens to a file the response names. The client checks that the fil
 it sent, one row per id and the layers it asked for, puts the layers in the asked tap order
 (``model.taps.vllm_slot_order``), and deletes the file.
 
+The files wait in a node-local folder (``node_local_root``: shared memory where it has room) until
+their reader takes them; ``CacheBound`` holds new requests back while that folder holds more than
+``train.taps_server.max_cache_bytes``, so a trainer slower than the engine does not fill it, and a
+fixed number of requests in flight per client (``concurrency``) keeps the engine from racing ahead.
+
 Layer ids: project tap k = vLLM aux layer id k + 1 (``model.taps.vllm_aux_layer_ids``), both the
 decoder layer's output before the final norm.
 """
@@ -15,10 +20,15 @@ decoder layer's output before the final norm.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
+import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -28,6 +38,8 @@ from safetensors.torch import load_file
 from dflash_pipeline.engines.client import EngineError
 from dflash_pipeline.engines.launch import ServerSpec
 from dflash_pipeline.model.taps import vllm_aux_layer_ids, vllm_slot_order
+
+log = logging.getLogger(__name__)
 
 # The name the server imports the connector by: a copy of the module in a folder of the run's own,
 # so the engine's environment never sees the pipeline's package. Its folder is not a package (the
@@ -107,6 +119,94 @@ def taps_storage(spec: ServerSpec) -> Path:
     return Path(transfer["kv_connector_extra_config"]["shared_storage_path"])
 
 
+# RAM-backed on Linux: the engine's files reach the reader without a disk write.
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def node_local_root(max_cache_bytes: int, candidates: Sequence[Path] = (SHARED_MEMORY,)) -> str:
+    """Where a node's tap files go: the first of ``candidates`` that is a writable folder with
+    twice ``max_cache_bytes`` free (the bound is checked before a request, so requests in flight
+    may pass it), else the temporary folder."""
+    for folder in map(Path, candidates):
+        try:
+            if (
+                folder.is_dir()
+                and os.access(folder, os.W_OK | os.X_OK)
+                and shutil.disk_usage(folder).free >= 2 * max_cache_bytes
+            ):
+                return str(folder)
+        except OSError:
+            continue
+    return tempfile.gettempdir()
+
+
+@contextmanager
+def node_local_dir(max_cache_bytes: int, prefix: str = "dflash-taps-") -> Iterator[Path]:
+    """A folder of this job's own under ``node_local_root``, removed at the end."""
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=node_local_root(max_cache_bytes)) as folder:
+        yield Path(folder)
+
+
+class CacheBound:
+    """The byte bound of the node-local tap cache: the bytes of every file in ``folder`` (written
+    by the engine and not yet consumed, for any reader on the node, partial files included)
+    against ``max_bytes`` (None: no bound)."""
+
+    def __init__(self, folder: str | Path, max_bytes: int | None):
+        self.folder = Path(folder)
+        self.max_bytes = max_bytes
+
+    def held_bytes(self) -> int:
+        total = 0
+        try:
+            entries = list(os.scandir(self.folder))
+        except FileNotFoundError:
+            return 0
+        for entry in entries:
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:  # consumed by another reader meanwhile
+                pass
+        return total
+
+    def has_room(self) -> bool:
+        """Whether a new request may go out: the cache holds at most the bound. An empty cache
+        always has room, so one sequence larger than the bound still gets its taps."""
+        return self.max_bytes is None or self.held_bytes() <= self.max_bytes
+
+
+class _QuietHttpLogs:
+    """httpx logs every request at INFO (and httpcore its connection steps at DEBUG): one line a
+    sequence would flood a training job's log. While a taps client is open, both log from
+    WARNING up; their earlier levels come back when the last one closes."""
+
+    LOGGERS = ("httpx", "httpcore")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.users = 0
+        self.levels: dict[str, int] = {}
+
+    def acquire(self) -> None:
+        with self.lock:
+            if self.users == 0:
+                for name in self.LOGGERS:
+                    logger = logging.getLogger(name)
+                    self.levels[name] = logger.level
+                    logger.setLevel(max(logger.level, logging.WARNING))
+            self.users += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                for name, level in self.levels.items():
+                    logging.getLogger(name).setLevel(level)
+
+
+QUIET_HTTP_LOGS = _QuietHttpLogs()
+
+
 def arrange_taps(found: dict[str, torch.Tensor], token_ids: Sequence[int], tap_ids: Sequence[int]) -> torch.Tensor:
     """The checked taps [T, K*H] in ``tap_ids`` order from a connector file's tensors (the server
     may capture more layers than asked); raises ``TapsMismatch`` when they are not the rows of
@@ -135,7 +235,9 @@ class EngineTaps:
     writing its files into ``storage``.
 
     ``alive`` says whether the server still runs (a dead one fails the wait at once instead of
-    after ``timeout``); by default its health endpoint answers, asked at most once a second."""
+    after ``timeout``); by default its health endpoint answers, asked at most once a second.
+    ``max_cache_bytes`` bounds the files waiting in ``storage`` (``CacheBound``): no request goes
+    out while they hold more."""
 
     def __init__(
         self,
@@ -147,6 +249,7 @@ class EngineTaps:
         alive: Callable[[], bool] | None = None,
         timeout: float = 600,
         concurrency: int = 4,
+        max_cache_bytes: int | None = None,
     ):
         self.url = url
         self.model = model
@@ -155,7 +258,11 @@ class EngineTaps:
         self.alive = alive or self._healthy
         self.timeout = timeout
         self.concurrency = concurrency
+        self.bound = CacheBound(self.storage, max_cache_bytes)
+        self.sleep = time.sleep  # how a wait passes (a test's stand-in shows what it waited for)
         self.http = httpx.Client(timeout=timeout)
+        QUIET_HTTP_LOGS.acquire()
+        self._open = True
 
     @classmethod
     def of_server(cls, spec: ServerSpec, tap_ids: Sequence[int], **kwargs) -> EngineTaps:
@@ -172,7 +279,10 @@ class EngineTaps:
             return False
 
     def close(self) -> None:
-        self.http.close()
+        if self._open:
+            self._open = False
+            self.http.close()
+            QUIET_HTTP_LOGS.release()
 
     def __enter__(self) -> EngineTaps:
         return self
@@ -183,6 +293,10 @@ class EngineTaps:
     def taps(self, token_ids: Sequence[int]) -> torch.Tensor:
         """The taps [T, K*H] of one sequence (the engine's dtype, on the CPU)."""
         token_ids = [int(t) for t in token_ids]
+        # Backpressure: the engine gets no more work while the node's unread taps fill the cache.
+        self._wait_until(
+            self.bound.has_room, lambda: f"room in the taps cache {self.storage} (at most {self.bound.max_bytes} bytes)"
+        )
         path = self._request(token_ids)
         try:
             found = self._wait_and_load(path)
@@ -220,18 +334,22 @@ class EngineTaps:
     def _wait_and_load(self, path: Path) -> dict[str, torch.Tensor]:
         # The response comes before the worker has written the file (it writes when the request's
         # blocks are released); the file appears whole (renamed into place).
+        self._wait_until(path.exists, lambda: f"the taps file {path.name}")
+        return load_file(str(path))
+
+    def _wait_until(self, ready: Callable[[], bool], what: Callable[[], str]) -> None:
+        """Until ``ready()``; a dead server or ``timeout`` seconds end the wait with an EngineError."""
         deadline = time.monotonic() + self.timeout
         delay, asked_at = 0.002, time.monotonic()
-        while not path.exists():
+        while not ready():
             if time.monotonic() - asked_at >= 1:
                 asked_at = time.monotonic()
                 if not self.alive():
-                    raise EngineError(f"the taps server at {self.url} died before writing {path.name}")
+                    raise EngineError(f"the taps server at {self.url} died while this client waited for {what()}")
             if time.monotonic() > deadline:
-                raise EngineError(f"the taps server at {self.url} did not write {path.name} in {self.timeout:.0f} s")
-            time.sleep(delay)
+                raise EngineError(f"the taps client waited {self.timeout:.0f} s for {what()} (server {self.url})")
+            self.sleep(delay)
             delay = min(delay * 2, 0.1)
-        return load_file(str(path))
 
 
 class EngineTapSource:
@@ -240,6 +358,12 @@ class EngineTapSource:
 
     def __init__(self, client: EngineTaps):
         self.client = client
+
+    def __enter__(self) -> EngineTapSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client.close()
 
     def taps(self, sequences, length: int, device, dtype) -> torch.Tensor:
         rows = self.client.taps_of([seq.input_ids.tolist() for seq in sequences])
@@ -274,3 +398,69 @@ def check_engine_taps(client: EngineTaps, target, token_ids: Sequence[int], tole
             f"train.taps_server.parity_tolerance {tolerance}: the engine computes other taps"
         )
     return difference
+
+
+def taps_client(address: dict, tap_ids: Sequence[int], server: dict, **kwargs) -> EngineTaps:
+    """A client of the taps server at ``address`` (``EngineTaps.address``) with the config's
+    ``train.taps_server`` settings."""
+    return EngineTaps(
+        address["url"], address["model"], address["storage"], tap_ids,
+        timeout=server["request_timeout_s"], concurrency=server["concurrency"],
+        max_cache_bytes=server["max_cache_bytes"], **kwargs,
+    )  # fmt: skip
+
+
+def server_dtype(server: dict, device) -> str:
+    """The dtype the taps server computes in: ``train.taps_server.dtype``, else the dtype the
+    in-process target computes in on ``device`` (``model.target.target_compute_dtype``)."""
+    from dflash_pipeline.model.target import target_compute_dtype
+
+    return server["dtype"] or target_compute_dtype(device)
+
+
+@contextmanager
+def checked_taps_server(
+    target_dir: str,
+    tap_ids: Sequence[int],
+    server: dict,
+    engines: dict | None,
+    run_dir: Path,
+    log_path: Path,
+    sample: Sequence[int],
+    device,
+    purpose: str,
+) -> Iterator[EngineTaps]:
+    """A vLLM taps server of ``target_dir`` on this node (``server``: the config's
+    ``train.taps_server``; ``engines``: where vLLM is installed) with its files in ``run_dir``,
+    and its taps of ``sample`` checked against the in-process target's before anything else asks
+    it (the per-run check); yields a client. ``purpose`` (the config key that asked for it) names
+    the job in a refusal."""
+    from dflash_pipeline.engines.environments import configured_engine, engine_env, engine_python
+    from dflash_pipeline.engines.launch import ManagedServer, free_port
+    from dflash_pipeline.engines.limits import taps_refusal
+    from dflash_pipeline.model.target import load_target, target_compute_dtype
+
+    installed = configured_engine("vllm", engines)
+    refused = taps_refusal("vllm", installed.version, installed.build)
+    if refused:
+        raise SystemExit(f"{purpose} engine: {refused}")
+    device = torch.device(device)
+    dtype = server_dtype(server, device)
+    spec = taps_server_spec(
+        target_dir, tap_ids, free_port(), run_dir, python=engine_python("vllm", engines),
+        env=engine_env("vllm", engines), tp=max(1, torch.cuda.device_count()) if device.type == "cuda" else 1,
+        mem_fraction=server["mem_fraction"], dtype=dtype,
+        max_model_len=server["max_model_len"], extra_args=server["extra_args"],
+    )  # fmt: skip
+    address = {"url": spec.url, "model": spec.model, "storage": str(taps_storage(spec))}
+    with ManagedServer(spec, log_path, run_dir, startup_timeout=server["startup_timeout_s"]) as managed:
+        with taps_client(address, tap_ids, server, alive=managed.alive) as client:
+            # The target as online training's in-process one computes (what the engine replaces).
+            target = load_target(target_dir, device, getattr(torch, target_compute_dtype(device)))
+            difference = check_engine_taps(client, target, sample, server["parity_tolerance"])
+            del target
+            log.info(
+                "taps server %s: one sample's taps (%d tokens) within %.3g of the target's (tolerance %g)",
+                spec.url, len(sample), difference, server["parity_tolerance"],
+            )  # fmt: skip
+            yield client

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from dflash_pipeline.core import layout
@@ -116,72 +116,45 @@ def train_job(
         device=None if gpus else "cpu",
     )
     if settings.get("taps_from", "target") == "engine" and settings["mode"] == "online":
-        # Node-local: the server writes each request's taps there and the trainer reads them.
-        with tempfile.TemporaryDirectory(prefix="dflash-taps-") as run_dir:
-            with taps_server(job, engines, Path(run_dir), logs) as address:
-                job.tap_source = engine_tap_source(address, job.settings)
-                return run_train_job(job, gpus, logs, address)
+        from dflash_pipeline.engines.engine_taps import node_local_dir
+
+        # Node-local (shared memory where it has room): the server writes each request's taps
+        # there and the trainer reads them.
+        with node_local_dir(settings["taps_server"]["max_cache_bytes"]) as run_dir:
+            with taps_server(job, engines, run_dir, logs) as address:
+                with engine_tap_source(address, job.settings) as job.tap_source:
+                    return run_train_job(job, gpus, logs, address)
     return run_train_job(job, gpus, logs)
 
 
 def engine_tap_source(address: dict, settings: dict, tap_ids: list[int] | None = None):
     """Batches' taps from the taps server at ``address`` (``EngineTaps.address``)."""
-    from dflash_pipeline.engines.engine_taps import EngineTaps, EngineTapSource
+    from dflash_pipeline.engines.engine_taps import EngineTapSource, taps_client
 
-    server = settings["taps_server"]
-    client = EngineTaps(
-        **address,
-        tap_ids=tap_ids or list(address["tap_ids"]),
-        timeout=server["request_timeout_s"],
-        concurrency=server["concurrency"],
-    )
-    return EngineTapSource(client)
+    return EngineTapSource(taps_client(address, tap_ids or list(address["tap_ids"]), settings["taps_server"]))
 
 
 @contextmanager
 def taps_server(job: SegmentJob, engines: dict | None, run_dir: Path, logs: list[str] = ()) -> Iterator[dict]:
     """The job's vLLM taps server, running and checked against the target on one sample; yields
-    its address (``EngineTaps.address``). Its log is appended to the job's first log."""
+    its address (``EngineTaps.address``). Its log goes beside the job's first log."""
     import torch
 
-    from dflash_pipeline.engines.engine_taps import EngineTaps, check_engine_taps, taps_server_spec
-    from dflash_pipeline.engines.environments import engine_env, engine_python
-    from dflash_pipeline.engines.launch import ManagedServer, free_port
+    from dflash_pipeline.engines.engine_taps import checked_taps_server
     from dflash_pipeline.model.config import build_drafter_config
-    from dflash_pipeline.model.target import load_target, target_compute_dtype
     from dflash_pipeline.training.data import read_training_sequences
 
-    from dflash_pipeline.engines.environments import configured_engine
-    from dflash_pipeline.engines.limits import taps_refusal
-
-    installed = configured_engine("vllm", engines)
-    refused = taps_refusal("vllm", installed.version, installed.build)
-    if refused:
-        raise SystemExit(f"train.taps_from engine: {refused}")
-    server = job.settings["taps_server"]
-    device = torch.device(job.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = target_compute_dtype(device)
+    device = job.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tap_ids = build_drafter_config(job.settings, job.target_dir).target_layer_ids
-    spec = taps_server_spec(
-        job.target_dir, tap_ids, free_port(), run_dir, python=engine_python("vllm", engines),
-        env=engine_env("vllm", engines), tp=max(1, torch.cuda.device_count()) if device.type == "cuda" else 1,
-        mem_fraction=server["mem_fraction"], dtype=server["dtype"] or dtype,
-        max_model_len=server["max_model_len"], extra_args=server["extra_args"],
-    )  # fmt: skip
+    # One sample, the first of the training set, up to 256 tokens: cheap, and enough for several
+    # prefill chunks of a small chunk size.
+    sample = read_training_sequences(job.tokenized)[0].input_ids[:256].tolist()
     log_path = Path(logs[0]).with_name(f"{Path(logs[0]).stem}-vllm-taps.log") if logs else run_dir / "vllm-taps.log"
-    with ManagedServer(spec, log_path, run_dir, startup_timeout=server["startup_timeout_s"]) as managed:
-        with EngineTaps.of_server(spec, tap_ids, alive=managed.alive, timeout=server["request_timeout_s"]) as client:
-            # One sample, the first of the training set, up to 256 tokens: cheap, and enough for
-            # several prefill chunks of a small chunk size.
-            sample = read_training_sequences(job.tokenized)[0].input_ids[:256].tolist()
-            target = load_target(job.target_dir, device, getattr(torch, dtype))
-            difference = check_engine_taps(client, target, sample, server["parity_tolerance"])
-            del target
-            log.info(
-                "taps server %s: one sample's taps (%d tokens) within %.3g of the target's (tolerance %g)",
-                spec.url, len(sample), difference, server["parity_tolerance"],
-            )  # fmt: skip
-            yield {**client.address(), "tap_ids": list(tap_ids)}
+    with checked_taps_server(
+        job.target_dir, tap_ids, job.settings["taps_server"], engines, run_dir, log_path, sample, device,
+        purpose="train.taps_from",
+    ) as client:  # fmt: skip
+        yield {**client.address(), "tap_ids": list(tap_ids)}
 
 
 def parse_shard_paths(values: list[str]) -> dict[str, str]:
@@ -247,17 +220,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_segment(args: argparse.Namespace, settings: dict) -> None:
-    SegmentJob(
-        run_url=args.run_url,
-        segment=args.segment,
-        settings=settings,
-        target_dir=args.target,
-        tokenized=parse_shard_paths(args.tokenized),
-        hidden=parse_shard_paths(args.hidden),
-        manifest_path=args.manifest,
-        device=args.device,
-        tap_source=engine_tap_source(args.taps_server, settings) if args.taps_server else None,
-    ).run()
+    with engine_tap_source(args.taps_server, settings) if args.taps_server else nullcontext() as tap_source:
+        SegmentJob(
+            run_url=args.run_url,
+            segment=args.segment,
+            settings=settings,
+            target_dir=args.target,
+            tokenized=parse_shard_paths(args.tokenized),
+            hidden=parse_shard_paths(args.hidden),
+            manifest_path=args.manifest,
+            device=args.device,
+            tap_source=tap_source,
+        ).run()
 
 
 if __name__ == "__main__":
