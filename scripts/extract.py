@@ -18,5 +18,8 @@ with stage_job(smk, "extract") as job:
             smk.wildcards.shard,
             smk.output.manifest,
             device=None if smk.resources.gpu else "cpu",
+            taps_from=smk.config["extract"]["taps_from"],  # engine: a vLLM server computes them
+            engines=smk.config.get("engines"),  # where vLLM is installed
+            log_file=job.log_file,  # the server's log goes beside it
         )
     job.record(smk.output.manifest)

@@ -2,7 +2,8 @@
 every file before use, the server's command line, the node-local cache's byte bound and folder,
 the quiet request log, and against real vLLM (its CPU build, fp32) the taps equal to the
 in-process target's (model.taps) to 1e-4, with chunked prefill, prefix-cache hits, several
-concurrent sequences, the last layer and an unsorted tap order."""
+concurrent sequences, the last layer and an unsorted tap order; the shards `extract` stores from
+the engine equal the target's to 1e-4."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from contextlib import nullcontext
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from dflash_pipeline.engines.engine_taps import (
     CONNECTOR_MODULE,
@@ -367,6 +368,52 @@ def test_the_demo_trains_a_drafter_with_taps_from_the_engine(demo_model, workflo
     assert manifest["steps"] == [0, 3]
     logs = (run / "logs" / "train" / "segment-0000.log").read_text(errors="replace")
     assert "one sample's taps" in logs  # the per-run check ran, and passed
+
+
+# --- extract fed by the engine -------------------------------------------------------------------
+
+
+def reuse_server(monkeypatch, server) -> None:
+    """The taps server an extract job starts is the session's (its start is the same code as
+    training's, run by the workflow test above); the job's refusal check, client, per-run check
+    and extraction run as written."""
+    from dflash_pipeline.engines import engine_taps, launch
+
+    monkeypatch.setattr(engine_taps, "taps_server_spec", lambda *args, **kwargs: server.spec)
+    monkeypatch.setattr(launch, "ManagedServer", lambda *args, **kwargs: nullcontext(server))
+
+
+@pytest.mark.workflow
+def test_extract_through_the_engine_stores_the_targets_taps(
+    vllm_taps_server, demo_model, tokenized, tmp_path, monkeypatch, caplog
+):
+    from dflash_pipeline.core import layout
+    from dflash_pipeline.stages.extract import extract_job
+    from tests.support.engine_envs import VLLM_CPU_ENV, vllm_python
+
+    reuse_server(monkeypatch, vllm_taps_server)
+    caplog.set_level(logging.INFO)
+    settings = train_settings(mode="offline", hidden_dtype="float32")
+    engines = {"vllm": {"python": str(vllm_python()), "env": dict(VLLM_CPU_ENV)}}
+    shard, path = next(iter(tokenized.items()))
+    stored = {}
+    for source in ("target", "engine"):
+        run = tmp_path / source
+        manifest = extract_job(
+            path, str(demo_model), settings, str(run), shard, str(run / layout.shard_key("extract", shard)),
+            device="cpu", taps_from=source, engines=engines,
+        )  # fmt: skip
+        assert manifest["taps_from"] == source and manifest["compute_dtype"] == "float32"
+        stored[source] = (manifest, load_file(str(run / manifest["key"])))
+    assert "one sample's taps" in caplog.text  # the per-run check ran, and passed
+    (target_manifest, by_target), (engine_manifest, by_engine) = stored["target"], stored["engine"]
+    for key in ("rows", "tokens", "width", "layer_ids", "hidden_dtype"):
+        assert engine_manifest[key] == target_manifest[key], key
+    assert by_engine["offsets"].tolist() == by_target["offsets"].tolist()
+    assert by_engine["rows"].tolist() == by_target["rows"].tolist()
+    assert by_engine["taps"].shape == by_target["taps"].shape == (target_manifest["tokens"], target_manifest["width"])
+    assert (by_engine["taps"] - by_target["taps"]).abs().max().item() <= FP32_ATOL
+    assert not list(taps_storage(vllm_taps_server.spec).iterdir())  # every file consumed
 
 
 def test_the_limits_table_says_which_engines_serve_taps():

@@ -66,6 +66,8 @@ OPERATIONAL_CHANGES = {
         "engine_extra_args": ["--enforce-eager"],
         "engine_reference_url": "http://127.0.0.1:9",
     },
+    # Engine-extracted taps equal the target's (tests/test_engine_taps.py): no re-extraction.
+    "extract": {"taps_from": "engine"},
     "gpus": 3,
     "gpu_lock_dir": "locks-elsewhere",
     "status": {"port": 8099},

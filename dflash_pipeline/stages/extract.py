@@ -10,6 +10,11 @@ The target computes in the dtype online training's target has on the same device
 (``model.target.target_compute_dtype``: bfloat16 on a GPU, float32 on CPU); the manifest and the
 file's metadata name it (``compute_dtype``, with ``device``) beside the storage dtype
 (``hidden_dtype``). float32 storage of bfloat16-computed taps is refused.
+
+With ``extract.taps_from: engine`` a vLLM server on the job's node computes the taps instead
+(``engines.engine_taps``, the same server, client and per-run check as online training's
+``train.taps_from: engine``, with ``train.taps_server``'s settings): the shard's first training
+row is checked against the target before the first row is stored, and the file is the same.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -34,6 +42,50 @@ from dflash_pipeline.data.shard_kinds import ShardKindError, require_file_kind
 log = logging.getLogger(__name__)
 
 
+def train_rows(tokenized_path: str) -> tuple[list[int], list[np.ndarray]]:
+    """The shard's training rows: their row numbers and token ids."""
+    require_file_kind(tokenized_path, "tokenize", "extract")  # before a target or engine loads
+    table = pq.read_table(tokenized_path, columns=["split", "input_ids"])
+    rows = [i for i, s in enumerate(table["split"].to_pylist()) if s == TRAIN]
+    return rows, [np.asarray(table["input_ids"][i].values, dtype=np.int64) for i in rows]
+
+
+def row_batches(sequences: list[np.ndarray], max_batch_tokens: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of consecutive rows whose right-padded batch holds at most
+    ``max_batch_tokens`` tokens (one row at least)."""
+    start = 0
+    while start < len(sequences):
+        end, longest = start, 0
+        while end < len(sequences) and (
+            end == start or max(longest, len(sequences[end])) * (end - start + 1) <= max_batch_tokens
+        ):
+            longest = max(longest, len(sequences[end]))
+            end += 1
+        yield start, end
+        start = end
+
+
+def target_rows(target_dir: str, layer_ids: list[int], device, compute_dtype: str):
+    """The in-process target's taps of a batch of rows: a function of the rows' token ids to
+    their taps [T, K*H], one forward of the right-padded batch."""
+    from dflash_pipeline.model.taps import TargetTaps
+    from dflash_pipeline.model.target import load_target
+
+    loaded = []  # on the first batch: a shard without training rows never loads the target
+
+    def compute(sequences: list[np.ndarray]) -> list[torch.Tensor]:
+        if not loaded:
+            loaded.append(TargetTaps(load_target(target_dir, device, getattr(torch, compute_dtype)), layer_ids))
+        taps = loaded[0]
+        batch = torch.zeros(len(sequences), max(map(len, sequences)), dtype=torch.long)
+        for i, seq in enumerate(sequences):
+            batch[i, : len(seq)] = torch.from_numpy(seq)
+        out = taps(batch.to(device)).float()
+        return [out[i, : len(seq)] for i, seq in enumerate(sequences)]
+
+    return compute
+
+
 def extract_shard(
     tokenized_path: str,
     target_dir: str,
@@ -44,65 +96,64 @@ def extract_shard(
     hidden_dtype: str = "bfloat16",
     max_batch_tokens: int = 16384,
     device: str | None = None,
+    engine=None,
+    engine_dtype: str | None = None,
 ) -> dict:
-    from dflash_pipeline.model.taps import TargetTaps
-    from dflash_pipeline.model.target import load_target, target_compute_dtype
+    """Store the taps of the shard's training rows. By default the target computes them here;
+    with ``engine`` (an ``engines.engine_taps.EngineTaps`` of the same ``layer_ids``, computing
+    in ``engine_dtype``) a taps server does, ``max_batch_tokens`` at a time."""
+    from transformers import AutoConfig
+
+    from dflash_pipeline.model.target import target_compute_dtype
     from dflash_pipeline.training.offline import stored_dtype_problem
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # As online training's target on this device computes (its taps are what the stored ones
     # stand in for); float32 storage of bf16 values is refused before any work.
-    compute_dtype = target_compute_dtype(device)
+    compute_dtype = engine_dtype or target_compute_dtype(device)
     problem = stored_dtype_problem(hidden_dtype, device)
     if problem:
         raise ValueError(problem)
-    require_file_kind(tokenized_path, "tokenize", "extract")  # before the target loads
-    table = pq.read_table(tokenized_path, columns=["split", "input_ids"])
-    rows = [i for i, s in enumerate(table["split"].to_pylist()) if s == TRAIN]
-    sequences = [np.asarray(table["input_ids"][i].values, dtype=np.int64) for i in rows]
+    rows, sequences = train_rows(tokenized_path)
     offsets = np.concatenate([[0], np.cumsum([len(s) for s in sequences])]).astype(np.int64)
-    target = load_target(target_dir, device, getattr(torch, compute_dtype))
-    taps = TargetTaps(target, layer_ids)
-    text = getattr(target.config, "text_config", None) or target.config
-    width = len(layer_ids) * text.hidden_size
+    if engine is None:
+        compute = target_rows(target_dir, layer_ids, device, compute_dtype)
+    else:
+        if list(engine.tap_ids) != list(layer_ids):
+            raise ValueError(f"the engine client serves taps {engine.tap_ids}, not {layer_ids}")
+
+        def compute(batch: list[np.ndarray]) -> list[torch.Tensor]:
+            return [t.float() for t in engine.taps_of([seq.tolist() for seq in batch])]
+
+    config = AutoConfig.from_pretrained(target_dir)
+    width = len(layer_ids) * (getattr(config, "text_config", None) or config).hidden_size
     dtype = HIDDEN_DTYPES[hidden_dtype]
     tensors = {"taps": (dtype, (int(offsets[-1]), width))}
     if dtype == torch.float8_e4m3fn:
         tensors["scales"] = (torch.float32, (len(rows),))
     tensors["offsets"] = (torch.int64, (len(offsets),))
     tensors["rows"] = (torch.int64, (len(rows),))
+    taps_from = "target" if engine is None else "engine"
     metadata = {
         "layer_ids": json.dumps(layer_ids),
         "hidden_dtype": hidden_dtype,
         "compute_dtype": compute_dtype,
         "device": torch.device(device).type,
         "shard": shard,
+        "taps_from": taps_from,
     }
     storage = open_storage(run_url)
     with storage.staged_file(layout.hidden_states_key(shard)) as path:
         writer = StreamingSafetensors(path, tensors, metadata)
         scales = []
-        # Rows in order, several per forward (right-padded) up to max_batch_tokens.
-        start = 0
-        while start < len(sequences):
-            end, longest = start, 0
-            while end < len(sequences) and (
-                end == start or max(longest, len(sequences[end])) * (end - start + 1) <= max_batch_tokens
-            ):
-                longest = max(longest, len(sequences[end]))
-                end += 1
-            batch = torch.zeros(end - start, longest, dtype=torch.long)
-            for i, seq in enumerate(sequences[start:end]):
-                batch[i, : len(seq)] = torch.from_numpy(seq)
-            out = taps(batch.to(device)).float()
-            for i, seq in enumerate(sequences[start:end]):
-                row = out[i, : len(seq)]
+        # Rows in order, several per forward (right-padded) or in flight up to max_batch_tokens.
+        for start, end in row_batches(sequences, max_batch_tokens):
+            for row in compute(sequences[start:end]):
                 if dtype == torch.float8_e4m3fn:
                     scale = row.abs().amax().clamp_min(1e-12) / FP8_MAX
                     scales.append(float(scale))
                     row = row / scale
                 writer.append("taps", row.to(dtype))
-            start = end
         if dtype == torch.float8_e4m3fn:
             writer.append("scales", torch.tensor(scales, dtype=torch.float32))
         writer.append("offsets", torch.from_numpy(offsets))
@@ -117,10 +168,11 @@ def extract_shard(
             "rows": len(rows),
             "tokens": int(offsets[-1]),
             "hidden_dtype": hidden_dtype,  # as stored
-            "compute_dtype": compute_dtype,  # as the target computed them (target_compute_dtype)
+            "compute_dtype": compute_dtype,  # as the target (or the engine) computed them
             "device": torch.device(device).type,
             "layer_ids": list(layer_ids),
             "width": width,
+            "taps_from": taps_from,
         }
     with write_atomically(manifest_out) as tmp_out:
         tmp_out.write_text(json.dumps(manifest, indent=1))
@@ -135,21 +187,69 @@ def extract_job(
     shard: str,
     manifest_out: str,
     device: str | None = None,
+    taps_from: str = "target",
+    engines: dict | None = None,
+    log_file: str | None = None,
 ) -> dict:
     """What the `extract` rule runs: the taps the drafter of ``settings`` (the `train` config)
     reads, for one tokenized shard; refused while the run is halted (a tokenize shard failed the
-    data-quality gate)."""
+    data-quality gate). With ``taps_from`` engine (``extract.taps_from``) they come from a taps
+    server the job starts (``taps_engine``)."""
     run, name = open_storage(run_url), f"extract shard {layout.shard_name(shard)}"
     raise_if_halted(run, name)
     raise_if_driverless(run, name)  # a job queued by a driver that is gone since does not start
+    from dflash_pipeline.engines.engine_taps import server_dtype
     from dflash_pipeline.model.config import build_drafter_config
 
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     layer_ids = build_drafter_config(settings, target_dir).target_layer_ids
-    manifest = extract_shard(
-        tokenized, target_dir, layer_ids, run_url, shard, manifest_out, settings["hidden_dtype"], device=device
-    )
+    hidden_dtype, server = settings["hidden_dtype"], settings["taps_server"]
+    engine = nullcontext()
+    if taps_from == "engine":
+        engine = taps_engine(tokenized, target_dir, layer_ids, hidden_dtype, server, engines, device, log_file)
+    with engine as client:
+        manifest = extract_shard(
+            tokenized, target_dir, layer_ids, run_url, shard, manifest_out, hidden_dtype, device=device,
+            engine=client, engine_dtype=server_dtype(server, device) if client else None,
+        )  # fmt: skip
     log.info("stored %d tokens x %d taps: %s bytes", manifest["tokens"], manifest["width"], f"{manifest['size']:,}")
     return manifest
+
+
+@contextmanager
+def taps_engine(
+    tokenized: str,
+    target_dir: str,
+    layer_ids: list[int],
+    hidden_dtype: str,
+    server: dict,
+    engines: dict | None,
+    device: str,
+    log_file: str | None,
+) -> Iterator:
+    """A vLLM taps server for the shard, started as online training's is (the config's
+    ``train.taps_server``; ``engines`` says where vLLM is installed; its log goes beside
+    ``log_file``) and checked on the shard's first training row; yields its client, or None for a
+    shard without training rows (nothing to compute, so no server)."""
+    from dflash_pipeline.engines.engine_taps import checked_taps_server, node_local_dir
+    from dflash_pipeline.training.offline import stored_dtype_problem
+
+    problem = stored_dtype_problem(hidden_dtype, device)
+    if problem:
+        raise ValueError(problem)  # before a server starts
+    _, sequences = train_rows(tokenized)
+    if not sequences:
+        yield None
+        return
+    sample = sequences[0][:256].tolist()  # up to 256 tokens, as training's check takes
+    with node_local_dir(server["max_cache_bytes"]) as run_dir:
+        log_path = (
+            Path(log_file).with_name(f"{Path(log_file).stem}-vllm-taps.log") if log_file else run_dir / "vllm-taps.log"
+        )
+        with checked_taps_server(
+            target_dir, layer_ids, server, engines, run_dir, log_path, sample, device, purpose="extract.taps_from"
+        ) as client:
+            yield client
 
 
 def main(argv: list[str] | None = None) -> int:
