@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,13 @@ def violations(package_dir: Path = PACKAGE) -> list[str]:
     return problems
 
 
+def copy_package(folder: Path) -> Path:
+    """A copy of the package's code in ``folder``, for a test to add one bad import to."""
+    copy = folder / "dflash_pipeline"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    return copy
+
+
 def test_every_import_points_down():
     assert violations() == []
 
@@ -189,10 +197,7 @@ def test_no_import_circle_inside_the_package():
 def test_an_import_circle_fails(tmp_path, module, source, circle):
     """The check catches what it is for: a copy of the package with one import that closes a
     circle (inside a function, through a relative import too)."""
-    import shutil
-
-    copy = tmp_path / "dflash_pipeline"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    copy = copy_package(tmp_path)
     with open(copy / module, "a") as fh:
         fh.write(source)
     (found,) = import_cycles(copy)
@@ -270,22 +275,17 @@ def test_the_rules_and_the_scripts_import_only_their_part_of_the_package():
 )
 def test_a_rule_or_script_import_outside_its_part_fails(tmp_path, path, source, message):
     """The check catches what it is for: a copy of the workflow's files with one bad import."""
-    import shutil
-
     for name in ("rules", "scripts"):
         shutil.copytree(REPO / name, tmp_path / name)
     shutil.copy(REPO / "Snakefile", tmp_path / "Snakefile")
-    shutil.copytree(PACKAGE, tmp_path / "dflash_pipeline", ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    copy_package(tmp_path)
     (tmp_path / path).write_text(source)
     found = wiring_violations(tmp_path)
     assert len(found) == 1 and message in found[0] and path in found[0], found
 
 
 def test_only_the_rules_install_snakemakes_patches(tmp_path):
-    import shutil
-
-    copy = tmp_path / "dflash_pipeline"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    copy = copy_package(tmp_path)
     (copy / "stages" / "extra.py").write_text("from dflash_pipeline.snakemake_patches.planning import PATCHES\n")
     found = violations(copy)
     assert len(found) == 1 and "only the rules install" in found[0], found
@@ -312,10 +312,7 @@ def test_every_package_has_a_layer():
 )
 def test_an_upward_or_sideways_import_fails(tmp_path, module, source, message):
     """The check catches what it is for: a copy of the package with one bad import added."""
-    import shutil
-
-    copy = tmp_path / "dflash_pipeline"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    copy = copy_package(tmp_path)
     (copy / module).write_text(source)
     found = violations(copy)
     assert len(found) == 1 and message in found[0] and module in found[0], found
