@@ -279,3 +279,25 @@ def test_verify_cli_exit_codes_and_dry_run_repair(tmp_path, monkeypatch, capsys)
     out = capsys.readouterr().out
     assert "--forcerun " + f"{root}/outputs/generate-00001.parquet" in out
     assert (root / "outputs/tokenize-00001.parquet").exists()
+
+
+def test_a_hidden_state_shard_unlike_its_manifest_is_refused(tmp_path):
+    """The extract manifest is an integrity record like the others (core.digest): training's
+    copy of a shorter or changed shard is refused, naming the stored object and its manifest."""
+    from types import SimpleNamespace
+
+    from dflash_pipeline.data.hidden import HiddenShards
+
+    store = open_storage(tmp_path / "run")
+    key = layout.hidden_states_key(0)
+    written = write_shard(tmp_path / "job", key)
+    manifest = {"key": key, "layer_ids": [1], **digest_file(written).fields()}
+    manifest_path = tmp_path / "extract-00000.manifest.json"
+    manifest_path.write_text(json.dumps(manifest))
+    store.write_bytes(key, CONTENT[:1000])
+    with pytest.raises(ValueError) as err:
+        HiddenShards(store, {"00000": str(manifest_path)}, SimpleNamespace(target_layer_ids=[1]))
+    assert str(err.value) == (
+        f"{store.join(key)} does not match {manifest_path}: it is short: 1000 bytes, not the "
+        f"{len(CONTENT)} it was written with"
+    )

@@ -107,11 +107,3 @@ class ReadOnlyStorage:
 
     def read_text(self, key: str) -> str:
         return self.read_bytes(key).decode("utf-8")
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a local file. Kept only while ``stages.extract`` still names it: every
-    other integrity record hashes through ``core.digest``."""
-    from dflash_pipeline.core.digest import digest_file
-
-    return digest_file(path).sha256

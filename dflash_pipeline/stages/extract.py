@@ -32,7 +32,8 @@ import pyarrow.parquet as pq
 import torch
 
 from dflash_pipeline.data.sharding import TRAIN
-from dflash_pipeline.core.storage import open_storage, sha256_file, write_atomically
+from dflash_pipeline.core.digest import digest_file
+from dflash_pipeline.core.storage import open_storage, write_atomically
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import raise_if_halted
 from dflash_pipeline.core.lease import raise_if_driverless
@@ -163,8 +164,7 @@ def extract_shard(
             "shard": shard,
             "key": layout.hidden_states_key(shard),
             "url": storage.join(layout.hidden_states_key(shard)),
-            "size": path.stat().st_size,
-            "sha256": sha256_file(path),
+            **digest_file(path).fields(),  # what training checks its copy against (data.hidden)
             "rows": len(rows),
             "tokens": int(offsets[-1]),
             "hidden_dtype": hidden_dtype,  # as stored
