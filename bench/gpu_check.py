@@ -210,7 +210,7 @@ def main() -> int:
             python,
             args,
             work,
-            lambda result: emit({**record, "engines": {**record["engines"], engine: result}}, str(out)),
+            lambda result, engine=engine: emit({**record, "engines": {**record["engines"], engine: result}}, str(out)),
         )
         record["engines"][engine]["seconds"] = round(time.time() - started, 1)
         emit(record, str(out))  # what has run so far survives a later crash

@@ -258,7 +258,7 @@ def start_server(kind: str, tmp: Path, root: Path, events: Path, shards: int, po
                 break
         except OSError:
             if proc.poll() is not None:
-                raise SystemExit(f"the {kind} server exited ({proc.returncode})")
+                raise SystemExit(f"the {kind} server exited ({proc.returncode})") from None
             time.sleep(0.2)
     # The first request builds the snapshot: not part of the figures.
     asyncio.run(request(port, 120))

@@ -47,9 +47,13 @@ def fill(store: S3Storage, shards: int) -> float:
     started = time.time()
     with ThreadPoolExecutor(16) as pool:
         for stage in STAGES:
-            list(pool.map(lambda s: store.write_bytes(layout.shard_key(stage, s), b"x"), range(shards)))
+            list(pool.map(lambda s, stage=stage: store.write_bytes(layout.shard_key(stage, s), b"x"), range(shards)))
             if stage in TELEMETRY_STAGES:
-                list(pool.map(lambda s: ShardProgress(store, stage, s).write_telemetry(TELEMETRY), range(shards)))
+                list(
+                    pool.map(
+                        lambda s, stage=stage: ShardProgress(store, stage, s).write_telemetry(TELEMETRY), range(shards)
+                    )
+                )
     return time.time() - started
 
 

@@ -7,7 +7,7 @@ smk = snakemake  # noqa: F821 (injected by Snakemake)
 with stage_job(smk, "export") as job:
     job.verify(smk.input.manifest)
     # Declared only for drafters the speculators format can express (rules/train.smk).
-    speculators = [smk.output[k] for k in ("speculators_config", "speculators_weights") if k in smk.output.keys()]
+    speculators = [smk.output[k] for k in ("speculators_config", "speculators_weights") if k in smk.output.keys()]  # noqa: SIM118 (`in` a Namedlist looks at values)
     export_drafter(
         job.run_url,
         smk.input.manifest,

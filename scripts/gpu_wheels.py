@@ -234,7 +234,7 @@ def build(args: argparse.Namespace) -> int:
             f"{set_name}: {len(wanted)} wheels ({len(pins) - len(wanted)} skipped), {len(todo)} to download", flush=True
         )
         with ThreadPoolExecutor(args.jobs) as pool:
-            for requirement, (path, why) in zip(todo, pool.map(lambda r: fetch(r, folder), todo)):
+            for requirement, (path, why) in zip(todo, pool.map(lambda r, folder=folder: fetch(r, folder), todo)):
                 if path is None:
                     allowed = canonical(requirement.split("==")[0]) in allowed_missing
                     note = " (allowed missing: left out)" if allowed else ""

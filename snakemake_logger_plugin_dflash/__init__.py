@@ -20,7 +20,7 @@ from dflash_pipeline.status.events import DEFAULT_EVENTS_FILE, EventWriter, even
 
 @dataclass
 class LogHandlerSettings(LogHandlerSettingsBase):
-    events_file: Optional[str] = field(
+    events_file: Optional[str] = field(  # noqa: UP045 (see above: a real type, not a union)
         default=None,
         metadata={
             "help": f"JSON-lines file the job events are appended to (default: {DEFAULT_EVENTS_FILE} "

@@ -502,7 +502,7 @@ def test_selector_loss_equals_hand_computed(policy, normalization):
         total += 1
         den_all += w
         gate = h @ selector.hidden_projection.weight.double().t()
-        score = lambda c: logits[c] + (P[prev] * gate * Sc[c]).sum()  # noqa: E731
+        score = lambda c, logits=logits, prev=prev, gate=gate: logits[c] + (P[prev] * gate * Sc[c]).sum()  # noqa: E731
         best = max(ids, key=lambda c: float(score(c)))
         if gold in ids:
             covered += 1

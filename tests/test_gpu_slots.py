@@ -81,12 +81,12 @@ def test_wrapper_sets_visible_devices_and_keeps_the_lock_while_the_command_runs(
     cmd = [sys.executable, "-m", "dflash_pipeline.core.gpu_slots", "--gpus", "2", "--pool", "2"]
     cmd += ["--lock-dir", str(tmp_path), "--", sys.executable, "-c"]
     script = (
-        "import os, sys; sys.path.insert(0, %r);"
+        f"import os, sys; sys.path.insert(0, {str(HERE.parent)!r});"
         "from dflash_pipeline.core.gpu_slots import GpuLease;"
-        "other = GpuLease(1, ['0', '1'], %r);"
+        f"other = GpuLease(1, ['0', '1'], {str(tmp_path)!r});"
         "taken = other._try_take();"
         "print(os.environ['CUDA_VISIBLE_DEVICES'], taken)"
-    ) % (str(HERE.parent), str(tmp_path))
+    )
     out = subprocess.run(cmd + [script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0,1", "False"]
 

@@ -50,9 +50,9 @@ MEASUREMENT = ["--seed", "0", "--no-enable-prefix-caching", "--generation-config
 def test_vllm_speculative_and_plain_servers_differ_only_by_the_dflash_config():
     spec = serving_server_spec("vllm", "/m/target", "/m/drafter", 16, 8000, hybrid=True, python="/v/bin/python")
     assert server_command(spec) == [
-        *"/v/bin/python -m vllm.entrypoints.openai.api_server --model /m/target".split(),
-        *"--host 127.0.0.1 --port 8000".split(),
-        *"--tensor-parallel-size 1 --data-parallel-size 1".split(),
+        *["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/target"],
+        *["--host", "127.0.0.1", "--port", "8000"],
+        *["--tensor-parallel-size", "1", "--data-parallel-size", "1"],
         "--speculative-config",
         '{"method": "dflash", "model": "/m/drafter", "num_speculative_tokens": 15}',
         *MEASUREMENT,
@@ -62,11 +62,11 @@ def test_vllm_speculative_and_plain_servers_differ_only_by_the_dflash_config():
         mem_fraction=0.8, extra_args=["--max-model-len", "8192"], python="/v/bin/python",
     )  # fmt: skip
     assert server_command(plain) == [
-        *"/v/bin/python -m vllm.entrypoints.openai.api_server --model /m/target".split(),
-        *"--host 127.0.0.1 --port 8000".split(),
-        *"--tensor-parallel-size 2 --data-parallel-size 1 --gpu-memory-utilization 0.8".split(),
+        *["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/target"],
+        *["--host", "127.0.0.1", "--port", "8000"],
+        *["--tensor-parallel-size", "2", "--data-parallel-size", "1", "--gpu-memory-utilization", "0.8"],
         *MEASUREMENT,
-        *"--max-model-len 8192".split(),
+        *["--max-model-len", "8192"],
     ]
 
 
@@ -77,10 +77,10 @@ def test_sglang_speculative_and_plain_servers():
     )
     assert server_command(spec) == [
         *launch,
-        *"--host 127.0.0.1 --port 30000 --tp-size 2 --dp-size 1".split(),
-        *"--speculative-algorithm DFLASH --speculative-num-draft-tokens 16".split(),
-        *"--speculative-draft-model-path /m/drafter --speculative-dflash-block-size 16".split(),
-        *"--mamba-radix-cache-strategy extra_buffer".split(),
+        *["--host", "127.0.0.1", "--port", "30000", "--tp-size", "2", "--dp-size", "1"],
+        *["--speculative-algorithm", "DFLASH", "--speculative-num-draft-tokens", "16"],
+        *["--speculative-draft-model-path", "/m/drafter", "--speculative-dflash-block-size", "16"],
+        *["--mamba-radix-cache-strategy", "extra_buffer"],
     ]
     plain = serving_server_spec(
         "sglang", "/m/target", "/m/drafter", 16, 30000, hybrid=True, speculative=False,
@@ -88,7 +88,7 @@ def test_sglang_speculative_and_plain_servers():
     )  # fmt: skip
     assert server_command(plain) == [
         *launch,
-        *"--host 127.0.0.1 --port 30000 --tp-size 1 --dp-size 1".split(),
+        *["--host", "127.0.0.1", "--port", "30000", "--tp-size", "1", "--dp-size", "1"],
     ]
     with pytest.raises(ValueError, match="unknown serving engine 'trt'"):
         serving_server_spec("trt", "/t", "/d", 16, 1, hybrid=False)

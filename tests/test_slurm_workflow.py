@@ -94,7 +94,7 @@ def run(workflow, cluster, *args, env=None, check=True, timeout=1500) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
-        raise AssertionError(f"snakemake {' '.join(args)} timed out:\n{log.read_text()[-6000:]}")
+        raise AssertionError(f"snakemake {' '.join(args)} timed out:\n{log.read_text()[-6000:]}") from None
     out = log.read_text()
     if check and child.returncode != 0:
         raise AssertionError(f"snakemake {' '.join(args)} failed ({child.returncode}):\n{out[-8000:]}")

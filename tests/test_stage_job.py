@@ -85,9 +85,8 @@ def test_a_refusal_ends_the_job_with_status_1_and_the_reason_in_its_log(tmp_path
     assert "10 of 14 rows are bad" in (run / "logs/ingest.log").read_text()
     assert "Traceback" not in capfd.readouterr().err
     # Any other error still leaves as itself.
-    with pytest.raises(ValueError):
-        with stage_job(job(run, "ingest"), "ingest", refusals=(Refused,)):
-            raise ValueError("a bug")
+    with pytest.raises(ValueError), stage_job(job(run, "ingest"), "ingest", refusals=(Refused,)):
+        raise ValueError("a bug")
 
 
 def test_a_retried_job_keeps_each_attempts_logs_and_bundles_its_engine_log(tmp_path):
@@ -148,4 +147,4 @@ def test_settings_devices_and_a_file_beside_the_log(tmp_path, monkeypatch):
             assert lease.visible_devices == "" and os.environ["CUDA_VISIBLE_DEVICES"] == ""
         assert stage.beside_log(".failed.json") == run / "logs/extract.failed.json"
         with pytest.raises(ValueError, match="declares no engine log"):
-            stage.engine_log
+            stage.engine_log  # noqa: B018 (the property raises)

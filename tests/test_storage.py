@@ -77,10 +77,9 @@ def test_upload_download_and_local_copy(store, tmp_path):
 def test_write_atomically_leaves_nothing_when_the_writer_fails(store):
     url = store.join("shards/out.parquet")
     store.write_text("shards/out.parquet", "old")
-    with pytest.raises(RuntimeError):
-        with write_atomically(url) as tmp:
-            tmp.write_text("half")
-            raise RuntimeError("writer crashed")
+    with pytest.raises(RuntimeError), write_atomically(url) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("writer crashed")
     assert store.read_text("shards/out.parquet") == "old"
     assert [o.key for o in store.list("shards/")] == ["shards/out.parquet"]
     with write_atomically(url) as tmp:

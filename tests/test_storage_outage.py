@@ -35,12 +35,11 @@ def test_the_backoff_doubles_to_a_minute_and_gives_up_at_the_tolerance(caplog):
         jitter=lambda: 1.0,
     )
     delays = []
-    with caplog.at_level("WARNING", logger="dflash_pipeline.storage"):
-        with pytest.raises(StorageOutage) as failure:
-            while True:
-                delay = outage.next_delay("PutObject EndpointConnectionError")
-                delays.append(delay)
-                clock.now += delay  # the sleep, injected
+    with caplog.at_level("WARNING", logger="dflash_pipeline.storage"), pytest.raises(StorageOutage) as failure:
+        while True:
+            delay = outage.next_delay("PutObject EndpointConnectionError")
+            delays.append(delay)
+            clock.now += delay  # the sleep, injected
     # 1, 2, 4 ... 32, then a minute a try; the last wait ends exactly at the tolerance.
     assert delays == [1, 2, 4, 8, 16, 32, 60, 60, 17]
     assert clock.now == 200
@@ -99,9 +98,8 @@ def test_a_missing_key_or_a_refused_access_fails_at_once(s3_server, s3_env, monk
 
     store = S3Storage(f"s3://{s3_server.bucket}/outage-4xx")
     with caplog.at_level("WARNING", logger="dflash_pipeline.storage"):
-        with pytest.raises(NotFound):
-            with counted_requests(store.client) as sent:
-                store.read_bytes("missing.json")
+        with pytest.raises(NotFound), counted_requests(store.client) as sent:
+            store.read_bytes("missing.json")
         assert sent == ["GetObject"]
         monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_SECRET_KEY", "wrong")
         refused = S3Storage(f"s3://{s3_server.bucket}/outage-4xx")

@@ -107,7 +107,7 @@ def assert_same_state(a, b):
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name
     assert ta["step"] == tb["step"]
-    for (ka, sa), (kb, sb) in zip(ta["optimizer"]["state"].items(), tb["optimizer"]["state"].items()):
+    for (ka, sa), (_, sb) in zip(ta["optimizer"]["state"].items(), tb["optimizer"]["state"].items()):
         for key in sa:
             assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), (ka, key)
     assert ta["scheduler"] == tb["scheduler"]

@@ -233,13 +233,11 @@ def test_a_failed_replay_or_a_dead_server_names_the_setting_and_the_engine_log(t
     label = "logs/tune/engine.log (this attempt: logs/tune/engine.attempt-1.log)"
     server = ManagedServer(spec, tmp_path / "engine.log", tmp_path / "run", startup_timeout=120, log_label=label)
     with server:
-        with pytest.raises(EngineError) as failed:
-            with engine_failures_named(server, "MTP, concurrency 64"):
-                raise ReplayError("every request at concurrency 64 failed")
+        with pytest.raises(EngineError) as failed, engine_failures_named(server, "MTP, concurrency 64"):
+            raise ReplayError("every request at concurrency 64 failed")
         server.process.wait(timeout=120)  # it exits after its health check
-        with pytest.raises(EngineError) as died:
-            with engine_failures_named(server, "plain, concurrency 8"):
-                pass
+        with pytest.raises(EngineError) as died, engine_failures_named(server, "plain, concurrency 8"):
+            pass
     assert str(failed.value).startswith(
         f"vllm server failed the replay at MTP, concurrency 64 (ReplayError: every request at concurrency 64 "
         f"failed); see its log {label}. Last lines:"

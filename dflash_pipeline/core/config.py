@@ -140,12 +140,10 @@ def _cross_key_problems(config: dict) -> list[str]:
     """Rules that span keys, checked before any job starts rather than hours into a run."""
     train = config.get("train") or {}
     problems = []
-    if train.get("algorithm") == "dflash2":
-        if train.get("conv_kernel_size", 1) > train.get("block_size", 2):
-            problems.append(
-                f"train.conv_kernel_size: {train['conv_kernel_size']} is larger than "
-                f"train.block_size {train['block_size']}"
-            )
+    if train.get("algorithm") == "dflash2" and train.get("conv_kernel_size", 1) > train.get("block_size", 2):
+        problems.append(
+            f"train.conv_kernel_size: {train['conv_kernel_size']} is larger than train.block_size {train['block_size']}"
+        )
     return problems
 
 

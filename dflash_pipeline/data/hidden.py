@@ -88,7 +88,7 @@ class HiddenShards:
             handle = safe_open(str(local), framework="pt")
             offsets = handle.get_tensor("offsets").tolist()
             rows = handle.get_tensor("rows").tolist()
-            scales = handle.get_tensor("scales") if "scales" in handle.keys() else None
+            scales = handle.get_tensor("scales") if "scales" in handle.keys() else None  # noqa: SIM118 (a safetensors handle has no `in`)
             self.files[shard] = (handle, scales)
             for i, row in enumerate(rows):
                 self.row_index[(shard, row)] = (offsets[i], offsets[i + 1], i)

@@ -53,7 +53,7 @@ def load_target_embeddings(target_dir: str, device, dtype) -> tuple[torch.Tensor
         weight_map = json.loads(index.read_text())["weight_map"]
     else:
         with safe_open(str(target_dir / "model.safetensors"), framework="pt") as fh:
-            weight_map = {k: "model.safetensors" for k in fh.keys()}
+            weight_map = {k: "model.safetensors" for k in fh.keys()}  # noqa: SIM118 (a safetensors handle is not iterable)
 
     def find(suffix):
         names = sorted((k for k in weight_map if k.endswith(suffix)), key=len)

@@ -89,8 +89,8 @@ def _process_job_once_per_rule(self, job) -> None:
 def _is_valid_from_kept_expansions(self) -> None:
     # What Job.is_valid checks: that the log and benchmark paths expand (the properties expand
     # and check them once and keep them).
-    self.benchmark
-    self.log
+    self.benchmark  # noqa: B018 (the property expands and checks it)
+    self.log  # noqa: B018
 
 
 def _conda_env_spec_from_the_rule(self):
