@@ -224,7 +224,7 @@ def test_the_status_page_shows_the_halt(tmp_path):
 
     run = open_storage(tmp_path)
     run.write_bytes("outputs/prepare-00000.parquet", b"x")
-    source = RunSource(ReadOnlyStorage(run), num_shards=1, until="tokenize")
+    source = RunSource(ReadOnlyStorage(run), num_shards=1, stages=("prepare", "generate", "tokenize"))
     builder = SnapshotBuilder(source)
     assert builder.build()["halt"] is None
     write_halt(run, "tokenize", 0, CAUSE, "the full message")
@@ -242,7 +242,7 @@ def test_the_status_page_names_the_driver_holding_the_lease(tmp_path):
 
     run = open_storage(tmp_path)
     run.write_bytes("outputs/prepare-00000.parquet", b"x")
-    builder = SnapshotBuilder(RunSource(ReadOnlyStorage(run), num_shards=1, until="tokenize"))
+    builder = SnapshotBuilder(RunSource(ReadOnlyStorage(run), num_shards=1, stages=("prepare", "generate", "tokenize")))
     assert builder.build()["lease"] is None
     lease = RunLease(run, ttl_s=300).acquire()
     shown = builder.build()["lease"]
