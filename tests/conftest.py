@@ -68,6 +68,8 @@ def pytest_collection_modifyitems(config, items):
         group = XDIST_GROUPS.get(item.path.name)
         if group and not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(group))
+        if needs_demo_target(item):
+            item.add_marker(pytest.mark.demo)
     result = yield
     # An xdist worker tells the scheduler an item's group by the suffix "@<group>" of its node id.
     # xdist 3.8 writes it to Node._nodeid, which pytest 9.2 no longer reads (the id is Node._id):
@@ -85,6 +87,21 @@ def pytest_collection_modifyitems(config, items):
             if names and not item.nodeid.endswith(f"@{'_'.join(names)}") and hasattr(item, "_id"):
                 item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
     return result
+
+
+# The fixtures that lead to the demo target (a copy of it, or a run of the demo workflow, whose
+# build_demo_model rule copies it from the cache).
+DEMO_FIXTURES = {"demo_model", "workflow"}
+
+
+def needs_demo_target(item) -> bool:
+    """Whether a test waits for the demo target: `make test` runs the others first, while the
+    target trains in the background (marker `demo`)."""
+    return (
+        item.path.name == "test_demo_model.py"
+        or bool(DEMO_FIXTURES & set(getattr(item, "fixturenames", ())))
+        or any(item.iter_markers("workflow"))
+    )
 
 
 @pytest.fixture(scope="session")

@@ -47,13 +47,15 @@ def tiny_hybrid():
         linear_conv_kernel_dim=4,
     )
     torch.manual_seed(0)
-    return Qwen3_5ForCausalLM(config).eval()
+    # On the GPU where one is: with flash-linear-attention installed (the GPU environment),
+    # transformers runs the Gated-DeltaNet layers through its Triton kernels, CUDA tensors only.
+    return Qwen3_5ForCausalLM(config).eval().to("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("build,layer_ids", [(tiny_qwen3, [1, 2, 4]), (tiny_hybrid, [0, 2])])
 def test_taps_are_hf_hidden_states_at_id_plus_one(build, layer_ids):
     model = build()
-    input_ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+    input_ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1)).to(model.device)
     with torch.no_grad():
         reference = model(input_ids, output_hidden_states=True).hidden_states
     taps = TargetTaps(model, layer_ids)(input_ids)
@@ -67,7 +69,8 @@ def test_taps_are_hf_hidden_states_at_id_plus_one(build, layer_ids):
 def test_right_padding_does_not_change_a_sequence_taps():
     model = tiny_hybrid()
     ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(2))
-    padded = torch.cat([ids, torch.zeros(1, 5, dtype=torch.long)], dim=1)
+    ids = ids.to(model.device)
+    padded = torch.cat([ids, torch.zeros(1, 5, dtype=torch.long, device=model.device)], dim=1)
     taps = TargetTaps(model, [1, 3])
     torch.testing.assert_close(taps(padded)[:, :9], taps(ids), rtol=1e-5, atol=1e-5)
 
@@ -93,7 +96,7 @@ def decoder_layer_outputs(model, input_ids) -> list[torch.Tensor]:
 def test_the_last_layers_tap_is_its_output_before_the_final_norm(build):
     model = build()
     last = model.config.num_hidden_layers - 1
-    input_ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(3))
+    input_ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(3)).to(model.device)
     outputs = decoder_layer_outputs(model, input_ids)
     taps = TargetTaps(model, [last, 0])(input_ids)
     torch.testing.assert_close(taps, torch.cat([outputs[last], outputs[0]], dim=-1), rtol=1e-5, atol=1e-5)
