@@ -688,6 +688,29 @@ def test_the_page_of_an_s3_run_shows_that_runs_events_not_a_local_runs(s3_env, s
     assert [(r["stage"], r["shard"]) for r in local_snap["running"]] == [("prepare", "00001")]
 
 
+def test_the_first_request_after_an_idle_spell_gets_a_fresh_snapshot_not_the_old_one():
+    from dflash_pipeline.status.server import StatusState
+
+    class CountingBuilder:
+        builds = 0
+
+        def build(self):
+            CountingBuilder.builds += 1
+            return {"build": CountingBuilder.builds}
+
+    state = StatusState(CountingBuilder(), first_wait_s=60)  # a bound for a hang only
+    redact = Redactor([])
+    assert json.loads(state.body(redact)) == {"build": 1}
+    state._built_at -= 9 * 60  # nobody looked for nine minutes
+    assert json.loads(state.body(redact)) == {"build": 2}
+    # Within the stale bound a due rebuild runs in the background: the request is not held.
+    release = threading.Event()
+    CountingBuilder.build = lambda self: release.wait(60) and {"build": 3}
+    state._built_at -= state.stale_after_s / 2
+    assert json.loads(state.body(redact)) == {"build": 2}
+    release.set()
+
+
 def test_a_slow_first_read_of_the_run_holds_no_worker_past_its_wait(tmp_path):
     from dflash_pipeline.status.server import StatusState
 

@@ -103,12 +103,24 @@ class StatusState:
     ~3.5 s) never keeps the server listing back to back. Requests wait for the first build at
     most ``first_wait_s`` (the first read of a large S3 run takes minutes): then they get a
     placeholder that says so, and the worker is free for the next request.
+
+    After an idle spell nobody looked, so the last snapshot can be minutes old: a request that
+    finds it older than ``stale_after_s`` waits for the rebuild it starts (at most
+    ``first_wait_s``, then it gets the old one) instead of showing the old state as current.
     """
 
-    def __init__(self, builder: SnapshotBuilder, refresh_s: float = 2.0, first_wait_s: float = 10.0):
+    def __init__(
+        self,
+        builder: SnapshotBuilder,
+        refresh_s: float = 2.0,
+        first_wait_s: float = 10.0,
+        stale_after_s: float = 30.0,
+    ):
         self.builder = builder
         self.refresh_s = refresh_s
         self.first_wait_s = first_wait_s
+        self.stale_after_s = stale_after_s
+        self._rebuilt = threading.Event()  # set when the build in progress ends
         self._lock = threading.Lock()
         self._first_done = threading.Event()
         self._built_at = 0.0
@@ -129,6 +141,8 @@ class StatusState:
             self._body, self._built_at = body, time.monotonic()
             self._build_s = self._built_at - started
             self._rebuilding = False
+            rebuilt = self._rebuilt
+        rebuilt.set()
         self._first_done.set()
 
     def _start_build(self, redact: Redactor) -> None:
@@ -151,13 +165,18 @@ class StatusState:
                 }
             ).encode("utf-8")
         with self._lock:
-            due = time.monotonic() - self._built_at >= max(self.refresh_s, 2 * self._build_s)
+            age = time.monotonic() - self._built_at
+            due = age >= max(self.refresh_s, 2 * self._build_s)
             start = due and not self._rebuilding
             if start:
                 self._rebuilding = True
-            body = self._body
+                self._rebuilt = threading.Event()
+            body, rebuilt = self._body, self._rebuilt
         if start:
             self._start_build(redact)
+        if age >= self.stale_after_s and rebuilt.wait(self.first_wait_s):
+            with self._lock:
+                body = self._body
         return body
 
 
