@@ -194,6 +194,21 @@ def load_config(path: str | Path, overrides: dict | None = None) -> dict:
 # finished shards or retrain a finished segment. Jobs read those keys from the workflow config
 # (``job_settings``), which is no rerun trigger. Every key of a section is listed on exactly one
 # side (tests/test_config.py checks this against the schema), so a new key must be classified.
+# The data-quality gate's settings (keys of the `tokenize` section): they decide which rows a
+# tokenize shard keeps, so they define its output (data/quality.py reads them by these names).
+TOKENIZE_GATE_KEYS = (
+    "min_supervised_tokens",
+    "max_degenerate_fraction",
+    "min_degenerate_rows",
+    "degenerate_reasons",
+    "identical_response_min_count",
+    "identical_response_min_fraction",
+    "repetition_max_period",
+    "repetition_min_match",
+    "repetition_min_repeats",
+    "repetition_min_fraction",
+)
+
 RULE_KEYS: dict[str, dict[str, Any]] = {
     "ingest": {
         "section": "dataset",
@@ -222,19 +237,7 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
     "tokenize": {
         "section": "tokenize",
         # Lengths, the degenerate-sample rules and the gate decide which rows a shard keeps.
-        "defining": {
-            "max_length",
-            "min_supervised_tokens",
-            "max_degenerate_fraction",
-            "min_degenerate_rows",
-            "degenerate_reasons",
-            "identical_response_min_count",
-            "identical_response_min_fraction",
-            "repetition_max_period",
-            "repetition_min_match",
-            "repetition_min_repeats",
-            "repetition_min_fraction",
-        },
+        "defining": {"max_length", *TOKENIZE_GATE_KEYS},
         "operational": {"telemetry_every_seconds"},
     },
     "extract": {

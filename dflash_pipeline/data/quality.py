@@ -17,7 +17,7 @@ import json
 import logging
 from collections import Counter
 
-from dflash_pipeline.core.config import schema_defaults
+from dflash_pipeline.core.config import TOKENIZE_GATE_KEYS, schema_defaults
 from dflash_pipeline.data.repetition import REPETITION_EXAMPLES, REPETITION_SETTINGS
 
 log = logging.getLogger(__name__)
@@ -40,18 +40,7 @@ DEGENERATE_REASONS = {
 
 
 # The gate's settings (keys of the `tokenize` config section), with the schema's defaults.
-GATE_SETTINGS = (
-    "min_supervised_tokens",
-    "max_degenerate_fraction",
-    "min_degenerate_rows",
-    "degenerate_reasons",
-    "identical_response_min_count",
-    "identical_response_min_fraction",
-    "repetition_max_period",
-    "repetition_min_match",
-    "repetition_min_repeats",
-    "repetition_min_fraction",
-)
+GATE_SETTINGS = TOKENIZE_GATE_KEYS
 DEFAULT_GATE = {key: schema_defaults("tokenize")[key] for key in GATE_SETTINGS}
 HISTOGRAM_EDGES = [0, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 # The failure message quotes the most common response only when it is common: given to at least
