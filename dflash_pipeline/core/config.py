@@ -188,12 +188,6 @@ def load_config(path: str | Path, overrides: dict | None = None) -> dict:
     return validate_config(config)
 
 
-# Which keys of a rule's config section define what the rule writes. Only these go into the
-# rule's `params`, Snakemake's `params` rerun trigger: editing any other key of the section (how
-# a job runs: concurrency, intervals, ports, retries, kernels, resources) must not regenerate
-# finished shards or retrain a finished segment. Jobs read those keys from the workflow config
-# (``job_settings``), which is no rerun trigger. Every key of a section is listed on exactly one
-# side (tests/test_config.py checks this against the schema), so a new key must be classified.
 # The data-quality gate's settings (keys of the `tokenize` section): they decide which rows a
 # tokenize shard keeps, so they define its output (data/quality.py reads them by these names).
 TOKENIZE_GATE_KEYS = (
@@ -209,6 +203,12 @@ TOKENIZE_GATE_KEYS = (
     "repetition_min_fraction",
 )
 
+# Which keys of a rule's config section define what the rule writes. Only these go into the
+# rule's `params`, Snakemake's `params` rerun trigger: editing any other key of the section (how
+# a job runs: concurrency, intervals, ports, retries, kernels, resources) must not regenerate
+# finished shards or retrain a finished segment. Jobs read those keys from the workflow config
+# (``job_settings``), which is no rerun trigger. Every key of a section is listed on exactly one
+# side (tests/test_config.py checks this against the schema), so a new key must be classified.
 RULE_KEYS: dict[str, dict[str, Any]] = {
     "ingest": {
         "section": "dataset",
