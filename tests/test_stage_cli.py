@@ -413,3 +413,33 @@ def test_a_bad_run_config_file_is_one_error_line_naming_it(paths, tmp_path, caps
     assert exit_info.value.code == 2
     line = error_line(capsys.readouterr().err)
     assert "argument --configfile" in line and str(config_file) in line and "num_shards" in line, line
+
+
+def test_extract_reads_the_runs_config_file_and_its_taps_source(paths, tmp_path, monkeypatch, capsys):
+    """extract by hand: `--configfile` gives its train section, `extract.taps_from` and the engines
+    section (where vLLM is); `--taps-from` overrides the file's choice; engine taps without a config
+    file (no engines section to find vLLM in) is one error line."""
+    from dflash_pipeline.core.config import load_config
+    from dflash_pipeline.stages import extract
+
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("train:\n  batch_size: 5\nextract:\n  taps_from: engine\n")
+    expected = load_config(config_file)
+    seen = []
+    monkeypatch.setattr(extract, "extract_job", lambda *args, **kwargs: seen.append((args, kwargs)))
+
+    argv = argv_for("extract", paths)
+    without_settings = argv[: argv.index("--settings-json")] + argv[argv.index("--settings-json") + 2 :]
+    assert extract.main([*without_settings, "--configfile", str(config_file)]) == 0
+    args, kwargs = seen[-1]
+    assert args[2] == expected["train"] and args[2]["batch_size"] == 5
+    assert kwargs == {"taps_from": "engine", "engines": expected["engines"]}
+    assert extract.main([*without_settings, "--configfile", str(config_file), "--taps-from", "target"]) == 0
+    assert seen[-1][1]["taps_from"] == "target"
+    assert extract.main(argv) == 0  # --settings-json: the target computes the taps
+    assert seen[-1][1] == {"taps_from": "target", "engines": None}
+
+    with pytest.raises(SystemExit) as exit_info:
+        extract.main([*argv, "--taps-from", "engine"])
+    assert exit_info.value.code == 2
+    assert "--taps-from engine needs --configfile" in error_line(capsys.readouterr().err)

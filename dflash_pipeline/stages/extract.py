@@ -253,24 +253,40 @@ def taps_engine(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_pipeline.stages.cli import json_object, model_dir, or_s3, shard_name, shard_of
+    from dflash_pipeline.stages.cli import json_object, model_dir, or_s3, run_config_file, shard_name, shard_of
 
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.extract", description=__doc__)
     parser.add_argument("tokenized", type=or_s3(shard_of("tokenize", "extract")), help="tokenized shard parquet")
     parser.add_argument("--target", type=model_dir, required=True, help="target model folder")
-    parser.add_argument("--settings-json", type=json_object, required=True, help="the `train` config as JSON")
+    given = parser.add_mutually_exclusive_group(required=True)
+    given.add_argument(
+        "--configfile", type=run_config_file, help="the run's config file (its train, extract and engines sections)"
+    )
+    given.add_argument("--settings-json", type=json_object, help="the `train` config as JSON")
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://)")
     parser.add_argument("--shard", type=shard_name, required=True, help="shard name, e.g. 00003")
     parser.add_argument("--manifest", required=True, help="where to write the manifest")
     parser.add_argument("--device", default=None, help="cuda, cpu (default: cuda when available)")
+    parser.add_argument(
+        "--taps-from",
+        choices=("target", "engine"),
+        help="who computes the taps (default: --configfile's extract.taps_from, else target); "
+        "engine needs --configfile (its engines section says where vLLM is installed)",
+    )
     args = parser.parse_args(argv)
+    config = args.configfile or {}
+    taps_from = args.taps_from or config.get("extract", {}).get("taps_from", "target")
+    if taps_from == "engine" and not args.configfile:
+        parser.error("--taps-from engine needs --configfile: its engines section says where vLLM is installed")
+    settings = config["train"] if args.configfile else args.settings_json
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     from dflash_pipeline.core.jobstate import RunHalted
 
     try:
         extract_job(
-            args.tokenized, args.target, args.settings_json, args.run_url, args.shard, args.manifest, args.device
-        )
+            args.tokenized, args.target, settings, args.run_url, args.shard, args.manifest, args.device,
+            taps_from=taps_from, engines=config.get("engines"),
+        )  # fmt: skip
     except (RunHalted, ShardKindError) as err:
         log.error("%s", err)
         return 1
