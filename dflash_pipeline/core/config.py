@@ -277,7 +277,8 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "tracker",
             "tracker_dir",
             "tracker_project",
-            # Online training's tap source: extract always uses the target.
+            # Online training's tap source (extract's own is extract.taps_from); the taps server's
+            # settings serve both, and change how the same taps are computed, not which.
             "taps_from",
             "taps_server",
             # The drafter algorithm and its keys: extract stores taps, whatever trains on them.
