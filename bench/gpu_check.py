@@ -125,6 +125,8 @@ def summarize(record: dict) -> dict:
         "engine_tau": record.get("engine_tau"),
         "ratio_engine_to_loop": record.get("ratio_engine_to_loop"),
         "engine_parity_passed": parity.get("passed"),
+        "engine_parity_judged_on": parity.get("judged_on"),
+        "same_output": parity.get("same_output"),
         "loop_lossless": {k: loop_lossless.get(k) for k in ("exact", "near_tie", "lost", "prompts", "passed")},
         "engine_lossless": {
             k: engine_lossless.get(k) for k in ("exact", "near_tie", "lost", "prompts", "passed", "margin_tolerance")

@@ -27,6 +27,7 @@ from dflash_pipeline.evaluation.parity import (
     EngineParityError,
     check_engine_parity,
     engine_parity_report,
+    same_output_taus,
     known_engine_limitations,
 )
 from dflash_pipeline.evaluation.engine_requests import prompt_result
@@ -609,3 +610,72 @@ def test_sglang_gets_the_mamba_flag_its_version_knows():
     assert sglang_mamba_flag(None) == "--mamba-radix-cache-strategy"
     old = serving_server_spec("sglang", "/t", "/d", 8, 1, hybrid=True, python="p", engine_version="0.5.12")
     assert "--mamba-scheduler-strategy" in old.extra_args
+
+
+def rows(*prompts: tuple[str, str, int, int]) -> list[dict]:
+    """Per-prompt rows as the metrics JSON has them: (id, trajectory, committed, steps)."""
+    return [{"id": i, "trajectory": t, "committed_tokens": c, "verify_steps": s} for i, t, c, s in prompts]
+
+
+def test_trajectory_digest_ends_at_the_first_stop_token_whether_or_not_it_is_returned():
+    from dflash_pipeline.evaluation.metrics import trajectory_digest
+
+    stop = {2, 7}
+    assert trajectory_digest([5, 6, 2], stop) == trajectory_digest([5, 6], stop)  # stop returned or not
+    assert trajectory_digest([5, 6, 7, 9, 9], stop) == trajectory_digest([5, 6], stop)
+    assert trajectory_digest([5, 6], stop) != trajectory_digest([5, 8], stop)
+    assert trajectory_digest([5, 6], stop) != trajectory_digest([5, 6, 8], stop)
+    assert trajectory_digest([56], stop) != trajectory_digest([5, 6], stop)
+
+
+def test_same_output_taus_count_only_prompts_whose_engine_text_is_the_loops():
+    loop = rows(("a", "x1", 40, 10), ("b", "x2", 30, 10), ("c", "x3", 50, 10), ("d", None, 10, 5))
+    engine = rows(("a", "x1", 38, 10), ("b", "y2", 20, 10), ("c", "x3", 45, 10), ("d", None, 10, 5))
+    same = same_output_taus(loop, engine)
+    # d: a run without digests never counts as the same output
+    assert same == {"prompts": 2, "of": 4, "loop_tau": 4.5, "engine_tau": 4.15, "differing_ids": ["b", "d"]}
+    assert same_output_taus(loop, [])["prompts"] == 0 and same_output_taus(loop, [])["loop_tau"] is None
+
+
+def test_a_gap_from_a_text_that_went_another_way_is_judged_on_the_prompts_with_the_same_output():
+    """Seven prompts decode the same in both; on the eighth the engine's text left the loop's at a
+    near tie and its drafts were accepted less: over all prompts the engine is 6.3% below, on the
+    same texts 1% below. The gate judges the same texts and reports both."""
+    loop = rows(*[(f"p{i}", f"t{i}", 50, 10) for i in range(7)], ("p7", "t7", 70, 10))
+    engine = rows(*[(f"p{i}", f"t{i}", 49.5, 10) for i in range(7)], ("p7", "other", 47, 10))
+    loop_tau = sum(r["committed_tokens"] for r in loop) / 80
+    engine_tau = sum(r["committed_tokens"] for r in engine) / 80
+    parity = engine_parity_report(
+        loop_tau, engine_tau, engine="sglang", engine_version="0.5.17", drafter_fields=FIELDS,
+        same_output=same_output_taus(loop, engine),
+    )  # fmt: skip
+    assert parity["gap"] == pytest.approx(-0.063, abs=1e-3) and not parity["gap"] >= -0.05
+    assert parity["same_output"]["gap"] == pytest.approx(-0.01) and parity["same_output"]["differing_ids"] == ["p7"]
+    assert parity["passed"] and parity["judged_on"] == "the 7 of 8 prompts with the same output"
+    check_engine_parity(parity)
+
+
+def test_a_broken_export_fails_on_the_same_texts_and_the_message_gives_both_gaps():
+    """A drafter the engine reads wrongly changes no text (the engine verifies every draft), so
+    its gap shows on the prompts with the same output; fewer than half the same: all prompts."""
+    loop = rows(*[(f"p{i}", f"t{i}", 45, 10) for i in range(8)])
+    engine = rows(*[(f"p{i}", f"t{i}", 30, 10) for i in range(8)])
+    parity = engine_parity_report(
+        4.5, 3.0, engine="sglang", engine_version="0.5.17", drafter_fields=FIELDS,
+        same_output=same_output_taus(loop, engine),
+    )  # fmt: skip
+    assert not parity["passed"] and parity["judged_on"] == "the 8 of 8 prompts with the same output"
+    with pytest.raises(EngineParityError) as error:
+        check_engine_parity(parity)
+    text = str(error.value)
+    assert "sglang 0.5.17 measured tau 3.000, 33.3% below the project loop's tau 4.500" in text
+    assert "on the 8 of 8 prompts with the same output (all prompts: 3.000 against 4.500" in text
+
+    mostly_other = rows(*[(f"p{i}", f"t{i}" if i < 3 else "other", 45, 10) for i in range(8)])
+    parity = engine_parity_report(
+        4.5, 4.1, engine="sglang", engine_version="0.5.17", drafter_fields=FIELDS,
+        same_output=same_output_taus(loop, mostly_other),
+    )  # fmt: skip
+    assert parity["judged_on"] == "all prompts" and not parity["passed"] and "gap" not in parity["same_output"]
+    with pytest.raises(EngineParityError, match=r"4\.100, 8\.9% below .* on all prompts\.\n"):
+        check_engine_parity(parity)

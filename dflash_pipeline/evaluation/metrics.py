@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dflash_pipeline.evaluation.loop import PlainTrace, SpeculativeTrace
@@ -45,6 +47,7 @@ class PromptResult:
     plain_seconds: float | None = None  # plain decoding's wall time on the same prompt
     plain_tokens: int | None = None
     extra: dict | None = None  # e.g. the lossless verdict
+    trajectory: str | None = None  # trajectory_digest of the generated tokens
 
     @classmethod
     def from_traces(
@@ -89,9 +92,23 @@ class PromptResult:
             "seconds": _round(self.seconds),
             "plain_seconds": _round(self.plain_seconds),
             "plain_tokens": self.plain_tokens,
+            "trajectory": self.trajectory,
         }
         row.update(self.extra or {})
         return row
+
+
+def trajectory_digest(tokens: Iterable[int], stop_token_ids: Iterable[int]) -> str:
+    """A short digest of the generated tokens before the first stop token: two decodes of one
+    prompt produced the same text iff their digests are equal (engines differ in whether they
+    return the stop token itself, so it is left out)."""
+    stop = set(stop_token_ids)
+    kept = []
+    for token in tokens:
+        if token in stop:
+            break
+        kept.append(int(token))
+    return hashlib.sha256(",".join(map(str, kept)).encode()).hexdigest()[:16]
 
 
 def accept_histogram(accepted_lengths: list[int], block_size: int) -> list[int]:

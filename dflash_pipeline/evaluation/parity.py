@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+
 from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.engines.limits import DrafterShape, notes, refusals
 
@@ -108,11 +109,42 @@ def known_engine_limitations(engine: str, version: str | None, fields: dict, bui
     return refusals(engine, version, build, shape) + notes(engine, version)
 
 
+def _all_prompts(report: dict) -> str:
+    return f" (all prompts: {report['engine_tau']:.3f} against {report['loop_tau']:.3f}, gap {report['gap']:+.4f})"
+
+
 class EngineParityError(AssertionError):
     """The engine's tau and the loop's tau disagree beyond the tolerance."""
 
 
 # --- servers -------------------------------------------------------------------------------------
+
+
+def same_output_taus(loop_rows: list[dict], engine_rows: list[dict]) -> dict:
+    """Both taus over the prompts whose engine output is the loop's, token for token (equal
+    ``trajectory`` digests in the two per-prompt lists). Where a bf16 near tie sends the engine's
+    text another way, the two taus measure different texts; on the same text they measure the
+    same drafts, and any gap left is the engine's implementation or what it read from the export."""
+    engine_by_id = {row["id"]: row for row in engine_rows}
+    same, differing = [], []
+    for row in loop_rows:
+        other = engine_by_id.get(row["id"])
+        if other is not None and row.get("trajectory") and other.get("trajectory") == row["trajectory"]:
+            same.append((row, other))
+        else:
+            differing.append(row["id"])
+
+    def tau(rows: list[dict]) -> float | None:
+        steps = sum(r["verify_steps"] for r in rows)
+        return round(sum(r["committed_tokens"] for r in rows) / steps, 4) if steps else None
+
+    return {
+        "prompts": len(same),
+        "of": len(loop_rows),
+        "loop_tau": tau([pair[0] for pair in same]),
+        "engine_tau": tau([pair[1] for pair in same]),
+        "differing_ids": differing,
+    }
 
 
 def engine_parity_report(
@@ -123,12 +155,19 @@ def engine_parity_report(
     engine: str,
     engine_version: str | None,
     drafter_fields: dict,
+    same_output: dict | None = None,
 ) -> dict:
     """Both numbers side by side; ``gap`` is (engine - loop) / loop. The tolerance is tighter
     than training parity's: the loop has the engines' semantics, so only implementation
-    differences (and what the engine reads from the export) separate them."""
+    differences (and what the engine reads from the export) separate them.
+
+    With ``same_output`` (``same_output_taus``) the gate judges the prompts whose engine output
+    is the loop's when they are at least half of all: a prompt whose text went another way at a
+    near tie (bf16; the lossless check judges those) measures the drafter on another text, and
+    on a few prompts one such text can move tau by more than the tolerance. Both gaps are
+    reported."""
     gap, passed = relative_gap(loop_tau, engine_tau, tolerance, "loop tau")
-    return {
+    report = {
         "loop_tau": round(loop_tau, 4),
         "engine_tau": round(engine_tau, 4),
         "gap": round(gap, 4),
@@ -139,14 +178,30 @@ def engine_parity_report(
         "drafter_fields": dict(drafter_fields),
         "known_limitations": known_engine_limitations(engine, engine_version, drafter_fields),
     }
+    if same_output is not None:
+        report["same_output"] = dict(same_output)
+        report["judged_on"] = "all prompts"
+        loop_same, engine_same = same_output["loop_tau"], same_output["engine_tau"]
+        if loop_same and engine_same is not None and 2 * same_output["prompts"] >= same_output["of"]:
+            same_gap, same_passed = relative_gap(loop_same, engine_same, tolerance, "loop tau")
+            report["same_output"]["gap"] = round(same_gap, 4)
+            report["judged_on"] = f"the {same_output['prompts']} of {same_output['of']} prompts with the same output"
+            report["passed"] = same_passed
+    return report
+
+
+def _all_prompts(report: dict) -> str:
+    return f" (all prompts: {report['engine_tau']:.3f} against {report['loop_tau']:.3f}, gap {report['gap']:+.4f})"
 
 
 def check_engine_parity(report: dict) -> dict:
-    """The report, or EngineParityError naming both taus, the gap, the engine and version, the
-    drafter fields it read, and where to look."""
+    """The report, or EngineParityError naming both taus (of the prompts it judged, and of all
+    where those are fewer), the gap, the engine and version, the drafter fields it read, and
+    where to look."""
     if report["passed"]:
         return report
-    below = report["gap"] < 0
+    judged = report["same_output"] if "gap" in report.get("same_output", {}) else report
+    below = judged["gap"] < 0
     causes = CAUSES_ENGINE_BELOW if below else CAUSES_ENGINE_ABOVE
     fields = "\n".join(f"    {key}: {json.dumps(value)}" for key, value in report["drafter_fields"].items())
     version = report["engine_version"] or "(version unknown)"
@@ -154,11 +209,13 @@ def check_engine_parity(report: dict) -> dict:
         f"  Known limitation of this engine version (the likely cause):\n  - {limitation}\n"
         for limitation in report.get("known_limitations", ())
     )
+    on = f" on {report['judged_on']}" if "judged_on" in report else ""
     raise EngineParityError(
         f"engine parity failed: {report['engine']} {version} "
-        f"measured tau {report['engine_tau']:.3f}, {abs(report['gap']):.1%} "
-        f"{'below' if below else 'above'} the project loop's tau {report['loop_tau']:.3f} "
-        f"(gap {report['gap']:+.4f}, tolerance {report['tolerance']:.0%}).\n"
+        f"measured tau {judged['engine_tau']:.3f}, {abs(judged['gap']):.1%} "
+        f"{'below' if below else 'above'} the project loop's tau {judged['loop_tau']:.3f} "
+        f"(gap {judged['gap']:+.4f}, tolerance {report['tolerance']:.0%}){on}"
+        f"{_all_prompts(report) if judged is not report else ''}.\n"
         f"  Drafter config fields the engine read:\n{fields}\n{known}  Usual causes:\n"
         + "\n".join(f"  - {cause}" for cause in causes)
     )

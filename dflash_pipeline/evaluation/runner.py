@@ -210,14 +210,14 @@ class TargetRunner:
         return None if block_taps is None else block_taps[:accepted]
 
 
-def target_stop_token_ids(tokenizer, model) -> set[int]:
-    """Tokens that end a reply: the tokenizer's eos, the generation config's eos ids, and Qwen's
-    end-of-turn marker when the vocabulary has it."""
+def target_stop_token_ids(tokenizer, generation_config) -> set[int]:
+    """Tokens that end a reply: the tokenizer's eos, the generation config's eos ids (the loaded
+    model's ``generation_config``, or None), and Qwen's end-of-turn marker when the vocabulary
+    has it."""
     stop = set()
     if tokenizer.eos_token_id is not None:
         stop.add(int(tokenizer.eos_token_id))
-    generation = getattr(model, "generation_config", None)
-    eos = getattr(generation, "eos_token_id", None)
+    eos = getattr(generation_config, "eos_token_id", None)
     if eos is not None:
         stop.update(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]))
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -82,7 +82,7 @@ def run_transformers_loop(target, drafter, prompts, options: EvalOptions, load_p
         lossless_summary,
     )
     from dflash_pipeline.evaluation.loop import DecodeSettings, plain_decode, speculative_decode
-    from dflash_pipeline.evaluation.metrics import PromptResult
+    from dflash_pipeline.evaluation.metrics import PromptResult, trajectory_digest
     from dflash_pipeline.evaluation.runner import TargetRunner, target_stop_token_ids
     from dflash_pipeline.model.target import load_target
 
@@ -100,7 +100,7 @@ def run_transformers_loop(target, drafter, prompts, options: EvalOptions, load_p
             raise ValueError(f"--block-size must be at least 2, got {options.block_size}")
         proposer.block_size = options.block_size
     runner = TargetRunner(model, proposer.target_layer_ids)
-    stop = frozenset(target_stop_token_ids(tokenizer, model))
+    stop = frozenset(target_stop_token_ids(tokenizer, getattr(model, "generation_config", None)))
     prompt_ids = render_prompts(tokenizer, prompts, options.thinking)
     margin = options.lossless_margin
     if margin is None:
@@ -122,6 +122,7 @@ def run_transformers_loop(target, drafter, prompts, options: EvalOptions, load_p
         trace = speculative_decode(runner, proposer, ids, settings)
         plain = plain_decode(runner, ids, settings)
         result = PromptResult.from_traces(prompt.id, prompt.prompt_set, len(ids), trace, plain)
+        result.trajectory = trajectory_digest(trace.tokens, stop)
         if settings.greedy:
             verdict = compare_greedy(trace.tokens, plain.tokens, plain.margins, margin)
             verdicts[prompt.id] = verdict

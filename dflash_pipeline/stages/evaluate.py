@@ -99,7 +99,7 @@ def run_evaluation(
     from dflash_pipeline.evaluation.lossless import LosslessError, failure_message
     from dflash_pipeline.evaluation.metrics import metrics_document
     from dflash_pipeline.evaluation.parity import check_parity, parity_report
-    from dflash_pipeline.evaluation.parity import check_engine_parity, engine_parity_report
+    from dflash_pipeline.evaluation.parity import check_engine_parity, engine_parity_report, same_output_taus
 
     document = metrics_document(results, _settings(target, drafter, prompts_path, options, **resolved), **sections)
     loop_tau = document["overall"]["tau"]
@@ -115,6 +115,7 @@ def run_evaluation(
                 engine=engine_section["name"],
                 engine_version=engine_section["version"],
                 drafter_fields=engine_section["drafter_fields"],
+                same_output=same_output_taus(document["per_prompt"], engine_section["per_prompt"]),
             )
     _write_json(out, document)
     overall = document["overall"]
@@ -134,6 +135,16 @@ def run_evaluation(
     if "engine_parity" in document:
         check_engine_parity(document["engine_parity"])
     return document
+
+
+def generation_config_of(target: str | Path):
+    """The target folder's generation config (its stop tokens), or None where it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(target)
+    except OSError:
+        return None
 
 
 def check_engine_serves(drafter: str | Path, engine: str, engines: dict | None):
@@ -160,8 +171,9 @@ def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str
 
     from dflash_pipeline.engines.environments import engine_env
     from dflash_pipeline.engines.launch import free_port
-    from dflash_pipeline.evaluation.metrics import metrics_document
+    from dflash_pipeline.evaluation.metrics import metrics_document, trajectory_digest
     from dflash_pipeline.evaluation.prompts import read_eval_prompts
+    from dflash_pipeline.evaluation.runner import target_stop_token_ids
     from dflash_pipeline.evaluation.serving import drafter_block_size, measure_in_engine, target_is_hybrid
 
     install = check_engine_serves(drafter, options.engine, options.engines)
@@ -192,6 +204,9 @@ def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str
         dtype=dtype,
         margin_tolerance=options.lossless_margin,
     )
+    stop = target_stop_token_ids(tokenizer, generation_config_of(target))
+    for result in measured.results:
+        result.trajectory = trajectory_digest(measured.outputs[result.id], stop)
     document = metrics_document(measured.results, measured.settings(), lossless=measured.lossless)
     section = {
         "name": measured.engine,
