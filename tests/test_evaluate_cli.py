@@ -157,6 +157,12 @@ def test_engine_vllm_measures_beside_the_loop_and_gates_on_parity(
     parity = doc["engine_parity"]
     assert parity["loop_tau"] == doc["overall"]["tau"] and parity["engine_tau"] == engine["overall"]["tau"]
     assert not parity["passed"] and parity["tolerance"] == 0.05
+    # Each prompt's text as a digest on both sides; the stand-in's texts are not the loop's, so
+    # the gate judges all prompts.
+    assert all(len(p["trajectory"]) == 16 for p in doc["per_prompt"] + engine["per_prompt"])
+    same = parity["same_output"]
+    assert same["of"] == len(doc["per_prompt"]) and same["prompts"] + len(same["differing_ids"]) == same["of"]
+    assert parity["judged_on"] == "all prompts" or same["prompts"] * 2 >= same["of"]
     launched = [" ".join(cmd) for cmd in stand_in_servers.launched]
     assert len(launched) == 2 and '"method": "dflash"' in launched[0] and "speculative" not in launched[1]
     assert launched[0].startswith(f"{vllm} -m vllm.entrypoints.openai.api_server")
