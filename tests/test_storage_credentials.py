@@ -225,3 +225,64 @@ def test_the_driver_holding_a_credential_is_non_dumpable_once_it_reads_the_snake
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == ("True" if credential is None else "False"), proc.stderr
+
+
+STATUS_SERVE = """
+from types import SimpleNamespace
+from dflash_pipeline.core.credentials import is_dumpable
+from dflash_pipeline.status import __main__ as status
+
+class Refused:  # stops serve() once it would listen
+    def __init__(self, *args, **kwargs):
+        raise ValueError("stopped before listening")
+
+status.resolve_source, status.SnapshotBuilder, status.StatusServer = (lambda args: None), (lambda source: None), Refused
+try:
+    status.serve(SimpleNamespace(host="127.0.0.1", refresh=1.0, allow_host=[]), 0, None)
+except status.CliError:
+    pass
+print(is_dumpable())
+"""
+
+
+@pytest.mark.parametrize("credential", [None, "AWS_SECRET_ACCESS_KEY"])
+def test_the_status_page_holding_a_credential_is_non_dumpable(credential):
+    """The status page reads the run's storage, so it may hold the credential too; it runs beside
+    the jobs as the same user."""
+    env = clean_env() | ({credential: "s3cr3t-value"} if credential else {})
+    proc = subprocess.run([sys.executable, "-c", STATUS_SERVE], env=env, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("True" if credential is None else "False")
+
+
+def test_stop_finds_a_non_dumpable_status_page_by_its_command_line(tmp_path, monkeypatch):
+    """`stop` tells this tree's status page from a reused pid by the server's command line: a
+    non-dumpable server's /proc cwd is unreadable (stood in for here), its command line is not,
+    and `start` gives it an absolute --workdir."""
+    from dflash_pipeline.status import __main__ as status
+
+    sleeper = "import time; time.sleep(120)"
+    served = subprocess.Popen(
+        [sys.executable, "-c", sleeper, "-m", status.MODULE, "serve", "--workdir", str(tmp_path), "--port", "0"]
+    )
+    relative = subprocess.Popen(
+        [sys.executable, "-c", sleeper, "-m", status.MODULE, "serve", "--workdir", "run"], cwd=tmp_path
+    )
+    try:
+        real_readlink = os.readlink
+
+        def unreadable_cwd(path, *args, **kwargs):
+            if str(path).endswith("/cwd"):
+                raise PermissionError(13, "Permission denied", path)
+            return real_readlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(status.os, "readlink", unreadable_cwd)
+        assert status.server_tree(served.pid) == os.path.realpath(tmp_path)
+        assert status.server_tree(relative.pid) is None  # a relative --workdir needs the cwd
+        monkeypatch.undo()
+        assert status.server_tree(relative.pid) == os.path.realpath(tmp_path / "run")
+        assert status.server_tree(os.getpid()) is None  # no status server
+    finally:
+        for proc in (served, relative):
+            proc.kill()
+            proc.wait()

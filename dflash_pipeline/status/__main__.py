@@ -37,6 +37,7 @@ import yaml
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import validate_config
+from dflash_pipeline.core.credentials import protect_storage_credentials
 from dflash_pipeline.status.events import DEFAULT_EVENTS_FILE
 from dflash_pipeline.core.storage import ReadOnlyStorage
 from dflash_pipeline.status.server import TOKEN_ENV, RedactingFilter, StatusServer
@@ -199,7 +200,6 @@ def server_tree(pid: int) -> str | None:
     the process is gone or is no status server (pids get reused)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
         return None
     args = [a.decode(errors="replace") for a in argv if a]
@@ -211,6 +211,14 @@ def server_tree(pid: int) -> str | None:
             workdir = args[i + 1]
         elif arg.startswith("--workdir="):
             workdir = arg.split("=", 1)[1]
+    if os.path.isabs(workdir):
+        # What `start` passes. A server holding a storage credential is non-dumpable, and then
+        # its /proc cwd is unreadable to its own user (its command line stays readable).
+        return _tree(workdir)
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
     return _tree(os.path.join(cwd, workdir))
 
 
@@ -339,6 +347,9 @@ def _stop_on_sigterm(signum, frame):
 
 def serve(args, port: int, token: str | None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # The page reads the run's storage: with its credential in this process's environment, an
+    # engine of the same user could read it from /proc (core.credentials).
+    protect_storage_credentials()
     source = resolve_source(args)
     try:
         server = StatusServer(
