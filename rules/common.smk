@@ -10,6 +10,7 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import ConfigError, rule_params, validate_config
 from dflash_pipeline.core.storage import is_s3_url
 from dflash_pipeline.snakemake_patches.refusals import install_refusal_patch
+from dflash_pipeline.snakemake_patches.rerun_checks import install_rerun_checks
 from dflash_pipeline.core.credentials import protect_storage_credentials
 
 # The driver and each job's Snakemake process hold the storage credentials in their environment:
@@ -51,6 +52,9 @@ RUN_URL = layout.run_url(
 # A job that refused a damaged input is not retried: every attempt would fail alike
 # (dflash_pipeline.snakemake_patches.refusals).
 install_refusal_patch(RUN_URL)
+# A job about to run again over its earlier outputs has its inputs checked before Snakemake removes
+# those outputs: refused, it keeps them (dflash_pipeline.snakemake_patches.rerun_checks).
+install_rerun_checks(RUN_URL, config)
 
 
 wildcard_constraints:

@@ -1,6 +1,7 @@
 """Checksum records beyond the shard objects (dflash_pipeline.core.checksums): a deleted record is
 an error, verify --adopt writes records once, the ingest outputs, segment manifests (with their
-checkpoint index) and the drafter are checked, and a job that refuses a damaged input says so."""
+checkpoint index) and the drafter are checked, a job that refuses a damaged input says so, and so
+does the driver's check of the jobs about to run again over their earlier outputs."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import json
 
 import pytest
 
-from dflash_pipeline.core import layout
+from dflash_pipeline.core import checksums, layout
 from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.checksums import (
     ChecksumError,
+    Rerun,
     record_checksum,
+    refuse_damaged_reruns,
     refusal_key,
     refused,
     rule_and_shard_of,
@@ -83,3 +86,53 @@ def test_a_damaged_input_writes_the_jobs_refusal(tmp_path):
     refusal = refused(store, "generate", {"shard": "00001"})
     assert refusal["input"] == "outputs/prepare-00001.parquet"
     assert refusal_key("generate", {"shard": "00001"}).endswith("refused/generate-shard=00001.json")
+
+
+def test_reruns_with_a_damaged_input_are_refused_keeping_their_outputs_each_input_read_once(tmp_path, monkeypatch):
+    root = tmp_path / "results/demo"
+    store = open_storage(root)
+    good = write_shard(root, "outputs/prepare-00000.parquet")
+    bad = write_shard(root, "outputs/prepare-00001.parquet")
+    record_checksum(store, good, "prepare", 0)
+    record_checksum(store, bad, "prepare", 1)
+    flip_byte(bad)
+    # Shard 0's job was refused in an earlier run; its input has been repaired since.
+    store.write_text(refusal_key("generate", {"shard": "00000"}), "{}")
+    hashed = []
+    real_digest = checksums.digest_file
+    monkeypatch.setattr(checksums, "digest_file", lambda path: hashed.append(str(path)) or real_digest(path))
+    reruns = [
+        Rerun("generate", {"shard": "00000"}, (str(good),), ("outputs/generate-00000.parquet",)),
+        Rerun("generate", {"shard": "00001"}, (str(bad),), ("outputs/generate-00001.parquet",)),
+        # A job of the whole run reading both shards (as the report jobs read every shard).
+        Rerun("report_prepare", {}, (str(good), str(bad)), ("report/prepare.svg", "report/prepare.html")),
+    ]
+    refusals = refuse_damaged_reruns(str(root), {}, reruns, parallel=3)
+
+    assert sorted(hashed) == sorted([str(good), str(bad)])  # each input once, for the three jobs
+    assert [rerun for rerun, _ in refusals] == reruns[1:]
+    for rerun, line in refusals:
+        assert "\n" not in line
+        assert line.startswith(f"{checksums.job_name(rerun.rule, rerun.wildcards)} not run, its earlier outputs kept (")
+        assert f"{root}/outputs/prepare-00001.parquet is damaged" in line
+        assert "rule prepare (shard 00001)" in line and "make verify REPAIR=1" in line
+    assert refusals[0][1].startswith("rule generate (shard 00001) not run, its earlier outputs kept (outputs/generate-")
+    assert "(report/prepare.svg, report/prepare.html)" in refusals[1][1]
+    # Each refused job's refusal, as its own check writes it, with the outputs it keeps.
+    refusal = refused(store, "generate", {"shard": "00001"})
+    assert refusal["input"] == "outputs/prepare-00001.parquet"
+    assert refusal["kept_outputs"] == ["outputs/generate-00001.parquet"]
+    assert refused(store, "report_prepare", {})["kept_outputs"] == ["report/prepare.svg", "report/prepare.html"]
+    # The job whose input is intact: its old refusal removed, as its own check would.
+    assert refused(store, "generate", {"shard": "00000"}) is None
+
+
+def test_a_job_that_refuses_its_own_input_lists_no_kept_outputs(tmp_path):
+    root = tmp_path / "results/demo"
+    store = open_storage(root)
+    shard = write_shard(root, "outputs/prepare-00001.parquet")
+    record_checksum(store, shard, "prepare", 1)
+    flip_byte(shard)
+    with pytest.raises(ChecksumError):
+        verify_inputs(str(root), "generate", {"shard": "00001"}, {}, [str(shard)])
+    assert "kept_outputs" not in refused(store, "generate", {"shard": "00001"})

@@ -230,8 +230,8 @@ def test_every_patch_is_written_against_the_installed_functions():
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True)
     lines = proc.stdout.splitlines()
-    # planning 5, s3_inventory 4, refusals, slurm_states, execution and storage_outage 1 each.
-    assert len(lines) == 13 and all(line.endswith(" []") for line in lines), proc.stdout
+    # planning 5, s3_inventory 4, refusals, rerun_checks, slurm_states, execution and storage_outage 1 each.
+    assert len(lines) == 14 and all(line.endswith(" []") for line in lines), proc.stdout
 
 
 def test_a_patch_whose_function_changed_turns_itself_off_with_a_warning():

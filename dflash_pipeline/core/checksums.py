@@ -38,6 +38,10 @@ switch the check off. A run made before records existed is adopted once, explici
 A reader that finds a damaged input also writes a refusal (``refusal_key``) naming the job and
 the input: the workflow (rules/common.smk) does not retry such a job, since a damaged input fails
 every attempt alike.
+
+A job about to run again over outputs it made before is checked by the workflow's driver first
+(``refuse_damaged_reruns``), before Snakemake removes those outputs: a refused one never runs, and
+its refusal lists the outputs it keeps.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +83,9 @@ SEGMENT_MANIFEST = re.compile(r"^outputs/train-segment-(?P<segment>\d{4})\.json$
 # The speculators-format export beside the z-lab one (drafter/<folder>/<file>).
 SPECULATORS_FILE = re.compile(rf"^{layout.DRAFTER_DIR}/[^/]+/[^/]+$")
 REFUSALS_DIR = f"{CHECKSUMS_DIR}/refused"
+# How many inputs the driver hashes at once, and how many jobs' records it reads at once, when it
+# checks the jobs about to run again (local disk reads and S3 round trips; refuse_damaged_reruns).
+RERUN_CHECK_PARALLEL = 8
 
 
 class ChecksumError(RuntimeError):
@@ -260,13 +268,19 @@ def _config_hint(config: dict | None) -> str | None:
 
 
 def verify_local_copy(
-    local_path: str | os.PathLike, run_url: str, reader: str, config: dict | None = None, key: str | None = None
+    local_path: str | os.PathLike,
+    run_url: str,
+    reader: str,
+    config: dict | None = None,
+    key: str | None = None,
+    digest_of: Callable[[Path], Digest] = digest_file,
 ) -> Record | None:
     """Check the local copy of a shard object that a job is about to read against the record of
     the job that wrote it. Raises ChecksumError naming the stored object (its ``s3://`` URL or
     run path, never Snakemake's local cache path), its producer and the repair command; returns
     the record. An object without a record is refused too: deleting a record must not switch
-    the check off (a run made before records existed is adopted once by ``verify --adopt``)."""
+    the check off (a run made before records existed is adopted once by ``verify --adopt``).
+    ``digest_of`` hashes the copy (a caller that hashed it already passes what it found)."""
     storage = open_storage(run_url)
     key = key or object_key(local_path)
     where = storage.join(key)
@@ -280,7 +294,7 @@ def verify_local_copy(
             f"it cannot be trusted. A run made before checksums were recorded: adopt its objects once with "
             f"{adopt_command(run_url)}; otherwise rebuild it: {repair_command(run_url, config, _config_hint(config))}"
         )
-    problem = record.digest.problem(digest_file(local)) if local.is_file() else "is missing"
+    problem = record.digest.problem(digest_of(local)) if local.is_file() else "is missing"
     if problem is None:
         log.info("checksum of %s verified (sha256 %s, %d bytes)", where, record.sha256[:16], record.size)
         return record
@@ -339,24 +353,89 @@ def refusal_key(rule: str, wildcards: dict) -> str:
     return f"{REFUSALS_DIR}/{rule}-{name}.json"
 
 
-def verify_inputs(run_url: str, rule: str, wildcards: dict, config: dict, paths: Iterable[str]) -> None:
+def job_name(rule: str, wildcards: dict) -> str:
+    """``rule generate (shard 00001)``, ``rule train (segment 0002)``, ``rule export``."""
+    shard = wildcards.get("shard") or wildcards.get("segment")
+    return f"rule {rule}" + (f" ({'segment' if 'segment' in wildcards else 'shard'} {shard})" if shard else "")
+
+
+def verify_inputs(
+    run_url: str,
+    rule: str,
+    wildcards: dict,
+    config: dict,
+    paths: Iterable[str],
+    *,
+    kept: Iterable[str] = (),
+    digest_of: Callable[[Path], Digest] = digest_file,
+) -> None:
     """Check the tracked inputs of the job of ``rule`` with ``wildcards`` before it reads them
     (ChecksumError on the first bad one, after the job's refusal is written: the workflow does
-    not retry it)."""
-    shard = wildcards.get("shard") or wildcards.get("segment")
-    reader = f"rule {rule}" + (f" ({'segment' if 'segment' in wildcards else 'shard'} {shard})" if shard else "")
+    not retry it). ``kept``: the outputs the job made before, which a refusal leaves in place
+    (the driver's check of a job about to run again, ``refuse_damaged_reruns``); the refusal
+    lists them. ``digest_of`` as for ``verify_local_copy``."""
+    reader, kept = job_name(rule, wildcards), list(kept)
     storage = open_storage(run_url)
     refusal = refusal_key(rule, wildcards)
     for path in paths:
         try:
-            verify_local_copy(path, run_url, reader, config=config)
+            verify_local_copy(path, run_url, reader, config=config, digest_of=digest_of)
         except ChecksumError as err:
             doc = {"rule": rule, "wildcards": wildcards, "input": object_key(path), "error": str(err)}
+            if kept:
+                doc["kept_outputs"] = kept
             doc["written_at"] = time.time()
             storage.write_text(refusal, json.dumps(doc, indent=1) + "\n")
             raise
     if storage.exists(refusal):
         storage.delete(refusal)  # an earlier run's refusal, repaired since
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """A job about to run again over outputs it made before: its rule and wildcards, the local
+    paths of its tracked inputs (the files the job would read) and the run-root keys of the
+    outputs it has."""
+
+    rule: str
+    wildcards: dict
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def refuse_damaged_reruns(
+    run_url: str, config: dict, reruns: Iterable[Rerun], parallel: int = RERUN_CHECK_PARALLEL
+) -> list[tuple[Rerun, str]]:
+    """Check the tracked inputs of jobs about to run again, before their earlier outputs are
+    removed: each job as ``verify_inputs`` checks it (a refusal written, listing the outputs it
+    keeps, or an earlier refusal removed). Each distinct input is read once, however many of the
+    jobs read it; inputs are hashed, and the jobs checked, ``parallel`` at a time. Returns the
+    refused jobs, each with its one-line error: the job, the outputs it keeps, the damaged
+    object, its producer and the repair command."""
+    reruns = list(reruns)
+    # Keyed as verify_local_copy names them (Path), so that each is found again there.
+    paths = sorted({str(Path(path)) for rerun in reruns for path in rerun.inputs if Path(path).is_file()})
+    with ThreadPoolExecutor(max(1, parallel)) as pool:
+        digests = dict(zip(paths, pool.map(digest_file, paths)))
+
+        def digest_of(path: Path) -> Digest:
+            known = digests.get(str(path))
+            return known if known is not None else digest_file(path)
+
+        def check(rerun: Rerun) -> tuple[Rerun, str] | None:
+            try:
+                verify_inputs(
+                    run_url, rerun.rule, rerun.wildcards, config, rerun.inputs, kept=rerun.outputs, digest_of=digest_of
+                )
+            except ChecksumError as err:
+                kept = ", ".join(rerun.outputs)
+                return (
+                    rerun,
+                    f"{job_name(rerun.rule, rerun.wildcards)} not run, its earlier outputs kept ({kept}): {err}",
+                )
+            return None
+
+        return [found for found in pool.map(check, reruns) if found is not None]
 
 
 def refused(storage: Storage, rule: str, wildcards: dict) -> dict | None:

@@ -1,8 +1,9 @@
 """Changes to Snakemake and its S3 and SLURM plugins, made in the process that plans a run, so that
 a plan of 10,000s of jobs is built fast (``planning``) and against S3 from folder listings
-(``s3_inventory``), a job that refused a damaged input is not retried (``refusals``), the run's
-checks start with a run or a dry-run (``execution``), and a scancelled SLURM job ends
-(``slurm_states``). Nothing else in the package imports this one (tests/test_layers.py); the
+(``s3_inventory``), a job that refused a damaged input is not retried (``refusals``), a job about
+to run again over its earlier outputs is refused for a damaged input before they are removed
+(``rerun_checks``), the run's checks start with a run or a dry-run (``execution``), and a
+scancelled SLURM job ends (``slurm_states``). Nothing else in the package imports this one (tests/test_layers.py); the
 rules install it.
 
 Each patch replaces functions written by others, relying on what they do. So each is guarded by
