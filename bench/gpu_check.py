@@ -14,6 +14,9 @@
    reference of every evaluation of that engine.
 3. A deliberately broken export of the full-attention drafter (target layers reversed): its
    evaluation must fail (the engine parity gate; losslessness holds, since the engine verifies).
+4. With ``--mtp``, per engine: the tune stage with MTP on a tiny target that has an MTP head
+   (``dflash_pipeline.demo.mtp_target``): whether the MTP server started and was measured, and its
+   output tokens/s against the plain server's (``dflash_pipeline.demo.mtp_tune``).
 
 Writes one record: device, driver, engine versions, commit, date; per engine and drafter the
 loop's tau and the engine's, their ratio, lossless counts (exact / near tie / lost) and wall
@@ -181,6 +184,15 @@ def check_engine(engine: str, python: str, args, work: Path, on_progress=lambda 
     return result
 
 
+def check_mtp(engine: str, python: str, args, target: Path, work: Path) -> dict:
+    """tune with MTP on the MTP test target, this engine's extra arguments on its servers."""
+    from dflash_pipeline.demo.mtp_tune import run_tune_with_mtp, tune_config
+
+    extra = [a for e, a in args.engine_args if e == engine]
+    config = tune_config(engine, python, mem_fraction=args.mem_fraction, extra_args=extra)
+    return run_tune_with_mtp(target, work / "mtp-tune", config)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", action="append", default=[], metavar="ENGINE=PYTHON", help="engine environment")
@@ -195,6 +207,7 @@ def main() -> int:
     )
     parser.add_argument("--no-cuda-tests", action="store_true", help="skip the CUDA tests (said in the record)")
     parser.add_argument("--no-broken", action="store_true", help="skip the broken-export run (said in the record)")
+    parser.add_argument("--mtp", action="store_true", help="also run tune with MTP on a tiny target with an MTP head")
     parser.add_argument("--workdir", help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--out", help="result JSON (default: bench/results/gpu_check-<device>.json)")
     args = parser.parse_args()
@@ -210,6 +223,11 @@ def main() -> int:
     record = {"benchmark": "gpu_check", **provenance(device), "driver": driver_version()}
     record["cuda_tests"] = "skipped (--no-cuda-tests)" if args.no_cuda_tests else cuda_tests(work_root / "cuda.xml")
     record["engines"] = {}
+    mtp_target = None
+    if args.mtp:
+        from dflash_pipeline.demo.mtp_target import build_mtp_target
+
+        mtp_target = build_mtp_target(work_root / "mtp-target")
     for engine, python in engines.items():
         work = work_root / engine
         work.mkdir(parents=True, exist_ok=True)
@@ -221,6 +239,8 @@ def main() -> int:
             work,
             lambda result, engine=engine: emit({**record, "engines": {**record["engines"], engine: result}}, str(out)),
         )
+        if mtp_target:
+            record["engines"][engine]["mtp_tune"] = check_mtp(engine, python, args, mtp_target, work)
         record["engines"][engine]["seconds"] = round(time.time() - started, 1)
         emit(record, str(out))  # what has run so far survives a later crash
     record["passed"] = passed(record, args)
@@ -235,6 +255,8 @@ def passed(record: dict, args) -> bool:
             ok = ok and drafter["workflow_exit_code"] == 0
         broken = result.get("broken_export")
         ok = ok and (broken is None or broken["failed_as_it_should"])
+        mtp = result.get("mtp_tune")
+        ok = ok and (mtp is None or (mtp["exit_code"] == 0 and mtp["mtp_measured"]))
     return bool(ok)
 
 

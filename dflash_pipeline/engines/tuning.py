@@ -31,8 +31,8 @@ RESULT_SCHEMA = 1
 # "mtp" method); transformers serve does not.
 MTP_ENGINES = frozenset({"sglang", "vllm"})
 # The config keys that say a target has an MTP head (Qwen3.5/3.6 and Qwen3-Next:
-# mtp_num_hidden_layers; DeepSeek-V3 and GLM: num_nextn_predict_layers), at the top level or in
-# text_config of a multimodal checkpoint.
+# mtp_num_hidden_layers; DeepSeek-V3, GLM and MiMo: num_nextn_predict_layers), at the top level or
+# in text_config of a multimodal checkpoint. dflash_pipeline.demo.mtp_target builds a tiny MiMo one.
 MTP_CONFIG_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
 
 
