@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -33,6 +34,25 @@ def emit(record: dict, out: str | None, indent: int = 2) -> None:
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text + "\n")
+
+
+def copy_workflow(dest: Path, extra: tuple[str, ...] = ()) -> Path:
+    """The workflow's files (the ones the workflow tests copy, and ``extra``) copied into
+    ``dest``: each benchmark runs Snakemake in a folder of its own. Returns ``dest``."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from tests.conftest import WORKFLOW_FILES
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (*WORKFLOW_FILES, *extra):
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, dest / name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        elif source.exists():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    return dest
 
 
 def cpu_model() -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,23 +24,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchlib import REPO, cpu_model, emit, provenance  # noqa: E402
+from benchlib import REPO, cpu_model, copy_workflow, emit, provenance  # noqa: E402
 
 from dflash_pipeline.core import layout  # noqa: E402
-from tests.conftest import WORKFLOW_FILES  # noqa: E402
-
-# The workflow files the tests copy, and the built demo target where it exists; the package is
-# imported from this checkout (PYTHONPATH), as in the workflow tests.
-COPIED = (*WORKFLOW_FILES, "resources")
 
 
 def copy_checkout(workdir: Path) -> None:
-    for name in COPIED:
-        source = REPO / name
-        if source.is_dir():
-            shutil.copytree(source, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
-        elif source.exists():
-            shutil.copy2(source, workdir / name)
+    """The workflow files the tests copy, and the built demo target where it exists; the
+    package is imported from this checkout (PYTHONPATH), as in the workflow tests."""
+    copy_workflow(workdir, extra=("resources",))
 
 
 def run_workflow(workdir: Path, algorithm: str, cores: str, log: Path) -> float:

@@ -21,7 +21,6 @@ import os
 import platform
 import random
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchlib import emit, provenance
+from benchlib import copy_workflow, emit, provenance
 
 import yaml
 
@@ -39,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from dflash_pipeline.core import layout  # noqa: E402
 from dflash_pipeline.core.s3 import S3Storage  # noqa: E402
-from tests.conftest import WORKFLOW_FILES, parse_job_table  # noqa: E402
+from tests.conftest import parse_job_table  # noqa: E402
 from tests.support.seaweed import start_seaweed  # noqa: E402
 
 # Upload order of a finished run (a rule's outputs are newer than its inputs').
@@ -149,8 +148,7 @@ def main() -> None:
         try:
             wf = tmp / "wf"
             wf.mkdir()
-            for name in WORKFLOW_FILES:
-                (shutil.copytree if (REPO / name).is_dir() else shutil.copy2)(REPO / name, wf / name)
+            copy_workflow(wf)
             config = yaml.safe_load((wf / "config.yaml").read_text())
             config["num_shards"] = args.shards
             config["until"] = args.until

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,11 +19,10 @@ import time
 from pathlib import Path
 
 import yaml
-from benchlib import REPO, cpu_model, emit, provenance
+from benchlib import REPO, cpu_model, copy_workflow, emit, provenance
 
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import WORKFLOW_FILES  # noqa: E402
 
 # Every stage of the workflow: offline training adds extract, tune measures the engine first.
 EVERY_STAGE = {"until": "evaluate", "train": {"mode": "offline"}, "tune": {"enabled": True}}
@@ -33,9 +31,7 @@ EVERY_STAGE = {"until": "evaluate", "train": {"mode": "offline"}, "tune": {"enab
 def planned_run(root: Path, shards: int) -> Path:
     """A copy of the workflow in ``root`` configured for ``shards`` shards and every stage."""
     root.mkdir(parents=True)
-    for name in WORKFLOW_FILES:
-        src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, root / name)
+    copy_workflow(root)
     config = yaml.safe_load((root / "config.yaml").read_text())
     config["num_shards"] = shards
     for key, value in EVERY_STAGE.items():

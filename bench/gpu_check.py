@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from benchlib import REPO, emit, provenance
+from benchlib import REPO, copy_workflow, emit, provenance
 from serving_parity import VARIANTS, gpu_name, run_variant
 
 sys.path.insert(0, str(REPO))
@@ -149,6 +149,7 @@ def check_engine(engine: str, python: str, args, work: Path, on_progress=lambda 
     result = {"version": version, "extra_args": extra, "refused_shapes": refused, "drafters": {}}
     if not shapes:
         return result
+    copy_workflow(work)  # each engine's runs in a workflow folder of their own
     target = work / "results" / "demo-target"
     if not target.exists():
         from dflash_pipeline.demo.build_model import build_demo_model
@@ -176,7 +177,12 @@ def check_engine(engine: str, python: str, args, work: Path, on_progress=lambda 
                 flush=True,
             )
             on_progress(result)  # a drafter's figures survive a later crash or a lost machine
-        if "full" in shapes and not args.no_broken:
+        full = result["drafters"].get("full")
+        if full and full["workflow_exit_code"] != 0:
+            result["broken_export"] = (
+                "not run: the full-attention drafter's own run failed (its export is the one broken)"
+            )
+        elif full and not args.no_broken:
             broken = SimpleNamespace(**{**vars(run_args), "misexport": True, "misexport_kind": "reversed-taps"})
             record = summarize(run_variant(broken, "full", work, None))
             record["failed_as_it_should"] = record["workflow_exit_code"] != 0 and not record["engine_parity_passed"]
@@ -254,7 +260,7 @@ def passed(record: dict, args) -> bool:
         for drafter in result["drafters"].values():
             ok = ok and drafter["workflow_exit_code"] == 0
         broken = result.get("broken_export")
-        ok = ok and (broken is None or broken["failed_as_it_should"])
+        ok = ok and (broken is None or (isinstance(broken, dict) and broken["failed_as_it_should"]))
         mtp = result.get("mtp_tune")
         ok = ok and (mtp is None or (mtp["exit_code"] == 0 and mtp["mtp_measured"]))
     return bool(ok)

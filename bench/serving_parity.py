@@ -30,11 +30,10 @@ import time
 from pathlib import Path
 
 import yaml
-from benchlib import REPO, cpu_model, emit, provenance
+from benchlib import REPO, cpu_model, copy_workflow, emit, provenance
 
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import WORKFLOW_FILES  # noqa: E402
 
 VARIANTS = {
     # The demo's drafter: every layer full attention (bidirectional within the block).
@@ -96,14 +95,7 @@ def main() -> int:
     args = parser.parse_args()
     variants = args.variant or ["full"]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="serving-parity-"))
-    for name in WORKFLOW_FILES:
-        src = REPO / name
-        dest = work / name
-        if src.is_dir():
-            shutil.copytree(src, dest, dirs_exist_ok=True)
-        else:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest)
+    copy_workflow(work)
     records = []
     for index, variant in enumerate(variants):
         reuse = args.reuse_data_of or (variants[0] if index else None)

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import yaml
-from benchlib import REPO, cpu_model, emit, provenance
+from benchlib import REPO, cpu_model, copy_workflow, emit, provenance
 
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import WORKFLOW_FILES  # noqa: E402
 from tests.support.engine_envs import VLLM_CPU_ENV, VLLM_CPU_MEM_FRACTION  # noqa: E402
 
 
@@ -68,9 +66,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "wf"
         root.mkdir()
-        for name in WORKFLOW_FILES:
-            src = REPO / name
-            (shutil.copytree if src.is_dir() else shutil.copy2)(src, root / name)
+        copy_workflow(root)
         (root / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         subprocess.run(
             [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", f"gpu={args.gpus}", "--", "tune"],

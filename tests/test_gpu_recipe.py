@@ -96,3 +96,52 @@ def test_the_gpu_check_runs_each_shape_an_engine_serves_and_says_why_not_the_oth
         cwd=REPO, capture_output=True, text=True,
     ).stdout  # fmt: skip
     assert "bench/gpu_check.py --engine sglang=/envs/sglang/bin/python" in planned and "--engine vllm" not in planned
+
+
+def test_the_gpu_check_runs_each_engine_in_a_workflow_folder_and_no_broken_export_without_a_drafter(
+    monkeypatch, tmp_path
+):
+    """Each engine's runs get a copy of the workflow (Snakefile, config, rules...) in their own
+    folder, as the workflow tests do (missed once on an H100: Snakemake found no config.yaml); a
+    broken export is only made of a full-attention drafter whose own run succeeded. The engine,
+    its servers and Snakemake are stood in for: this is the check's wiring."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import gpu_check
+
+    seen = []
+
+    def run_variant(run_args, variant, work, reuse):
+        seen.append((variant, run_args.misexport, sorted(p.name for p in work.iterdir())))
+        return {"workflow_exit_code": exit_code, "workflow_seconds": 1.0}
+
+    monkeypatch.setattr(gpu_check, "installed_engine", lambda engine, python: SimpleNamespace(version="0.5.17"))
+    monkeypatch.setattr(
+        gpu_check, "plain_reference", lambda *a: nullcontext(SimpleNamespace(spec=SimpleNamespace(url="http://ref")))
+    )
+    monkeypatch.setattr(gpu_check, "run_variant", run_variant)
+    (tmp_path / "results" / "demo-target").mkdir(parents=True)  # no build
+    args = SimpleNamespace(
+        engine_args=[],
+        shape=["full"],
+        max_prompts=8,
+        max_new_tokens=None,
+        mem_fraction=0.3,
+        no_broken=False,
+        no_cuda_tests=False,
+    )
+
+    exit_code = 1
+    result = gpu_check.check_engine("sglang", "/envs/sglang/bin/python", args, tmp_path)
+    assert [(v, m) for v, m, _ in seen] == [("full", False)]
+    assert {"Snakefile", "config.yaml", "rules", "scripts"} <= set(seen[0][2])
+    assert result["broken_export"].startswith("not run: the full-attention drafter's own run failed")
+    assert not gpu_check.passed({"cuda_tests": {"passed_all": True}, "engines": {"sglang": result}}, args)
+
+    exit_code, seen[:] = 0, []
+    result = gpu_check.check_engine("sglang", "/envs/sglang/bin/python", args, tmp_path)
+    assert [(v, m) for v, m, _ in seen] == [("full", False), ("full", True)]
+    # The stand-in's broken run "succeeded": the check says the broken export did not fail.
+    assert result["broken_export"]["failed_as_it_should"] is False
