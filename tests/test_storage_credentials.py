@@ -255,34 +255,30 @@ def test_the_status_page_holding_a_credential_is_non_dumpable(credential):
     assert proc.stdout.strip() == ("True" if credential is None else "False")
 
 
-def test_stop_finds_a_non_dumpable_status_page_by_its_command_line(tmp_path, monkeypatch):
+def test_stop_finds_a_non_dumpable_status_page_by_its_command_line(tmp_path):
     """`stop` tells this tree's status page from a reused pid by the server's command line: a
-    non-dumpable server's /proc cwd is unreadable (stood in for here), its command line is not,
-    and `start` gives it an absolute --workdir."""
+    non-dumpable server's /proc cwd is unreadable to its own user, its command line is not, and
+    `start` gives it an absolute --workdir. A stand-in /proc: entries with a command line, and a
+    cwd link only where it is readable."""
     from dflash_pipeline.status import __main__ as status
 
-    sleeper = "import time; time.sleep(120)"
-    served = subprocess.Popen(
-        [sys.executable, "-c", sleeper, "-m", status.MODULE, "serve", "--workdir", str(tmp_path), "--port", "0"]
-    )
-    relative = subprocess.Popen(
-        [sys.executable, "-c", sleeper, "-m", status.MODULE, "serve", "--workdir", "run"], cwd=tmp_path
-    )
-    try:
-        real_readlink = os.readlink
+    proc = tmp_path / "proc"
 
-        def unreadable_cwd(path, *args, **kwargs):
-            if str(path).endswith("/cwd"):
-                raise PermissionError(13, "Permission denied", path)
-            return real_readlink(path, *args, **kwargs)
+    def process(pid: int, argv: list[str], cwd: Path | None) -> int:
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+        if cwd is not None:
+            (proc / str(pid) / "cwd").symlink_to(cwd)
+        return pid
 
-        monkeypatch.setattr(status.os, "readlink", unreadable_cwd)
-        assert status.server_tree(served.pid) == os.path.realpath(tmp_path)
-        assert status.server_tree(relative.pid) is None  # a relative --workdir needs the cwd
-        monkeypatch.undo()
-        assert status.server_tree(relative.pid) == os.path.realpath(tmp_path / "run")
-        assert status.server_tree(os.getpid()) is None  # no status server
-    finally:
-        for proc in (served, relative):
-            proc.kill()
-            proc.wait()
+    tree, here = tmp_path / "tree", tmp_path / "here"
+    serve = ["python3", "-m", status.MODULE, "serve", "--port", "0"]
+    protected = process(11, [*serve, "--workdir", str(tree)], cwd=None)
+    relative_protected = process(12, [*serve, "--workdir", "run"], cwd=None)
+    relative = process(13, [*serve, "--workdir=run"], cwd=here)
+    other = process(14, ["python3", "-m", "http.server"], cwd=here)
+    assert status.server_tree(protected, str(proc)) == os.path.realpath(tree)
+    assert status.server_tree(relative_protected, str(proc)) is None  # a relative --workdir needs the cwd
+    assert status.server_tree(relative, str(proc)) == os.path.realpath(here / "run")
+    assert status.server_tree(other, str(proc)) is None  # no status server
+    assert status.server_tree(99, str(proc)) is None  # gone

@@ -195,11 +195,11 @@ def read_pidfile(pidfile: Path) -> dict | None:
     return None
 
 
-def server_tree(pid: int) -> str | None:
+def server_tree(pid: int, proc: str = "/proc") -> str | None:
     """The tree (absolute working directory) of the status server with this pid, or None when
     the process is gone or is no status server (pids get reused)."""
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        argv = Path(f"{proc}/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
     args = [a.decode(errors="replace") for a in argv if a]
@@ -216,7 +216,7 @@ def server_tree(pid: int) -> str | None:
         # its /proc cwd is unreadable to its own user (its command line stays readable).
         return _tree(workdir)
     try:
-        cwd = os.readlink(f"/proc/{pid}/cwd")
+        cwd = os.readlink(f"{proc}/{pid}/cwd")
     except OSError:
         return None
     return _tree(os.path.join(cwd, workdir))
