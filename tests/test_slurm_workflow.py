@@ -71,11 +71,12 @@ def snakemake_env(cluster, extra=None) -> dict:
 
 
 def start(workflow, cluster, *args, env=None, log: Path) -> subprocess.Popen:
-    """The driver as a user runs it: no --cores (every job goes to Slurm)."""
+    """The driver as a user runs it: no --cores (every job goes to Slurm); its status checks at
+    most a few seconds apart (tests.support.slurm_driver)."""
     sink = open(log, "wb")
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "snakemake", *FAST_STATUS, *args],
+            [sys.executable, "-m", "tests.support.slurm_driver", *FAST_STATUS, *args],
             cwd=workflow.root,
             env=snakemake_env(cluster, env),
             stdout=sink,
@@ -238,7 +239,8 @@ def test_scancel_and_the_time_limit_are_resumed_from_parts_and_checkpoints_on_gp
     - the train segment, with a 1-minute limit (`--set-resources train:runtime=1`), is scancelled
       after a checkpoint; its retries resume from the last checkpoint, are killed at the limit
       (TIMEOUT: SIGTERM, the trainer checkpoints and exits), and the next attempt resumes from
-      there; then the test stops the run as a user would (the segment is longer than it waits).
+      there; then the test stops the run as a user would, with Ctrl-C (the segment is longer
+      than it waits), and Snakemake cancels the running attempt.
     """
     from dflash_pipeline.core.jobstate import ShardProgress
     from dflash_pipeline.core.storage import open_storage
@@ -284,23 +286,37 @@ def test_scancel_and_the_time_limit_are_resumed_from_parts_and_checkpoints_on_gp
             ).stdout.split()
             return [line.split("|")[0] for line in listed if line.split("|")[1].startswith(f"rule_{rule}")]
 
-        wait_until(lambda: running("generate") and len(progress.part_keys()) >= 2, 900, "two generate parts")
+        # The files first, Slurm's queue only once they are there (each squeue or sacct costs
+        # the jobs CPU time).
+        wait_until(lambda: len(progress.part_keys()) >= 2 and running("generate"), 900, "two generate parts")
         slurm_cluster.command("scancel", running("generate")[0])
         # The segment's in-segment checkpoints (every 10 steps).
         checkpoint = run_root / "_progress/train/segment-0000/checkpoint/latest.json"
-        wait_until(lambda: running("train") and checkpoint.exists(), 1500, "a train checkpoint")
+        wait_until(lambda: checkpoint.exists() and running("train"), 1500, "a train checkpoint")
         slurm_cluster.command("scancel", running("train")[0])
 
         def resumed_after_timeout() -> bool:
+            # The first attempt is the scancelled one: a resume after a TIMEOUT is a third start.
+            if len(train_starts()) < 3:
+                return False
             states = [
                 job["State"].split()[0] for job in by_rule(jobs_of(slurm_cluster, log.read_text())).get("train", [])
             ]
             return "TIMEOUT" in states and len(train_starts()) > states.index("TIMEOUT") + 1
 
         wait_until(resumed_after_timeout, 1500, "a train attempt resumed after the time limit")
-        # Stopped as a user stops it: Snakemake cancels its Slurm jobs.
-        os.killpg(driver.pid, signal.SIGTERM)
+        # Stopped as a user stops it, with Ctrl-C: Snakemake cancels its Slurm jobs (a SIGTERM
+        # would let them run on to their end, here the next time limit).
+        os.killpg(driver.pid, signal.SIGINT)
         driver.wait(timeout=300)
+        # Every train attempt that started has ended in sacct's records (the cancelled one's
+        # comment, its rule, is stored when it ends).
+        wait_until(
+            lambda: len(by_rule(jobs_of(slurm_cluster, log.read_text())).get("train", [])) == len(train_starts()),
+            300,
+            "sacct's record of every train attempt",
+            poll_s=1,
+        )
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
