@@ -14,8 +14,12 @@ from tests.support.ci import skip_unless_ci
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("DFLASH_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
 # vLLM's CPU build wants a bounded KV cache and host-memory share on a 24 GiB machine
-# (with the default, 0.92 of host RAM, it refuses to start).
-VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# (with the default, 0.92 of host RAM, it refuses to start). Its default compile cache (AOT, torch
+# >= 2.10) fails to load again in vllm-cpu 0.32.0 ("'function' object has no attribute
+# 'finalize_loading'"), so every start compiled the model anew (20-50 s on two cores); the
+# inductor cache it falls back to without AOT is read back, so a server of a configuration
+# started before compiles nothing (5-9 s of warm-up instead of 20-50 s): the same compiled model.
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_AOT_COMPILE": "0"}
 VLLM_CPU_MEM_FRACTION = 0.1
 
 
