@@ -285,11 +285,13 @@ def qwen3_tokenizer():
     return AutoTokenizer.from_pretrained(folder)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_taps_server(demo_model, tmp_path_factory):
     """A real vLLM CPU server computing every layer's taps of the demo target in float32
     (engines.engine_taps), chunked prefill at 64 tokens a step and prefix caching on (vLLM's
-    default), shared by the session: 4 concurrent sequences at most."""
+    default), shared by the tests of the module that uses it (tests/test_engine_taps.py) and
+    stopped after them, not left idle beside the rest of the session: 4 concurrent sequences at
+    most."""
     from dflash_pipeline.engines.engine_taps import taps_server_spec
     from dflash_pipeline.engines.environments import engine_env
     from dflash_pipeline.engines.launch import ManagedServer, free_port

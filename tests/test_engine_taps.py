@@ -341,21 +341,52 @@ def test_an_engine_killed_mid_segment_fails_it_cleanly_and_it_resumes(
         assert resumed[step] == pytest.approx(loss, abs=LOSS_ATOL), step
 
 
-@pytest.mark.workflow
-def test_the_demo_trains_a_drafter_with_taps_from_the_engine(demo_model, workflow):
-    """The workflow to a drafter with train.taps_from: engine: each train job starts its vLLM
-    taps server, checks a sample against the target and trains from the engine's taps."""
-    from dflash_pipeline.core import layout
-    from tests.support.engine_envs import VLLM_CPU_ENV, VLLM_CPU_MEM_FRACTION, vllm_python
+@pytest.fixture(scope="module")
+def demo_data(demo_model, tmp_path_factory):
+    """The demo workflow up to tokenize on 8 prompts, run once: the two workflow tests below
+    each copy it and run their own stages from it (the taps come from the engine there)."""
+    from tests.conftest import copy_workflow
+    from tests.support.engine_envs import VLLM_CPU_ENV, vllm_python
 
+    workflow = copy_workflow(tmp_path_factory.mktemp("taps-demo-data") / "wf")
     workflow.write_config(
         num_shards=1,
-        until="train",
+        until="tokenize",
         target={"model": str(demo_model), "build_demo": False},
         dataset={"paths": [workflow.few_prompts(8)]},
         generation={"max_new_tokens": 48},
         tokenize={"max_degenerate_fraction": 1.0},
         engines={"vllm": {"python": str(vllm_python()), "env": dict(VLLM_CPU_ENV)}},
+    )
+    workflow.snakemake()
+    return workflow
+
+
+def from_demo_data(demo_data, folder, **config):
+    """A copy of the shared data's workflow with ``config`` on top; its data stages are done."""
+    import shutil
+
+    from tests.conftest import Workflow
+
+    workflow = Workflow(folder)
+    shutil.copytree(demo_data.root, workflow.root, symlinks=True)
+    workflow.write_config(**config)
+    planned = workflow.planned_jobs()
+    assert planned and not {"ingest", "prepare", "generate", "tokenize"} & set(planned), planned
+    return workflow
+
+
+@pytest.mark.workflow
+def test_the_demo_trains_a_drafter_with_taps_from_the_engine(demo_model, demo_data, tmp_path):
+    """The workflow to a drafter with train.taps_from: engine: each train job starts its vLLM
+    taps server, checks a sample against the target and trains from the engine's taps."""
+    from dflash_pipeline.core import layout
+    from tests.support.engine_envs import VLLM_CPU_MEM_FRACTION
+
+    workflow = from_demo_data(
+        demo_data,
+        tmp_path / "wf",
+        until="train",
         train={
             "segments": 1, "steps_per_segment": 3, "checkpoint_every_steps": 2, "batch_size": 2,
             "taps_from": "engine",
@@ -417,21 +448,17 @@ def test_extract_through_the_engine_stores_the_targets_taps(
 
 
 @pytest.mark.workflow
-def test_the_demo_extracts_offline_taps_from_the_engine(demo_model, workflow):
+def test_the_demo_extracts_offline_taps_from_the_engine(demo_model, demo_data, tmp_path):
     """The workflow with extract.taps_from: engine: the extract job starts its vLLM taps server,
     checks the shard's first row against the target and stores the engine's taps; training
     reads them."""
     from dflash_pipeline.core import layout
-    from tests.support.engine_envs import VLLM_CPU_ENV, VLLM_CPU_MEM_FRACTION, vllm_python
+    from tests.support.engine_envs import VLLM_CPU_MEM_FRACTION
 
-    workflow.write_config(
-        num_shards=1,
+    workflow = from_demo_data(
+        demo_data,
+        tmp_path / "wf",
         until="train",
-        target={"model": str(demo_model), "build_demo": False},
-        dataset={"paths": [workflow.few_prompts(8)]},
-        generation={"max_new_tokens": 48},
-        tokenize={"max_degenerate_fraction": 1.0},
-        engines={"vllm": {"python": str(vllm_python()), "env": dict(VLLM_CPU_ENV)}},
         extract={"taps_from": "engine"},
         train={
             "mode": "offline", "hidden_dtype": "float32", "segments": 1, "steps_per_segment": 2,
