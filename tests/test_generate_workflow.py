@@ -86,7 +86,8 @@ def pid_alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_sigkilled_generation_resumes_with_exactly_the_prompt_set(where, workflow, demo_model, tmp_path, request):
-    configure(workflow, demo_model, tmp_path, prompts=32, max_new_tokens=48)
+    # 16 prompts: killed after two parts of 4, the rerun has 8 to generate.
+    configure(workflow, demo_model, tmp_path, prompts=16, max_new_tokens=48)
     args, env = (), {}
     run_url = workflow.root / "results/demo"
     if where == "s3":
@@ -225,7 +226,7 @@ def test_endpoint_that_keeps_failing_stops_the_job_with_a_clear_error(workflow, 
 def test_adding_data_regenerates_only_the_new_prompts(workflow, demo_model, tmp_path):
     import json
 
-    configure(workflow, demo_model, tmp_path, prompts=24, max_new_tokens=48, concurrency=8, part_every_samples=64)
+    configure(workflow, demo_model, tmp_path, prompts=8, max_new_tokens=48, concurrency=8, part_every_samples=64)
     workflow.snakemake()
     before = pq.read_table(workflow.root / GENERATED)
     data = workflow.root / "data/few.jsonl"
@@ -261,7 +262,8 @@ def test_a_job_whose_driver_is_sigkilled_stops_after_its_part_and_the_next_run_r
     """SIGKILL of the Snakemake driver alone (its jobs live on): the generate job finds at its
     next part that the run's lease names a driver that no longer exists, saves and stops; no
     process of the run writes afterwards, and the next driver resumes from the parts."""
-    configure(workflow, demo_model, tmp_path, prompts=32, max_new_tokens=48)
+    # 16 prompts, parts of 4: the job has parts to write after the driver is gone.
+    configure(workflow, demo_model, tmp_path, prompts=16, max_new_tokens=48)
     progress = ShardProgress(open_storage(workflow.root / "results/demo"), "generate", 0)
     run = start_snakemake(workflow)
     marker = f"{workflow.root}/.snakemake/scripts/"
@@ -296,7 +298,8 @@ def test_a_twenty_second_s3_outage_during_generate_is_ridden_out(workflow, demo_
 
     server = start_seaweed(tmp_path / "weed")  # its own server: the session's stays up
     try:
-        configure(workflow, demo_model, tmp_path, prompts=32, max_new_tokens=48)
+        # 16 prompts: 12 left to generate after the first part, while the server is away.
+        configure(workflow, demo_model, tmp_path, prompts=16, max_new_tokens=48)
         prefix = f"s3://{server.bucket}/outage"
         args = ("--profile", "profiles/s3", "--default-storage-prefix", prefix)
         for key, value in server.env.items():  # this test's own reads

@@ -21,7 +21,8 @@ from tests.support.seaweed import free_port
 
 pytestmark = pytest.mark.workflow
 
-NUM_SHARDS = 6
+# One shard generated and failed, the others refused: two of them show it as well as five did.
+NUM_SHARDS = 3
 
 
 class SeedIncidentEndpoint:
