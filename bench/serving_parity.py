@@ -34,6 +34,8 @@ from benchlib import REPO, cpu_model, copy_workflow, emit, provenance
 
 sys.path.insert(0, str(REPO))
 
+from dflash_pipeline.core import checksums  # noqa: E402
+
 
 VARIANTS = {
     # The demo's drafter: every layer full attention (bidirectional within the block).
@@ -123,6 +125,35 @@ def misexport(exported: dict, kind: str) -> None:
         raise ValueError(f"unknown misexport kind {kind!r}")
 
 
+def reuse_data(source: Path, dest: Path) -> None:
+    """Copy a finished run's data (ingest, prepare, generate, tokenize outputs) into another run's
+    folder, each object with its checksum record: a tracked object without one is refused by its
+    reader, so the run would rebuild nothing and fail instead."""
+    if not (source / "outputs").is_dir():
+        return
+    (dest / "outputs").mkdir(parents=True, exist_ok=True)
+    for path in sorted((source / "outputs").iterdir()):
+        if not path.name.startswith(("ingest-", "prepare-", "generate-", "tokenize-")):
+            continue
+        shutil.copy2(path, dest / "outputs" / path.name)
+        sidecar = checksums.sidecar_key(checksums.object_key(path))
+        if (source / sidecar).exists():
+            (dest / sidecar).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / sidecar, dest / sidecar)
+
+
+def break_export(run: Path, kind: str) -> None:
+    """Rewrite a run's exported drafter config the way real exports went wrong (``misexport``),
+    recorded as export records what it writes: a well-formed export that is wrong, for the gates
+    to catch, not a damaged object for the checksum to refuse. Newer than the drafter's
+    evaluation, so (``--rerun-triggers mtime``) evaluate runs again."""
+    config_path = run / "drafter" / "config.json"
+    exported = json.loads(config_path.read_text())
+    misexport(exported, kind)
+    config_path.write_text(json.dumps(exported, indent=2) + "\n")
+    checksums.record_checksum(str(run), config_path, "export", "-")
+
+
 def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
     run_name = f"serving-{variant}"
     if args.cpu:
@@ -160,18 +191,10 @@ def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
     if args.max_new_tokens:
         overrides["evaluate"]["max_new_tokens"] = args.max_new_tokens
     (work / f"bench-{variant}.yaml").write_text(yaml.safe_dump(overrides))
-    source = work / "results" / f"serving-{reuse}" / "outputs"
-    if reuse and source.is_dir():
-        dest = work / "results" / run_name / "outputs"
-        dest.mkdir(parents=True, exist_ok=True)
-        for path in sorted(source.iterdir()):
-            if path.name.startswith(("ingest-", "prepare-", "generate-", "tokenize-")):
-                shutil.copy2(path, dest / path.name)
+    if reuse:
+        reuse_data(work / "results" / f"serving-{reuse}", work / "results" / run_name)
     if args.misexport:
-        config_path = work / "results" / run_name / "drafter" / "config.json"
-        exported = json.loads(config_path.read_text())
-        misexport(exported, getattr(args, "misexport_kind", "no-aux-ids"))
-        config_path.write_text(json.dumps(exported, indent=2) + "\n")  # newer: evaluate reruns
+        break_export(work / "results" / run_name, getattr(args, "misexport_kind", "no-aux-ids"))
     started = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "--cores", "all", *resources,

@@ -122,6 +122,18 @@ def test_default_target_layer_ids_match_published_configs():
     assert default_target_layer_ids(36, 1) == [18]
 
 
+@pytest.mark.parametrize("ids", [[5, 1], [1, 1], [3, 1, 5]])
+def test_target_layer_ids_out_of_ascending_order_are_refused(ids):
+    """SGLang and vLLM feed the drafter the tapped layers in ascending order whatever the config
+    lists (SGLang 0.5.17 on an H100: its tau did not move when an export's order was reversed):
+    a drafter trained on another order would be served wrong, so the config is refused."""
+    from dflash_pipeline.model.config import DrafterConfigError
+
+    config = tiny_config()
+    with pytest.raises(DrafterConfigError, match=r"must be strictly ascending: the engines feed"):
+        DrafterConfig(**{**config.__dict__, "target_layer_ids": ids})
+
+
 def make_batch(seed=0, batch=2, S=14):
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, VOCAB - 1, (batch, S), generator=g)

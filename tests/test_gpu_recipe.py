@@ -103,7 +103,7 @@ def test_the_gpu_check_runs_each_engine_in_a_workflow_folder_and_no_broken_expor
 ):
     """Each engine's runs get a copy of the workflow (Snakefile, config, rules...) in their own
     folder, as the workflow tests do (missed once on an H100: Snakemake found no config.yaml); a
-    broken export is only made of a full-attention drafter whose own run succeeded. The engine,
+    broken export is made of the first drafter whose own run succeeded, and of none when none did. The engine,
     its servers and Snakemake are stood in for: this is the check's wiring."""
     from contextlib import nullcontext
     from types import SimpleNamespace
@@ -137,7 +137,7 @@ def test_the_gpu_check_runs_each_engine_in_a_workflow_folder_and_no_broken_expor
     result = gpu_check.check_engine("sglang", "/envs/sglang/bin/python", args, tmp_path)
     assert [(v, m) for v, m, _ in seen] == [("full", False)]
     assert {"Snakefile", "config.yaml", "rules", "scripts"} <= set(seen[0][2])
-    assert result["broken_export"].startswith("not run: the full-attention drafter's own run failed")
+    assert result["broken_export"].startswith("not run: no drafter's own run succeeded")
     assert not gpu_check.passed({"cuda_tests": {"passed_all": True}, "engines": {"sglang": result}}, args)
 
     exit_code, seen[:] = 0, []
@@ -145,3 +145,46 @@ def test_the_gpu_check_runs_each_engine_in_a_workflow_folder_and_no_broken_expor
     assert [(v, m) for v, m, _ in seen] == [("full", False), ("full", True)]
     # The stand-in's broken run "succeeded": the check says the broken export did not fail.
     assert result["broken_export"]["failed_as_it_should"] is False
+
+    # A check of the sliding drafter alone breaks that one's export.
+    args.shape, seen[:] = ["sliding"], []
+    result = gpu_check.check_engine("sglang", "/envs/sglang/bin/python", args, tmp_path)
+    assert [(v, m) for v, m, _ in seen] == [("sliding", False), ("sliding", True)]
+    assert result["broken_export"]["of"] == "sliding"
+
+
+def test_the_gpu_check_reuses_data_with_its_records_and_breaks_an_export_the_checksum_accepts(monkeypatch, tmp_path):
+    """The check's later drafter shapes reuse the first one's data, each object with its checksum
+    record (without it their readers refuse the object: missed once on an H100), and its broken
+    export is recorded as export records what it writes, so that the gates, not the checksum,
+    must catch it (missed once too: the checksum refused the edited config)."""
+    import json
+
+    from dflash_pipeline.core import checksums
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import serving_parity
+
+    source, dest = tmp_path / "serving-full", tmp_path / "serving-sliding"
+    (source / "outputs").mkdir(parents=True)
+    (source / "drafter").mkdir()
+    shard = source / "outputs" / "tokenize-00000.parquet"
+    shard.write_bytes(b"rows")
+    checksums.record_checksum(str(source), shard, "tokenize", 0)
+    (source / "outputs" / "evaluate-metrics.json").write_text("{}")  # the drafter's own: not reused
+    serving_parity.reuse_data(source, dest)
+    assert sorted(p.name for p in (dest / "outputs").iterdir()) == ["tokenize-00000.parquet"]
+    assert checksums.verify_local_copy(dest / "outputs" / "tokenize-00000.parquet", str(dest), "rule train")
+
+    config = source / "drafter" / "config.json"
+    config.write_text(
+        json.dumps({"dflash_config": {"target_layer_ids": [1, 5]}, "eagle_aux_hidden_state_layer_ids": [2, 6]})
+    )
+    checksums.record_checksum(str(source), config, "export", "-")
+    serving_parity.break_export(source, "reversed-taps")
+    broken = json.loads(config.read_text())
+    assert broken["dflash_config"]["target_layer_ids"] == [5, 1] and broken["eagle_aux_hidden_state_layer_ids"] == [
+        6,
+        2,
+    ]
+    assert checksums.verify_local_copy(config, str(source), "rule evaluate").producer() == "rule export (shard -)"
