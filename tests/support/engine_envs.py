@@ -35,9 +35,14 @@ def metadata_only_env(folder: Path, distribution: str, version: str) -> Path:
     return folder / "bin" / "python"
 
 
+# VLLM_PYTHON on one CPU core (what the tests configure and start vLLM with: see the script).
+ONE_CORE = Path(__file__).resolve().parent / "vllm_one_core"
+
+
 def vllm_python() -> Path:
-    """The vLLM CPU environment's Python; skipped with the reason where it is not built, failed
-    in CI (``CI=true``), where `make test` builds it."""
+    """The vLLM CPU environment's Python as the tests run it, on one CPU core (``ONE_CORE``, which
+    execs ``VLLM_PYTHON`` with the same arguments); skipped with the reason where the environment
+    is not built, failed in CI (``CI=true``), where `make test` builds it."""
     if VLLM_PYTHON.exists():
-        return VLLM_PYTHON
+        return ONE_CORE
     skip_unless_ci(f"{VLLM_PYTHON} does not exist: `make vllm-env` builds vLLM's CPU build there")
