@@ -89,7 +89,7 @@ PYTEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -ra --durations=30
 test: setup vllm-env sglang-args-envs
 	@demo_dir=$$(mktemp -d); \
-	$(PY) -m dflash_pipeline.demo.build_model --out $$demo_dir/demo-target >$$demo_dir/build.log 2>&1 & build=$$!; \
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m dflash_pipeline.demo.build_model --out $$demo_dir/demo-target >$$demo_dir/build.log 2>&1 & build=$$!; \
 	$(PYTEST) -m "not demo"; first=$$?; \
 	if ! wait $$build; then cat $$demo_dir/build.log; exit 1; fi; \
 	tail -n 1 $$demo_dir/build.log; rm -rf $$demo_dir; \
