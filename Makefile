@@ -83,17 +83,21 @@ demo: setup
 # servers, a module's expensive fixture) carry an xdist_group and run on one worker
 # (tests/conftest.py). -ra lists every skip with its reason; --durations=30 keeps the slowest.
 # Two passes: the tests that do not need the demo target run while it trains in the background
-# (~10 minutes on 2 cores when its cache misses; a copy otherwise), then those that do (marker
-# `demo`, set in tests/conftest.py). A failure of the first pass still runs the second.
+# (2-4 minutes on 2 cores when its cache misses, its OpenMP threads passive; a copy otherwise),
+# then those that do (marker `demo`, set in tests/conftest.py). A failure of the first pass still
+# runs the second.
+# The second pass takes three workers: its tests wait on subprocesses (Snakemake, engine servers,
+# Slurm) about a third of their time (measured: 1,168 s with three, 1,244 s with two, 2 cores).
 PYTEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -ra --durations=30
+PYTEST_DEMO_WORKERS ?= 3
+PYTEST := $(PY) -m pytest --dist loadgroup -ra --durations=30
 test: setup vllm-env sglang-args-envs
 	@demo_dir=$$(mktemp -d); \
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m dflash_pipeline.demo.build_model --out $$demo_dir/demo-target >$$demo_dir/build.log 2>&1 & build=$$!; \
-	$(PYTEST) -m "not demo"; first=$$?; \
+	$(PYTEST) -n $(PYTEST_WORKERS) -m "not demo"; first=$$?; \
 	if ! wait $$build; then cat $$demo_dir/build.log; exit 1; fi; \
 	tail -n 1 $$demo_dir/build.log; rm -rf $$demo_dir; \
-	$(PYTEST) -m demo; second=$$?; \
+	$(PYTEST) -n $(PYTEST_DEMO_WORKERS) -m demo; second=$$?; \
 	exit $$(( first || second ))
 
 vllm-env: $(VLLM_STAMP)
