@@ -170,6 +170,11 @@ def test_dflash2_keys_have_defaults_and_cross_key_rules_are_checked():
         validate_config({"train": {"selector_gold_policy": "insert"}})
     # DFlash is not held to DFlash2's rules.
     validate_config({"train": {"conv_kernel_size": 9, "block_size": 8}, "evaluate": {"engine": "vllm"}})
+    # The engines feed taps in ascending layer order (SGLang 0.5.17 on an H100, bench/README.md):
+    # any other order is refused by the config check, before a run generates anything.
+    with pytest.raises(ConfigError, match=r"train.target_layer_ids: \[9, 1\] must be strictly ascending"):
+        validate_config({"train": {"target_layer_ids": [9, 1]}})
+    assert validate_config({"train": {"target_layer_ids": [1, 9]}})["train"]["target_layer_ids"] == [1, 9]
 
 
 # --- which keys define a rule's output (its `params`) and which only say how the job runs ---

@@ -144,6 +144,14 @@ def _cross_key_problems(config: dict) -> list[str]:
         problems.append(
             f"train.conv_kernel_size: {train['conv_kernel_size']} is larger than train.block_size {train['block_size']}"
         )
+    ids = train.get("target_layer_ids")
+    if ids and list(ids) != sorted(set(ids)):
+        # The engines feed the drafter its taps in ascending layer order (model/config.py says
+        # what was measured): refused before generation, not at the train job.
+        problems.append(
+            f"train.target_layer_ids: {list(ids)} must be strictly ascending: the engines feed the "
+            "drafter the tapped layers in ascending order whatever order the config lists"
+        )
     return problems
 
 
