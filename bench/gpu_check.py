@@ -13,10 +13,11 @@
    data. One plain server of the engine (bfloat16, the loop's dtype on a GPU) is the lossless
    reference of every evaluation of that engine.
 3. A deliberately broken export of the first drafter whose run succeeded (target layers
-   reversed): its evaluation must fail (the engine parity gate; losslessness holds, since the
-   engine verifies). Measured on an H100: SGLang 0.5.17's tau did not move when the order was
-   reversed (it feeds the drafter the layers in ascending order, as vLLM does) while the loop's
-   fell by 40%; the gap between them is what fails the run.
+   reversed): its evaluation must fail. Measured on an H100 (commit 815fd46): SGLang 0.5.17's tau
+   did not move (it feeds the drafter the layers in ascending order, as vLLM does) while the
+   loop's fell by 40%, and the engine parity gate failed the run (losslessness held: the engine
+   verifies). Since 0801988 such a config is refused when the drafter loads
+   (``core.config.target_layer_order_problem``): the evaluation fails earlier, naming the order.
 4. With ``--mtp``, per engine: the tune stage with MTP on a tiny target that has an MTP head
    (``dflash_pipeline.demo.mtp_target``): whether the MTP server started and was measured, and its
    output tokens/s against the plain server's (``dflash_pipeline.demo.mtp_tune``).
@@ -183,11 +184,9 @@ def check_engine(engine: str, python: str, args, work: Path, on_progress=lambda 
         # The broken export is made of the first drafter whose own run succeeded (its data,
         # training and export are then known good: only the break differs).
         good = next((s for s in shapes if result["drafters"][s]["workflow_exit_code"] == 0), None)
-        if args.no_broken:
-            pass
-        elif good is None:
+        if good is None and not args.no_broken:
             result["broken_export"] = "not run: no drafter's own run succeeded (the broken export is one of them)"
-        else:
+        elif not args.no_broken:
             broken = SimpleNamespace(**{**vars(run_args), "misexport": True, "misexport_kind": "reversed-taps"})
             record = summarize(run_variant(broken, SHAPES[good], work, None))
             record["of"] = good

@@ -144,8 +144,8 @@ def reuse_data(source: Path, dest: Path) -> None:
 
 def break_export(run: Path, kind: str) -> None:
     """Rewrite a run's exported drafter config the way real exports went wrong (``misexport``),
-    recorded as export records what it writes: a well-formed export that is wrong, for the gates
-    to catch, not a damaged object for the checksum to refuse. Newer than the drafter's
+    recorded as export records what it writes: an export that is wrong, for evaluate to refuse or
+    its gates to catch, not a damaged object for the checksum to refuse. Newer than the drafter's
     evaluation, so (``--rerun-triggers mtime``) evaluate runs again."""
     config_path = run / "drafter" / "config.json"
     exported = json.loads(config_path.read_text())

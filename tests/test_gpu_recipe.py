@@ -103,8 +103,8 @@ def test_the_gpu_check_runs_each_engine_in_a_workflow_folder_and_no_broken_expor
 ):
     """Each engine's runs get a copy of the workflow (Snakefile, config, rules...) in their own
     folder, as the workflow tests do (missed once on an H100: Snakemake found no config.yaml); a
-    broken export is made of the first drafter whose own run succeeded, and of none when none did. The engine,
-    its servers and Snakemake are stood in for: this is the check's wiring."""
+    broken export is made of the first drafter whose own run succeeded, and of none when none did.
+    The engine, its servers and Snakemake are stood in for: this is the check's wiring."""
     from contextlib import nullcontext
     from types import SimpleNamespace
 
@@ -156,8 +156,8 @@ def test_the_gpu_check_runs_each_engine_in_a_workflow_folder_and_no_broken_expor
 def test_the_gpu_check_reuses_data_with_its_records_and_breaks_an_export_the_checksum_accepts(monkeypatch, tmp_path):
     """The check's later drafter shapes reuse the first one's data, each object with its checksum
     record (without it their readers refuse the object: missed once on an H100), and its broken
-    export is recorded as export records what it writes, so that the gates, not the checksum,
-    must catch it (missed once too: the checksum refused the edited config)."""
+    export is recorded as export records what it writes, so that evaluate, not the checksum,
+    must refuse it (missed once too: the checksum refused the edited config)."""
     import json
 
     from dflash_pipeline.core import checksums
@@ -183,8 +183,6 @@ def test_the_gpu_check_reuses_data_with_its_records_and_breaks_an_export_the_che
     checksums.record_checksum(str(source), config, "export", "-")
     serving_parity.break_export(source, "reversed-taps")
     broken = json.loads(config.read_text())
-    assert broken["dflash_config"]["target_layer_ids"] == [5, 1] and broken["eagle_aux_hidden_state_layer_ids"] == [
-        6,
-        2,
-    ]
+    assert broken["dflash_config"]["target_layer_ids"] == [5, 1]
+    assert broken["eagle_aux_hidden_state_layer_ids"] == [6, 2]
     assert checksums.verify_local_copy(config, str(source), "rule evaluate").producer() == "rule export (shard -)"

@@ -12,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dflash_pipeline.core.config import target_layer_order_problem
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 DFLASH = "dflash"
@@ -132,14 +134,8 @@ class DrafterConfig:
                 f"target_layer_ids {self.target_layer_ids} must be non-empty 0-based ids of the "
                 f"target's {self.num_target_layers} layers"
             )
-        elif list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
-            # SGLang 0.5.17 and vLLM feed the drafter the tapped layers in ascending order whatever
-            # order the config lists (measured on an H100: reversing them moved SGLang's tau not at
-            # all, the loop's by 40%): any other order trains a drafter the engines serve wrongly.
-            problems.append(
-                f"target_layer_ids {self.target_layer_ids} must be strictly ascending: the engines feed "
-                "the drafter the tapped layers in ascending order whatever order the config lists"
-            )
+        elif order := target_layer_order_problem(self.target_layer_ids):
+            problems.append(f"target_layer_ids {order}")
         if self.hidden_act != "silu":
             problems.append(f"only hidden_act 'silu' is implemented, got {self.hidden_act!r}")
         if self.num_attention_heads % self.num_key_value_heads:
