@@ -139,24 +139,29 @@ def train_defaults() -> dict:
     return {k: v.get("default") for k, v in schema["properties"]["train"]["properties"].items()}
 
 
-def random_target(spec: dict, device):
-    from transformers import AutoModelForCausalLM
-
+def target_config(spec: dict):
+    """The transformers config of a case's target: dense Qwen3, or a Qwen3.5-style hybrid (3
+    Gated-DeltaNet layers : 1 attention layer)."""
     spec = dict(spec)
     kind = spec.pop("kind")
     if kind == "qwen3":
         from transformers import Qwen3Config
 
-        config = Qwen3Config(**spec, max_position_embeddings=40960)
-    else:
-        from transformers import Qwen3_5TextConfig
+        return Qwen3Config(**spec, max_position_embeddings=40960)
+    from transformers import Qwen3_5TextConfig
 
-        layers = spec["num_hidden_layers"]
-        config = Qwen3_5TextConfig(
-            **spec,
-            max_position_embeddings=40960,
-            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-        )
+    layers = spec["num_hidden_layers"]
+    return Qwen3_5TextConfig(
+        **spec,
+        max_position_embeddings=40960,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+    )
+
+
+def random_target(spec: dict, device):
+    from transformers import AutoModelForCausalLM
+
+    config = target_config(spec)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)

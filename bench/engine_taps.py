@@ -1,0 +1,226 @@
+"""Taps from a vLLM capture server (``train.taps_from: engine``): how fast one server delivers
+taps, and what that means for engine-fed training against the in-process target.
+
+For each case the target has the shape of ``train_step.py``'s case (random weights: vLLM's
+``--load-format dummy``, so no checkpoint is written), served by the pipeline's own taps server
+(``engines.engine_taps.taps_server_spec``: ``extract_hidden_states`` with the project's
+connector) and read by the pipeline's own client (``EngineTaps``: request, wait for the file,
+check ids and layers, load, delete). Measured:
+
+- ``capture_tokens_per_s``: tokens whose taps reach the reader per second, ``--sequences``
+  distinct random sequences of the case's length, ``--concurrency`` requests in flight (the
+  schema's ``train.taps_server.concurrency`` by default);
+- ``latency_s``: one sequence alone (the engine idle), what a trainer that asks for its batch's
+  taps when it needs them waits per step.
+
+With ``--trainer-record`` (``train_step.py``'s result on the same card), the record also gives
+per trainer GPU: in-process tokens/s (the online step), engine-fed tokens/s (the drafter step
+plus the wait for taps, as the training loop asks today), and how many trainer GPUs one capture
+server keeps busy (``gpus_per_capture_server``).
+
+``--layers CASE=N`` measures a target too big for the card at N of its layers (same width, the
+3:1 hybrid pattern kept) and scales the figures to its whole depth (said in the record).
+
+The 27B-shaped case is a Qwen3.5-style hybrid; vLLM serves that family only as its multimodal
+model (``Qwen3_5ForConditionalGeneration``), so the config wraps the text shape and the server
+runs with ``--language-model-only``.
+
+    python bench/engine_taps.py --vllm-python ENV/bin/python --case qwen3-8b --case qwen3.6-27b \\
+        --trainer-record bench/results/train_step-<card>.json --out bench/results/engine_taps-<card>.json
+    python bench/engine_taps.py --vllm-python .venv-vllm/bin/python --case tiny --device cpu  # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from benchlib import emit, provenance  # noqa: E402
+from serving_parity import gpu_name  # noqa: E402
+from train_step import CASES as TRAIN_CASES  # noqa: E402
+from train_step import target_config  # noqa: E402
+
+from dflash_pipeline.engines.engine_taps import EngineTaps, taps_server_spec  # noqa: E402
+from dflash_pipeline.engines.environments import engine_env  # noqa: E402
+from dflash_pipeline.engines.launch import ManagedServer, free_port  # noqa: E402
+
+# A CPU-sized case to try the bench where no GPU is (vLLM's CPU build): same code path.
+TINY = {
+    "seq_len": 256,
+    "drafter": {"target_layer_ids": [0, 2, 3]},
+    "target": dict(
+        kind="qwen3",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=4096,
+    ),  # fmt: skip
+}
+CASES = {**TRAIN_CASES, "tiny": TINY}
+
+
+def write_target(case: dict, folder: Path) -> Path:
+    """A model folder vLLM can start with dummy weights: the case's config and the demo tokenizer
+    (token ids go in as ids, so the tokenizer only has to load)."""
+    from dflash_pipeline.demo.build_model import build_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = target_config(case["target"])
+    if case["target"]["kind"] == "qwen3_5":
+        from transformers import Qwen3_5Config
+
+        config = Qwen3_5Config(text_config=config.to_dict())
+        config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    else:
+        config.architectures = ["Qwen3ForCausalLM"]
+    config.torch_dtype = "bfloat16"
+    config.save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def fewer_layers(case: dict, layers: int) -> dict:
+    """The case's target cut to ``layers`` decoder layers (the 3:1 hybrid pattern kept), its taps
+    spread over them as the drafter's are over the whole target."""
+    full = case["target"]["num_hidden_layers"]
+    taps = sorted({round(k * (layers - 1) / (full - 1)) for k in case["drafter"]["target_layer_ids"]})
+    return {**case, "target": {**case["target"], "num_hidden_layers": layers}, "drafter": {"target_layer_ids": taps}}
+
+
+def measure(name: str, args, work: Path) -> dict:
+    case = CASES[name]
+    full_layers = case["target"]["num_hidden_layers"]
+    if name in args.layers:
+        case = fewer_layers(case, args.layers[name])
+    seq_len, tap_ids = case["seq_len"], case["drafter"]["target_layer_ids"]
+    target = write_target(case, work / name / "target")
+    extra = ["--load-format", "dummy"] + (["--language-model-only"] if case["target"]["kind"] == "qwen3_5" else [])
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    spec = taps_server_spec(
+        target, tap_ids, free_port(), work / name, python=args.vllm_python, env=engine_env("vllm", None),
+        mem_fraction=args.mem_fraction, dtype=dtype, max_model_len=seq_len + 16, extra_args=extra + args.engine_arg,
+    )  # fmt: skip
+    vocab = case["target"]["vocab_size"]
+    generator = torch.Generator().manual_seed(0)
+    # Distinct random sequences: no prefix-cache hit makes the engine's work smaller than a real run's.
+    sequences = [torch.randint(0, vocab, (seq_len,), generator=generator).tolist() for _ in range(args.sequences + 5)]
+    record = {
+        "case": name,
+        "seq_len": seq_len,
+        "tap_ids": tap_ids,
+        "extra_server_args": extra + args.engine_arg,
+        "dtype": dtype,
+    }
+    record["target_layers"] = case["target"]["num_hidden_layers"]
+    started = time.monotonic()
+    log = work / f"{name}-server.log"
+    try:
+        with ManagedServer(spec, log, work / name, startup_timeout=args.startup_timeout) as server:
+            record["startup_s"] = round(time.monotonic() - started, 1)
+            with EngineTaps.of_server(spec, tap_ids, alive=server.alive, concurrency=args.concurrency) as client:
+                client.taps_of(sequences[:2])  # warm-up: first-shape compilation, allocator growth
+                latencies = []
+                for seq in sequences[2:5]:
+                    t0 = time.monotonic()
+                    taps = client.taps(seq)
+                    latencies.append(time.monotonic() - t0)
+                t0 = time.monotonic()
+                client.taps_of(sequences[5:])
+                seconds = time.monotonic() - t0
+        record.update(
+            taps_shape=list(taps.shape),
+            taps_bytes_per_token=taps.element_size() * taps.shape[1],
+            latency_s=round(sorted(latencies)[1], 4),
+            latency_s_all=[round(t, 4) for t in latencies],
+            sequences=args.sequences,
+            concurrency=args.concurrency,
+            capture_seconds=round(seconds, 3),
+            capture_tokens_per_s=round(args.sequences * seq_len / seconds, 1),
+        )
+        if record["target_layers"] != full_layers:
+            # The decoder layers are nearly all of the work (the LM head runs for one token a
+            # sequence), so time scales with their number: the whole target's estimate.
+            record["whole_target_layers"] = full_layers
+            record["measured_tokens_per_s"] = record["capture_tokens_per_s"]
+            record["capture_tokens_per_s"] = round(
+                record["capture_tokens_per_s"] * record["target_layers"] / full_layers, 1
+            )
+            record["latency_s"] = round(record["latency_s"] * full_layers / record["target_layers"], 4)
+    except Exception as exc:  # a case the engine cannot serve is a finding: keep it and go on
+        record["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
+    return record
+
+
+def trainer_figures(record: dict, trainer: dict) -> dict:
+    """Per trainer GPU, from train_step's rows of the same case: in-process (online) tokens/s,
+    engine-fed tokens/s (the drafter step plus the wait for the batch's taps), and the trainer
+    GPUs one capture server keeps busy."""
+    rows = {
+        r["mode"]: r
+        for r in trainer["results"]
+        if r["case"] == record["case"] and r.get("algorithm", "dflash") == "dflash"
+    }
+    if "drafter" not in rows or "capture_tokens_per_s" not in record:
+        return {}
+    seq_len = record["seq_len"]
+    engine_fed = seq_len / (rows["drafter"]["step_s"] + record["latency_s"])
+    figures = {
+        "trainer_device": trainer["device"],
+        "drafter_step_s": rows["drafter"]["step_s"],
+        "engine_fed_tokens_per_s_per_gpu": round(engine_fed, 1),
+        "engine_fed_prefetched_tokens_per_s_per_gpu": rows["drafter"]["tokens_per_s"],
+        "gpus_per_capture_server": round(record["capture_tokens_per_s"] / engine_fed, 2),
+    }
+    if "online" in rows:
+        figures["in_process_tokens_per_s_per_gpu"] = rows["online"]["tokens_per_s"]
+        figures["in_process_peak_gib"] = rows["online"]["peak_gib"]
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-python", required=True, help="the Python of vLLM's environment")
+    parser.add_argument("--case", action="append", choices=sorted(CASES), help="target shapes (default: qwen3-8b)")
+    parser.add_argument("--sequences", type=int, default=32, help="sequences timed per case")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (train.taps_server.concurrency)")
+    parser.add_argument("--mem-fraction", type=float, default=0.85, help="the server's GPU memory share")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--engine-arg", action="append", default=[], help="extra server argument (repeatable)")
+    parser.add_argument(
+        "--layers", action="append", default=[], metavar="CASE=N",
+        help="measure CASE's target at N decoder layers and scale to its whole depth (a target too big for the card)",
+    )  # fmt: skip
+    parser.add_argument("--startup-timeout", type=float, default=900)
+    parser.add_argument("--trainer-record", help="train_step.py's result on the same card")
+    parser.add_argument("--workdir", help="keep the servers' folders and logs here")
+    parser.add_argument("--out", help="result JSON")
+    args = parser.parse_args()
+    args.layers = {name: int(n) for name, n in (item.split("=", 1) for item in args.layers)}
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="engine-taps-"))
+    trainer = json.loads(Path(args.trainer_record).read_text()) if args.trainer_record else None
+    device = gpu_name() if args.device == "cuda" else "cpu"
+    record = {"benchmark": "engine_taps", **provenance(device), "cases": []}
+    for name in args.case or ["qwen3-8b"]:
+        result = measure(name, args, work)
+        if trainer:
+            result.update(trainer_figures(result, trainer))
+        record["cases"].append(result)
+        emit(record, args.out)  # each case survives a later one's crash
+    return 0 if all("error" not in c for c in record["cases"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
