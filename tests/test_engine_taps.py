@@ -481,3 +481,30 @@ def test_the_limits_table_says_which_engines_serve_taps():
     assert taps_refusal("vllm", "0.32.0", "cpu") is None
     assert "0.25.1" in taps_refusal("vllm", "0.25.1", "gpu")
     assert "only the last layer" in taps_refusal("sglang", "0.5.17", "gpu")
+
+
+def test_the_connector_finds_a_blocks_tokens_in_either_releases_cache_layout(tmp_path):
+    """vLLM 0.26 (the GPU pin) keeps the hidden-state cache as [blocks, tokens, layers, hidden],
+    0.32 as [blocks, layers, tokens, hidden]; the connector read 0.32's only and asked for a layout
+    0.26's attention backends refuse (the first GPU start died at "Unknown cache layout format")."""
+    import subprocess
+
+    from dflash_pipeline.engines.engine_taps import install_connector
+    from tests.support.engine_envs import vllm_python
+
+    python = str(vllm_python())
+    folder = install_connector(tmp_path)
+    program = (
+        "from dflash_taps_connector import DFlashTapsConnector, token_axis\n"
+        "print(token_axis((9, 16, 5, 64), 16, 5), token_axis((9, 5, 16, 64), 16, 5), token_axis((9, 4, 4, 8), 4, 4))\n"
+        "print(DFlashTapsConnector.get_required_kvcache_layout(None))\n"
+        "try:\n    token_axis((9, 3, 7, 64), 16, 5)\nexcept ValueError as exc:\n    print('refused:', exc)\n"
+    )
+    env = {"PYTHONPATH": str(folder), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([python, "-c", program], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()[-3:]
+    # A tie (as many taps as tokens a block) goes by the installed release's own shape rule: 0.32 here.
+    assert lines[0] == "1 2 2"
+    assert lines[1] == "NHD"  # the name 0.26 and 0.32 both know (0.32 reads it as LBNHC)
+    assert lines[2].startswith("refused: hidden-state cache of shape (9, 3, 7, 64)")

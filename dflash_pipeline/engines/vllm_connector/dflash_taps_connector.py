@@ -25,6 +25,7 @@ count of finished notifications (one per worker) holds on every version.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,24 @@ def _hidden_state_group(kv_cache_config) -> int:
     if len(groups) <= 1:
         return 0
     raise ValueError(f"cannot tell the hidden-state cache group among {len(groups)} groups")
+
+
+def token_axis(shape: Sequence[int], block_size: int, num_layers: int) -> int:
+    """The axis of a block's tokens in the hidden-state cache: vLLM 0.26 lays it out [blocks,
+    tokens, layers, hidden], 0.32 [blocks, layers, tokens, hidden]. Where a block holds as many
+    tokens as there are layers, the cache-only backend's own shape rule says which."""
+    if shape[1] != shape[2]:
+        if block_size not in (shape[1], shape[2]) or num_layers not in (shape[1], shape[2]):
+            raise ValueError(
+                f"hidden-state cache of shape {tuple(shape)}: no axis of {block_size} tokens and {num_layers} layers"
+            )
+        return 1 if shape[1] == block_size else 2
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionBackend
+
+    try:
+        return 1 if CacheOnlyAttentionBackend.get_kv_cache_shape(2, 3, 5, 7)[1] == 3 else 2
+    except (AttributeError, NotImplementedError):  # 0.32: no shape rule of its own, the layout decides
+        return 2
 
 
 class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
@@ -126,8 +145,8 @@ class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
         layers = get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches))
         if len(layers) != 1:
             raise ValueError(f"expected one hidden-state cache layer, found {len(layers)}")
-        # [num_blocks, K, block_size, H]
         self._cache = kv_caches[next(iter(layers))]
+        self._token_axis = token_axis(self._cache.shape, self._vllm_config.cache_config.block_size, len(self.layer_ids))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         pass
@@ -153,11 +172,15 @@ class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
         return done or None, None
 
     def _write(self, item: TapsToWrite) -> None:
-        block_size = self._cache.shape[2]
+        block_size = self._cache.shape[self._token_axis]
         blocks = torch.tensor(item.block_ids, dtype=torch.long)
         slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()
         slots = slots[: len(item.token_ids)].to(self._cache.device)
-        rows = self._cache[slots // block_size, :, slots % block_size].to("cpu", copy=True)
+        if self._token_axis == 1:
+            rows = self._cache[slots // block_size, slots % block_size]
+        else:
+            rows = self._cache[slots // block_size, :, slots % block_size]
+        rows = rows.to("cpu", copy=True)  # [T, K, H] either way
         os.makedirs(os.path.dirname(item.path), exist_ok=True)
         partial = item.path + ".partial"
         save_file(
@@ -172,4 +195,6 @@ class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
-        return "LBNHC"  # a token's K rows together, the layout extract_hidden_states writes
+        # A token's K rows together, the layout extract_hidden_states writes. "NHD" is the name
+        # every release knows: 0.32 reads it as LBNHC; 0.26's attention backends know no LBNHC.
+        return "NHD"
