@@ -15,8 +15,9 @@ check ids and layers, load, delete). Measured:
 
 With ``--trainer-record`` (``train_step.py``'s result on the same card), the record also gives
 per trainer GPU: in-process tokens/s (the online step), engine-fed tokens/s (the drafter step
-plus the wait for taps, as the training loop asks today), and how many trainer GPUs one capture
-server keeps busy (``gpus_per_capture_server``).
+or the wait for one sequence's taps, whichever is longer: the loop asks for the next batch's taps
+while it trains on this one), and how many trainer GPUs one capture server keeps busy
+(``gpus_per_capture_server``).
 
 ``--layers CASE=N`` measures a target too big for the card at N of its layers (same width, the
 3:1 hybrid pattern kept) and scales the figures to its whole depth (said in the record).
@@ -175,13 +176,14 @@ def trainer_figures(record: dict, trainer: dict) -> dict:
     }
     if "drafter" not in rows or "capture_tokens_per_s" not in record:
         return {}
-    seq_len = record["seq_len"]
-    engine_fed = seq_len / (rows["drafter"]["step_s"] + record["latency_s"])
+    seq_len, step_s = record["seq_len"], rows["drafter"]["step_s"]
+    # The loop asks for the next batch's taps while it trains on this one: a step takes the
+    # longer of the two.
+    engine_fed = seq_len / max(step_s, record["latency_s"])
     figures = {
         "trainer_device": trainer["device"],
-        "drafter_step_s": rows["drafter"]["step_s"],
+        "drafter_step_s": step_s,
         "engine_fed_tokens_per_s_per_gpu": round(engine_fed, 1),
-        "engine_fed_prefetched_tokens_per_s_per_gpu": rows["drafter"]["tokens_per_s"],
         "gpus_per_capture_server": round(record["capture_tokens_per_s"] / engine_fed, 2),
     }
     if "online" in rows:

@@ -22,6 +22,14 @@
    (``dflash_pipeline.demo.mtp_target``): whether the MTP server started and was measured, and its
    output tokens/s against the plain server's (``dflash_pipeline.demo.mtp_tune``).
 
+5. With ``--taps`` (needs vLLM): the drafter's training step on this card (``train_step.py``)
+   and a vLLM capture server's taps throughput (``engine_taps.py``), alone on the GPU after the
+   engines' runs: the figures of engine-fed training per trainer GPU.
+
+``--parallel`` runs the engines at once, and each engine's later shapes and broken export at
+once after its first shape, each run with GPU slots of its own: a 30-minute device lease holds
+both engines' checks that way (about 10 minutes of tiny-model runs instead of 40).
+
 Writes one record: device, driver, engine versions, commit, date; per engine and drafter the
 loop's tau and the engine's, their ratio, lossless counts (exact / near tie / lost) and wall
 times. Exit 1 when any part failed.
@@ -36,7 +44,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,6 +58,9 @@ sys.path.insert(0, str(REPO))
 
 from dflash_pipeline.engines.environments import installed_engine  # noqa: E402
 from dflash_pipeline.engines.limits import DrafterShape, refusals  # noqa: E402
+
+# With --parallel, each vLLM server's KV cache (bytes): the demo's runs need far less.
+PARALLEL_VLLM_KV_BYTES = 4 * 2**30
 
 # The drafter shapes of the check (serving_parity's variants): "swa" is the mixed one.
 SHAPES = {"full": "full", "sliding": "sliding", "mixed": "swa", "dflash2": "dflash2"}
@@ -146,9 +160,33 @@ def summarize(record: dict) -> dict:
     }
 
 
+def beside(run_args, work: Path, name: str, parallel: bool) -> SimpleNamespace:
+    """The run's arguments; with ``parallel``, a temporary folder of its own (its GPU slots)."""
+    if not parallel:
+        return run_args
+    tmp = work / "tmp" / name
+    tmp.mkdir(parents=True, exist_ok=True)
+    return SimpleNamespace(**{**vars(run_args), "beside_others": tmp})
+
+
+def run_at_once(calls: list, parallel: bool) -> None:
+    """Each call, one after another or all at once (threads: each waits on its Snakemake run)."""
+    if not parallel:
+        for call in calls:
+            call()
+        return
+    with ThreadPoolExecutor(max_workers=max(1, len(calls))) as pool:
+        for future in [pool.submit(call) for call in calls]:
+            future.result()
+
+
 def check_engine(engine: str, python: str, args, work: Path, on_progress=lambda result: None) -> dict:
     version = installed_engine(engine, python).version  # the pipeline's own reading of an environment
     extra = [a for e, a in args.engine_args if e == engine]
+    if args.parallel and engine == "vllm" and not any(a.startswith("--kv-cache-memory-bytes") for a in extra):
+        # vLLM's start-up memory profile fails when another process frees GPU memory meanwhile
+        # (other runs' servers and training jobs do, at once); a fixed KV budget skips it.
+        extra += ["--kv-cache-memory-bytes", str(PARALLEL_VLLM_KV_BYTES)]
     shapes, refused = served_shapes(engine, version, args.shape)
     result = {"version": version, "extra_args": extra, "refused_shapes": refused, "drafters": {}}
     if not shapes:
@@ -166,32 +204,50 @@ def check_engine(engine: str, python: str, args, work: Path, on_progress=lambda 
         max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens, target=str(target),
         misexport=False, variant=None, out=None, reference_url=None, mem_fraction=args.mem_fraction,
     )  # fmt: skip
+    lock = threading.Lock()
+
+    def drafter_run(shape: str, reuse: str | None) -> None:
+        record = summarize(run_variant(beside(run_args, work, shape, args.parallel), SHAPES[shape], work, reuse))
+        with lock:
+            result["drafters"][shape] = record
+            shown = {k: v for k, v in record.items() if k != "per_prompt"}
+            print(json.dumps({engine: {shape: shown}}), flush=True)
+            on_progress(result)  # a drafter's figures survive a later crash or a lost machine
+
+    def broken_run(good: str) -> None:
+        # The broken export is made of a drafter whose own run succeeded (its data, training and
+        # export are then known good: only the break differs).
+        broken = SimpleNamespace(
+            **{
+                **vars(beside(run_args, work, "broken", args.parallel)),
+                "misexport": True,
+                "misexport_kind": "reversed-taps",
+            }
+        )
+        record = summarize(run_variant(broken, SHAPES[good], work, None))
+        record["of"] = good
+        record["failed_as_it_should"] = record["workflow_exit_code"] != 0 and not record["engine_parity_passed"]
+        with lock:
+            result["broken_export"] = record
+            on_progress(result)
+
+    def succeeded(shape: str) -> bool:
+        return result["drafters"][shape]["workflow_exit_code"] == 0
+
     with plain_reference(engine, python, target, extra, logs, args.mem_fraction) as reference:
         run_args.reference_url = reference.spec.url
-        first = None
-        for shape in shapes:
-            variant = SHAPES[shape]
-            record = run_variant(run_args, variant, work, first)
-            first = first or variant
-            result["drafters"][shape] = summarize(record)
-            print(
-                json.dumps(
-                    {engine: {shape: {k: v for k, v in result["drafters"][shape].items() if k != "per_prompt"}}}
-                ),
-                flush=True,
-            )
-            on_progress(result)  # a drafter's figures survive a later crash or a lost machine
-        # The broken export is made of the first drafter whose own run succeeded (its data,
-        # training and export are then known good: only the break differs).
-        good = next((s for s in shapes if result["drafters"][s]["workflow_exit_code"] == 0), None)
-        if good is None and not args.no_broken:
-            result["broken_export"] = "not run: no drafter's own run succeeded (the broken export is one of them)"
-        elif not args.no_broken:
-            broken = SimpleNamespace(**{**vars(run_args), "misexport": True, "misexport_kind": "reversed-taps"})
-            record = summarize(run_variant(broken, SHAPES[good], work, None))
-            record["of"] = good
-            record["failed_as_it_should"] = record["workflow_exit_code"] != 0 and not record["engine_parity_passed"]
-            result["broken_export"] = record
+        first, rest = shapes[0], shapes[1:]
+        drafter_run(first, None)  # generates the data the other shapes reuse
+        later = [partial(drafter_run, shape, SHAPES[first]) for shape in rest]
+        if succeeded(first) and not args.no_broken:
+            later.append(partial(broken_run, first))
+        run_at_once(later, args.parallel)
+        if not args.no_broken and "broken_export" not in result:
+            good = next((s for s in shapes if succeeded(s)), None)
+            if good is None:
+                result["broken_export"] = "not run: no drafter's own run succeeded (the broken export is one of them)"
+            else:
+                broken_run(good)
     return result
 
 
@@ -204,6 +260,39 @@ def check_mtp(engine: str, python: str, args, target: Path, work: Path) -> dict:
     return run_tune_with_mtp(target, work / "mtp-tune", config)
 
 
+def check_taps(vllm_python: str, work: Path) -> dict:
+    """Engine taps on this card (``train.taps_from: engine``), after the engines' runs so that
+    nothing shares the GPU: ``train_step.py`` (the drafter step alone and online, 8B shape; the
+    27B drafter step) and ``engine_taps.py`` with that record (8B; 27B at 16 of its 64 layers)."""
+    bench = REPO / "bench"
+    steps = work / "train_step.json"
+    runs = [
+        [sys.executable, str(bench / "train_step.py"), "--case", "qwen3-8b", "--mode", "drafter", "online", "--out", str(work / "ts-8b.json")],
+        [sys.executable, str(bench / "train_step.py"), "--case", "qwen3.6-27b", "--mode", "drafter", "--out", str(work / "ts-27b.json")],
+    ]  # fmt: skip
+    result = {}
+    for argv in runs:
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode:
+            result.setdefault("train_step_errors", []).append(done.stderr[-2000:])
+    records = [json.loads(f.read_text()) for f in (work / "ts-8b.json", work / "ts-27b.json") if f.exists()]
+    if not records:
+        return result
+    merged = {**records[0], "results": [row for r in records for row in r["results"]]}
+    steps.write_text(json.dumps(merged, indent=2))
+    result["train_step"] = merged["results"]
+    taps_out = work / "engine_taps.json"
+    done = subprocess.run(
+        [sys.executable, str(bench / "engine_taps.py"), "--vllm-python", vllm_python,
+         "--case", "qwen3-8b", "--case", "qwen3.6-27b", "--layers", "qwen3.6-27b=16",
+         "--trainer-record", str(steps), "--workdir", str(work / "engine-taps"), "--out", str(taps_out)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    result["engine_taps"] = json.loads(taps_out.read_text())["cases"] if taps_out.exists() else done.stderr[-2000:]
+    result["exit_code"] = done.returncode
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", action="append", default=[], metavar="ENGINE=PYTHON", help="engine environment")
@@ -214,8 +303,18 @@ def main() -> int:
     parser.add_argument("--max-prompts", type=int, default=16, help="held-out prompts evaluated per drafter")
     parser.add_argument("--max-new-tokens", type=int, help="tokens per evaluated prompt (default: the demo's)")
     parser.add_argument(
-        "--mem-fraction", type=float, default=0.3, help="GPU memory share of each engine server (two run at once)"
-    )
+        "--mem-fraction", type=float,
+        help="GPU memory share of each engine server (default 0.3: two run at once; 0.1 with --parallel)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--parallel", action="store_true",
+        help="the engines at once, and each engine's later shapes and broken export at once after its first "
+        "shape (each run with GPU slots of its own; mind --mem-fraction: up to 4 servers an engine)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--taps", action="store_true",
+        help="after the engines: the training step and the vLLM capture server's taps (engine_taps.py) on this card",
+    )  # fmt: skip
     parser.add_argument("--no-cuda-tests", action="store_true", help="skip the CUDA tests (said in the record)")
     parser.add_argument("--no-broken", action="store_true", help="skip the broken-export run (said in the record)")
     parser.add_argument("--mtp", action="store_true", help="also run tune with MTP on a tiny target with an MTP head")
@@ -223,6 +322,7 @@ def main() -> int:
     parser.add_argument("--out", help="result JSON (default: bench/results/gpu_check-<device>.json)")
     args = parser.parse_args()
     args.shape = args.shape or list(SHAPES)
+    args.mem_fraction = args.mem_fraction or (0.1 if args.parallel else 0.3)
     args.engine_args = [tuple(item.split("=", 1)) for item in args.engine_arg]
     engines = dict(item.split("=", 1) for item in args.engine)
     for engine, python in engines.items():
@@ -239,21 +339,32 @@ def main() -> int:
         from dflash_pipeline.demo.mtp_target import build_mtp_target
 
         mtp_target = build_mtp_target(work_root / "mtp-target")
-    for engine, python in engines.items():
+    live, emitting = {}, threading.Lock()
+
+    def progress(engine: str, result: dict) -> None:
+        with emitting:  # engines may report at once (--parallel)
+            live[engine] = result
+            emit({**record, "engines": {**record["engines"], **live}}, str(out))
+
+    def one_engine(engine: str, python: str) -> None:
         work = work_root / engine
         work.mkdir(parents=True, exist_ok=True)
         started = time.time()
-        record["engines"][engine] = check_engine(
-            engine,
-            python,
-            args,
-            work,
-            lambda result, engine=engine: emit({**record, "engines": {**record["engines"], engine: result}}, str(out)),
-        )
+        result = check_engine(engine, python, args, work, partial(progress, engine))
         if mtp_target:
-            record["engines"][engine]["mtp_tune"] = check_mtp(engine, python, args, mtp_target, work)
-        record["engines"][engine]["seconds"] = round(time.time() - started, 1)
-        emit(record, str(out))  # what has run so far survives a later crash
+            result["mtp_tune"] = check_mtp(engine, python, args, mtp_target, work)
+        result["seconds"] = round(time.time() - started, 1)
+        with emitting:
+            record["engines"][engine] = result
+        progress(engine, result)  # what has run so far survives a later crash
+
+    run_at_once([partial(one_engine, engine, python) for engine, python in engines.items()], args.parallel)
+    if args.taps:
+        if "vllm" not in engines:
+            parser.error("--taps needs --engine vllm=PYTHON (the capture server is vLLM)")
+        (work_root / "taps").mkdir(parents=True, exist_ok=True)
+        record["taps"] = check_taps(engines["vllm"], work_root / "taps")
+        emit(record, str(out))
     record["passed"] = passed(record, args)
     emit(record, str(out))
     return 0 if record["passed"] else 1
@@ -261,6 +372,8 @@ def main() -> int:
 
 def passed(record: dict, args) -> bool:
     ok = args.no_cuda_tests or record["cuda_tests"]["passed_all"]
+    taps = record.get("taps")
+    ok = ok and (taps is None or taps.get("exit_code") == 0)
     for result in record["engines"].values():
         for drafter in result["drafters"].values():
             ok = ok and drafter["workflow_exit_code"] == 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -195,11 +196,16 @@ def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
         reuse_data(work / "results" / f"serving-{reuse}", work / "results" / run_name)
     if args.misexport:
         break_export(work / "results" / run_name, getattr(args, "misexport_kind", "no-aux-ids"))
+    # Beside other runs in the same folder (gpu_check --parallel): their outputs are apart, so
+    # no Snakemake directory lock; and GPU slots of their own (core.gpu_slots keeps them under
+    # the temporary folder), or the runs' GPU jobs would take turns.
+    beside = getattr(args, "beside_others", None)
+    nolock, env = (["--nolock"], {**os.environ, "TMPDIR": str(beside)}) if beside else ([], None)
     started = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--cores", "all", *resources,
+        [sys.executable, "-m", "snakemake", "--cores", "all", *resources, *nolock,
          "--configfile", "config.yaml", f"bench-{variant}.yaml", "--rerun-triggers", "mtime"],
-        cwd=work, capture_output=True, text=True,
+        cwd=work, capture_output=True, text=True, env=env,
     )  # fmt: skip
     seconds = time.time() - started
     run = work / "results" / run_name

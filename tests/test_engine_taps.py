@@ -250,12 +250,13 @@ def tokenized(demo_model, tmp_path_factory):
     return {"00000": str(write_tokenized_shard(demo_model, root / "t0.parquet", 16, seed=0))}
 
 
-def run_segment(run_dir, demo_model, tokenized, taps_server=None):
+def run_segment(run_dir, demo_model, tokenized, taps_server=None, source=None):
     from dflash_pipeline.core import layout
     from dflash_pipeline.stages.train import engine_tap_source
     from dflash_pipeline.training.trainer import SegmentJob
 
-    source = engine_tap_source(taps_server, train_settings(), drafter_taps(demo_model)) if taps_server else None
+    if taps_server:
+        source = engine_tap_source(taps_server, train_settings(), drafter_taps(demo_model))
     with source or nullcontext():
         return SegmentJob(
             run_url=str(run_dir), segment=0, settings=train_settings(), target_dir=str(demo_model),
@@ -286,6 +287,48 @@ def target_fed(demo_model, tokenized, tmp_path_factory):
 
 def address(server) -> dict:
     return {"url": server.spec.url, "model": server.spec.model, "storage": str(taps_storage(server.spec))}
+
+
+class TargetAsTapSource:
+    """A tap source with the engine source's interface whose taps the in-process target
+    computes; it keeps what the loop asked for and what it prefetched."""
+
+    def __init__(self, demo_model):
+        from dflash_pipeline.model.taps import TargetTaps
+        from dflash_pipeline.model.target import load_target
+
+        self.taps_of = TargetTaps(
+            load_target(str(demo_model), torch.device("cpu"), torch.float32), drafter_taps(demo_model)
+        )
+        self.asked, self.prefetched = [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def prefetch(self, sequences):
+        self.prefetched.append([seq.input_ids[:4].tolist() for seq in sequences])
+
+    def taps(self, sequences, length, device, dtype):
+        from dflash_pipeline.training.data import collate
+
+        self.asked.append([seq.input_ids[:4].tolist() for seq in sequences])
+        input_ids, _ = collate(sequences, device)
+        assert input_ids.shape[1] == length
+        return self.taps_of(input_ids).to(dtype)
+
+
+def test_the_loop_prefetches_each_next_batch_and_trains_as_on_the_targets_own_taps(
+    demo_model, tokenized, target_fed, tmp_path
+):
+    source = TargetAsTapSource(demo_model)
+    run_segment(tmp_path, demo_model, tokenized, source=source)
+    assert losses(tmp_path) == target_fed
+    assert len(source.asked) == STEPS
+    # Each step's batch was asked for ahead, while the step before trained; none after the last.
+    assert source.prefetched == source.asked[1:]
 
 
 @pytest.mark.workflow
@@ -321,19 +364,22 @@ def test_an_engine_killed_mid_segment_fails_it_cleanly_and_it_resumes(
     batches = []
     original = EngineTapSource.taps
 
-    def kill_at_the_fourth_batch(self, *args, **kwargs):
+    def kill_after_the_fourth_batch(self, *args, **kwargs):
+        taps = original(self, *args, **kwargs)
         batches.append(self.client.url)
         if len(batches) == 4 and self.client.url == spec.url:
             os.killpg(doomed.process.pid, signal.SIGKILL)  # the engine dies mid-segment
-        return original(self, *args, **kwargs)
+            doomed.process.wait()  # dead before the loop asks for the next batch's taps
+        return taps
 
-    monkeypatch.setattr(EngineTapSource, "taps", kill_at_the_fourth_batch)
+    monkeypatch.setattr(EngineTapSource, "taps", kill_after_the_fourth_batch)
     run_dir = tmp_path / "run"
     with ManagedServer(spec, runtime / "vllm-taps.log", runtime, startup_timeout=1800) as doomed:
         with pytest.raises(EngineError, match="taps"):
             run_segment(run_dir, demo_model, tokenized, address(doomed))
-    assert sorted(losses(run_dir)) == [0, 1, 2]  # steps 0-2 ran; step 3's batch found no engine
-    # The job's retry, with its node's new server: from the step-2 checkpoint to the end.
+    # Steps 0-3 ran on their batches; step 4's, asked for while step 3 trained, found no engine.
+    assert sorted(losses(run_dir)) == [0, 1, 2, 3]
+    # The job's retry, with its node's new server: from the last checkpoint to the end.
     run_segment(run_dir, demo_model, tokenized, address(vllm_taps_server))
     resumed = losses(run_dir)
     assert sorted(resumed) == list(range(STEPS))
@@ -508,3 +554,59 @@ def test_the_connector_finds_a_blocks_tokens_in_either_releases_cache_layout(tmp
     assert lines[0] == "1 2 2"
     assert lines[1] == "NHD"  # the name 0.26 and 0.32 both know (0.32 reads it as LBNHC)
     assert lines[2].startswith("refused: hidden-state cache of shape (9, 3, 7, 64)")
+
+
+class RecordingTapsClient:
+    """``EngineTaps``' interface: each sequence's taps are its ids as one column; the asks are kept."""
+
+    def __init__(self, fail_on: int | None = None):
+        self.asked: list[list[int]] = []
+        self.fail_on = fail_on
+        self.closed = False
+
+    def taps_of(self, sequences):
+        from dflash_pipeline.engines.client import EngineError
+
+        self.asked.append([seq[0] for seq in sequences])
+        if self.fail_on is not None and any(seq[0] == self.fail_on for seq in sequences):
+            raise EngineError("the taps server at http://x died while this client waited for a file")
+        return [torch.tensor(seq, dtype=torch.float32)[:, None] for seq in sequences]
+
+    def close(self):
+        self.closed = True
+
+
+def batch_of(*firsts: int):
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(input_ids=torch.tensor([first, first + 1])) for first in firsts]
+
+
+def test_the_next_batchs_taps_are_asked_for_while_this_one_trains_and_taken_once():
+    from dflash_pipeline.engines.engine_taps import EngineTapSource
+
+    client = RecordingTapsClient()
+    now, later = batch_of(1, 5), batch_of(9)
+    with EngineTapSource(client) as source:
+        first = source.taps(now, 3, "cpu", torch.float32)
+        source.prefetch(later)
+        second = source.taps(later, 2, "cpu", torch.float32)
+        again = source.taps(later, 2, "cpu", torch.float32)  # nothing ahead any more: asked anew
+    assert client.asked == [[1, 5], [9], [9]] and client.closed
+    assert first.tolist() == [[[1.0], [2.0], [0.0]], [[5.0], [6.0], [0.0]]]  # right-padded to 3
+    assert second.tolist() == again.tolist() == [[[9.0], [10.0]]]
+
+
+def test_a_prefetch_for_other_sequences_is_not_taken_and_its_engine_error_surfaces_where_used():
+    from dflash_pipeline.engines.client import EngineError
+    from dflash_pipeline.engines.engine_taps import EngineTapSource
+
+    client = RecordingTapsClient(fail_on=7)
+    with EngineTapSource(client) as source:
+        source.prefetch(batch_of(3))
+        other = source.taps(batch_of(4), 2, "cpu", torch.float32)  # not the prefetched batch
+        assert other.tolist() == [[[4.0], [5.0]]]
+        doomed = batch_of(7)
+        source.prefetch(doomed)
+        with pytest.raises(EngineError, match="died"):
+            source.taps(doomed, 2, "cpu", torch.float32)

@@ -131,6 +131,7 @@ def test_the_gpu_check_runs_each_engine_in_a_workflow_folder_and_no_broken_expor
         mem_fraction=0.3,
         no_broken=False,
         no_cuda_tests=False,
+        parallel=False,
     )
 
     exit_code = 1
@@ -151,6 +152,51 @@ def test_the_gpu_check_runs_each_engine_in_a_workflow_folder_and_no_broken_expor
     result = gpu_check.check_engine("sglang", "/envs/sglang/bin/python", args, tmp_path)
     assert [(v, m) for v, m, _ in seen] == [("sliding", False), ("sliding", True)]
     assert result["broken_export"]["of"] == "sliding"
+
+
+def test_the_parallel_gpu_check_runs_the_later_shapes_and_the_broken_export_at_once_each_with_its_own_gpu_slots(
+    monkeypatch, tmp_path
+):
+    """--parallel (a device's time is short): after the first shape (which makes the data), the
+    other shapes and the broken export run at once, each with a temporary folder of its own (the
+    GPU slot locks live there: in one folder the runs' GPU jobs took turns on an H100), and vLLM
+    gets a fixed KV budget (its start-up memory profile fails while another process frees GPU
+    memory). The stand-in runs meet at a barrier: they only pass it if they run at once."""
+    import threading
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import gpu_check
+
+    seen, later = [], threading.Barrier(3, timeout=120)
+
+    def run_variant(run_args, variant, work, reuse):
+        seen.append((variant, run_args.misexport, reuse, run_args.beside_others, list(run_args.engine_arg)))
+        if len(seen) > 1:
+            later.wait()  # sliding, mixed and the broken export: all three in flight together
+        return {"workflow_exit_code": 0 if not run_args.misexport else 1, "workflow_seconds": 1.0}
+
+    monkeypatch.setattr(gpu_check, "installed_engine", lambda engine, python: SimpleNamespace(version="0.26.0"))
+    monkeypatch.setattr(
+        gpu_check, "plain_reference", lambda *a: nullcontext(SimpleNamespace(spec=SimpleNamespace(url="http://ref")))
+    )
+    monkeypatch.setattr(gpu_check, "run_variant", run_variant)
+    (tmp_path / "results" / "demo-target").mkdir(parents=True)
+    args = SimpleNamespace(
+        engine_args=[], shape=["full", "sliding", "mixed"], max_prompts=8, max_new_tokens=None,
+        mem_fraction=0.1, no_broken=False, no_cuda_tests=True, parallel=True,
+    )  # fmt: skip
+    result = gpu_check.check_engine("vllm", "/envs/vllm/bin/python", args, tmp_path)
+    assert seen[0][:3] == ("full", False, None)  # alone first: it generates
+    assert sorted((v, m, r) for v, m, r, _, _ in seen[1:]) == [
+        ("full", True, None), ("sliding", False, "full"), ("swa", False, "full"),
+    ]  # fmt: skip
+    folders = [folder for _, _, _, folder, _ in seen]
+    assert len(set(folders)) == 4 and all(folder.is_dir() and tmp_path in folder.parents for folder in folders)
+    assert all(args_[-2:] == ["--kv-cache-memory-bytes", str(4 * 2**30)] for *_, args_ in seen)
+    assert set(result["drafters"]) == {"full", "sliding", "mixed"}
+    assert result["broken_export"]["of"] == "full" and result["broken_export"]["failed_as_it_should"]
 
 
 def test_the_gpu_check_reuses_data_with_its_records_and_breaks_an_export_the_checksum_accepts(monkeypatch, tmp_path):

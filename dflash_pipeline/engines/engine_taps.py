@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -354,19 +354,44 @@ class EngineTaps:
 
 class EngineTapSource:
     """Training batches' taps from a taps server, with the interface of stored taps
-    (``data.hidden.HiddenShards.taps``): right-padded [b, length, K*H] on ``device``."""
+    (``data.hidden.HiddenShards.taps``): right-padded [b, length, K*H] on ``device``.
+
+    ``prefetch(sequences)`` asks for a later batch's taps in the background, so the engine
+    computes batch i+1 while the trainer's GPU steps on batch i (the loop calls it right after it
+    has its batch); ``taps`` of those same sequences then takes the prefetched rows, and an
+    engine error of the prefetch surfaces there. At most one batch waits ahead: the node-local
+    cache's bound (``CacheBound``) still holds the engine back."""
 
     def __init__(self, client: EngineTaps):
         self.client = client
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="taps-prefetch")
+        self._ahead: tuple[tuple[int, ...], Future] | None = None
 
     def __enter__(self) -> EngineTapSource:
         return self
 
     def __exit__(self, *exc) -> None:
+        # A prefetch still in flight is dropped (its batch is not trained on); closing the
+        # client ends its wait.
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 
+    @staticmethod
+    def _key(sequences) -> tuple[int, ...]:
+        return tuple(id(seq) for seq in sequences)  # the loop hands over its own sequence objects
+
+    def _rows(self, sequences) -> list[torch.Tensor]:
+        return self.client.taps_of([seq.input_ids.tolist() for seq in sequences])
+
+    def prefetch(self, sequences) -> None:
+        self._ahead = (self._key(sequences), self._pool.submit(self._rows, sequences))
+
     def taps(self, sequences, length: int, device, dtype) -> torch.Tensor:
-        rows = self.client.taps_of([seq.input_ids.tolist() for seq in sequences])
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == self._key(sequences):
+            rows = ahead[1].result()
+        else:
+            rows = self._rows(sequences)
         padded = [torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[0])) for row in rows]
         return torch.stack(padded).to(device=device, dtype=dtype)
 

@@ -330,14 +330,19 @@ class _SegmentRun:
         }
 
     # --- the loop ------------------------------------------------------------------------------
+    def _rank_batch(self, step: int) -> list:
+        return [self.sequences[i] for i in self.plan.rank_batch_at(step, self.dist.rank, self.dist.world)]
+
     def _batch(self, step: int):
-        indices = self.plan.rank_batch_at(step, self.dist.rank, self.dist.world)
-        sequences = [self.sequences[i] for i in indices]
+        sequences = self._rank_batch(step)
         input_ids, loss_mask = collate(sequences, self.device)
         if self.taps is not None:
             taps = self.taps(input_ids)
         else:
             taps = self.hidden.taps(sequences, input_ids.shape[1], self.device, self.compute_dtype)
+            prefetch = getattr(self.hidden, "prefetch", None)  # taps from an engine: the next batch's now
+            if prefetch is not None and step + 1 < self.end_step:
+                prefetch(self._rank_batch(step + 1))
         return input_ids, loss_mask, taps, sum(x.length for x in sequences)
 
     def _train_step(self, step: int) -> dict:
