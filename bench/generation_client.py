@@ -1,7 +1,8 @@
 """Generation client overhead: the pipeline's generate path against a minimal load generator.
 
-Both send the same rendered prompts to the same server (`transformers serve`, or vLLM with
-``--engine vllm``) at the same concurrency; the pipeline adds chat rendering, tokenization, reasoning splitting, progress parts
+Both send the same rendered prompts to the same server (`transformers serve`, or vLLM / SGLang
+with ``--engine vllm|sglang``, each from its environment with ``--engine-python``) at the same
+concurrency; the pipeline adds chat rendering, tokenization, reasoning splitting, progress parts
 and telemetry. Design target: pipeline tokens/s >= 0.97 x the load generator's.
 
 The model has a realistic layer shape (random weights; hidden/layers/heads configurable) with
@@ -10,6 +11,8 @@ the demo tokenizer, so every request runs to `--max-new-tokens` (random weights 
     python bench/generation_client.py --out bench/results/generation_client.json
     python bench/generation_client.py --engine vllm --hidden 4096 --layers 36 --heads 32 \
         --intermediate 12288 --prompts 1024 --concurrency 256 --max-new-tokens 512
+    python bench/generation_client.py --engine sglang --engine-python ENV/bin/python --hidden 4096 \
+        --layers 36 --heads 32 --intermediate 12288 --prompts 1024 --concurrency 64   (and 256)
 """
 
 from __future__ import annotations
@@ -152,7 +155,8 @@ async def pipeline(url, engine, model, tokenizer, rows, concurrency, max_new, ru
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
+    p.add_argument("--engine", choices=("transformers", "vllm", "sglang"), default="transformers")
+    p.add_argument("--engine-python", help="the Python of the engine's own environment (default: this one)")
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -181,7 +185,9 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(model)
         rows = prompts(args.prompts)
         texts = [render_prompt(tokenizer, r["messages"], True) for r in rows]
-        spec = ServerSpec(engine=args.engine, model=str(model), port=18931, extra_args=args.engine_arg)
+        spec = ServerSpec(
+            engine=args.engine, model=str(model), port=18931, extra_args=args.engine_arg, python=args.engine_python
+        )
         runs = []
         with ManagedServer(spec, tmp / "engine.log", tmp, startup_timeout=600) as server:
             # Warm-up, then alternate the two clients so drift hits both alike.
