@@ -26,7 +26,9 @@ from dflash_pipeline.stages.plan import (
     make_plan,
     measure_run,
     model_case,
+    pick_capture_benchmark,
     pick_train_benchmark,
+    read_capture_benchmarks,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,6 +81,36 @@ def test_benchmark_pick_takes_the_configs_algorithm_and_averages_files_of_one_co
     picked = pick_train_benchmark(records, "qwen3.6-27b", "online", 4096)
     assert picked["tokens_per_s"] == round((5657.4 + 5576.6) / 2, 1)
     assert picked["file"] == "train_step-dflash2-h200.json, train_step-h200.json"
+
+
+def test_with_taps_from_an_engine_the_plan_trains_at_the_drafter_step_plus_the_engines_forward(tmp_path):
+    """train.taps_from engine: the trainer steps the drafter alone and the taps server runs on
+    the same GPUs, so a GPU's time per token is the drafter step's plus its share of the engine's
+    forward; the figures come from train_step's drafter row and engine_taps' capture rate of the
+    same target, both named. Without an engine_taps record: the in-process rate, said so."""
+    assert pick_train_benchmark(BENCH, "qwen3.6-27b", "online", 4096, taps_from="engine")["tokens_per_s"] == 14787.3
+    (tmp_path / "engine_taps-h100.json").write_text(
+        json.dumps({
+            "device": "NVIDIA H100 80GB HBM3",
+            "cases": [
+                {"case": "qwen3.6-27b", "seq_len": 4096, "capture_tokens_per_s": 20000.0},
+                {"case": "qwen3-8b", "seq_len": 3072, "error": "EngineError: the server died"},
+            ],
+        })
+    )  # fmt: skip
+    captures = read_capture_benchmarks(tmp_path)
+    assert pick_capture_benchmark(captures, "qwen3-8b") is None  # a failed case says nothing
+    capture = pick_capture_benchmark(captures, "qwen3.6-27b")
+    config = seeds_config()
+    config["train"]["taps_from"] = "engine"
+    drafter = pick_train_benchmark(BENCH, "qwen3.6-27b", "online", 4096, taps_from="engine")
+    fed = make_plan(config, Measured(bench_train=BENCH[0], bench_drafter=drafter, bench_capture=capture), gpus=8)
+    rate = fed["train"]["tokens_per_s_per_gpu"]
+    assert rate["value"] == pytest.approx(1 / (1 / 14787.3 + 1 / 20000.0))
+    assert "engine_taps-h100.json" in rate["source"] and "drafter step" in rate["source"]
+    alone = make_plan(config, Measured(bench_train=BENCH[0], bench_drafter=drafter), gpus=8)
+    assert alone["train"]["tokens_per_s_per_gpu"]["value"] == 5657.4
+    assert "no engine_taps record" in alone["train"]["tokens_per_s_per_gpu"]["source"]
 
 
 def test_seeds_case_from_config_and_benchmark():

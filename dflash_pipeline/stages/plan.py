@@ -13,7 +13,9 @@ Every figure says where it comes from, best source first:
   engine measured on the run's own prompts, ``dflash_pipeline.stages.tune``), else
   ``plan.generation_tokens_per_s_per_gpu`` (an assumption);
 * training throughput: the run's own training telemetry, else ``plan.train_tokens_per_s_per_gpu``,
-  else the train_step benchmark in ``bench/results`` closest to the target and the context;
+  else the train_step benchmark in ``bench/results`` closest to the target and the context; with
+  ``train.taps_from: engine``, the drafter step's benchmark combined with the engine_taps
+  benchmark of the target (the taps server shares the training GPUs), else the in-process rate;
 * bytes: finished shards' objects in the run root, else per-token estimates; hidden states are
   K taps x hidden size x bytes per element per token (stored in offline mode only).
 
@@ -82,6 +84,8 @@ class Measured:
     train_tokens_per_s_per_gpu: float | None = None
     shard_bytes: dict[str, list[int]] = field(default_factory=dict)  # stage -> sizes of finished shards
     bench_train: dict | None = None  # the matching train_step record
+    bench_drafter: dict | None = None  # with taps from an engine: the drafter step's record
+    bench_capture: dict | None = None  # with taps from an engine: the engine_taps record
     hidden_size: int | None = None  # from the target's config.json
     tuned: TunedChoice | None = None  # the run's tune result, for the current settings
 
@@ -92,13 +96,14 @@ def model_case(model: str) -> str:
 
 
 def pick_train_benchmark(
-    records: list[dict], case: str, mode: str, seq_len: int, algorithm: str = "dflash"
+    records: list[dict], case: str, mode: str, seq_len: int, algorithm: str = "dflash", taps_from: str = "target"
 ) -> dict | None:
     """The train_step measurement of this target, mode and drafter algorithm, closest in context
     (None: no record of this target; another model's throughput would say nothing about this
     one). Records of one context from several result files are averaged, and all are named.
-    Records older than the algorithm key are DFlash's."""
-    bench_mode = "online" if mode == "online" else "drafter"  # offline: drafter step alone
+    Records older than the algorithm key are DFlash's. Offline, and online with taps from an
+    engine, the trainer steps the drafter alone."""
+    bench_mode = "online" if mode == "online" and taps_from == "target" else "drafter"
     pool = [
         r for r in records
         if r.get("mode") == bench_mode and r.get("tokens_per_s") and r.get("case") == case
@@ -114,6 +119,47 @@ def pick_train_benchmark(
         "file": ", ".join(sorted({r["file"] for r in chosen})),
         "algorithm": algorithm,
     }
+
+
+def pick_capture_benchmark(records: list[dict], case: str) -> dict | None:
+    """The engine_taps measurement of this target (a vLLM capture server's taps tokens/s on one
+    GPU), several files averaged and named; None without one."""
+    chosen = [r for r in records if r.get("case") == case and r.get("capture_tokens_per_s")]
+    if not chosen:
+        return None
+    return {
+        **chosen[0],
+        "capture_tokens_per_s": round(sum(float(r["capture_tokens_per_s"]) for r in chosen) / len(chosen), 1),
+        "file": ", ".join(sorted({r["file"] for r in chosen})),
+    }
+
+
+def read_capture_benchmarks(bench_dir: Path) -> list[dict]:
+    """The cases of ``bench/engine_taps.py``'s results (engine_taps*.json)."""
+    records = []
+    for path in sorted(bench_dir.glob("engine_taps*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise PlanError(f"{path}: unreadable benchmark result ({err})") from err
+        records += [{**case, "file": path.name, "device": doc.get("device")} for case in doc.get("cases", [])]
+    return records
+
+
+def engine_fed_rate(drafter: Estimate, capture: dict | None, online: Estimate) -> Estimate:
+    """Training tokens/s per GPU with taps from an engine (``train.taps_from: engine``): the
+    taps server runs on the training job's GPUs, so each GPU's time goes to the drafter's step
+    and to its share of the engine's forward (1/rate = 1/drafter + 1/capture). Without a capture
+    measurement of this target: the in-process rate, said so (the engine's forward is the
+    target's, in other kernels)."""
+    if capture is None or drafter.value is None:
+        return Estimate(online.value, f"{online.source}; no engine_taps record of this target: the in-process rate")
+    rate = 1 / (1 / drafter.value + 1 / float(capture["capture_tokens_per_s"]))
+    return Estimate(
+        rate,
+        f"drafter step {drafter.value:,.0f} tok/s ({drafter.source}) with the engine's forward on the same GPUs at "
+        f"{float(capture['capture_tokens_per_s']):,.0f} tok/s (bench/results/{capture['file']} on {capture['device']})",
+    )
 
 
 # Result files kept as the record of an earlier state (before an optimization), not current.
@@ -313,6 +359,14 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
         )
     else:
         train_rate = Estimate(None, "unknown: set plan.train_tokens_per_s_per_gpu")
+    engine_taps = train["mode"] == "online" and train["taps_from"] == "engine"
+    if engine_taps and not measured.train_tokens_per_s_per_gpu and not plan_cfg["train_tokens_per_s_per_gpu"]:
+        drafter = measured.bench_drafter
+        drafter_rate = Estimate(
+            float(drafter["tokens_per_s"]) if drafter else None,
+            f"bench/results/{drafter['file']}: drafter step" if drafter else "no drafter-step record",
+        )
+        train_rate = engine_fed_rate(drafter_rate, measured.bench_capture, train_rate)
     train_gpus = max(1, train["gpus_per_job"])  # 0: one CPU process
     steps = train["segments"] * train["steps_per_segment"]
     sequences = steps * train["batch_size"] * train_gpus
@@ -476,7 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-url", default=None, help="the run root to measure (default: the config's, if it exists)")
     parser.add_argument("--default-storage-prefix", default=None, help="an S3 run's prefix (as given to snakemake)")
     parser.add_argument(
-        "--bench-dir", default=str(DEFAULT_BENCH_DIR), help="train_step*.json results (default: %(default)s)"
+        "--bench-dir",
+        default=str(DEFAULT_BENCH_DIR),
+        help="train_step*.json and engine_taps*.json results (default: %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
@@ -500,13 +556,13 @@ def main(argv: list[str] | None = None) -> int:
                 "checkout?); --bench-dir names a checkout's bench/results",
                 file=sys.stderr,
             )
-        measured.bench_train = pick_train_benchmark(
-            read_train_benchmarks(Path(args.bench_dir)),
-            case,
-            config["train"]["mode"],
-            config["tokenize"]["max_length"],
-            config["train"]["algorithm"],
-        )
+        steps = read_train_benchmarks(Path(args.bench_dir))
+        train = config["train"]
+        context = config["tokenize"]["max_length"]
+        measured.bench_train = pick_train_benchmark(steps, case, train["mode"], context, train["algorithm"])
+        if train["mode"] == "online" and train["taps_from"] == "engine":
+            measured.bench_drafter = pick_train_benchmark(steps, case, "online", context, train["algorithm"], "engine")
+            measured.bench_capture = pick_capture_benchmark(read_capture_benchmarks(Path(args.bench_dir)), case)
         measured.hidden_size = read_hidden_size(config["target"]["model"])
         if not measured.prompts and not config["plan"]["prompts"]:
             measured.dataset_rows, measured.dataset_rows_source = count_dataset_rows(config["dataset"]["paths"])
