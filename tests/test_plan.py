@@ -81,6 +81,10 @@ def test_benchmark_pick_takes_the_configs_algorithm_and_averages_files_of_one_co
     picked = pick_train_benchmark(records, "qwen3.6-27b", "online", 4096)
     assert picked["tokens_per_s"] == round((5657.4 + 5576.6) / 2, 1)
     assert picked["file"] == "train_step-dflash2-h200.json, train_step-h200.json"
+    # Another card's record of the same context joins the average, and the source names both cards.
+    h100 = {**again, "tokens_per_s": 5000.0, "file": "train_step-h100.json", "device": "NVIDIA H100 80GB HBM3"}
+    picked = pick_train_benchmark([*records, h100], "qwen3.6-27b", "online", 4096)
+    assert picked["device"] == "NVIDIA H100 80GB HBM3, NVIDIA H200"
 
 
 def test_with_taps_from_an_engine_the_plan_trains_at_the_drafter_step_plus_the_engines_forward(tmp_path):

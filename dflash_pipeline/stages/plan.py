@@ -117,6 +117,7 @@ def pick_train_benchmark(
         **chosen[0],
         "tokens_per_s": round(sum(float(r["tokens_per_s"]) for r in chosen) / len(chosen), 1),
         "file": ", ".join(sorted({r["file"] for r in chosen})),
+        "device": ", ".join(sorted({str(r.get("device")) for r in chosen})),  # every card averaged
         "algorithm": algorithm,
     }
 
