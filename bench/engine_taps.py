@@ -14,9 +14,9 @@ check ids and layers, load, delete). Measured:
   taps when it needs them waits per step.
 
 With ``--trainer-record`` (``train_step.py``'s result on the same card), the record also gives
-per trainer GPU: in-process tokens/s (the online step), engine-fed tokens/s (the drafter step
-or the wait for one sequence's taps, whichever is longer: the loop asks for the next batch's taps
-while it trains on this one), and how many trainer GPUs one capture server keeps busy
+per trainer GPU: in-process tokens/s (the online step); engine-fed tokens/s with the engine on the
+training GPUs, as ``train.taps_from: engine`` runs it and the plan prices it; and, for a capture
+server on GPUs of its own, the trainer's tokens/s and how many trainer GPUs one server keeps busy
 (``gpus_per_capture_server``).
 
 ``--layers CASE=N`` measures a target too big for the card at N of its layers (same width, the
@@ -54,6 +54,7 @@ from train_step import target_config  # noqa: E402
 from dflash_pipeline.engines.engine_taps import EngineTaps, taps_server_spec  # noqa: E402
 from dflash_pipeline.engines.environments import engine_env  # noqa: E402
 from dflash_pipeline.engines.launch import ManagedServer, free_port  # noqa: E402
+from dflash_pipeline.stages.plan import engine_on_the_training_gpus  # noqa: E402
 
 # A CPU-sized case to try the bench where no GPU is (vLLM's CPU build): same code path.
 TINY = {
@@ -68,9 +69,12 @@ TINY = {
         num_key_value_heads=2,
         head_dim=32,
         vocab_size=4096,
-    ),  # fmt: skip
+    ),
 }
 CASES = {**TRAIN_CASES, "tiny": TINY}
+# Before the timed sequences: warm-up requests (first-shape compilation, allocator growth), then
+# one sequence at a time for its wait.
+WARMUP, ALONE = 2, 3
 
 
 def write_target(case: dict, folder: Path) -> Path:
@@ -117,34 +121,38 @@ def measure(name: str, args, work: Path) -> dict:
     vocab = case["target"]["vocab_size"]
     generator = torch.Generator().manual_seed(0)
     # Distinct random sequences: no prefix-cache hit makes the engine's work smaller than a real run's.
-    sequences = [torch.randint(0, vocab, (seq_len,), generator=generator).tolist() for _ in range(args.sequences + 5)]
+    sequences = [
+        torch.randint(0, vocab, (seq_len,), generator=generator).tolist()
+        for _ in range(WARMUP + ALONE + args.sequences)
+    ]
+    warmup, alone, timed = sequences[:WARMUP], sequences[WARMUP : WARMUP + ALONE], sequences[WARMUP + ALONE :]
     record = {
         "case": name,
         "seq_len": seq_len,
         "tap_ids": tap_ids,
+        "target_layers": case["target"]["num_hidden_layers"],
         "extra_server_args": extra + args.engine_arg,
         "dtype": dtype,
     }
-    record["target_layers"] = case["target"]["num_hidden_layers"]
     started = time.monotonic()
     log = work / f"{name}-server.log"
     try:
         with ManagedServer(spec, log, work / name, startup_timeout=args.startup_timeout) as server:
             record["startup_s"] = round(time.monotonic() - started, 1)
             with EngineTaps.of_server(spec, tap_ids, alive=server.alive, concurrency=args.concurrency) as client:
-                client.taps_of(sequences[:2])  # warm-up: first-shape compilation, allocator growth
+                client.taps_of(warmup)
                 latencies = []
-                for seq in sequences[2:5]:
+                for seq in alone:
                     t0 = time.monotonic()
                     taps = client.taps(seq)
                     latencies.append(time.monotonic() - t0)
                 t0 = time.monotonic()
-                client.taps_of(sequences[5:])
+                client.taps_of(timed)
                 seconds = time.monotonic() - t0
         record.update(
             taps_shape=list(taps.shape),
             taps_bytes_per_token=taps.element_size() * taps.shape[1],
-            latency_s=round(sorted(latencies)[1], 4),
+            latency_s=round(sorted(latencies)[len(latencies) // 2], 4),  # the median
             latency_s_all=[round(t, 4) for t in latencies],
             sequences=args.sequences,
             concurrency=args.concurrency,
@@ -166,9 +174,12 @@ def measure(name: str, args, work: Path) -> dict:
 
 
 def trainer_figures(record: dict, trainer: dict) -> dict:
-    """Per trainer GPU, from train_step's rows of the same case: in-process (online) tokens/s,
-    engine-fed tokens/s (the drafter step plus the wait for the batch's taps), and the trainer
-    GPUs one capture server keeps busy."""
+    """Per trainer GPU, from train_step's rows of the same case: in-process (online) tokens/s;
+    engine-fed tokens/s as the pipeline runs it, the engine on the training GPUs
+    (``stages.plan.engine_on_the_training_gpus``, what the plan uses); and with a capture server
+    on GPUs of its own, the trainer's tokens/s (the drafter step or one sequence's wait, the longer:
+    the loop asks for the next batch's taps while it trains on this one) and how many trainer GPUs
+    one such server keeps busy."""
     rows = {
         r["mode"]: r
         for r in trainer["results"]
@@ -177,14 +188,14 @@ def trainer_figures(record: dict, trainer: dict) -> dict:
     if "drafter" not in rows or "capture_tokens_per_s" not in record:
         return {}
     seq_len, step_s = record["seq_len"], rows["drafter"]["step_s"]
-    # The loop asks for the next batch's taps while it trains on this one: a step takes the
-    # longer of the two.
-    engine_fed = seq_len / max(step_s, record["latency_s"])
+    apart = seq_len / max(step_s, record["latency_s"])
+    shared = engine_on_the_training_gpus(rows["drafter"]["tokens_per_s"], record["capture_tokens_per_s"])
     figures = {
         "trainer_device": trainer["device"],
         "drafter_step_s": step_s,
-        "engine_fed_tokens_per_s_per_gpu": round(engine_fed, 1),
-        "gpus_per_capture_server": round(record["capture_tokens_per_s"] / engine_fed, 2),
+        "engine_fed_tokens_per_s_per_gpu": round(shared, 1),
+        "capture_apart_trainer_tokens_per_s_per_gpu": round(apart, 1),
+        "gpus_per_capture_server": round(record["capture_tokens_per_s"] / apart, 2),
     }
     if "online" in rows:
         figures["in_process_tokens_per_s_per_gpu"] = rows["online"]["tokens_per_s"]

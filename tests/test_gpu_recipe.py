@@ -4,8 +4,11 @@ the 27B example, on the torch the pipeline's GPU environment installs."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 
@@ -232,3 +235,63 @@ def test_the_gpu_check_reuses_data_with_its_records_and_breaks_an_export_the_che
     assert broken["dflash_config"]["target_layer_ids"] == [5, 1]
     assert broken["eagle_aux_hidden_state_layer_ids"] == [6, 2]
     assert checksums.verify_local_copy(config, str(source), "rule evaluate").producer() == "rule export (shard -)"
+
+
+def test_the_taps_bench_scales_a_cut_target_and_prices_engine_fed_training_as_the_plan_does(monkeypatch):
+    """bench/engine_taps.py: a target too big for the card is measured at fewer layers, its taps
+    spread the same way and the 3:1 hybrid pattern kept; per trainer GPU, the engine on the
+    training GPUs is priced by the plan's own rule, and a capture server apart feeds as many
+    trainers as its rate over theirs (each trainer waits for the longer of its step and one
+    sequence's taps)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import engine_taps
+
+    from dflash_pipeline.stages.plan import engine_on_the_training_gpus
+
+    cut = engine_taps.fewer_layers(engine_taps.CASES["qwen3.6-27b"], 16)
+    assert cut["target"]["num_hidden_layers"] == 16 and cut["drafter"]["target_layer_ids"] == [0, 4, 7, 11, 15]
+    assert cut["target"]["hidden_size"] == 5120  # the width is the 27B's
+    record = {"case": "qwen3-8b", "seq_len": 3000, "latency_s": 0.1, "capture_tokens_per_s": 60000.0}
+    trainer = {
+        "device": "card",
+        "results": [
+            {"case": "qwen3-8b", "mode": "drafter", "step_s": 0.2, "tokens_per_s": 15000.0},
+            {"case": "qwen3-8b", "mode": "online", "step_s": 0.3, "tokens_per_s": 10000.0, "peak_gib": 38.0},
+            {"case": "qwen3.6-27b", "mode": "drafter", "step_s": 9.0, "tokens_per_s": 1.0},
+        ],
+    }
+    figures = engine_taps.trainer_figures(record, trainer)
+    assert figures["engine_fed_tokens_per_s_per_gpu"] == round(engine_on_the_training_gpus(15000.0, 60000.0), 1)
+    assert figures["engine_fed_tokens_per_s_per_gpu"] == 12000.0
+    assert figures["capture_apart_trainer_tokens_per_s_per_gpu"] == 15000.0  # the step (0.2 s) is the longer
+    assert figures["gpus_per_capture_server"] == 4.0
+    assert figures["in_process_tokens_per_s_per_gpu"] == 10000.0
+    assert engine_taps.trainer_figures({**record, "case": "qwen3.6-27b"}, trainer)["drafter_step_s"] == 9.0
+    failed = {key: value for key, value in record.items() if key != "capture_tokens_per_s"}  # its server died
+    assert engine_taps.trainer_figures(failed, trainer) == {}
+
+
+def test_the_taps_part_of_the_gpu_check_fails_when_a_training_step_run_fails(monkeypatch, tmp_path):
+    """gpu_check --taps: train_step (8B, 27B) then engine_taps with their record; a failed
+    train_step run fails the part even when engine_taps itself exits 0."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import gpu_check
+
+    def fake_run(argv, **kwargs):
+        out = Path(argv[argv.index("--out") + 1])
+        if "train_step.py" in argv[1]:
+            if "qwen3.6-27b" in argv:
+                return SimpleNamespace(returncode=1, stderr="CUDA out of memory")
+            out.write_text(json.dumps({"device": "card", "results": [{"case": "qwen3-8b", "mode": "drafter"}]}))
+        else:
+            assert json.loads(Path(argv[argv.index("--trainer-record") + 1]).read_text())["results"]
+            out.write_text(json.dumps({"cases": [{"case": "qwen3-8b", "capture_tokens_per_s": 1.0}]}))
+        return SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", fake_run)
+    result = gpu_check.check_taps("/envs/vllm/bin/python", tmp_path)
+    assert result["train_step_errors"] == ["CUDA out of memory"] and result["engine_taps"][0]["case"] == "qwen3-8b"
+    assert result["exit_code"] == 1
+    assert not gpu_check.passed(
+        {"cuda_tests": {"passed_all": True}, "engines": {}, "taps": result}, SimpleNamespace(no_cuda_tests=False)
+    )

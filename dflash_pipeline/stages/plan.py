@@ -147,19 +147,37 @@ def read_capture_benchmarks(bench_dir: Path) -> list[dict]:
     return records
 
 
-def engine_fed_rate(drafter: Estimate, capture: dict | None, online: Estimate) -> Estimate:
-    """Training tokens/s per GPU with taps from an engine (``train.taps_from: engine``): the
-    taps server runs on the training job's GPUs, so each GPU's time goes to the drafter's step
-    and to its share of the engine's forward (1/rate = 1/drafter + 1/capture). Without a capture
-    measurement of this target: the in-process rate, said so (the engine's forward is the
-    target's, in other kernels)."""
-    if capture is None or drafter.value is None:
-        return Estimate(online.value, f"{online.source}; no engine_taps record of this target: the in-process rate")
-    rate = 1 / (1 / drafter.value + 1 / float(capture["capture_tokens_per_s"]))
+def engine_on_the_training_gpus(drafter_tokens_per_s: float, capture_tokens_per_s: float) -> float:
+    """Training tokens/s per GPU with taps from an engine that runs on the training job's own
+    GPUs (as ``train.taps_from: engine`` starts it): each GPU's time goes to the drafter's step and
+    to its share of the engine's forward, 1/rate = 1/drafter + 1/capture."""
+    return 1 / (1 / drafter_tokens_per_s + 1 / capture_tokens_per_s)
+
+
+def bench_estimate(record: dict | None, what: str) -> Estimate:
+    """A train_step record's tokens/s, named by its files, case, mode, context and cards."""
+    if record is None:
+        return Estimate(None, f"unknown: no train_step record of the {what}; set plan.train_tokens_per_s_per_gpu")
     return Estimate(
-        rate,
-        f"drafter step {drafter.value:,.0f} tok/s ({drafter.source}) with the engine's forward on the same GPUs at "
-        f"{float(capture['capture_tokens_per_s']):,.0f} tok/s (bench/results/{capture['file']} on {capture['device']})",
+        float(record["tokens_per_s"]),
+        f"{', '.join('bench/results/' + f for f in record['file'].split(', '))}: {record['case']} "
+        f"{record.get('algorithm', 'dflash')} {record['mode']} at {record['seq_len']} tokens on {record['device']}",
+    )
+
+
+def engine_fed_rate(drafter: dict | None, capture: dict | None, in_process: dict | None) -> Estimate:
+    """The training rate with taps from an engine: the drafter step's record with the target's
+    engine_taps record (``engine_on_the_training_gpus``). Without either: the in-process rate,
+    said so (the engine's forward is the target's, in other kernels)."""
+    if drafter is None or capture is None:
+        online = bench_estimate(in_process, "in-process target")
+        return Estimate(online.value, f"{online.source}; no engine_taps record of this target: the in-process rate")
+    step = bench_estimate(drafter, "drafter step")
+    capture_rate = float(capture["capture_tokens_per_s"])
+    return Estimate(
+        engine_on_the_training_gpus(step.value, capture_rate),
+        f"drafter step {step.value:,.0f} tok/s ({step.source}) with the engine's forward on the same GPUs at "
+        f"{capture_rate:,.0f} tok/s (bench/results/{capture['file']} on {capture['device']})",
     )
 
 
@@ -351,23 +369,10 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
         train_rate = Estimate(measured.train_tokens_per_s_per_gpu, "the run's training telemetry")
     elif plan_cfg["train_tokens_per_s_per_gpu"]:
         train_rate = Estimate(plan_cfg["train_tokens_per_s_per_gpu"], "config plan.train_tokens_per_s_per_gpu")
-    elif measured.bench_train:
-        b = measured.bench_train
-        train_rate = Estimate(
-            float(b["tokens_per_s"]),
-            f"{', '.join('bench/results/' + f for f in b['file'].split(', '))}: {b['case']} "
-            f"{b.get('algorithm', 'dflash')} {b['mode']} at {b['seq_len']} tokens on {b['device']}",
-        )
+    elif train["mode"] == "online" and train["taps_from"] == "engine":
+        train_rate = engine_fed_rate(measured.bench_drafter, measured.bench_capture, measured.bench_train)
     else:
-        train_rate = Estimate(None, "unknown: set plan.train_tokens_per_s_per_gpu")
-    engine_taps = train["mode"] == "online" and train["taps_from"] == "engine"
-    if engine_taps and not measured.train_tokens_per_s_per_gpu and not plan_cfg["train_tokens_per_s_per_gpu"]:
-        drafter = measured.bench_drafter
-        drafter_rate = Estimate(
-            float(drafter["tokens_per_s"]) if drafter else None,
-            f"bench/results/{drafter['file']}: drafter step" if drafter else "no drafter-step record",
-        )
-        train_rate = engine_fed_rate(drafter_rate, measured.bench_capture, train_rate)
+        train_rate = bench_estimate(measured.bench_train, "target and context")
     train_gpus = max(1, train["gpus_per_job"])  # 0: one CPU process
     steps = train["segments"] * train["steps_per_segment"]
     sequences = steps * train["batch_size"] * train_gpus
@@ -562,7 +567,9 @@ def main(argv: list[str] | None = None) -> int:
         context = config["tokenize"]["max_length"]
         measured.bench_train = pick_train_benchmark(steps, case, train["mode"], context, train["algorithm"])
         if train["mode"] == "online" and train["taps_from"] == "engine":
-            measured.bench_drafter = pick_train_benchmark(steps, case, "online", context, train["algorithm"], "engine")
+            measured.bench_drafter = pick_train_benchmark(
+                steps, case, train["mode"], context, train["algorithm"], train["taps_from"]
+            )
             measured.bench_capture = pick_capture_benchmark(read_capture_benchmarks(Path(args.bench_dir)), case)
         measured.hidden_size = read_hidden_size(config["target"]["model"])
         if not measured.prompts and not config["plan"]["prompts"]:
