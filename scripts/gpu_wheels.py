@@ -5,7 +5,8 @@ Linux x86_64, whatever Python and platform run the build, plus SHA256SUMS over a
 install (the GPU node, no index): checks SHA256SUMS, installs each set with `pip --target` into a
 folder of its own and writes a wrapper `bin/python` that puts that folder on PYTHONPATH in front of
 the node's own python3 (the one with CUDA torch): a set sits on top of the image's packages, and the
-image may have no venv/ensurepip anyway.
+image may have no venv/ensurepip anyway. Python reads `.pth` files only in its site directories,
+never in a PYTHONPATH folder, so the wrapper also names the folders a set's `.pth` files add.
 
 Only the standard library and the running interpreter's pip: the GPU node has nothing else.
 """
@@ -22,6 +23,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
+import json  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -293,6 +295,32 @@ def verify(out: Path) -> list[str]:
 
 WRAPPER = '#!/bin/sh\nPYTHONPATH={path}${{PYTHONPATH:+:$PYTHONPATH}} exec {python} "$@"\n'
 
+# What the set's .pth files add to sys.path, as Python's site module would add them for a site
+# directory (their import lines run: nvidia-cutlass-dsl's inserts the folder of `cutlass`).
+PTH_PATHS = (
+    "import json, site, sys\n"
+    "before = list(sys.path)\n"
+    "site.addsitedir(sys.argv[1])\n"
+    "print(json.dumps([p for p in sys.path if p not in before and p != sys.argv[1]]))\n"
+)
+
+
+def pth_paths(site: Path) -> list[str]:
+    """The folders a set's .pth files put on sys.path, for its wrapper to name. Without them a
+    package reached only through a .pth does not import from the set: nvidia-cutlass-dsl's
+    `cutlass`, so FlashInfer's CuTe DSL kernels were missing and vLLM 0.26's Hopper prefill of
+    Gated-DeltaNet layers failed ("SM90 GDN prefill DSL kernel is unavailable", on an H100).
+    Lines that only have side effects (setuptools' distutils shim) are not carried over."""
+    if not any(site.glob("*.pth")):
+        return []
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", PTH_PATHS, str(site)], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"reading the .pth files of {site} failed: {last_line(done)}")
+    if done.stderr.strip():  # site names a .pth line that failed, and goes on
+        print(f"gpu-wheels-install: {site}: {done.stderr.strip()}", file=sys.stderr)
+    return json.loads(done.stdout)
+
 
 def check_command(set_name: str) -> tuple[str, str, str | None]:
     """The import check of a set: (package, code, version the set's name promises or None)."""
@@ -339,7 +367,12 @@ def install(args: argparse.Namespace) -> int:
         os.replace(fresh, site)
         # The pipeline's wrapper also puts the checkout on the path: dflash_pipeline and the
         # Snakemake logger plugin import from it, as from the editable install of `make setup`.
-        path = f"{site}:{checkout}" if set_name == "pipeline" else str(site)
+        try:
+            added = pth_paths(site)
+        except RuntimeError as exc:
+            print(f"gpu-wheels-install: {set_name}: {exc}", file=sys.stderr)
+            return 1
+        path = ":".join([str(site), *added, *([str(checkout)] if set_name == "pipeline" else [])])
         wrapper = home / "bin" / "python"
         wrapper.parent.mkdir(exist_ok=True)
         wrapper.write_text(WRAPPER.format(path=path, python=sys.executable))

@@ -198,6 +198,36 @@ def test_install_puts_each_set_in_its_own_folder_behind_a_wrapper_of_this_python
     assert run(wrapper, "import tiny2, importlib.util; print(importlib.util.find_spec('tiny'))") == "None"
 
 
+def test_the_wrapper_names_what_a_sets_pth_files_put_on_the_path(tmp_path):
+    # nvidia-cutlass-dsl reaches its `cutlass` package only through a .pth import line; Python
+    # reads .pth files in site directories, not in a PYTHONPATH folder (an H100 run of vLLM lost
+    # FlashInfer's CuTe DSL kernels that way). Built like that wheel, plus a plain path line.
+    wheels = tmp_path / "wheels"
+    make_wheel(
+        wheels / "dsl-1.0",
+        "dsl",
+        "1.0",
+        {
+            "dsl/__init__.py": "",
+            "dsl/packages/cute/__init__.py": "WHERE = 'behind the import line'\n",
+            "dsl_packages.pth": "import sys, os, dsl; sys.path.insert(0, os.path.join(dsl.__path__[0], 'packages'))",
+            "extra/plain.py": "WHERE = 'behind the path line'\n",
+            "dsl_extra.pth": "extra\n",
+        },
+    )
+    write_sums(wheels)
+    envs = tmp_path / "gpu-envs"
+    result = install(wheels, envs)
+    assert result.returncode == 0, result.stderr
+    site = envs / "dsl-1.0" / "site"
+    wrapper = envs / "dsl-1.0" / "bin" / "python"
+    assert f"PYTHONPATH={site}:{site}/dsl/packages:{site}/extra$" in wrapper.read_text()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "import cute, plain; print(cute.WHERE, '/', plain.WHERE)"
+    done = subprocess.run([str(wrapper), "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert done.stdout.strip() == "behind the import line / behind the path line", done.stderr
+
+
 def test_a_damaged_wheel_is_refused_by_name_and_nothing_is_installed(tmp_path):
     wheels = tmp_path / "wheels"
     good = make_wheel(wheels / "tiny-1.0", "tiny", "1.0", {"tiny.py": "X = 1\n"})
