@@ -166,6 +166,18 @@ def summarize(record: dict) -> dict:
     }
 
 
+def failed_at(summary: dict) -> str | None:
+    """Where a run failed: the engine parity gate, or the error its workflow log ends with (a
+    broken export refused when evaluate loads it fails before any gate; an H100 run showed the
+    two apart only in the log)."""
+    if summary["workflow_exit_code"] == 0:
+        return None
+    if summary["engine_parity_passed"] is False:
+        return "the engine parity gate"
+    errors = re.findall(r"^[\w.]*?(\w+(?:Error|Exception)): (.+)$", summary.get("log_tail") or "", re.MULTILINE)
+    return next((f"{name}: {message}" for name, message in errors), "the workflow failed (its log tail names no error)")
+
+
 def beside(run_args, work: Path, name: str, parallel: bool) -> SimpleNamespace:
     """The run's arguments; with ``parallel``, a temporary folder of its own (its GPU slots)."""
     if not parallel:
@@ -232,6 +244,7 @@ def check_engine(engine: str, python: str, args, work: Path, on_progress=lambda 
         record = summarize(run_variant(broken, SHAPES[good], work, None))
         record["of"] = good
         record["failed_as_it_should"] = record["workflow_exit_code"] != 0 and not record["engine_parity_passed"]
+        record["failed_at"] = failed_at(record)
         with RECORD_LOCK:
             result["broken_export"] = record
             on_progress(result)

@@ -202,6 +202,31 @@ def test_the_parallel_gpu_check_runs_the_later_shapes_and_the_broken_export_at_o
     assert result["broken_export"]["of"] == "full" and result["broken_export"]["failed_as_it_should"]
 
 
+def test_the_gpu_check_says_where_a_broken_export_failed(monkeypatch):
+    """A refused export and one the parity gate caught both fail; the record tells them apart.
+    The log tail is an H100 run's (vLLM 0.26, the reversed export refused at load)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import gpu_check
+
+    tail = (
+        '  File "dflash_pipeline/model/config.py", line 145, in validate\n'
+        '    raise DrafterConfigError("invalid drafter config: " + "; ".join(problems))\n'
+        "dflash_pipeline.model.config.DrafterConfigError: invalid drafter config: target_layer_ids [5, 1] must be "
+        "strictly ascending\nRuleException:\nCalledProcessError in file rules/evaluate.smk, line 48:\n"
+        "WorkflowError:\nAt least one job did not complete successfully.\n"
+    )
+    refused = {"workflow_exit_code": 1, "engine_parity_passed": None, "log_tail": tail}
+    assert gpu_check.failed_at(refused) == (
+        "DrafterConfigError: invalid drafter config: target_layer_ids [5, 1] must be strictly ascending"
+    )
+    caught = {"workflow_exit_code": 1, "engine_parity_passed": False, "log_tail": tail}
+    assert gpu_check.failed_at(caught) == "the engine parity gate"
+    assert gpu_check.failed_at({"workflow_exit_code": 0, "engine_parity_passed": True}) is None
+    assert gpu_check.failed_at({"workflow_exit_code": 1, "engine_parity_passed": None, "log_tail": None}).startswith(
+        "the workflow failed"
+    )
+
+
 def test_the_gpu_check_reuses_data_with_its_records_and_breaks_an_export_the_checksum_accepts(monkeypatch, tmp_path):
     """The check's later drafter shapes reuse the first one's data, each object with its checksum
     record (without it their readers refuse the object: missed once on an H100), and its broken
