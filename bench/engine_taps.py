@@ -51,7 +51,7 @@ from serving_parity import gpu_name  # noqa: E402
 from train_step import CASES as TRAIN_CASES  # noqa: E402
 from train_step import target_config  # noqa: E402
 
-from dflash_pipeline.engines.engine_taps import EngineTaps, taps_server_spec  # noqa: E402
+from dflash_pipeline.engines.engine_taps import EngineTaps, node_local_dir, taps_server_spec  # noqa: E402
 from dflash_pipeline.engines.environments import engine_env  # noqa: E402
 from dflash_pipeline.engines.launch import ManagedServer, free_port  # noqa: E402
 from dflash_pipeline.stages.plan import engine_on_the_training_gpus  # noqa: E402
@@ -72,6 +72,8 @@ TINY = {
     ),
 }
 CASES = {**TRAIN_CASES, "tiny": TINY}
+# train.taps_server.max_cache_bytes's default: whether the node-local folder fits in shared memory.
+MAX_CACHE_BYTES = 4 * 2**30
 # Before the timed sequences: warm-up requests (first-shape compilation, allocator growth), then
 # one sequence at a time for its wait.
 WARMUP, ALONE = 2, 3
@@ -114,10 +116,6 @@ def measure(name: str, args, work: Path) -> dict:
     target = write_target(case, work / name / "target")
     extra = ["--load-format", "dummy"] + (["--language-model-only"] if case["target"]["kind"] == "qwen3_5" else [])
     dtype = "bfloat16" if args.device == "cuda" else "float32"
-    spec = taps_server_spec(
-        target, tap_ids, free_port(), work / name, python=args.vllm_python, env=engine_env("vllm", None),
-        mem_fraction=args.mem_fraction, dtype=dtype, max_model_len=seq_len + 16, extra_args=extra + args.engine_arg,
-    )  # fmt: skip
     vocab = case["target"]["vocab_size"]
     generator = torch.Generator().manual_seed(0)
     # Distinct random sequences: no prefix-cache hit makes the engine's work smaller than a real run's.
@@ -137,18 +135,27 @@ def measure(name: str, args, work: Path) -> dict:
     started = time.monotonic()
     log = work / f"{name}-server.log"
     try:
-        with ManagedServer(spec, log, work / name, startup_timeout=args.startup_timeout) as server:
-            record["startup_s"] = round(time.monotonic() - started, 1)
-            with EngineTaps.of_server(spec, tap_ids, alive=server.alive, concurrency=args.concurrency) as client:
-                client.taps_of(warmup)
-                latencies = []
-                for seq in alone:
+        # The server's files where a training job's go (shared memory where it has room): the
+        # figures are the pipeline's, not those of whatever disk holds the work folder.
+        with node_local_dir(MAX_CACHE_BYTES) as run_dir:
+            record["taps_folder"] = str(run_dir.parent)
+            spec = taps_server_spec(
+                target, tap_ids, free_port(), run_dir, python=args.vllm_python, env=engine_env("vllm", None),
+                mem_fraction=args.mem_fraction, dtype=dtype, max_model_len=seq_len + 16,
+                extra_args=extra + args.engine_arg,
+            )  # fmt: skip
+            with ManagedServer(spec, log, work / name, startup_timeout=args.startup_timeout) as server:
+                record["startup_s"] = round(time.monotonic() - started, 1)
+                with EngineTaps.of_server(spec, tap_ids, alive=server.alive, concurrency=args.concurrency) as client:
+                    client.taps_of(warmup)
+                    latencies = []
+                    for seq in alone:
+                        t0 = time.monotonic()
+                        taps = client.taps(seq)
+                        latencies.append(time.monotonic() - t0)
                     t0 = time.monotonic()
-                    taps = client.taps(seq)
-                    latencies.append(time.monotonic() - t0)
-                t0 = time.monotonic()
-                client.taps_of(timed)
-                seconds = time.monotonic() - t0
+                    client.taps_of(timed)
+                    seconds = time.monotonic() - t0
         record.update(
             taps_shape=list(taps.shape),
             taps_bytes_per_token=taps.element_size() * taps.shape[1],
