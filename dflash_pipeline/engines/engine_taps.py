@@ -349,7 +349,9 @@ class EngineTaps:
             if time.monotonic() > deadline:
                 raise EngineError(f"the taps client waited {self.timeout:.0f} s for {what()} (server {self.url})")
             self.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            # At most 10 ms late: a 0.1 s cap left a finished file unread for up to 0.1 s, the
+            # request's slot idle meanwhile (one 8B sequence's taps take ~0.25 s on an H100).
+            delay = min(delay * 2, 0.01)
 
 
 class EngineTapSource:
