@@ -7,7 +7,7 @@ folder on the server's ``PYTHONPATH``.
 
 ``extract_hidden_states`` keeps each token's captured layers as one "KV cache" row [K, H] of a
 cache-only attention layer. When a request finishes, its blocks stay allocated (``request_finished``
-returns True) until the worker has copied its rows out and written
+returns True) until the worker has copied its rows out; then it writes
 ``<storage_path>/<request id>.safetensors`` = {``hidden_states`` [T, K, H], ``token_ids`` [T],
 ``layer_ids`` [K]}: the rows of the prompt's T tokens, the captured vLLM layer ids in the order
 of the K slots (ascending: vLLM sorts them), and the ids the rows belong to, for the client to
