@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 from dflash_pipeline.demo.build_model import build_demo_model  # noqa: E402
 from dflash_pipeline.demo.task import prompt_messages, sample_problem  # noqa: E402
 from dflash_pipeline.engines.client import EngineClient, Sampling, make_adapter  # noqa: E402
+from dflash_pipeline.engines.environments import installed_engine  # noqa: E402
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec  # noqa: E402
 from dflash_pipeline.engines.regenerate import GenerationSettings, ShardGenerator, generate_shard  # noqa: E402
 from dflash_pipeline.core.jobstate import ShardProgress  # noqa: E402
@@ -179,6 +180,12 @@ def main() -> None:
 
     from dflash_pipeline.data.chat import render_prompt
 
+    # The engine as its own environment has it (the pipeline's has no vLLM or SGLang), read before
+    # the long run: a bench that reads it after its runs and fails loses them.
+    install = installed_engine(args.engine, args.engine_python or sys.executable)
+    engine = f"{install.distribution} {install.version}" + (
+        " serve --continuous-batching" if args.engine == "transformers" else ""
+    )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = make_model(tmp, args.demo_model, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate)
@@ -221,13 +228,6 @@ def main() -> None:
         ).stdout.strip()
         if os.path.exists("/usr/bin/nvidia-smi")
         else ""
-    )
-    from importlib.metadata import version
-
-    engine = (
-        f"vllm {version('vllm')}"
-        if args.engine == "vllm"
-        else f"transformers serve {version('transformers')} --continuous-batching"
     )
     result = {
         "benchmark": "generation_client",
