@@ -51,6 +51,7 @@ from serving_parity import gpu_name  # noqa: E402
 from train_step import CASES as TRAIN_CASES  # noqa: E402
 from train_step import target_config  # noqa: E402
 
+from dflash_pipeline.core.config import schema_defaults  # noqa: E402
 from dflash_pipeline.engines.engine_taps import EngineTaps, node_local_dir, taps_server_spec  # noqa: E402
 from dflash_pipeline.engines.environments import engine_env  # noqa: E402
 from dflash_pipeline.engines.launch import ManagedServer, free_port  # noqa: E402
@@ -72,8 +73,9 @@ TINY = {
     ),
 }
 CASES = {**TRAIN_CASES, "tiny": TINY}
-# train.taps_server.max_cache_bytes's default: whether the node-local folder fits in shared memory.
-MAX_CACHE_BYTES = 4 * 2**30
+# A training job's taps server settings by default (the schema's): its node-local folder, its
+# cache bound and its requests in flight.
+TAPS_SERVER = schema_defaults("train")["taps_server"]
 # Before the timed sequences: warm-up requests (first-shape compilation, allocator growth), then
 # one sequence at a time for its wait.
 WARMUP, ALONE = 2, 3
@@ -137,7 +139,7 @@ def measure(name: str, args, work: Path) -> dict:
     try:
         # The server's files where a training job's go (shared memory where it has room): the
         # figures are the pipeline's, not those of whatever disk holds the work folder.
-        with node_local_dir(MAX_CACHE_BYTES) as run_dir:
+        with node_local_dir(TAPS_SERVER["max_cache_bytes"]) as run_dir:
             record["taps_folder"] = str(run_dir.parent)
             spec = taps_server_spec(
                 target, tap_ids, free_port(), run_dir, python=args.vllm_python, env=engine_env("vllm", None),
@@ -146,7 +148,10 @@ def measure(name: str, args, work: Path) -> dict:
             )  # fmt: skip
             with ManagedServer(spec, log, work / name, startup_timeout=args.startup_timeout) as server:
                 record["startup_s"] = round(time.monotonic() - started, 1)
-                with EngineTaps.of_server(spec, tap_ids, alive=server.alive, concurrency=args.concurrency) as client:
+                with EngineTaps.of_server(
+                    spec, tap_ids, alive=server.alive, concurrency=args.concurrency,
+                    max_cache_bytes=TAPS_SERVER["max_cache_bytes"],
+                ) as client:  # fmt: skip
                     client.taps_of(warmup)
                     latencies = []
                     for seq in alone:
@@ -215,7 +220,9 @@ def main() -> int:
     parser.add_argument("--vllm-python", required=True, help="the Python of vLLM's environment")
     parser.add_argument("--case", action="append", choices=sorted(CASES), help="target shapes (default: qwen3-8b)")
     parser.add_argument("--sequences", type=int, default=32, help="sequences timed per case")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (train.taps_server.concurrency)")
+    parser.add_argument(
+        "--concurrency", type=int, default=TAPS_SERVER["concurrency"], help="requests in flight (train.taps_server's)"
+    )
     parser.add_argument("--mem-fraction", type=float, default=0.85, help="the server's GPU memory share")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--engine-arg", action="append", default=[], help="extra server argument (repeatable)")

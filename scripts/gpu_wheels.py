@@ -305,6 +305,14 @@ PTH_PATHS = (
 )
 
 
+def run_apart(argv: list[str]) -> subprocess.CompletedProcess:
+    """A Python command without the caller's PYTHONPATH, from an empty folder: what it imports
+    comes from the path it is given (a wrapper's, a site folder's), not from the caller or the cwd."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd)
+
+
 def pth_paths(site: Path) -> list[str]:
     """The folders a set's .pth files put on sys.path, for its wrapper to name. Without them a
     package reached only through a .pth does not import from the set: nvidia-cutlass-dsl's
@@ -313,8 +321,7 @@ def pth_paths(site: Path) -> list[str]:
     Lines that only have side effects (setuptools' distutils shim) are not carried over."""
     if not any(site.glob("*.pth")):
         return []
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", PTH_PATHS, str(site)], capture_output=True, text=True, env=env)
+    done = run_apart([sys.executable, "-c", PTH_PATHS, str(site)])
     if done.returncode != 0:
         raise RuntimeError(f"reading the .pth files of {site} failed: {last_line(done)}")
     if done.stderr.strip():  # site names a .pth line that failed, and goes on
@@ -378,10 +385,7 @@ def install(args: argparse.Namespace) -> int:
         wrapper.write_text(WRAPPER.format(path=path, python=sys.executable))
         wrapper.chmod(0o755)
         package, code, version = check_command(set_name)
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        # From an empty folder: what imports must come from the wrapper's path, not the cwd.
-        with tempfile.TemporaryDirectory() as cwd:
-            check = subprocess.run([str(wrapper), "-c", code], capture_output=True, text=True, env=env, cwd=cwd)
+        check = run_apart([str(wrapper), "-c", code])
         found = check.stdout.strip()
         if check.returncode != 0 or (version and not found.endswith(f" {version}")):
             print(check.stderr, file=sys.stderr)

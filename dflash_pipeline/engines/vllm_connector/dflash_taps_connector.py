@@ -235,7 +235,9 @@ class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
             rows = self._cache[slots // block_size, slots % block_size]
         else:
             rows = self._cache[slots // block_size, :, slots % block_size]
-        return rows.to("cpu", copy=True)  # [T, K, H] either way
+        # [T, K, H] either way, in storage of its own (indexing by a tensor copies: the cache's
+        # blocks may be reused while the file is written); to the host, a copy only off the CPU.
+        return rows.to("cpu")
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
