@@ -535,6 +535,9 @@ def test_selector_loss_equals_hand_computed(policy, normalization):
 
 
 def test_selector_term_trains_the_backbone_unless_stopped():
+    # Seeded: an unseeded draw (the process's RNG as other tests left it) once gave a selector
+    # parameter an exactly-zero gradient in CI, failing the test for reasons of the draw alone.
+    torch.manual_seed(0)
     config = tiny_dflash2((FULL,))
     embed, head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
     input_ids, loss_mask, taps = make_batch()
