@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_pipeline.core import layout
 from dflash_pipeline.core.storage import ReadOnlyStorage
 from dflash_pipeline.status.server import StatusServer
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
@@ -72,7 +74,26 @@ def start_run(workflow) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # A process group of its own, so the test can pause the run and all its jobs at once.
+        start_new_session=True,
     )
+
+
+def shard_in_flight(run_root: Path) -> tuple[str, int] | None:
+    """A generate or tokenize shard whose telemetry says running and whose output is not
+    written yet. Read while the run is paused, the answer cannot change under the page."""
+    for stage in ("generate", "tokenize"):
+        for shard in range(NUM_SHARDS):
+            if (run_root / layout.shard_key(stage, shard)).exists():
+                continue
+            telemetry = run_root / layout.progress_prefix(stage, shard) / "telemetry.json"
+            try:
+                record = json.loads(telemetry.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+            if record.get("state") == "running":
+                return stage, shard
+    return None
 
 
 # Read in one script call: the page re-renders its tables every poll, so element handles from
@@ -136,8 +157,9 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         # A degenerate demo sample or two (CPU batching changes greedy output) is not this test's.
         tokenize={"max_degenerate_fraction": 0.5},
     )
+    run_root = workflow.root / "results/demo"
     source = RunSource(
-        ReadOnlyStorage.open(str(workflow.root / "results/demo")),
+        ReadOnlyStorage.open(str(run_root)),
         num_shards=NUM_SHARDS,
         num_segments=2,
         events_file=workflow.root / "logs/snakemake-events.jsonl",
@@ -149,13 +171,25 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
     try:
         browser.get(server.url)
         seen_overall, seen_shards = [], []
+        paused_on = None
         while run.poll() is None:
             page = read_page(browser)
             if page["overall"] is not None:
                 seen_overall.append(page["overall"])
             seen_shards.extend(v for v in page["shards"] if v)
-            if any(page["shards"]) and not (ARTIFACTS / "status-page-running.png").exists():
-                browser.save_screenshot(str(ARTIFACTS / "status-page-running.png"))
+            if not seen_shards and paused_on is None and shard_in_flight(run_root):
+                # A shard runs for a few seconds on two cores, so the page's 2 s poll could
+                # miss it: pause the whole run while the shard is mid-flight (checked again once
+                # paused) and wait for the page to draw its bar, then let the run go on.
+                os.killpg(run.pid, signal.SIGSTOP)
+                try:
+                    paused_on = shard_in_flight(run_root)
+                    if paused_on:
+                        page = wait_for(lambda: read_page(browser), lambda page: any(page["shards"]))
+                        seen_shards.extend(v for v in page["shards"] if v)
+                        browser.save_screenshot(str(ARTIFACTS / "status-page-running.png"))
+                finally:
+                    os.killpg(run.pid, signal.SIGCONT)
             time.sleep(0.5)
         output = run.stdout.read()
         assert run.returncode == 0, output[-4000:]
@@ -165,13 +199,14 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         browser.save_screenshot(str(ARTIFACTS / "status-page-finished.png"))
     finally:
         if run.poll() is None:
-            run.kill()
+            os.killpg(run.pid, signal.SIGKILL)
         server.stop()
 
     moving = sorted({v for v in seen_overall if 0 < v < 100})
     assert len(moving) >= 2, f"progress did not move during the run: {seen_overall}"
     assert seen_overall == sorted(seen_overall), "overall progress went backwards"
-    assert seen_shards, "no running shard with a progress bar was shown"
+    assert paused_on or seen_shards, "no shard was seen in flight (the run's telemetry said none was running)"
+    assert seen_shards, f"the page drew no progress bar for {paused_on}, paused mid-flight"
     assert final["overall"] == 100.0
     assert final["stages"] == {
         **{s: f"{NUM_SHARDS} / {NUM_SHARDS}" for s in ("prepare", "generate", "tokenize")},
