@@ -144,7 +144,7 @@ def measure(name: str, args, work: Path) -> dict:
             spec = taps_server_spec(
                 target, tap_ids, free_port(), run_dir, python=args.vllm_python, env=engine_env("vllm", None),
                 mem_fraction=args.mem_fraction, dtype=dtype, max_model_len=seq_len + 16,
-                extra_args=extra + args.engine_arg,
+                max_num_seqs=args.concurrency, extra_args=extra + args.engine_arg,
             )  # fmt: skip
             with ManagedServer(spec, log, work / name, startup_timeout=args.startup_timeout) as server:
                 record["startup_s"] = round(time.monotonic() - started, 1)

@@ -81,10 +81,49 @@ def read_lock(path: Path) -> dict[str, str]:
     return parse_pins(path.read_text(), str(path))
 
 
+# Distributions that install into one another's folders: nvidia-cutlass-dsl's libs-* wheels put
+# their files (the CUDA flavour of the compiler, _cutlass_ir.cu13*.so) inside the package folder of
+# nvidia-cutlass-dsl, so a set's cutlass finds only the flavours in that set. A set holding
+# nvidia-cutlass-dsl without one killed SGLang 0.5.17's server at start on an H100 ("No CTK flavor
+# installed"), where without cutlass it ran.
+SPLIT_DISTRIBUTIONS = {
+    "nvidia-cutlass-dsl": {
+        "parts": ("nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core"),
+        "one_of": ("nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-cu13"),
+    },
+}
+
+
+def split_members(name: str) -> tuple[str, ...]:
+    """Every distribution of the split one ``name`` belongs to (just ``name`` for most)."""
+    for head, group in SPLIT_DISTRIBUTIONS.items():
+        members = (head, *group["parts"], *group["one_of"])
+        if name in members:
+            return members
+    return (name,)
+
+
 def subtract_base(pins: dict[str, str], base: dict[str, str]) -> dict[str, str]:
     """What the base environment lacks: a pin leaves only when the base has the very same version
-    (a different one is the reason the set carries it, e.g. SGLang's own transformers)."""
-    return {name: version for name, version in pins.items() if base.get(name) != version}
+    (a different one is the reason the set carries it, e.g. SGLang's own transformers), and only
+    with every part of its split distribution (SPLIT_DISTRIBUTIONS: one that stays keeps them all)."""
+    stays = {name for name, version in pins.items() if base.get(name) != version}
+    return {name: version for name, version in pins.items() if stays & set(split_members(name))}
+
+
+def incomplete_splits(set_folder: Path) -> list[str]:
+    """A wheel set's split distributions that lack a part, one line each."""
+    held = {wheel_name_version(path.name)[0] for path in set_folder.glob("*.whl")}
+    problems = []
+    for head, group in SPLIT_DISTRIBUTIONS.items():
+        if head not in held:
+            continue
+        missing = [part for part in group["parts"] if part not in held]
+        if not any(flavour in held for flavour in group["one_of"]):
+            missing.append(" or ".join(group["one_of"]))
+        if missing:
+            problems.append(f"{set_folder}: {head} without {', '.join(missing)} (they install into its folder)")
+    return problems
 
 
 def wheel_name_version(filename: str) -> tuple[str, str]:
@@ -290,6 +329,8 @@ def verify(out: Path) -> list[str]:
     for path in sorted(out.glob("*/*.whl")):
         if path.relative_to(out).as_posix() not in listed:
             problems.append(f"{path}: not in SHA256SUMS")
+    for set_folder in sorted({path.parent for path in out.glob("*/*.whl")}):
+        problems += incomplete_splits(set_folder)
     return problems
 
 

@@ -80,6 +80,19 @@ def test_the_server_asks_vllm_for_layer_ids_one_above_the_taps_and_sees_only_the
     assert (tmp_path / "connector" / f"{CONNECTOR_MODULE}.py").read_text().count("import dflash_pipeline") == 0
 
 
+def test_the_server_is_sized_for_the_sequences_its_clients_keep_in_flight(tmp_path):
+    # vLLM's default (1024 sequences on a large GPU) sized a 27B hybrid target's start-up past an
+    # H100's memory; the server's own bound comes first, so a user's --max-num-seqs still wins.
+    spec = taps_server_spec(
+        "/models/target", [1], 8123, tmp_path, python=None, env={}, max_num_seqs=16, extra_args=["--max-num-seqs", "4"]
+    )
+    args = spec.extra_args
+    assert [args[i + 1] for i, arg in enumerate(args) if arg == "--max-num-seqs"] == ["16", "4"]
+    assert (
+        "--max-num-seqs" not in taps_server_spec("/models/target", [1], 8123, tmp_path, python=None, env={}).extra_args
+    )
+
+
 def test_the_relative_difference_is_per_tap():
     reference = torch.cat([torch.full((2, 3), 100.0), torch.full((2, 3), 1.0)], dim=-1)
     engine = reference.clone()

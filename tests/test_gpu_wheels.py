@@ -92,6 +92,38 @@ def test_base_leaves_out_exactly_the_pins_it_has_under_any_spelling_of_the_name(
     assert gw.canonical("Snakemake_Storage.Plugin--S3") == "snakemake-storage-plugin-s3"
 
 
+def test_a_split_distribution_leaves_with_all_its_parts_or_not_at_all():
+    # The base has cutlass-dsl's CUDA flavours but not its head: its libs install into the head's
+    # folder, so the set keeps them (without, SGLang's server died at start on a GPU).
+    lock = gw.parse_pins(
+        "nvidia-cutlass-dsl==4.6.0\nnvidia-cutlass-dsl-libs-base==4.6.0\nnvidia-cutlass-dsl-libs-cu13==4.6.0\nfoo==1.0\n"
+    )
+    base = gw.parse_pins("nvidia-cutlass-dsl-libs-base==4.6.0\nnvidia_cutlass_dsl_libs_cu13==4.6.0\nfoo==1.0\n")
+    assert gw.subtract_base(lock, base) == {
+        "nvidia-cutlass-dsl": "4.6.0", "nvidia-cutlass-dsl-libs-base": "4.6.0", "nvidia-cutlass-dsl-libs-cu13": "4.6.0"
+    }  # fmt: skip
+    # The base has all of it: all of it leaves.
+    assert gw.subtract_base(lock, {**base, "nvidia-cutlass-dsl": "4.6.0"}) == {}
+
+
+def test_a_set_holding_a_split_distribution_without_a_part_is_refused_by_name(tmp_path):
+    wheels = tmp_path / "wheels"
+    make_wheel(wheels / "eng-1.0", "nvidia_cutlass_dsl", "4.6.0", {"nvidia_cutlass_dsl/__init__.py": ""})
+    make_wheel(wheels / "eng-1.0", "nvidia_cutlass_dsl_libs_base", "4.6.0", {"nvidia_cutlass_dsl/base.py": ""})
+    make_wheel(wheels / "eng-1.0", "nvidia_cutlass_dsl_libs_core", "4.6.0", {"nvidia_cutlass_dsl/core.py": ""})
+    write_sums(wheels)
+    envs = tmp_path / "gpu-envs"
+    result = install(wheels, envs)
+    assert result.returncode == 1 and not envs.exists()
+    assert (
+        f"{wheels / 'eng-1.0'}: nvidia-cutlass-dsl without nvidia-cutlass-dsl-libs-cu12 or nvidia-cutlass-dsl-libs-cu13"
+        in result.stderr
+    )
+    make_wheel(wheels / "eng-1.0", "nvidia_cutlass_dsl_libs_cu13", "4.6.0", {"nvidia_cutlass_dsl/cu13.py": ""})
+    write_sums(wheels)
+    assert gw.verify(wheels) == []
+
+
 def test_only_wheels_for_cpython_312_on_linux_x86_64_fit():
     assert gw.wheel_fits("connection_pool-0.0.3-py3-none-any.whl")
     assert gw.wheel_fits("orjson-3.13.0-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl")

@@ -73,10 +73,13 @@ def taps_server_spec(
     mem_fraction: float | None = None,
     dtype: str | None = None,
     max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> ServerSpec:
     """A vLLM server that computes the taps ``tap_ids`` of ``model``; its files go to
-    ``<run_dir>/taps`` and its connector module to ``<run_dir>/connector``."""
+    ``<run_dir>/taps`` and its connector module to ``<run_dir>/connector``. ``max_num_seqs``:
+    the most sequences its clients can have in flight (``extra_args`` come last, so a
+    ``--max-num-seqs`` there wins)."""
     run_dir = Path(run_dir)
     connector_dir = install_connector(run_dir / "connector")
     storage = run_dir / "taps"
@@ -99,6 +102,13 @@ def taps_server_spec(
         args += ["--dtype", dtype]
     if max_model_len:
         args += ["--max-model-len", str(max_model_len)]
+    if max_num_seqs:
+        # vLLM sizes its start-up for --max-num-seqs sequences at once (1024 by default on a
+        # large GPU): a sampler warm-up over that many rows of the vocabulary, CUDA graphs for
+        # each batch size, a recurrent-state slot per sequence on hybrid models. A 27B-shaped
+        # hybrid target ran out of an H100's memory in that warm-up; a taps server never has
+        # more sequences than its clients keep in flight.
+        args += ["--max-num-seqs", str(max_num_seqs)]
     # Only the connector's folder: the engine's environment must not import the pipeline's packages.
     server_env = {**env, "PYTHONPATH": str(connector_dir)}
     return ServerSpec(
@@ -456,12 +466,14 @@ def checked_taps_server(
     sample: Sequence[int],
     device,
     purpose: str,
+    clients: int = 1,
 ) -> Iterator[EngineTaps]:
     """A vLLM taps server of ``target_dir`` on this node (``server``: the config's
     ``train.taps_server``; ``engines``: where vLLM is installed) with its files in ``run_dir``,
     and its taps of ``sample`` checked against the in-process target's before anything else asks
     it (the per-run check); yields a client. ``purpose`` (the config key that asked for it) names
-    the job in a refusal."""
+    the job in a refusal; ``clients``: the processes that will ask it, each with
+    ``server["concurrency"]`` requests in flight at most."""
     from dflash_pipeline.engines.environments import configured_engine, engine_env, engine_python
     from dflash_pipeline.engines.launch import ManagedServer, free_port
     from dflash_pipeline.engines.limits import taps_refusal
@@ -477,7 +489,8 @@ def checked_taps_server(
         target_dir, tap_ids, free_port(), run_dir, python=engine_python("vllm", engines),
         env=engine_env("vllm", engines), tp=max(1, torch.cuda.device_count()) if device.type == "cuda" else 1,
         mem_fraction=server["mem_fraction"], dtype=dtype,
-        max_model_len=server["max_model_len"], extra_args=server["extra_args"],
+        max_model_len=server["max_model_len"], max_num_seqs=server["concurrency"] * clients,
+        extra_args=server["extra_args"],
     )  # fmt: skip
     address = {"url": spec.url, "model": spec.model, "storage": str(taps_storage(spec))}
     with ManagedServer(spec, log_path, run_dir, startup_timeout=server["startup_timeout_s"]) as managed:

@@ -121,7 +121,8 @@ def train_job(
         # Node-local (shared memory where it has room): the server writes each request's taps
         # there and the trainer reads them.
         with node_local_dir(settings["taps_server"]["max_cache_bytes"]) as run_dir:
-            with taps_server(job, engines, run_dir, logs) as address:
+            # One training process per GPU (or the job's own on CPU) asks the server.
+            with taps_server(job, engines, run_dir, logs, clients=max(1, gpus)) as address:
                 with engine_tap_source(address, job.settings) as job.tap_source:
                     return run_train_job(job, gpus, logs, address)
     return run_train_job(job, gpus, logs)
@@ -135,9 +136,12 @@ def engine_tap_source(address: dict, settings: dict, tap_ids: list[int] | None =
 
 
 @contextmanager
-def taps_server(job: SegmentJob, engines: dict | None, run_dir: Path, logs: list[str] = ()) -> Iterator[dict]:
-    """The job's vLLM taps server, running and checked against the target on one sample; yields
-    its address (``EngineTaps.address``). Its log goes beside the job's first log."""
+def taps_server(
+    job: SegmentJob, engines: dict | None, run_dir: Path, logs: list[str] = (), clients: int = 1
+) -> Iterator[dict]:
+    """The job's vLLM taps server, running and checked against the target on one sample, for
+    ``clients`` training processes; yields its address (``EngineTaps.address``). Its log goes
+    beside the job's first log."""
     import torch
 
     from dflash_pipeline.engines.engine_taps import checked_taps_server
@@ -152,7 +156,7 @@ def taps_server(job: SegmentJob, engines: dict | None, run_dir: Path, logs: list
     log_path = Path(logs[0]).with_name(f"{Path(logs[0]).stem}-vllm-taps.log") if logs else run_dir / "vllm-taps.log"
     with checked_taps_server(
         job.target_dir, tap_ids, job.settings["taps_server"], engines, run_dir, log_path, sample, device,
-        purpose="train.taps_from",
+        purpose="train.taps_from", clients=clients,
     ) as client:  # fmt: skip
         yield {**client.address(), "tap_ids": list(tap_ids)}
 
