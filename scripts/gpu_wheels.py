@@ -111,18 +111,17 @@ def subtract_base(pins: dict[str, str], base: dict[str, str]) -> dict[str, str]:
     return {name: version for name, version in pins.items() if stays & set(split_members(name))}
 
 
-def incomplete_splits(set_folder: Path) -> list[str]:
-    """A wheel set's split distributions that lack a part, one line each."""
-    held = {wheel_name_version(path.name)[0] for path in set_folder.glob("*.whl")}
+def incomplete_splits(names: set[str]) -> list[str]:
+    """The split distributions among ``names`` (canonical) that lack a part, one phrase each."""
     problems = []
     for head, group in SPLIT_DISTRIBUTIONS.items():
-        if head not in held:
+        if head not in names:
             continue
-        missing = [part for part in group["parts"] if part not in held]
-        if not any(flavour in held for flavour in group["one_of"]):
+        missing = [part for part in group["parts"] if part not in names]
+        if not any(flavour in names for flavour in group["one_of"]):
             missing.append(" or ".join(group["one_of"]))
         if missing:
-            problems.append(f"{set_folder}: {head} without {', '.join(missing)} (they install into its folder)")
+            problems.append(f"{head} without {', '.join(missing)} (they install into its folder)")
     return problems
 
 
@@ -260,6 +259,11 @@ def build(args: argparse.Namespace) -> int:
             for name, version in pins.items()
             if not (skip and skip.search(f"{name.replace('-', '_')}-{version}-"))
         }
+        split = incomplete_splits(set(wanted))
+        if split:
+            for problem in split:
+                print(f"{set_name}: SKIP would leave {problem}", file=sys.stderr)
+            return 1
         keep = set()
         todo = []
         for name, version in sorted(wanted.items()):
@@ -330,7 +334,8 @@ def verify(out: Path) -> list[str]:
         if path.relative_to(out).as_posix() not in listed:
             problems.append(f"{path}: not in SHA256SUMS")
     for set_folder in sorted({path.parent for path in out.glob("*/*.whl")}):
-        problems += incomplete_splits(set_folder)
+        held = {wheel_name_version(path.name)[0] for path in set_folder.glob("*.whl")}
+        problems += [f"{set_folder}: {problem}" for problem in incomplete_splits(held)]
     return problems
 
 

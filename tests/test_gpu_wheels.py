@@ -122,6 +122,9 @@ def test_a_set_holding_a_split_distribution_without_a_part_is_refused_by_name(tm
     make_wheel(wheels / "eng-1.0", "nvidia_cutlass_dsl_libs_cu13", "4.6.0", {"nvidia_cutlass_dsl/cu13.py": ""})
     write_sums(wheels)
     assert gw.verify(wheels) == []
+    # A SKIP that would split it is refused before anything is fetched.
+    assert gw.incomplete_splits({"nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core"})
+    assert not gw.incomplete_splits({"foo", "nvidia-cutlass-dsl-libs-cu13"})  # no head: nothing to complete
 
 
 def test_only_wheels_for_cpython_312_on_linux_x86_64_fit():
@@ -188,6 +191,26 @@ def test_a_rerun_downloads_nothing_it_has_drops_what_the_lock_no_longer_asks_and
 
     assert gw.main(build) == 1
     assert "gpu-wheels: no wheel for tiny-1.0: llguidance==1.9.1" in capsys.readouterr().err
+
+
+def test_a_skip_that_would_split_a_distribution_fails_the_build_before_any_download(tmp_path, monkeypatch, capsys):
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    parts = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core")
+    flavours = ("nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-cu13")
+    (locks / "eng-1.0.lock").write_text("".join(f"{name}==4.6.0\n" for name in parts + flavours))
+    monkeypatch.setattr(gw, "LOCKS", locks)
+    fetched = []
+    monkeypatch.setattr(gw, "fetch", lambda requirement, folder: (fetched.append(requirement), (None, "offline"))[1])
+    build = ["build", "--wheels", str(tmp_path / "wheels"), "--sets", "eng-1.0", "--skip"]
+
+    assert gw.main(build + ["^nvidia_cutlass_dsl_libs_cu1[23]-"]) == 1 and fetched == []
+    assert (
+        "eng-1.0: SKIP would leave nvidia-cutlass-dsl without nvidia-cutlass-dsl-libs-cu12 or"
+        in capsys.readouterr().err
+    )
+    assert gw.main(build + ["^nvidia_cutlass_dsl_libs_cu12-"]) == 1  # one flavour is enough: it gets to the downloads
+    assert sorted(fetched) == sorted(f"{name}==4.6.0" for name in parts + flavours[1:])
 
 
 def test_install_puts_each_set_in_its_own_folder_behind_a_wrapper_of_this_python(tmp_path):

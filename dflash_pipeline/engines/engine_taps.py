@@ -105,9 +105,10 @@ def taps_server_spec(
     if max_num_seqs:
         # vLLM sizes its start-up for --max-num-seqs sequences at once (1024 by default on a
         # large GPU): a sampler warm-up over that many rows of the vocabulary, CUDA graphs for
-        # each batch size, a recurrent-state slot per sequence on hybrid models. A 27B-shaped
-        # hybrid target ran out of an H100's memory in that warm-up; a taps server never has
-        # more sequences than its clients keep in flight.
+        # each batch size, a recurrent-state slot per sequence on hybrid models. Beside other
+        # processes on an H100, a 27B-shaped hybrid target's server ran out of memory in that
+        # warm-up (970 MiB for 1024 rows of a 248K vocabulary); a taps server never has more
+        # sequences than its clients keep in flight.
         args += ["--max-num-seqs", str(max_num_seqs)]
     # Only the connector's folder: the engine's environment must not import the pipeline's packages.
     server_env = {**env, "PYTHONPATH": str(connector_dir)}
