@@ -13,7 +13,13 @@ import pytest
 import yaml
 
 from dflash_pipeline.core.config import validate_config
-from dflash_pipeline.stages.preflight import dataset_problems, model_problems, offline_problems, storage_problems
+from dflash_pipeline.stages.preflight import (
+    dataset_problems,
+    model_problems,
+    offline_problems,
+    storage_problems,
+    taps_server_problems,
+)
 from tests.conftest import REPO
 from tests.support.engine_envs import metadata_only_env
 
@@ -30,6 +36,19 @@ def test_offline_float32_taps_are_refused_where_extract_computes_in_bf16():
     assert offline_problems(run(mode="online", hidden_dtype="float32", gpus_per_job=1)) == []  # nothing stored
     # A run that stops before training extracts nothing either.
     assert offline_problems(run("tokenize", mode="offline", hidden_dtype="float32", gpus_per_job=1)) == []
+
+
+def test_engine_taps_on_training_gpus_need_the_servers_memory_share():
+    def run(until="evaluate", mem_fraction=None, **train):
+        return validate_config({"until": until, "train": {**train, "taps_server": {"mem_fraction": mem_fraction}}})
+
+    (line,) = taps_server_problems(run(taps_from="engine", gpus_per_job=4))
+    assert line.startswith("train.taps_server.mem_fraction: null, with train.taps_from: engine on 4 GPU(s) per job")
+    assert taps_server_problems(run(taps_from="engine", gpus_per_job=4, mem_fraction=0.4)) == []
+    assert taps_server_problems(run(taps_from="engine", gpus_per_job=0)) == []  # CPU: no trainer on a card
+    assert taps_server_problems(run(taps_from="target", gpus_per_job=4)) == []
+    assert taps_server_problems(run(taps_from="engine", mode="offline", gpus_per_job=4)) == []  # extract's server
+    assert taps_server_problems(run("tokenize", taps_from="engine", gpus_per_job=4)) == []  # no training
 
 
 def test_a_model_folder_needs_config_tokenizer_and_weights(tmp_path, demo_model):

@@ -419,15 +419,19 @@ def taps_difference(engine: torch.Tensor, reference: torch.Tensor, num_taps: int
     return worst
 
 
-def check_engine_taps(client: EngineTaps, target, token_ids: Sequence[int], tolerance: float) -> float:
-    """One sample's taps from the engine against the in-process target's (``model.taps``):
-    raises ``TapsMismatch`` above ``tolerance`` (``taps_difference``); returns the difference.
-    Catches what the engine may do differently from the target's forward (hybrid layers,
-    prefix caching, chunked prefill, a wrong layer)."""
+def target_taps(target, tap_ids: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
+    """One sequence's taps from the in-process target (``model.taps``), on the CPU."""
     from dflash_pipeline.model.taps import TargetTaps
 
     device = next(target.parameters()).device
-    reference = TargetTaps(target, client.tap_ids)(torch.tensor([list(token_ids)], device=device))[0].cpu()
+    return TargetTaps(target, tap_ids)(torch.tensor([list(token_ids)], device=device))[0].cpu()
+
+
+def check_engine_taps(client: EngineTaps, reference: torch.Tensor, token_ids: Sequence[int], tolerance: float) -> float:
+    """One sample's taps from the engine against ``reference``, the in-process target's
+    (``target_taps``): raises ``TapsMismatch`` above ``tolerance`` (``taps_difference``); returns
+    the difference. Catches what the engine may do differently from the target's forward (hybrid
+    layers, prefix caching, chunked prefill, a wrong layer)."""
     difference = taps_difference(client.taps(token_ids), reference, len(client.tap_ids))
     if not difference <= tolerance:
         raise TapsMismatch(
@@ -486,6 +490,15 @@ def checked_taps_server(
         raise SystemExit(f"{purpose} engine: {refused}")
     device = torch.device(device)
     dtype = server_dtype(server, device)
+    # The reference first, computed by the target as online training's in-process one computes
+    # (what the engine replaces), and the target freed before the server starts: on a GPU the
+    # server takes its share of the memory, and a target beside it would not fit (a 27B target
+    # alone is 54 GB), where the engine is there for targets that do not fit beside a trainer.
+    target = load_target(target_dir, device, getattr(torch, target_compute_dtype(device)))
+    reference = target_taps(target, tap_ids, sample)
+    del target
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     spec = taps_server_spec(
         target_dir, tap_ids, free_port(), run_dir, python=engine_python("vllm", engines),
         env=engine_env("vllm", engines), tp=max(1, torch.cuda.device_count()) if device.type == "cuda" else 1,
@@ -496,10 +509,7 @@ def checked_taps_server(
     address = {"url": spec.url, "model": spec.model, "storage": str(taps_storage(spec))}
     with ManagedServer(spec, log_path, run_dir, startup_timeout=server["startup_timeout_s"]) as managed:
         with taps_client(address, tap_ids, server, alive=managed.alive) as client:
-            # The target as online training's in-process one computes (what the engine replaces).
-            target = load_target(target_dir, device, getattr(torch, target_compute_dtype(device)))
-            difference = check_engine_taps(client, target, sample, server["parity_tolerance"])
-            del target
+            difference = check_engine_taps(client, reference, sample, server["parity_tolerance"])
             log.info(
                 "taps server %s: one sample's taps (%d tokens) within %.3g of the target's (tolerance %g)",
                 spec.url, len(sample), difference, server["parity_tolerance"],

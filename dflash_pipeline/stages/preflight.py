@@ -218,6 +218,24 @@ def offline_problems(config: dict) -> list[str]:
     return [problem] if problem else []
 
 
+def taps_server_problems(config: dict) -> list[str]:
+    """Online training with taps from an engine on GPUs: the taps server starts on the training
+    GPUs before the trainers, so its memory share must be set (vLLM's default takes 0.9 of each
+    card and the trainers would run out of memory). [] otherwise."""
+    train = config["train"]
+    if "train" not in layout.stages_built(config) or train["mode"] != "online" or train["taps_from"] != "engine":
+        return []
+    if train["gpus_per_job"] == 0 or train["taps_server"]["mem_fraction"] is not None:
+        return []
+    return [
+        f"train.taps_server.mem_fraction: null, with train.taps_from: engine on {train['gpus_per_job']} "
+        "GPU(s) per job: the taps server starts on the training GPUs before the trainers, and vLLM's "
+        "default (0.9 of each card) would leave them about a tenth. Set the server's share: its weights "
+        "(the target's over the job's GPUs) plus the KV of concurrency x GPUs sequences (an 8B target's "
+        "drafter step took 25 GiB of an 80 GB card at 3,072 tokens: bench/README.md)."
+    ]
+
+
 def run_problems(config: dict, run_url: str, workdir: Path = Path(".")) -> tuple[list[str], list[str]]:
     """(problems, what is ready) of a validated config whose run root is ``run_url``."""
     problems = []
@@ -229,6 +247,7 @@ def run_problems(config: dict, run_url: str, workdir: Path = Path(".")) -> tuple
     problems += dataset_problems(config["dataset"]["paths"], workdir, check_s3=not storage)
     problems += storage
     problems += offline_problems(config)
+    problems += taps_server_problems(config)
     problems += tracker_problems(config["train"])
     engine_problems, ready = check_engines(config)
     return problems + engine_problems, ready
