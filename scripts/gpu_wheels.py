@@ -261,8 +261,10 @@ def build(args: argparse.Namespace) -> int:
         }
         split = incomplete_splits(set(wanted))
         if split:
+            # SKIP's doing where the lock (less BASE, which keeps these whole) had every part.
+            cause = "SKIP would leave" if not incomplete_splits(set(pins)) else "its lock holds"
             for problem in split:
-                print(f"{set_name}: SKIP would leave {problem}", file=sys.stderr)
+                print(f"{set_name}: {cause} {problem}", file=sys.stderr)
             return 1
         keep = set()
         todo = []

@@ -211,6 +211,10 @@ def test_a_skip_that_would_split_a_distribution_fails_the_build_before_any_downl
     )
     assert gw.main(build + ["^nvidia_cutlass_dsl_libs_cu12-"]) == 1  # one flavour is enough: it gets to the downloads
     assert sorted(fetched) == sorted(f"{name}==4.6.0" for name in parts + flavours[1:])
+    # A lock that itself lacks a part is named as the cause.
+    (locks / "eng-1.0.lock").write_text("".join(f"{name}==4.6.0\n" for name in parts))
+    assert gw.main(build + ["^nothing-"]) == 1
+    assert "eng-1.0: its lock holds nvidia-cutlass-dsl without" in capsys.readouterr().err
 
 
 def test_install_puts_each_set_in_its_own_folder_behind_a_wrapper_of_this_python(tmp_path):

@@ -53,8 +53,10 @@ class BackgroundWrites:
     """Files written on a thread of their own, so that the engine's step loop does not wait for
     them: a 126 MB taps file took ~56 ms to /dev/shm on a Xeon (1.3 s to a disk's /tmp), and the
     loop went on meanwhile (the write releases the GIL). At most ``limit`` in flight: a new one
-    waits for the oldest. A failed write raises at the next ``submit`` or ``settle``: the engine
-    then stops, and its clients see a dead server rather than a file that never comes."""
+    waits for the oldest. A failed write raises at the next ``submit`` or ``settle`` (the engine's
+    next step): the engine then stops and its clients see a dead server. A write that fails after
+    the engine's last step surfaces at its next request; until then the client of that file waits
+    out ``train.taps_server.request_timeout_s`` and names the file."""
 
     def __init__(self, limit: int = MAX_PENDING_WRITES):
         self.limit = limit
