@@ -9,8 +9,9 @@
    workflow with generation and evaluation through that engine, every gate on (data quality,
    the loop's lossless check and parity, the engine's lossless check and parity with the loop),
    for each drafter shape the engine version serves (full attention, all sliding, mixed; DFlash2
-   where the limits table says it serves it); the first shape generates, the others reuse its
-   data. One plain server of the engine (bfloat16, the loop's dtype on a GPU) is the lossless
+   where the limits table says it serves it; in vLLM's runs also the full drafter trained online
+   from a vLLM taps server beside the trainer, ``train.taps_from: engine``); the first shape
+   generates, the others reuse its data. One plain server of the engine (bfloat16, the loop's dtype on a GPU) is the lossless
    reference of every evaluation of that engine.
 3. A deliberately broken export of the first drafter whose run succeeded (target layers
    reversed): its evaluation must fail. Measured on an H100 (commit 815fd46): SGLang 0.5.17's tau
@@ -69,7 +70,10 @@ RECORD_LOCK = threading.RLock()
 PARALLEL_VLLM_KV_BYTES = 4 * 2**30
 
 # The drafter shapes of the check (serving_parity's variants): "swa" is the mixed one.
-SHAPES = {"full": "full", "sliding": "sliding", "mixed": "swa", "dflash2": "dflash2"}
+SHAPES = {"full": "full", "sliding": "sliding", "mixed": "swa", "dflash2": "dflash2", "engine_taps": "engine-taps"}
+# The shapes whose training needs a vLLM taps server (train.taps_from: engine): checked in vLLM's
+# runs, whose environment serves the taps (an SGLang run would train the same drafter the same way).
+TAPS_SHAPES = {"engine_taps"}
 
 
 def driver_version() -> str | None:
@@ -117,6 +121,9 @@ def served_shapes(engine: str, version: str | None, wanted: list[str]) -> tuple[
     """The shapes the engine version serves, and the refusal line of each it does not."""
     served, refused = [], {}
     for shape in wanted:
+        if shape in TAPS_SHAPES and engine != "vllm":
+            refused[shape] = "trained from a vLLM taps server: checked in the vLLM engine's runs"
+            continue
         train = VARIANTS[SHAPES[shape]]
         reasons = refusals(engine, version, "gpu", DrafterShape.from_train_config(train))
         if reasons:

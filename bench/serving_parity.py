@@ -55,7 +55,14 @@ VARIANTS = {
         "sliding_window": 16,
     },
     "dflash2": {"num_layers": 2, "algorithm": "dflash2"},
+    # The demo's drafter trained online from a vLLM taps server on the training job's GPU
+    # (train.taps_from: engine) instead of the in-process target: the GPU path of engine taps
+    # (preflight, the per-run check's reference before the server, the server beside the trainer).
+    "engine-taps": {"num_layers": 2, "taps_from": "engine"},
 }
+# The taps server's share of the training job's GPU in the engine-taps variant (the demo target
+# and its captured layers need little; the trainer and the check's other servers share the card).
+TAPS_SERVER_MEM_FRACTION = 0.1
 # vLLM's CPU build: a bounded share of host memory and KV cache (its GPU default, 0.92 of host
 # RAM, refuses to start), one CPU job at a time.
 CPU_VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -164,7 +171,7 @@ def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
             "engines": {"vllm": {"python": args.vllm_python, "env": CPU_VLLM_ENV}},
             "generation": {"engine": "vllm", "concurrency": 16,
                            "server": {"mem_fraction": CPU_VLLM_MEM_FRACTION, "extra_args": args.engine_arg}},
-            "train": VARIANTS[variant],
+            "train": {**VARIANTS[variant], "taps_server": {"mem_fraction": CPU_VLLM_MEM_FRACTION}},
             "evaluate": {"engine": "vllm", "max_prompts": args.max_prompts, "engine_extra_args": args.engine_arg,
                          "engine_mem_fraction": CPU_VLLM_MEM_FRACTION},
         }  # fmt: skip
@@ -180,6 +187,13 @@ def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
             "train": {"gpus_per_job": 1, **VARIANTS[variant]},
             "evaluate": {"engine": engine, "max_prompts": args.max_prompts, "engine_extra_args": args.engine_arg},
         }
+        if engine == "vllm":
+            # Used by the engine-taps variant only: the taps server on the training job's GPU, with
+            # the check's server arguments (a fixed KV budget beside other runs) and its own share.
+            overrides["train"]["taps_server"] = {
+                "mem_fraction": getattr(args, "mem_fraction", None) or TAPS_SERVER_MEM_FRACTION,
+                "extra_args": args.engine_arg,
+            }
         if getattr(args, "reference_url", None):
             overrides["evaluate"]["engine_reference_url"] = args.reference_url
         if getattr(args, "mem_fraction", None):

@@ -85,15 +85,17 @@ def test_the_offline_wheel_targets_wire_the_script_with_empty_defaults():
 def test_the_gpu_check_runs_each_shape_an_engine_serves_and_says_why_not_the_others(monkeypatch):
     """bench/gpu_check.py (`make gpu-check`) asks the engine-limits table which drafter shapes an
     engine version serves: SGLang 0.5.17 serves full, sliding and mixed but not DFlash2, which the
-    record names with the table's reason instead of running."""
+    record names with the table's reason instead of running. The drafter trained from a vLLM
+    taps server (train.taps_from: engine) is checked in vLLM's runs."""
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     import gpu_check
 
-    served, refused = gpu_check.served_shapes("sglang", "0.5.17", ["full", "sliding", "mixed", "dflash2"])
-    assert served == ["full", "sliding", "mixed"] and set(refused) == {"dflash2"}
-    assert "0.5.17" in refused["dflash2"]
-    served, refused = gpu_check.served_shapes("vllm", "0.26.0", ["full", "sliding", "mixed", "dflash2"])
-    assert served == ["full", "sliding", "mixed"] and set(refused) == {"dflash2"}
+    shapes = ["full", "sliding", "mixed", "dflash2", "engine_taps"]
+    served, refused = gpu_check.served_shapes("sglang", "0.5.17", shapes)
+    assert served == ["full", "sliding", "mixed"] and set(refused) == {"dflash2", "engine_taps"}
+    assert "0.5.17" in refused["dflash2"] and "vLLM" in refused["engine_taps"]
+    served, refused = gpu_check.served_shapes("vllm", "0.26.0", shapes)
+    assert served == ["full", "sliding", "mixed", "engine_taps"] and set(refused) == {"dflash2"}
     planned = subprocess.run(
         ["make", "-n", "gpu-check", "GPU_CHECK_ENGINES=sglang", "SGLANG_PYTHON=/envs/sglang/bin/python"],
         cwd=REPO, capture_output=True, text=True,
