@@ -144,6 +144,28 @@ def test_no_request_goes_out_while_the_cache_holds_more_than_the_bound(tmp_path)
     assert not list(storage.iterdir())  # its own file deleted once read
 
 
+def test_a_taps_file_the_engine_could_not_write_fails_its_request_at_once_with_the_engines_error(tmp_path):
+    """The connector leaves a marker beside a file it could not write (the engine itself stops
+    only at its next step, which may never come): the client waiting for that file raises with
+    the engine's error and the file's name instead of waiting out its request timeout."""
+    from dflash_pipeline.engines.client import EngineError
+
+    storage = tmp_path / "taps"
+    storage.mkdir()
+    client = EngineTaps("http://engine", "target", storage, [1], alive=lambda: True, timeout=60)
+
+    def request(token_ids):
+        path = storage / "req-7.safetensors"
+        (storage / "req-7.safetensors.failed").write_text("OSError: [Errno 28] No space left on device\n")
+        return path
+
+    client._request = request
+    written = r"could not write the taps file .*req-7.safetensors: OSError: \[Errno 28\]"
+    with client, pytest.raises(EngineError, match=written):
+        client.taps([7, 8, 9])
+    assert not list(storage.iterdir())  # the marker consumed with its request
+
+
 def test_tap_files_go_to_shared_memory_when_it_has_room_else_to_the_temp_folder(tmp_path):
     import tempfile
 
@@ -608,17 +630,24 @@ rows = torch.arange(24, dtype=torch.float32).reshape(4, 2, 3)
 write_taps_file(path, rows, [5, 6, 7, 8], [2, 9])
 found = load_file(path)
 print("file:", found["hidden_states"].equal(rows), found["token_ids"].tolist(), found["layer_ids"].tolist(), sorted(os.listdir(os.path.dirname(path))))
+os.remove(path)
+try:
+    write_taps_file(path, None, [5, 6, 7, 8], [2, 9])  # rows that cannot be written
+except AttributeError:
+    print("failed:", sorted(os.listdir(os.path.dirname(path))), open(path + ".failed").read().split(":")[0])
 """
     env = {"PYTHONPATH": str(folder), "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [str(vllm_python()), "-c", program, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().splitlines()[-4:]
+    lines = out.stdout.strip().splitlines()[-5:]
     assert lines[0] == "third waits for a slot: True"
     assert lines[1] == "written in order: [0, 1, 2]"
     assert lines[2] == "raised: [Errno 28] No space left on device: 'x.safetensors'"
     assert lines[3] == "file: True [5, 6, 7, 8] [2, 9] ['req-1.safetensors']"
+    # A failed write leaves its marker (the error, for the client) and no partial file.
+    assert lines[4] == "failed: ['req-1.safetensors.failed'] AttributeError"
 
 
 class RecordingTapsClient:

@@ -47,6 +47,13 @@ log = logging.getLogger(__name__)
 CONNECTOR_MODULE = "dflash_taps_connector"
 CONNECTOR_SOURCE = Path(__file__).parent / "vllm_connector" / f"{CONNECTOR_MODULE}.py"
 CONNECTOR_CLASS = "DFlashTapsConnector"
+# The connector's marker beside a taps file it could not write (its FAILED_SUFFIX: the connector
+# runs in the engine's environment and imports nothing of the pipeline's).
+FAILED_SUFFIX = ".failed"
+
+
+def failure_marker(path: Path) -> Path:
+    return path.with_name(path.name + FAILED_SUFFIX)
 
 
 class TapsMismatch(EngineError):
@@ -313,6 +320,7 @@ class EngineTaps:
             found = self._wait_and_load(path)
         finally:
             path.unlink(missing_ok=True)
+            failure_marker(path).unlink(missing_ok=True)
         return arrange_taps(found, token_ids, self.tap_ids)
 
     def taps_of(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -344,8 +352,13 @@ class EngineTaps:
 
     def _wait_and_load(self, path: Path) -> dict[str, torch.Tensor]:
         # The response comes before the worker has written the file (it writes when the request's
-        # blocks are released); the file appears whole (renamed into place).
-        self._wait_until(path.exists, lambda: f"the taps file {path.name}")
+        # blocks are released); the file appears whole (renamed into place), or its failure marker
+        # does (the connector could not write it).
+        failed = failure_marker(path)
+        self._wait_until(lambda: path.exists() or failed.exists(), lambda: f"the taps file {path.name}")
+        if not path.exists():
+            why = failed.read_text(errors="replace").strip()
+            raise EngineError(f"the taps server at {self.url} could not write the taps file {path}: {why}")
         return load_file(str(path))
 
     def _wait_until(self, ready: Callable[[], bool], what: Callable[[], str]) -> None:

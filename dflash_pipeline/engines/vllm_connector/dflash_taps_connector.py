@@ -44,6 +44,12 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 CONNECTOR_NAME = "DFlashTapsConnector"
 
+# Beside a taps file that could not be written: ``<file>.failed``, holding the error, so that the
+# client waiting for that file fails at once instead of waiting out its request timeout (the
+# engine's own stop comes only at its next step, which may never come). The client
+# (``engines.engine_taps``) spells the same suffix.
+FAILED_SUFFIX = ".failed"
+
 # Files being written at once at most: each holds its rows in host memory until written (an 8B
 # target's 3,072-token sequence with 5 taps: 126 MB).
 MAX_PENDING_WRITES = 4
@@ -54,9 +60,9 @@ class BackgroundWrites:
     them: a 126 MB taps file took ~56 ms to /dev/shm on a Xeon (1.3 s to a disk's /tmp), and the
     loop went on meanwhile (the write releases the GIL). At most ``limit`` in flight: a new one
     waits for the oldest. A failed write raises at the next ``submit`` or ``settle`` (the engine's
-    next step): the engine then stops and its clients see a dead server. A write that fails after
-    the engine's last step surfaces at its next request; until then the client of that file waits
-    out ``train.taps_server.request_timeout_s`` and names the file."""
+    next step): the engine then stops and its clients see a dead server. The client of the file
+    itself learns it at once, from the marker ``write_taps_file`` leaves (``FAILED_SUFFIX``), also
+    when the write failed after the engine's last step."""
 
     def __init__(self, limit: int = MAX_PENDING_WRITES):
         self.limit = limit
@@ -78,18 +84,36 @@ class BackgroundWrites:
 
 def write_taps_file(path: str, rows: torch.Tensor, token_ids: list[int], layer_ids: list[int]) -> None:
     """``path`` = {hidden_states [T, K, H], token_ids [T], layer_ids [K]}, under a temporary name
-    and renamed: a reader sees all of it or nothing."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    and renamed: a reader sees all of it or nothing. A write that fails leaves ``path`` +
+    ``FAILED_SUFFIX`` with the error for the reader, then raises."""
     partial = path + ".partial"
-    save_file(
-        {
-            "hidden_states": rows.contiguous(),
-            "token_ids": torch.tensor(token_ids, dtype=torch.long),
-            "layer_ids": torch.tensor(layer_ids, dtype=torch.long),
-        },
-        partial,
-    )
-    os.replace(partial, path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_file(
+            {
+                "hidden_states": rows.contiguous(),
+                "token_ids": torch.tensor(token_ids, dtype=torch.long),
+                "layer_ids": torch.tensor(layer_ids, dtype=torch.long),
+            },
+            partial,
+        )
+        os.replace(partial, path)
+    except BaseException as exc:
+        _leave_failure(path, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _leave_failure(path: str, why: str) -> None:
+    """The failure marker of ``path`` (best effort: the file system that failed the write may fail
+    this too; the engine's stop still follows at its next step)."""
+    try:
+        if os.path.exists(path + ".partial"):
+            os.remove(path + ".partial")
+        with open(path + FAILED_SUFFIX + ".partial", "w") as out:
+            out.write(why)
+        os.replace(path + FAILED_SUFFIX + ".partial", path + FAILED_SUFFIX)
+    except OSError:
+        pass
 
 
 @dataclass
