@@ -24,6 +24,7 @@ from dflash_pipeline.engines.engine_taps import (
     arrange_taps,
     check_engine_taps,
     node_local_root,
+    reference_device,
     taps_difference,
     taps_server_spec,
     taps_storage,
@@ -92,6 +93,18 @@ def test_the_server_is_sized_for_the_sequences_its_clients_keep_in_flight(tmp_pa
     assert (
         "--max-num-seqs" not in taps_server_spec("/models/target", [1], 8123, tmp_path, python=None, env={}).extra_args
     )
+
+
+def test_the_per_run_checks_reference_runs_on_the_cpu_when_the_target_does_not_fit_the_gpu():
+    """A 54 GB target beside 80 GB free computes its reference on the GPU; one larger than the
+    free memory (a target the engine shards over several GPUs) on the CPU; CPU jobs and unknown
+    sizes stay where they are."""
+    gpu, cpu, gb = torch.device("cuda:0"), torch.device("cpu"), 10**9
+    assert reference_device(gpu, 54 * gb, 80 * gb) == gpu
+    assert reference_device(gpu, 54 * gb, 55 * gb) == cpu  # no room for the forward beside it
+    assert reference_device(gpu, 140 * gb, 80 * gb) == cpu
+    assert reference_device(gpu, None, 80 * gb) == gpu
+    assert reference_device(cpu, 140 * gb, None) == cpu
 
 
 def test_the_relative_difference_is_per_tap():

@@ -440,6 +440,21 @@ def target_taps(target, tap_ids: Sequence[int], token_ids: Sequence[int]) -> tor
     return TargetTaps(target, tap_ids)(torch.tensor([list(token_ids)], device=device))[0].cpu()
 
 
+# Beyond the target's weights, what its reference forward needs on a GPU (one sample's activations,
+# the allocator's slack): a target that leaves less free on the job's GPU computes on the CPU.
+REFERENCE_HEADROOM_BYTES = 2 * 2**30
+
+
+def reference_device(device: torch.device, target_bytes: int | None, free_bytes: int | None) -> torch.device:
+    """Where the per-run check's reference is computed: the job's device when the target's weights
+    fit its free memory with ``REFERENCE_HEADROOM_BYTES`` to spare (or either size is unknown),
+    else the CPU. A target larger than one GPU is what the engine shards over the job's GPUs;
+    its reference is one sample's forward (up to 256 tokens), seconds to minutes on a host."""
+    if device.type != "cuda" or target_bytes is None or free_bytes is None:
+        return device
+    return device if target_bytes + REFERENCE_HEADROOM_BYTES <= free_bytes else torch.device("cpu")
+
+
 def check_engine_taps(client: EngineTaps, reference: torch.Tensor, token_ids: Sequence[int], tolerance: float) -> float:
     """One sample's taps from the engine against ``reference``, the in-process target's
     (``target_taps``): raises ``TapsMismatch`` above ``tolerance`` (``taps_difference``); returns
@@ -492,6 +507,7 @@ def checked_taps_server(
     it (the per-run check); yields a client. ``purpose`` (the config key that asked for it) names
     the job in a refusal; ``clients``: the processes that will ask it, each with
     ``server["concurrency"]`` requests in flight at most."""
+    from dflash_pipeline.core.resources import checkpoint_bytes
     from dflash_pipeline.engines.environments import configured_engine, engine_env, engine_python
     from dflash_pipeline.engines.launch import ManagedServer, free_port
     from dflash_pipeline.engines.limits import taps_refusal
@@ -507,7 +523,16 @@ def checked_taps_server(
     # (what the engine replaces), and the target freed before the server starts: on a GPU the
     # server takes its share of the memory, and a target beside it would not fit (a 27B target
     # alone is 54 GB), where the engine is there for targets that do not fit beside a trainer.
-    target = load_target(target_dir, device, getattr(torch, target_compute_dtype(device)))
+    # A target that does not fit the job's GPU (the engine shards it) computes it on the CPU, in
+    # the dtype it would have on the GPU.
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    where = reference_device(device, checkpoint_bytes(target_dir), free)
+    if where != device:
+        log.info(
+            "the target's weights (%s bytes) do not fit the %s bytes free on %s: the per-run check's "
+            "reference is computed on the CPU", checkpoint_bytes(target_dir), free, device,
+        )  # fmt: skip
+    target = load_target(target_dir, where, getattr(torch, target_compute_dtype(device)))
     reference = target_taps(target, tap_ids, sample)
     del target
     if device.type == "cuda":
