@@ -19,8 +19,10 @@ training GPUs, as ``train.taps_from: engine`` runs it and the plan prices it; an
 server on GPUs of its own, the trainer's tokens/s and how many trainer GPUs one server keeps busy
 (``gpus_per_capture_server``).
 
-``--layers CASE=N`` measures a target too big for the card at N of its layers (same width, the
-3:1 hybrid pattern kept) and scales the figures to its whole depth (said in the record).
+``--layers CASE=N,M`` measures a target too big for the card at N and at M of its layers (same
+width, the 3:1 hybrid pattern kept, one server each) and extrapolates to its whole depth with a
+fixed plus a per-layer cost (``whole_depth``; one depth scales in proportion, which also scales the
+taps files' fixed cost). The record keeps each depth's measurement.
 
 The 27B-shaped case is a Qwen3.5-style hybrid; vLLM serves that family only as its multimodal
 model (``Qwen3_5ForConditionalGeneration``), so the config wraps the text shape and the server
@@ -109,13 +111,67 @@ def fewer_layers(case: dict, layers: int) -> dict:
     return {**case, "target": {**case["target"], "num_hidden_layers": layers}, "drafter": {"target_layer_ids": taps}}
 
 
-def measure(name: str, args, work: Path) -> dict:
-    case = CASES[name]
-    full_layers = case["target"]["num_hidden_layers"]
-    if name in args.layers:
-        case = fewer_layers(case, args.layers[name])
+def whole_depth(points: list[tuple[int, float]], depth: int) -> float:
+    """A time measured at fewer decoder layers, at the target's whole ``depth``. One point scales
+    in proportion: every cost grows with depth, an overestimate where part of the time does not
+    (the taps file's copy, write and read, the request: one 27B-shaped sequence waited 0.359 s at 8
+    layers and 0.406 s at 16 on an H100, so proportional scaling put 64 layers at 2.87 s from one
+    and 1.62 s from the other). Two or more points: the least-squares line through them, a fixed
+    cost plus one per layer."""
+    if len(points) == 1:
+        layers, seconds = points[0]
+        return seconds * depth / layers
+    n = len(points)
+    mean_l = sum(layer for layer, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    slope = sum((layer - mean_l) * (t - mean_t) for layer, t in points) / sum(
+        (layer - mean_l) ** 2 for layer, _ in points
+    )
+    return mean_t + slope * (depth - mean_l)
+
+
+def at_whole_depth(records: list[dict], full_layers: int) -> dict:
+    """One case measured at fewer layers (one record per depth) as the whole target's figures:
+    the capture rate and one sequence's wait extrapolated (``whole_depth``), the measurements kept."""
+    done = [r for r in records if "capture_tokens_per_s" in r]
+    failed = [r for r in records if "capture_tokens_per_s" not in r]
+    if failed:  # its error, and no figure a reader could take for the whole target's
+        return {**failed[0], "whole_target_layers": full_layers, "depths": records}
+    tokens_per_s = whole_depth([(r["target_layers"], 1 / r["capture_tokens_per_s"]) for r in done], full_layers)
+    latency = whole_depth([(r["target_layers"], r["latency_s"]) for r in done], full_layers)
+    per_depth = (
+        "target_layers",
+        "tap_ids",
+        "startup_s",
+        "capture_tokens_per_s",
+        "capture_seconds",
+        "latency_s",
+        "latency_s_all",
+    )
+    return {
+        **{key: value for key, value in done[-1].items() if key not in per_depth},
+        "target_layers": [r["target_layers"] for r in done],
+        "whole_target_layers": full_layers,
+        "extrapolation": "in proportion to depth" if len(done) == 1 else "fixed + per-layer cost, least squares",
+        "capture_tokens_per_s": round(1 / tokens_per_s, 1),
+        "latency_s": round(latency, 4),
+        "depths": [{key: r[key] for key in per_depth if key in r} for r in done],
+    }
+
+
+def measure_case(name: str, args, work: Path) -> dict:
+    """The case's figures: measured as it is, or at the fewer depths ``--layers`` gives and
+    extrapolated to its whole depth."""
+    if name not in args.layers:
+        return measure(name, CASES[name], args, work / name)
+    full_layers = CASES[name]["target"]["num_hidden_layers"]
+    records = [measure(name, fewer_layers(CASES[name], n), args, work / f"{name}-{n}") for n in args.layers[name]]
+    return at_whole_depth(records, full_layers)
+
+
+def measure(name: str, case: dict, args, work: Path) -> dict:
     seq_len, tap_ids = case["seq_len"], case["drafter"]["target_layer_ids"]
-    target = write_target(case, work / name / "target")
+    target = write_target(case, work / "target")
     extra = ["--load-format", "dummy"] + (["--language-model-only"] if case["target"]["kind"] == "qwen3_5" else [])
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     vocab = case["target"]["vocab_size"]
@@ -135,7 +191,7 @@ def measure(name: str, args, work: Path) -> dict:
         "dtype": dtype,
     }
     started = time.monotonic()
-    log = work / f"{name}-server.log"
+    log = work / "server.log"
     try:
         # The server's files where a training job's go (shared memory where it has room): the
         # figures are the pipeline's, not those of whatever disk holds the work folder.
@@ -146,7 +202,7 @@ def measure(name: str, args, work: Path) -> dict:
                 mem_fraction=args.mem_fraction, dtype=dtype, max_model_len=seq_len + 16,
                 max_num_seqs=args.concurrency, extra_args=extra + args.engine_arg,
             )  # fmt: skip
-            with ManagedServer(spec, log, work / name, startup_timeout=args.startup_timeout) as server:
+            with ManagedServer(spec, log, work, startup_timeout=args.startup_timeout) as server:
                 record["startup_s"] = round(time.monotonic() - started, 1)
                 with EngineTaps.of_server(
                     spec, tap_ids, alive=server.alive, concurrency=args.concurrency,
@@ -171,15 +227,6 @@ def measure(name: str, args, work: Path) -> dict:
             capture_seconds=round(seconds, 3),
             capture_tokens_per_s=round(args.sequences * seq_len / seconds, 1),
         )
-        if record["target_layers"] != full_layers:
-            # The decoder layers are nearly all of the work (the LM head runs for one token a
-            # sequence), so time scales with their number: the whole target's estimate.
-            record["whole_target_layers"] = full_layers
-            record["measured_tokens_per_s"] = record["capture_tokens_per_s"]
-            record["capture_tokens_per_s"] = round(
-                record["capture_tokens_per_s"] * record["target_layers"] / full_layers, 1
-            )
-            record["latency_s"] = round(record["latency_s"] * full_layers / record["target_layers"], 4)
     except Exception as exc:  # a case the engine cannot serve is a finding: keep it and go on
         record["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
     return record
@@ -227,21 +274,24 @@ def main() -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--engine-arg", action="append", default=[], help="extra server argument (repeatable)")
     parser.add_argument(
-        "--layers", action="append", default=[], metavar="CASE=N",
-        help="measure CASE's target at N decoder layers and scale to its whole depth (a target too big for the card)",
+        "--layers", action="append", default=[], metavar="CASE=N[,M...]",
+        help="measure CASE's target at N (and M...) decoder layers and extrapolate to its whole depth "
+        "(a target too big for the card; two depths separate the per-layer cost from the fixed one)",
     )  # fmt: skip
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--trainer-record", help="train_step.py's result on the same card")
     parser.add_argument("--workdir", help="keep the servers' folders and logs here")
     parser.add_argument("--out", help="result JSON")
     args = parser.parse_args()
-    args.layers = {name: int(n) for name, n in (item.split("=", 1) for item in args.layers)}
+    args.layers = {
+        name: [int(n) for n in depths.split(",")] for name, depths in (item.split("=", 1) for item in args.layers)
+    }
     work = Path(args.workdir or tempfile.mkdtemp(prefix="engine-taps-"))
     trainer = json.loads(Path(args.trainer_record).read_text()) if args.trainer_record else None
     device = gpu_name() if args.device == "cuda" else "cpu"
     record = {"benchmark": "engine_taps", **provenance(device), "cases": []}
     for name in args.case or ["qwen3-8b"]:
-        result = measure(name, args, work)
+        result = measure_case(name, args, work)
         if trainer:
             result.update(trainer_figures(result, trainer))
         record["cases"].append(result)

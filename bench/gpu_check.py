@@ -288,7 +288,7 @@ def check_mtp(engine: str, python: str, args, target: Path, work: Path) -> dict:
 def check_taps(vllm_python: str, work: Path) -> dict:
     """Engine taps on this card (``train.taps_from: engine``), after the engines' runs so that
     nothing shares the GPU: ``train_step.py`` (the drafter step alone and online, 8B shape; the
-    27B drafter step) and ``engine_taps.py`` with that record (8B; 27B at 16 of its 64 layers)."""
+    27B drafter step) and ``engine_taps.py`` with that record (8B; 27B at 8 and 16 of its 64 layers, extrapolated)."""
     bench = REPO / "bench"
     steps = work / "train_step.json"
     runs = [
@@ -309,7 +309,7 @@ def check_taps(vllm_python: str, work: Path) -> dict:
     taps_out = work / "engine_taps.json"
     done = subprocess.run(
         [sys.executable, str(bench / "engine_taps.py"), "--vllm-python", vllm_python,
-         "--case", "qwen3-8b", "--case", "qwen3.6-27b", "--layers", "qwen3.6-27b=16",
+         "--case", "qwen3-8b", "--case", "qwen3.6-27b", "--layers", "qwen3.6-27b=8,16",
          "--trainer-record", str(steps), "--workdir", str(work / "engine-taps"), "--out", str(taps_out)],
         capture_output=True, text=True,
     )  # fmt: skip

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import yaml
 
 from dflash_pipeline.core.config import validate_config
@@ -296,6 +297,32 @@ def test_the_taps_bench_scales_a_cut_target_and_prices_engine_fed_training_as_th
     assert engine_taps.trainer_figures({**record, "case": "qwen3.6-27b"}, trainer)["drafter_step_s"] == 9.0
     failed = {key: value for key, value in record.items() if key != "capture_tokens_per_s"}  # its server died
     assert engine_taps.trainer_figures(failed, trainer) == {}
+
+
+def test_the_taps_bench_extrapolates_a_cut_target_with_a_fixed_and_a_per_layer_cost(monkeypatch):
+    """Measured at two depths, a cut target's wait is a fixed cost (the taps file's copy, write,
+    read: no deeper target makes it longer) plus one per layer, extrapolated to the whole depth;
+    one depth scales in proportion. A failed depth extrapolates nothing."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import engine_taps
+
+    assert engine_taps.whole_depth([(8, 0.3)], 64) == pytest.approx(2.4)
+    assert engine_taps.whole_depth([(8, 0.3), (16, 0.34)], 64) == pytest.approx(0.26 + 64 * 0.005)
+    assert engine_taps.whole_depth([(8, 1.0), (12, 2.0), (16, 3.0)], 64) == pytest.approx(15.0)
+
+    def depth(layers, tokens_per_s, latency):
+        return {"case": "qwen3.6-27b", "seq_len": 4096, "target_layers": layers, "tap_ids": [0, layers - 1],
+                "startup_s": 100.0, "capture_tokens_per_s": tokens_per_s, "latency_s": latency,
+                "latency_s_all": [latency]}  # fmt: skip
+
+    # 1/16000 s a token at 8 layers, 1/8000 at 16: 1/16000 more per 8 layers, no fixed part.
+    whole = engine_taps.at_whole_depth([depth(8, 16000.0, 0.3), depth(16, 8000.0, 0.34)], 64)
+    assert whole["capture_tokens_per_s"] == 2000.0 and whole["latency_s"] == pytest.approx(0.58)
+    assert whole["target_layers"] == [8, 16] and whole["whole_target_layers"] == 64
+    assert [d["capture_tokens_per_s"] for d in whole["depths"]] == [16000.0, 8000.0]
+    failed = {key: value for key, value in depth(16, 0, 0).items() if key not in ("capture_tokens_per_s", "latency_s")}
+    broken = engine_taps.at_whole_depth([depth(8, 16000.0, 0.3), {**failed, "error": "EngineError: died"}], 64)
+    assert broken["error"] == "EngineError: died" and "capture_tokens_per_s" not in broken
 
 
 def test_the_taps_part_of_the_gpu_check_fails_when_a_training_step_run_fails(monkeypatch, tmp_path):
