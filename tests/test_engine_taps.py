@@ -48,6 +48,11 @@ def test_taps_come_out_in_the_asked_order_from_vllms_ascending_slots():
     assert taps.shape == (3, 6)
     assert taps[:, 0].tolist() == [600.0, 601.0, 602.0]
     assert taps[:, 3].tolist() == [200.0, 201.0, 202.0]
+    # Ascending taps and nothing else captured: the file's rows as they are, not a copy.
+    found = connector_file([7, 8, 9], [2, 6])
+    taps = arrange_taps(found, [7, 8, 9], [1, 5])
+    assert taps[:, 0].tolist() == [200.0, 201.0, 202.0] and taps[:, 3].tolist() == [600.0, 601.0, 602.0]
+    assert taps.data_ptr() == found["hidden_states"].data_ptr()
 
 
 @pytest.mark.parametrize(
