@@ -247,9 +247,9 @@ sglang-env:
 # only what is missing. NO_FA3=1 repacks sglang-kernel without its FA3 library (1.1 GB unpacked)
 # and sm100 kernels: then SGLang must start with
 # --attention-backend triton --sampling-backend pytorch (FA3 is its default on Hopper). SKIP (a regex of wheel file names) leaves wheels out; what SGLang 0.5.17 and the
-# pipeline did not need to start, measured on an H100 (with NO_FA3=1), with the CUDA 12 flavour of
-# nvidia-cutlass-dsl (the image is CUDA 13; a SKIP that leaves that package without any flavour
-# is refused: SGLang's server died at start on such a set once cutlass imported):
+# pipeline did not need to start, measured on an H100 (with NO_FA3=1); it keeps nvidia-cutlass-dsl's
+# CUDA 13 flavour (the image's CUDA) and leaves out the CUDA 12 one (a SKIP that leaves that package
+# without any flavour is refused: SGLang's server died at start on such a set once cutlass imported):
 #   SKIP='^(tokenspeed_triton|nvidia_cutlass_dsl_libs_cu12|nvidia_nvvm|tilelang|nvidia_cuda_nvcc|z3_solver|nvidia_mathdx|nvidia_cuda_nvdisasm|nvidia_cuda_crt|nvidia_cuda_cccl|py_spy)-'
 # ALLOW_MISSING: names whose wheel may be missing (llguidance: SGLang starts without it; an older
 # search found no wheel of 1.9.1 for these tags); any other missing wheel fails the target, named

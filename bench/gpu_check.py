@@ -11,8 +11,8 @@
    for each drafter shape the engine version serves (full attention, all sliding, mixed; DFlash2
    where the limits table says it serves it; in vLLM's runs also the full drafter trained online
    from a vLLM taps server beside the trainer, ``train.taps_from: engine``); the first shape
-   generates, the others reuse its data. One plain server of the engine (bfloat16, the loop's dtype on a GPU) is the lossless
-   reference of every evaluation of that engine.
+   generates, the others reuse its data. One plain server of the engine (bfloat16, the loop's
+   dtype on a GPU) is the lossless reference of every evaluation of that engine.
 3. A deliberately broken export of the first drafter whose run succeeded (target layers
    reversed): its evaluation must fail. Measured on an H100 (commit 815fd46): SGLang 0.5.17's tau
    did not move (it feeds the drafter the layers in ascending order, as vLLM does) while the

@@ -63,6 +63,16 @@ VARIANTS = {
 # The taps server's share of the training job's GPU in the engine-taps variant (the demo target
 # and its captured layers need little; the trainer and the check's other servers share the card).
 TAPS_SERVER_MEM_FRACTION = 0.1
+
+
+def train_overrides(variant: str, taps_server: dict) -> dict:
+    """The variant's ``train`` settings, with ``taps_server`` where it trains from engine taps."""
+    train = dict(VARIANTS[variant])
+    if train.get("taps_from") == "engine":
+        train["taps_server"] = taps_server
+    return train
+
+
 # vLLM's CPU build: a bounded share of host memory and KV cache (its GPU default, 0.92 of host
 # RAM, refuses to start), one CPU job at a time.
 CPU_VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -171,7 +181,7 @@ def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
             "engines": {"vllm": {"python": args.vllm_python, "env": CPU_VLLM_ENV}},
             "generation": {"engine": "vllm", "concurrency": 16,
                            "server": {"mem_fraction": CPU_VLLM_MEM_FRACTION, "extra_args": args.engine_arg}},
-            "train": {**VARIANTS[variant], "taps_server": {"mem_fraction": CPU_VLLM_MEM_FRACTION}},
+            "train": train_overrides(variant, {"mem_fraction": CPU_VLLM_MEM_FRACTION}),
             "evaluate": {"engine": "vllm", "max_prompts": args.max_prompts, "engine_extra_args": args.engine_arg,
                          "engine_mem_fraction": CPU_VLLM_MEM_FRACTION},
         }  # fmt: skip
@@ -184,16 +194,15 @@ def run_variant(args, variant: str, work: Path, reuse: str | None) -> dict:
             "gpus": 1,
             "engines": {engine: {"python": args.vllm_python if engine == "vllm" else args.engine_python}},
             "generation": {"engine": engine, "gpus_per_job": 1, "server": {"extra_args": args.engine_arg}},
-            "train": {"gpus_per_job": 1, **VARIANTS[variant]},
-            "evaluate": {"engine": engine, "max_prompts": args.max_prompts, "engine_extra_args": args.engine_arg},
-        }
-        if engine == "vllm":
-            # Used by the engine-taps variant only: the taps server on the training job's GPU, with
-            # the check's server arguments (a fixed KV budget beside other runs) and its own share.
-            overrides["train"]["taps_server"] = {
+            # An engine-taps variant's server on the training job's GPU: its own share, and the
+            # check's vLLM arguments (a fixed KV budget beside other runs; the GPU check runs that
+            # variant in vLLM's runs only, gpu_check.TAPS_SHAPES).
+            "train": {"gpus_per_job": 1, **train_overrides(variant, {
                 "mem_fraction": getattr(args, "mem_fraction", None) or TAPS_SERVER_MEM_FRACTION,
-                "extra_args": args.engine_arg,
-            }
+                "extra_args": args.engine_arg if engine == "vllm" else [],
+            })},
+            "evaluate": {"engine": engine, "max_prompts": args.max_prompts, "engine_extra_args": args.engine_arg},
+        }  # fmt: skip
         if getattr(args, "reference_url", None):
             overrides["evaluate"]["engine_reference_url"] = args.reference_url
         if getattr(args, "mem_fraction", None):

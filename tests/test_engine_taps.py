@@ -18,6 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from dflash_pipeline.engines.engine_taps import (
     CONNECTOR_MODULE,
+    CONNECTOR_SOURCE,
+    FAILED_SUFFIX,
     CacheBound,
     EngineTaps,
     TapsMismatch,
@@ -182,6 +184,9 @@ def test_a_taps_file_the_engine_could_not_write_fails_its_request_at_once_with_t
     with client, pytest.raises(EngineError, match=written):
         client.taps([7, 8, 9])
     assert not list(storage.iterdir())  # the marker consumed with its request
+    # The connector (the engine's environment: it imports nothing of the pipeline's) names the
+    # marker the same way.
+    assert f'FAILED_SUFFIX = "{FAILED_SUFFIX}"' in CONNECTOR_SOURCE.read_text()
 
 
 def test_tap_files_go_to_shared_memory_when_it_has_room_else_to_the_temp_folder(tmp_path):

@@ -97,6 +97,15 @@ def test_the_gpu_check_runs_each_shape_an_engine_serves_and_says_why_not_the_oth
     assert "0.5.17" in refused["dflash2"] and "vLLM" in refused["engine_taps"]
     served, refused = gpu_check.served_shapes("vllm", "0.26.0", shapes)
     assert served == ["full", "sliding", "mixed", "engine_taps"] and set(refused) == {"dflash2"}
+    import serving_parity  # the variant's run trains from a taps server given its share; the others have none
+
+    server = {"mem_fraction": 0.1, "extra_args": []}
+    assert serving_parity.train_overrides("engine-taps", server) == {
+        "num_layers": 2,
+        "taps_from": "engine",
+        "taps_server": server,
+    }
+    assert "taps_server" not in serving_parity.train_overrides("full", server)
     planned = subprocess.run(
         ["make", "-n", "gpu-check", "GPU_CHECK_ENGINES=sglang", "SGLANG_PYTHON=/envs/sglang/bin/python"],
         cwd=REPO, capture_output=True, text=True,

@@ -530,11 +530,12 @@ def checked_taps_server(
     # A target that does not fit the job's GPU (the engine shards it) computes it on the CPU, in
     # the dtype it would have on the GPU.
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    where = reference_device(device, checkpoint_bytes(target_dir), free)
+    weights = checkpoint_bytes(target_dir)
+    where = reference_device(device, weights, free)
     if where != device:
         log.info(
             "the target's weights (%s bytes) do not fit the %s bytes free on %s: the per-run check's "
-            "reference is computed on the CPU", checkpoint_bytes(target_dir), free, device,
+            "reference is computed on the CPU", weights, free, device,
         )  # fmt: skip
     target = load_target(target_dir, where, getattr(torch, target_compute_dtype(device)))
     reference = target_taps(target, tap_ids, sample)
