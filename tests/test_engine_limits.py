@@ -16,9 +16,21 @@ from dflash_pipeline.engines.environments import (
     engine_python,
     installed_engine,
 )
-from dflash_pipeline.engines.limits import SERVES, DrafterShape, notes, refusals, served_by
+from dflash_pipeline.engines.limits import (
+    SERVES,
+    DrafterShape,
+    Evidence,
+    Release,
+    disagreements,
+    downgrades,
+    evidence_rows,
+    notes,
+    refusals,
+    served_by,
+)
 from tests.conftest import REPO
-from tests.support.engine_envs import metadata_only_env
+from tests.support.ci import skip_unless_ci
+from tests.support.engine_envs import VLLM_PYTHON, metadata_only_env
 
 MIXED = DrafterShape("dflash", ("sliding_attention",) * 4 + ("full_attention",))
 SLIDING = DrafterShape("dflash", ("sliding_attention",) * 2)
@@ -36,14 +48,18 @@ DFLASH2 = DrafterShape("dflash2", ())
         ("vllm", "0.25.1", "gpu", MIXED, ["mixed"]),
         ("vllm", "0.26.0", "gpu", MIXED, []),
         ("vllm", "0.26.0", "gpu", DFLASH2, ["dflash2"]),
-        ("vllm", "0.32.0", "gpu", DFLASH2, []),
+        ("vllm", "0.27.1", "gpu", DFLASH2, ["dflash2"]),
+        ("vllm", "0.28.0", "gpu", DFLASH2, []),
+        ("vllm", "0.34.0", "gpu", DFLASH2, []),
         ("vllm", "0.32.0", "cpu", SLIDING, []),
         ("vllm", "0.32.0", "cpu", MIXED, ["mixed"]),
         ("vllm", "0.32.0", "cpu", DFLASH2, ["dflash2"]),
         ("sglang", "0.5.10", "gpu", FULL, ["dflash"]),
         ("sglang", "0.5.13", "gpu", SLIDING, ["sliding"]),
         ("sglang", "0.5.17", "gpu", MIXED, []),
-        ("sglang", "0.5.23", "gpu", DFLASH2, ["dflash2"]),
+        ("sglang", "0.5.18", "gpu", DFLASH2, ["dflash2"]),
+        ("sglang", "0.5.19", "gpu", DFLASH2, []),
+        ("sglang", "0.5.23", "gpu", DFLASH2, []),
         ("transformers", "5.24.0", "gpu", DFLASH2, []),  # the project's loop serves all
     ],
 )
@@ -71,15 +87,19 @@ def test_a_refusal_names_the_version_that_serves_the_drafter():
     # The first version that serves every feature at once.
     assert served_by("vllm", ["dflash", "sliding"]) == "vllm >= 0.25"
     assert served_by("sglang", ["dflash", "sliding", "mixed"]) == "sglang >= 0.5.14"
-    assert served_by("sglang", ["dflash2"]) == "no sglang version read so far"
+    assert served_by("sglang", ["dflash2"]) == "sglang >= 0.5.19"
+    assert served_by("vllm", ["dflash2"]) == "vllm >= 0.28 (GPU build)"
 
 
 def test_every_row_has_a_source_and_a_valid_range():
     from packaging.specifiers import SpecifierSet
 
     for row in SERVES:
-        assert row.source and row.otherwise and set(row.builds) <= {"gpu", "cpu"}
+        assert row.evidence and row.otherwise and set(row.builds) <= {"gpu", "cpu"}
         SpecifierSet(row.versions)  # parses
+    for _, _, versions, evidence in evidence_rows():
+        assert evidence and all(e.path and e.pattern for e in evidence)
+        SpecifierSet(versions)
     assert any("always causal" in line for line in notes("sglang", "0.5.17"))
     assert notes("sglang", "0.5.23") != notes("sglang", "0.5.17")
 
@@ -173,3 +193,65 @@ def test_an_engine_missing_from_its_environment_stops_the_plan(workflow, tmp_pat
         proc.stdout + proc.stderr
     )
     shutil.rmtree(tmp_path / "none", ignore_errors=True)
+
+
+# --- the table held to the engines' own code ------------------------------------------------------
+
+# The releases installed beside the tests: vLLM's CPU build (make vllm-env) and SGLang's packages
+# of the argument tests (make sglang-args-envs), whole packages, not installed for this test alone.
+INSTALLED = {
+    "vllm 0.32.0 (CPU build)": ("vllm", VLLM_PYTHON.parent.parent),
+    "sglang 0.5.17": ("sglang", REPO / ".sglang-args" / "0.5.17"),
+    "sglang 0.5.23": ("sglang", REPO / ".sglang-args" / "0.5.23"),
+}
+
+
+def installed_release(engine: str, root) -> Release:
+    sites = sorted(root.glob("lib/python3*/site-packages")) or [root]
+    site = next((s for s in sites if (s / engine).is_dir()), None)
+    if site is None:
+        skip_unless_ci(f"{root}: no {engine} package (make vllm-env / make sglang-args-envs installs it)")
+    return Release(site, engine)
+
+
+@pytest.mark.parametrize("name", sorted(INSTALLED))
+def test_every_row_of_the_table_agrees_with_the_code_of_the_installed_engines(name):
+    """Each row names a file and a pattern that its first version brings (or removes): in a
+    release the row covers the pattern must be there, in one it does not cover it must not. A
+    fact typed from memory fails here against the engine's own files (vLLM's DFlash2 row said
+    0.32 where 0.28 brought it; SGLang's said none where 0.5.19 did)."""
+    engine, root = INSTALLED[name]
+    release = installed_release(engine, root)
+    assert name.startswith(f"{engine} {release.version}")
+    assert disagreements(engine, release) == []
+
+
+def test_a_row_the_code_contradicts_is_named_with_the_file_and_the_pattern(tmp_path):
+    """The check itself, on a hand-made release: a row whose evidence is missing where its range
+    says the version serves, and one whose evidence is present below its first version."""
+    site = tmp_path / "site"
+    (site / "sglang" / "srt" / "models").mkdir(parents=True)
+    (site / "sglang-0.5.19.dist-info").mkdir()
+    (site / "sglang-0.5.19.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.19\n")
+    (site / "sglang" / "srt" / "models" / "dflash.py").write_text("class DFlashDraftModel(nn.Module):\n    pass\n")
+    lines = disagreements("sglang", Release(site, "sglang"))
+    assert any(
+        "'serves dflash2' (>=0.5.19), but its code does not show all of: sglang/srt/models/dflash.py has" in line
+        for line in lines
+    )
+    assert Release(site, "sglang").shows(Evidence("sglang/srt/*.py", r"class DFlashDraftModel\b"))
+    assert Release(site, "sglang").shows(Evidence("sglang/srt/*.py", r"class DFlash2DraftModel\b", absent=True))
+
+
+def test_an_engine_setting_that_serves_dflash2_as_dflash_is_refused_in_one_line():
+    """vLLM 0.28-0.33 with VLLM_USE_V2_MODEL_RUNNER=0 run a DFlash2 drafter through the V1
+    runner's DFlash proposer, which never calls the candidate selector: no error, a weaker
+    drafter. 0.34 has no V1 runner; other shapes and settings are not touched."""
+    (line,) = downgrades("vllm", "0.33.0", DFLASH2, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    assert line.startswith("VLLM_USE_V2_MODEL_RUNNER=0 in vllm 0.33.0's environment selects the V1 model runner")
+    assert "\n" not in line and "[source: vllm/config/vllm.py has" in line
+    assert downgrades("vllm", "0.28.0", DFLASH2, {"VLLM_USE_V2_MODEL_RUNNER": "False"})
+    assert downgrades("vllm", "0.34.0", DFLASH2, {"VLLM_USE_V2_MODEL_RUNNER": "0"}) == []
+    assert downgrades("vllm", "0.33.0", DFLASH2, {"VLLM_USE_V2_MODEL_RUNNER": "1"}) == []
+    assert downgrades("vllm", "0.33.0", MIXED, {"VLLM_USE_V2_MODEL_RUNNER": "0"}) == []
+    assert downgrades("sglang", "0.5.23", DFLASH2, {"VLLM_USE_V2_MODEL_RUNNER": "0"}) == []

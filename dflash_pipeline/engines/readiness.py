@@ -7,8 +7,8 @@ setting fails the plan in one line per problem instead of a job days later.
 from __future__ import annotations
 
 from dflash_pipeline.core.layout import stages_built
-from dflash_pipeline.engines.environments import EngineSetupError, configured_engine
-from dflash_pipeline.engines.limits import DrafterShape, refusals
+from dflash_pipeline.engines.environments import EngineSetupError, configured_engine, engine_env
+from dflash_pipeline.engines.limits import DrafterShape, downgrades, refusals
 
 # Generation engines are launched from `generate` on, the serving engine by `evaluate`.
 SERVING_ENGINES = ("vllm", "sglang")
@@ -42,6 +42,9 @@ def check_engines(config: dict) -> tuple[list[str], list[str]]:
             continue
         serves = engine in SERVING_ENGINES and evaluates and config["evaluate"]["engine"] == engine
         refused = refusals(engine, install.version, install.build, shape) if serves else []
+        # The server's environment as launch builds it (this process's, engines.<engine>.env on top).
+        if serves:
+            refused += downgrades(engine, install.version, shape, engine_env(engine, config["engines"]))
         problems += [f"evaluate.engine: {text} (engines.{engine}.python: {install.python})" for text in refused]
         if not refused:
             served = f", serves the {shape.describe()}" if serves else ""

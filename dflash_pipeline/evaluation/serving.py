@@ -12,6 +12,7 @@ Where the counters come from, and how they are read: ``evaluation.engine_counter
 from __future__ import annotations
 
 import json
+import os
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import httpx
 
 from dflash_pipeline.engines.environments import EngineInstall
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec
-from dflash_pipeline.engines.limits import DrafterShape, EngineUnsupportedError, refusals
+from dflash_pipeline.engines.limits import DrafterShape, EngineUnsupportedError, downgrades, refusals
 from dflash_pipeline.evaluation.engine_requests import request_acceptance, request_plain
 from dflash_pipeline.evaluation.lossless import compare_greedy, default_margin_tolerance, lossless_summary
 from dflash_pipeline.evaluation.metrics import PromptResult
@@ -188,11 +189,17 @@ def engine_version(engine: str, url: str, installed: str | None = None) -> str |
     return installed
 
 
-def check_served(engine: str, version: str | None, build: str, drafter: str | Path) -> None:
+def check_served(
+    engine: str, version: str | None, build: str, drafter: str | Path, env: dict[str, str] | None = None
+) -> None:
     """EngineUnsupportedError (one line) when the engine-limits table says ``engine``
-    ``version`` cannot serve the exported drafter."""
+    ``version`` cannot serve the exported drafter, or would serve it as something less under a
+    setting of ``env`` (the server's environment; this process's by default)."""
     config = json.loads((Path(drafter) / "config.json").read_text())
-    refused = refusals(engine, version, build, DrafterShape.from_exported_config(config))
+    shape = DrafterShape.from_exported_config(config)
+    refused = refusals(engine, version, build, shape) + downgrades(
+        engine, version, shape, env if env is not None else os.environ
+    )
     if refused:
         raise EngineUnsupportedError(f"{Path(drafter) / 'config.json'}: {refused[0]}")
 
@@ -320,7 +327,7 @@ def measure_in_engine(
         speculative, log_dir / f"{engine}-speculative.log", log_dir, startup_timeout=startup_timeout
     ) as server:
         version = engine_version(engine, speculative.url, install.version if install else None)
-        check_served(engine, version, build, drafter)
+        check_served(engine, version, build, drafter, speculative.env)
         results, outputs = request_acceptance(
             engine,
             speculative.url,

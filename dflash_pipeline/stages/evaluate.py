@@ -153,11 +153,11 @@ def check_engine_serves(drafter: str | Path, engine: str, engines: dict | None):
     the exported drafter; None for the project's loop. Checked before any server starts."""
     if engine not in ENGINES:
         return None
-    from dflash_pipeline.engines.environments import configured_engine
+    from dflash_pipeline.engines.environments import configured_engine, engine_env
     from dflash_pipeline.evaluation.serving import check_served
 
     install = configured_engine(engine, engines)
-    check_served(engine, install.version, install.build, drafter)
+    check_served(engine, install.version, install.build, drafter, engine_env(engine, engines))
     return install
 
 

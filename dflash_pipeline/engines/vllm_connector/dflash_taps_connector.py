@@ -141,6 +141,18 @@ def _hidden_state_group(kv_cache_config) -> int:
     raise ValueError(f"cannot tell the hidden-state cache group among {len(groups)} groups")
 
 
+def _group_block_size(kv_cache_config, group: int, default: int) -> int:
+    """Tokens per block of the hidden-state cache group: on a hybrid target vLLM 0.34 gives each
+    cache group its own page-aligned block size (v1/core/kv_cache_planning.py), so the hidden
+    states' is not cache_config.block_size there; one group (a dense target) has that one."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if 0 <= group < len(groups):
+        spec = getattr(groups[group], "kv_cache_spec", None)
+        if getattr(spec, "block_size", None):
+            return int(spec.block_size)
+    return default
+
+
 def token_axis(shape: Sequence[int], block_size: int, num_layers: int) -> int:
     """The axis of a block's tokens in the hidden-state cache: vLLM 0.26 lays it out [blocks,
     tokens, layers, hidden], 0.32 [blocks, layers, tokens, hidden]. Where a block holds as many
@@ -172,6 +184,7 @@ class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
         # The order vLLM fills the slots in: ascending ids, each once.
         self.layer_ids = sorted(set(spec.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids))
         self.group = _hidden_state_group(kv_cache_config)
+        self.block_size = _group_block_size(kv_cache_config, self.group, vllm_config.cache_config.block_size)
         # scheduler side
         self._paths: dict[str, str] = {}
         self._to_write: list[TapsToWrite] = []
@@ -221,7 +234,9 @@ class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
         if len(layers) != 1:
             raise ValueError(f"expected one hidden-state cache layer, found {len(layers)}")
         self._cache = kv_caches[next(iter(layers))]
-        self._token_axis = token_axis(self._cache.shape, self._vllm_config.cache_config.block_size, len(self.layer_ids))
+        # The scheduler's block ids count blocks of the group's size: a cache whose token axis
+        # disagrees would be read at the wrong rows, so token_axis refuses it.
+        self._token_axis = token_axis(self._cache.shape, self.block_size, len(self.layer_ids))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         pass
