@@ -229,19 +229,22 @@ gpu-env:
 	$(PY) -m pip install --quiet -r envs/gpu/pipeline-cu130.txt
 	$(MAKE) setup EXTRAS=model,slurm
 
+# vLLM 0.34.0's own requirements do not resolve (its flashinfer-python pin is not on PyPI): its
+# file is the whole resolution, installed as it is (envs/gpu/vllm-0.34.0.txt says more).
 vllm-gpu-env:
 	test -x $(VLLM_GPU_VENV)/bin/python || python3 -m venv $(VLLM_GPU_VENV)
-	$(VLLM_GPU_VENV)/bin/python -m pip install --quiet -r envs/gpu/vllm-0.26.0.txt
+	$(VLLM_GPU_VENV)/bin/python -m pip install --quiet --no-deps -r envs/gpu/vllm-0.34.0.txt
 
 sglang-env:
 	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/python -m pip install --quiet -r envs/gpu/sglang-0.5.17.txt
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -r envs/gpu/sglang-0.5.23.txt
 
 # --- a GPU node without a package index: pinned wheel sets built on a connected machine ----------
 # (README, GPU nodes without a package index). The locks (envs/gpu/locks/<set>.lock) hold what a GPU
-# image with torch 2.11.0+cu130 lacks (its pip freeze: envs/gpu/locks/base-freeze.txt); wheels are
-# for CPython 3.12 / Linux x86_64 whatever machine builds them. On the connected machine:
-#   make gpu-wheels [WHEELS=dir] [SETS="pipeline sglang-0.5.17 vllm-0.26.0"] [BASE=freeze.txt]
+# image with torch 2.11.0+cu130 lacks (its pip freeze: envs/gpu/locks/base-freeze.txt): the
+# pipeline's set sits on the image's torch, each engine's brings its own (torch 2.14, CUDA 13);
+# wheels are for CPython 3.12 / Linux x86_64 whatever machine builds them. On the connected machine:
+#   make gpu-wheels [WHEELS=dir] [SETS="pipeline sglang-0.5.23 vllm-0.34.0"] [BASE=freeze.txt]
 #                   [NO_FA3=1] [SKIP=regex] [ALLOW_MISSING="llguidance"]
 # BASE: the node's `pip freeze`; its exact NAME==VERSION pins are left out too. Reruns download
 # only what is missing. NO_FA3=1 repacks sglang-kernel without its FA3 library (1.1 GB unpacked)
@@ -259,7 +262,7 @@ sglang-env:
 #   make gpu-wheels-install [WHEELS=dir] [GPU_ENVS=dir]
 WHEELS ?= .offline-wheels
 GPU_ENVS ?= .gpu-envs
-SETS ?= pipeline sglang-0.5.17 vllm-0.26.0
+SETS ?= pipeline sglang-0.5.23 vllm-0.34.0
 BASE ?=
 NO_FA3 ?=
 SKIP ?=

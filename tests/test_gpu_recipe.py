@@ -33,17 +33,23 @@ def test_the_pinned_engines_serve_the_27b_example_drafter():
     example = validate_config(yaml.safe_load((REPO / "config/examples/qwen3.6-27b.yaml").read_text()))
     shape = DrafterShape.from_train_config(example["train"])
     assert "mixed" in shape.features()
-    assert refusals("vllm", pins("vllm-0.26.0.txt")["vllm"], "gpu", shape) == []
-    assert refusals("sglang", pins("sglang-0.5.17.txt")["sglang"], "gpu", shape) == []
+    assert refusals("vllm", pins("vllm-0.34.0.txt")["vllm"], "gpu", shape) == []
+    assert refusals("sglang", pins("sglang-0.5.23.txt")["sglang"], "gpu", shape) == []
+    # ... and a DFlash2 drafter too (vLLM >= 0.28, SGLang >= 0.5.19: engines.limits, from their code).
+    dflash2 = DrafterShape("dflash2", shape.layer_types)
+    assert refusals("vllm", pins("vllm-0.34.0.txt")["vllm"], "gpu", dflash2) == []
+    assert refusals("sglang", pins("sglang-0.5.23.txt")["sglang"], "gpu", dflash2) == []
 
 
 def test_the_pipeline_gpu_env_takes_cuda_torch_from_pytorchs_index_and_the_gdn_kernels():
     text = (GPU / "pipeline-cu130.txt").read_text()
     assert "--extra-index-url https://download.pytorch.org/whl/cu130" in text
-    assert pins("pipeline-cu130.txt")["torch"] == "2.11.0"  # what vLLM 0.26.0 and SGLang 0.5.17 pin
+    assert pins("pipeline-cu130.txt")["torch"] == "2.11.0"  # the image's; the engines bring their own
     assert "flash-linear-attention" in pins("pipeline-cu130.txt")
-    # SGLang 0.5.17 fails to import with transformers 5.17: its environment pins 5.12.1.
-    assert pins("sglang-0.5.17.txt")["transformers"] == "5.12.1"
+    # vLLM 0.34.0's own pins do not resolve (flashinfer-python 0.7.3 is not on PyPI): its file is
+    # the whole resolution, installed with --no-deps, on its own torch.
+    vllm = pins("vllm-0.34.0.txt")
+    assert (vllm["vllm"], vllm["torch"], vllm["flashinfer-python"]) == ("0.34.0", "2.14.0", "0.7.4")
 
 
 def test_the_make_targets_build_each_environment_apart():
@@ -51,8 +57,10 @@ def test_the_make_targets_build_each_environment_apart():
         return subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True).stdout
 
     assert "pip install --quiet -r envs/gpu/pipeline-cu130.txt" in planned("gpu-env")
-    assert ".venv-vllm-gpu/bin/python -m pip install --quiet -r envs/gpu/vllm-0.26.0.txt" in planned("vllm-gpu-env")
-    assert ".venv-sglang/bin/python -m pip install --quiet -r envs/gpu/sglang-0.5.17.txt" in planned("sglang-env")
+    assert ".venv-vllm-gpu/bin/python -m pip install --quiet --no-deps -r envs/gpu/vllm-0.34.0.txt" in planned(
+        "vllm-gpu-env"
+    )
+    assert ".venv-sglang/bin/python -m pip install --quiet -r envs/gpu/sglang-0.5.23.txt" in planned("sglang-env")
     # The CPU build is named explicitly for the demo and the tests.
     assert "torch==2.13.0+cpu" in (REPO / "Makefile").read_text()
 
@@ -63,7 +71,7 @@ def test_the_offline_wheel_targets_wire_the_script_with_empty_defaults():
 
     build = planned("gpu-wheels")
     assert "scripts/gpu_wheels.py build --wheels .offline-wheels" in build
-    assert '--sets "pipeline sglang-0.5.17 vllm-0.26.0"' in build
+    assert '--sets "pipeline sglang-0.5.23 vllm-0.34.0"' in build
     assert '--allow-missing "llguidance"' in build
     # Nothing is skipped or repacked unless asked for.
     assert "--skip" not in build and "--no-fa3" not in build and "--base" not in build
@@ -75,10 +83,10 @@ def test_the_offline_wheel_targets_wire_the_script_with_empty_defaults():
     for name in re.search(r'--sets "([^"]+)"', build)[1].split():
         assert (GPU / "locks" / f"{name}.lock").exists()
     # The engines' lock pins agree with the index recipe's.
-    locks = {name: pins(f"locks/{name}.lock") for name in ("sglang-0.5.17", "vllm-0.26.0")}
-    assert locks["sglang-0.5.17"]["sglang"] == pins("sglang-0.5.17.txt")["sglang"]
-    assert locks["sglang-0.5.17"]["transformers"] == pins("sglang-0.5.17.txt")["transformers"]
-    assert locks["vllm-0.26.0"]["vllm"] == pins("vllm-0.26.0.txt")["vllm"]
+    locks = {name: pins(f"locks/{name}.lock") for name in ("sglang-0.5.23", "vllm-0.34.0")}
+    assert locks["sglang-0.5.23"]["sglang"] == pins("sglang-0.5.23.txt")["sglang"]
+    for name in ("vllm", "torch", "flashinfer-python", "transformers"):
+        assert locks["vllm-0.34.0"][name] == pins("vllm-0.34.0.txt")[name], name
     makefile = (REPO / "Makefile").read_text()
     assert "--attention-backend triton --sampling-backend pytorch" in makefile
 
@@ -86,7 +94,7 @@ def test_the_offline_wheel_targets_wire_the_script_with_empty_defaults():
 def test_the_gpu_check_runs_each_shape_an_engine_serves_and_says_why_not_the_others(monkeypatch):
     """bench/gpu_check.py (`make gpu-check`) asks the engine-limits table which drafter shapes an
     engine version serves: SGLang 0.5.17 serves full, sliding and mixed but not DFlash2, which the
-    record names with the table's reason instead of running. The drafter trained from a vLLM
+    record names with the table's reason instead of running; 0.5.23 and vLLM 0.34 serve all four. The drafter trained from a vLLM
     taps server (train.taps_from: engine) is checked in vLLM's runs."""
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     import gpu_check
@@ -97,6 +105,8 @@ def test_the_gpu_check_runs_each_shape_an_engine_serves_and_says_why_not_the_oth
     assert "0.5.17" in refused["dflash2"] and "vLLM" in refused["engine_taps"]
     served, refused = gpu_check.served_shapes("vllm", "0.26.0", shapes)
     assert served == ["full", "sliding", "mixed", "engine_taps"] and set(refused) == {"dflash2"}
+    assert gpu_check.served_shapes("vllm", "0.34.0", shapes) == (shapes, {})
+    assert gpu_check.served_shapes("sglang", "0.5.23", shapes)[0] == ["full", "sliding", "mixed", "dflash2"]
     import serving_parity  # the variant's run trains from a taps server given its share; the others have none
 
     server = {"mem_fraction": 0.1, "extra_args": []}
