@@ -299,6 +299,7 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             # settings serve both, and change how the same taps are computed, not which.
             "taps_from",
             "taps_server",
+            "divergence",
             # The drafter algorithm and its keys: extract stores taps, whatever trains on them.
             "algorithm",
             "conv_kernel_size",
@@ -371,6 +372,8 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             # The same taps either way (checked per run), so switching retrains nothing.
             "taps_from",
             "taps_server",
+            # When a step counts as diverged: a sound run's steps are all applied whatever it says.
+            "divergence",
         },
     },
     "evaluate": {
