@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pyarrow.parquet as pq
 import pytest
+from safetensors.torch import load_file, save_file
 
 from dflash_pipeline.core.jobstate import read_halt
 from dflash_pipeline.core.storage import open_storage
@@ -164,21 +166,28 @@ def test_the_first_failed_gate_stops_every_other_generate_job(
 def test_a_diverging_training_segment_halts_the_run_in_one_line_and_publishes_no_checkpoint(
     workflow, demo_model, tmp_path
 ):
-    """The demo's training at a learning rate of 1e12: segment 0 stops at its first non-finite
-    step, says so in one line (step, loss, gradient norm, last good checkpoint), publishes no
+    """The demo's training with a non-finite loss: segment 0 stops at its first non-finite step,
+    says so in one line (step, loss, gradient norm, last good checkpoint), publishes no
     checkpoint, halts the run (no later segment starts, its retries are refused), and `verify`
-    finds the run's stored objects intact. Data from a quick stand-in engine: training is the
-    subject here."""
+    finds the run's stored objects intact. A learning rate that diverges is refused when the run
+    is planned (train.learning_rate is at most 1; tests/test_training.py trains at 1e12), so the
+    loss goes non-finite here by a target with one NaN weight, as a damaged checkpoint has. Data
+    from a quick stand-in engine: training is the subject here."""
+    target = tmp_path / "target"
+    shutil.copytree(demo_model, target)
+    weights = load_file(target / "model.safetensors")
+    weights["model.layers.0.input_layernorm.weight"][0] = float("nan")
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
     endpoint = SeedIncidentEndpoint(worked_answer)
     try:
         workflow.write_config(
             num_shards=1,
             until="train",
             dataset={"paths": [workflow.few_prompts(8)], "heldout_fraction": 0.0},
-            target={"model": str(demo_model), "build_demo": False},
+            target={"model": str(target), "build_demo": False},
             gpu_lock_dir=str(tmp_path / "locks"),
             generation={"engine": "endpoint", "endpoints": [endpoint.url], "max_retries": 0},
-            train={"learning_rate": 1e12, "steps_per_segment": 4, "checkpoint_every_steps": 2, "batch_size": 2},
+            train={"steps_per_segment": 4, "checkpoint_every_steps": 2, "batch_size": 2},
         )
         proc = workflow.snakemake(check=False)
     finally:
@@ -188,10 +197,11 @@ def test_a_diverging_training_segment_halts_the_run_in_one_line_and_publishes_no
     root = workflow.root / "results/demo"
     store = open_storage(str(root))
 
+    assert store.exists("_progress/train/segment-0000/metrics.jsonl"), output[-4000:]
     records = [json.loads(x) for x in store.read_text("_progress/train/segment-0000/metrics.jsonl").splitlines()]
     step = records[-1]["step"]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records[:-1])
-    first_attempt = next((root / "logs/attempts/train-0000").glob("*attempt-1/job.log")).read_text()
+    first_attempt = next((root / "logs/attempts/train-0000").glob("*-attempt-1.job.log")).read_text()
     lines = [line for line in first_attempt.splitlines() if "diverged at step" in line]
     assert len(lines) == 1, first_attempt[-3000:]
     assert f"train segment 0000 diverged at step {step}: loss is not finite (loss nan" in lines[0]
@@ -207,6 +217,10 @@ def test_a_diverging_training_segment_halts_the_run_in_one_line_and_publishes_no
     retried = (root / "logs/train/segment-0000.log").read_text()
     assert "train segment 0000 stopped: the run is halted since" in retried
 
-    verified = run_verify(workflow)
-    assert verified.returncode == 0, verified.stdout + verified.stderr
-    assert "0 missing, 0 damaged, 0 without a checksum record, 0 orphaned" in verified.stdout
+    # Every stored object intact; missing only what the halted training has not made.
+    verified = run_verify(workflow).stdout
+    assert "8 object(s) match their checksums, 4 missing, 0 damaged, 0 without a checksum record, 0 orphaned" in verified
+    missing = sorted(line.split()[1] for line in verified.splitlines() if line.startswith("missing"))
+    assert missing == [
+        f"results/demo/{key}" for key in ("drafter/config.json", "drafter/model.safetensors")
+    ] + [f"results/demo/outputs/train-segment-000{k}.json" for k in (0, 1)]
