@@ -118,7 +118,10 @@ def test_invalid_config_names_the_bad_key(config, named):
         ),
         # Learning rates far off any sane one (the 1e12 diverged every step), written as
         # YAML 1.1 reads them (text) or as numbers.
-        ({"train": {"learning_rate": "1e12"}}, "config key 'train.learning_rate': 1000000000000.0 is outside its range (0, 1]"),
+        (
+            {"train": {"learning_rate": "1e12"}},
+            "config key 'train.learning_rate': 1000000000000.0 is outside its range (0, 1]",
+        ),
         ({"train": {"learning_rate": 0.0}}, "config key 'train.learning_rate': 0.0 is outside its range (0, 1]"),
         (
             {"generation": {"sampling": {"temperature": float("nan")}}},
@@ -331,7 +334,9 @@ def test_a_number_in_exponent_notation_is_read_as_a_number_from_a_file_and_from_
 
 
 def test_text_is_left_as_text_where_a_key_takes_text_or_no_number():
-    config = validate_config({"run": "1e3", "train": {"tracker_dir": "2e5"}, "engines": {"vllm": {"env": {"A": "1e3"}}}})
+    config = validate_config(
+        {"run": "1e3", "train": {"tracker_dir": "2e5"}, "engines": {"vllm": {"env": {"A": "1e3"}}}}
+    )
     assert config["run"] == "1e3" and config["train"]["tracker_dir"] == "2e5"
     assert config["engines"]["vllm"]["env"]["A"] == "1e3"  # a key of [string, number]: as written
     with pytest.raises(ConfigError, match=r"config key 'train.segments': '1e3' is not of type 'integer'"):

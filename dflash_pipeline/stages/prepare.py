@@ -58,6 +58,7 @@ def run_fixed_changes(config: dict, summary: dict, where: str) -> list[str]:
         if key in recorded and recorded[key] != now[key]
     ]
 
+
 PROMPT_SCHEMA = pa.schema(
     [
         ("id", pa.string()),

@@ -337,7 +337,9 @@ class _SegmentRun:
         halt with a lower rate trains at that rate. Unchanged, the values are the same bits."""
         rate = self.settings["learning_rate"]
         if self.scheduler.base_lrs != [rate] * len(self.scheduler.base_lrs):
-            log.info(f"learning rate {self.scheduler.base_lrs[0]:g} of the checkpoint -> {rate:g} (train.learning_rate)")
+            log.info(
+                f"learning rate {self.scheduler.base_lrs[0]:g} of the checkpoint -> {rate:g} (train.learning_rate)"
+            )
         self.scheduler.base_lrs = [rate] * len(self.scheduler.base_lrs)
         for group, lmbda in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
             group["initial_lr"] = rate
