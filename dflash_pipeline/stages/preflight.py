@@ -189,8 +189,10 @@ def run_fixed_problems(config: dict, run_url: str) -> list[str]:
         summary = json.loads(storage.read_text(layout.INGEST_SUMMARY))
     except NotFound:
         return []  # a new run
-    except (StorageError, ValueError) as err:
-        return [f"{storage.join(layout.INGEST_SUMMARY)}: unreadable ({err}); delete it to ingest the run again"]
+    except StorageError as err:
+        return [f"{storage.join(layout.INGEST_SUMMARY)}: unreadable ({err})"]
+    except ValueError:
+        return []  # not JSON: nothing recorded to compare (its checksum record says if it is damaged)
     if not isinstance(summary, dict) or summary.get("stopped"):
         return []
     return run_fixed_changes(config, summary, storage.join(layout.INGEST_SUMMARY))
