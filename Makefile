@@ -182,7 +182,7 @@ verify: setup
 		$(if $(SNAKEMAKE_ARGS),-- $(SNAKEMAKE_ARGS))
 
 # Clear the run's halt once its cause is fixed (a tokenize shard failed the data-quality gate and
-# stopped generation; see README). An S3 run: make clear-halt PREFIX=s3://bucket/prefix
+# stopped generation, or a training segment diverged; see README). An S3 run: make clear-halt PREFIX=s3://bucket/prefix
 clear-halt: setup
 	$(PY) -m dflash_pipeline.stages.tokenize clear-halt --configfile $(CONFIG) \
 		$(if $(PREFIX),--default-storage-prefix $(PREFIX))

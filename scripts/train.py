@@ -1,10 +1,13 @@
 """Snakemake glue for rule `train`: dflash_pipeline.stages.train."""
 
+from dflash_pipeline.core.jobstate import RunHalted
 from dflash_pipeline.core.stage_job import stage_job
 from dflash_pipeline.stages.train import train_job
+from dflash_pipeline.training.trainer import TrainingDiverged
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
-with stage_job(smk, "train") as job:
+# A diverged segment (it halted the run) and a job refused by the halt end in their one line.
+with stage_job(smk, "train", refusals=(TrainingDiverged, RunHalted)) as job:
     # Every tokenize shard, extract manifest and segment K-1's manifest, before a GPU is taken.
     job.verify(smk.input.tokenized, smk.input.get("hidden", []), smk.input.get("previous", []))
     job.torch_threads(smk.threads)  # as many compute threads as Snakemake granted

@@ -110,12 +110,19 @@ def test_invalid_config_names_the_bad_key(config, named):
         # A float beyond a bound: the bound, not how to write the integer.
         (
             {"generation": {"max_new_tokens": 1e12}},
-            "config key 'generation.max_new_tokens': 1000000000000.0 is greater than the maximum of 1048576",
+            "config key 'generation.max_new_tokens': 1000000000000.0 is outside its range [1, 1048576]",
         ),
         (
             {"generation": {"concurrency": 10**8}},
-            "config key 'generation.concurrency': 100000000 is greater than the maximum of 65536",
+            "config key 'generation.concurrency': 100000000 is outside its range [1, 65536]",
         ),
+        # Learning rates far off any sane one (the issue's 1e12 diverged every step), written as
+        # YAML 1.1 reads them (text) or as numbers.
+        (
+            {"train": {"learning_rate": "1e12"}},
+            "config key 'train.learning_rate': 1000000000000.0 is outside its range (0, 1]",
+        ),
+        ({"train": {"learning_rate": 0.0}}, "config key 'train.learning_rate': 0.0 is outside its range (0, 1]"),
         (
             {"generation": {"sampling": {"temperature": float("nan")}}},
             "config key 'generation.sampling.temperature': nan is not a finite number",
@@ -301,3 +308,49 @@ def test_a_float_shard_count_stops_the_dry_run_in_one_line(workflow):
     assert proc.returncode != 0
     assert "  config key 'num_shards': 2.0 is not an integer (write 2)" in out.splitlines()
     assert "TypeError" not in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize(("written", "value"), [("6e-4", 0.0006), ("1e-5", 1e-5), ("3E-4", 0.0003), ("+.5e-3", 0.0005)])
+def test_a_number_in_exponent_notation_is_read_as_a_number_from_a_file_and_from_config_overrides(
+    tmp_path, written, value
+):
+    """PyYAML (YAML 1.1, Snakemake's reader) takes `6e-4` as text; Snakemake's `--config` parses a
+    nested override with YAML's BaseLoader, every value text. Both mean the number written."""
+    from snakemake.cli import parse_config
+
+    from dflash_pipeline.core.config import layered_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(f"train:\n  learning_rate: {written}\n  segments: 3\n")
+    from_file = layered_config(path)
+    assert from_file["train"]["learning_rate"] == written  # what YAML 1.1 gives
+    override = parse_config([f"train={{learning_rate: {written}, segments: 3, checkpoint_async: false}}"])
+    assert override["train"] == {"learning_rate": written, "segments": "3", "checkpoint_async": "false"}
+    for config in (from_file, override):
+        train = validate_config(config)["train"]
+        assert train["learning_rate"] == value and type(train["learning_rate"]) is float
+        assert train["segments"] == 3 and type(train["segments"]) is int
+    assert validate_config(override)["train"]["checkpoint_async"] is False
+
+
+def test_text_is_left_as_text_where_a_key_takes_text_or_no_number():
+    config = validate_config(
+        {"run": "1e3", "train": {"tracker_dir": "2e5"}, "engines": {"vllm": {"env": {"A": "1e3"}}}}
+    )
+    assert config["run"] == "1e3" and config["train"]["tracker_dir"] == "2e5"
+    assert config["engines"]["vllm"]["env"]["A"] == "1e3"  # a key of [string, number]: as written
+    with pytest.raises(ConfigError, match=r"config key 'train.segments': '1e3' is not of type 'integer'"):
+        validate_config({"train": {"segments": "1e3"}})
+
+
+@pytest.mark.workflow
+def test_the_dry_run_reads_exponents_as_written_and_refuses_a_learning_rate_out_of_range(workflow):
+    config = workflow.root / "config.yaml"
+    config.write_text(config.read_text().replace("learning_rate: 0.003", "learning_rate: 6e-4"))
+    assert "  learning_rate: 6e-4" in config.read_text().splitlines()
+    assert workflow.planned_jobs()["train"] == 2
+    proc = workflow.snakemake("-n", "--config", "train={learning_rate: 1e12}", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "  config key 'train.learning_rate': 1000000000000.0 is outside its range (0, 1]" in out.splitlines()
+    assert "Traceback" not in out

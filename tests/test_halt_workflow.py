@@ -1,11 +1,13 @@
-"""A collapsed regeneration through the workflow: an engine that answers every prompt with an empty
-think block and "OK." fails the first tokenize shard's gate, and that stops the run's generation,
-keep-going or not (dflash_pipeline.core.jobstate)."""
+"""Halts through the workflow: an engine that answers every prompt with an empty think block and
+"OK." fails the first tokenize shard's gate, and that stops the run's generation, keep-going or not
+(dflash_pipeline.core.jobstate); a training segment that diverges stops the run's training."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -14,10 +16,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pyarrow.parquet as pq
 import pytest
+from safetensors.torch import load_file, save_file
 
 from dflash_pipeline.core.jobstate import read_halt
 from dflash_pipeline.core.storage import open_storage
 from tests.support.seaweed import free_port
+from tests.test_verify_workflow import run_verify
 
 pytestmark = pytest.mark.workflow
 
@@ -25,11 +29,22 @@ pytestmark = pytest.mark.workflow
 NUM_SHARDS = 3
 
 
-class SeedIncidentEndpoint:
-    """An OpenAI-compatible /v1/completions server whose every answer is the collapse's
-    "empty think block + OK.", counting the requests it gets."""
+def collapsed_answer(prompt: str) -> str:
+    """The seed incident's answer: an empty think block and "OK."."""
+    return "\n\n</think>\n\nOK."
 
-    def __init__(self):
+
+def worked_answer(prompt: str) -> str:
+    """A short sound answer to the few_prompts sums: data that passes the gate, made at once."""
+    a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", prompt)[-1])
+    return f"\n{a} plus {b}: add the ones, then the tens, then the hundreds.\n</think>\n\n{a} + {b} = {a + b}."
+
+
+class SeedIncidentEndpoint:
+    """An OpenAI-compatible /v1/completions server that answers every prompt with ``answer``
+    (default: the collapse's "empty think block + OK."), counting the requests it gets."""
+
+    def __init__(self, answer=collapsed_answer):
         self.requests = 0
         lock = threading.Lock()
         endpoint = self
@@ -40,7 +55,7 @@ class SeedIncidentEndpoint:
                 with lock:
                     endpoint.requests += 1
                 opened = body["prompt"].rstrip().endswith("<think>")
-                text = ("" if opened else "<think>") + "\n\n</think>\n\nOK."
+                text = ("" if opened else "<think>") + answer(body["prompt"])
                 reply = json.dumps(
                     {
                         "choices": [{"text": text, "finish_reason": "stop"}],
@@ -146,3 +161,68 @@ def test_the_first_failed_gate_stops_every_other_generate_job(
     assert read_halt(store) is None
     plan = workflow.planned_jobs(*args, env=env)
     assert plan["generate"] == NUM_SHARDS - 1 and plan["tokenize"] == NUM_SHARDS
+
+
+def test_a_diverging_training_segment_halts_the_run_in_one_line_and_publishes_no_checkpoint(
+    workflow, demo_model, tmp_path
+):
+    """The demo's training with a non-finite loss: segment 0 stops at its first non-finite step,
+    says so in one line (step, loss, gradient norm, last good checkpoint), publishes no
+    checkpoint, halts the run (no later segment starts, its retries are refused), and `verify`
+    finds the run's stored objects intact. A learning rate that diverges is refused when the run
+    is planned (train.learning_rate is at most 1; tests/test_training.py trains at 1e12), so the
+    loss goes non-finite here by a target with one NaN weight, as a damaged checkpoint has. Data
+    from a quick stand-in engine: training is the subject here."""
+    target = tmp_path / "target"
+    shutil.copytree(demo_model, target)
+    weights = load_file(target / "model.safetensors")
+    weights["model.layers.0.input_layernorm.weight"][0] = float("nan")
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    endpoint = SeedIncidentEndpoint(worked_answer)
+    try:
+        workflow.write_config(
+            num_shards=1,
+            until="train",
+            dataset={"paths": [workflow.few_prompts(8)], "heldout_fraction": 0.0},
+            target={"model": str(target), "build_demo": False},
+            gpu_lock_dir=str(tmp_path / "locks"),
+            generation={"engine": "endpoint", "endpoints": [endpoint.url], "max_retries": 0},
+            train={"steps_per_segment": 4, "checkpoint_every_steps": 2, "batch_size": 2},
+        )
+        proc = workflow.snakemake(check=False)
+    finally:
+        endpoint.stop()
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    root = workflow.root / "results/demo"
+    store = open_storage(str(root))
+
+    assert store.exists("_progress/train/segment-0000/metrics.jsonl"), output[-4000:]
+    records = [json.loads(x) for x in store.read_text("_progress/train/segment-0000/metrics.jsonl").splitlines()]
+    step = records[-1]["step"]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records[:-1])
+    first_attempt = next((root / "logs/attempts/train-0000").glob("*-attempt-1.job.log")).read_text()
+    lines = [line for line in first_attempt.splitlines() if "diverged at step" in line]
+    assert len(lines) == 1, first_attempt[-3000:]
+    assert f"train segment 0000 diverged at step {step}: loss is not finite (loss nan" in lines[0]
+    assert "last good checkpoint: none (segment 0 starts from a fresh drafter)" in lines[0]
+    assert "Traceback" not in first_attempt
+
+    # Nothing of the diverged state is published, no later segment started, and the run says why.
+    assert not store.list("checkpoints/") and not store.list("outputs/train-segment-")
+    assert not store.list("_progress/train/segment-0001/")
+    halt = read_halt(store)
+    assert (halt["stage"], halt["unit"], halt["shard"]) == ("train", "segment", "0000")
+    assert f"the run stopped: the run is halted since {halt['halted_at_utc']}: train segment 0000 diverged" in output
+    retried = (root / "logs/train/segment-0000.log").read_text()
+    assert "train segment 0000 stopped: the run is halted since" in retried
+
+    # Every stored object intact; missing only what the halted training has not made.
+    verified = run_verify(workflow).stdout
+    assert (
+        "8 object(s) match their checksums, 4 missing, 0 damaged, 0 without a checksum record, 0 orphaned" in verified
+    )
+    missing = sorted(line.split()[1] for line in verified.splitlines() if line.startswith("missing"))
+    assert missing == [f"results/demo/{key}" for key in ("drafter/config.json", "drafter/model.safetensors")] + [
+        f"results/demo/outputs/train-segment-000{k}.json" for k in (0, 1)
+    ]

@@ -315,3 +315,38 @@ def test_a_refusal_is_one_message_naming_the_config_file_given(workflow):
     assert output.count("target.model: 'Qwen/Qwen3.6-27B' is not a folder here") == 1, output
     assert "(check mine.yaml)" in output and "config.yaml" not in output, output
     assert "Traceback" not in output and 'File "' not in output and "Error in file" not in output, output
+
+
+def test_a_run_fixed_key_changed_against_the_ingested_run_is_named_with_both_values():
+    from dflash_pipeline.stages.prepare import run_fixed_changes, run_fixed_values
+
+    config = validate_config({"num_shards": 3, "dataset": {"heldout_fraction": 0.1}})
+    summary = {"num_shards": 2, "run_fixed": run_fixed_values(2, 0.05, "id")}
+    assert run_fixed_changes(config, summary, "run/outputs/ingest-summary.json") == [
+        f"config key '{key}': {now}, but this run was ingested with {then} (run/outputs/ingest-summary.json): "
+        f"it decides which shard and split each sample is in, so it is fixed for the run; set it back to {then}, "
+        "or start a new run (another `run` name)"
+        for key, now, then in [("num_shards", 3, 2), ("dataset.heldout_fraction", 0.1, 0.05)]
+    ]
+    assert run_fixed_changes(config, {**summary, "run_fixed": run_fixed_values(3, 0.1, "id")}, "s") == []
+    # A run ingested before the keys were recorded: its summary's num_shards alone.
+    assert len(run_fixed_changes(config, {"num_shards": 2}, "s")) == 1
+    assert run_fixed_changes(config, {"num_shards": 3}, "s") == []
+
+
+@pytest.mark.workflow
+def test_changing_num_shards_of_a_run_in_storage_is_refused_at_plan_time(workflow, demo_model):
+    """Before: 2 -> 3 planned shard 00002 from the old ingest, with no prompts (rc 0)."""
+    workflow.write_config(
+        until="prepare",
+        dataset={"paths": [workflow.few_prompts(6)]},
+        target={"model": str(demo_model), "build_demo": False},
+    )
+    workflow.snakemake()
+    workflow.write_config(num_shards=3)
+    line = named_early(refused(workflow), "config key 'num_shards': 3, but this run was ingested with 2")
+    assert "results/demo/outputs/ingest-summary.json" in line
+    workflow.write_config(num_shards=2, dataset={"heldout_fraction": 0.2})
+    named_early(refused(workflow), "config key 'dataset.heldout_fraction': 0.2, but this run was ingested with 0.1")
+    workflow.write_config(dataset={"heldout_fraction": 0.1})
+    assert workflow.planned_jobs() == {}

@@ -4,6 +4,7 @@ metrics, and the export that SGLang and vLLM load."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import os
 import signal
@@ -17,14 +18,17 @@ from safetensors.torch import load_file
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import validate_config
+from dflash_pipeline.core.jobstate import RunHalted, clear_halt, raise_if_halted, read_halt
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.stages.export import expected_tensor_shapes, export_drafter
 from dflash_pipeline.training.checkpoint import load_checkpoint
 from dflash_pipeline.training.distributed import Distributed
+from dflash_pipeline.training.divergence import DivergenceGuard
 from dflash_pipeline.training.trainer import (
     PREEMPTED_EXIT_CODE,
     Boundary,
     SegmentJob,
+    TrainingDiverged,
     TrainingError,
     check_replicas,
     lr_factor,
@@ -620,3 +624,76 @@ def test_torchrun_gets_the_shard_lists_in_a_file_not_in_argv(tmp_path):
     assert len(" ".join(args)) < 1000
     listed = json.loads(Path(args[args.index("--shards") + 1]).read_text())
     assert listed == {"tokenized": shards, "hidden": shards}
+
+
+def test_the_divergence_guard_halts_at_the_first_non_finite_step_without_a_budget():
+    guard = DivergenceGuard({"max_loss_ratio": None, "loss_window": 3, "max_skipped_steps": 0})
+    assert guard.judge(2.0, 1.0).apply
+    for loss, grad_norm, why in [(math.nan, 1.0, "loss"), (2.0, math.inf, "gradient norm")]:
+        verdict = DivergenceGuard({"max_skipped_steps": 0}).judge(loss, grad_norm)
+        assert not verdict.apply and verdict.halt and verdict.reason == f"{why} is not finite"
+
+
+def test_the_divergence_guard_judges_a_loss_spike_against_the_running_mean_once_the_window_is_full():
+    guard = DivergenceGuard({"max_loss_ratio": 10.0, "loss_window": 3, "max_skipped_steps": 0})
+    assert guard.judge(1.0, 1.0).apply and guard.judge(100.0, 1.0).apply  # no mean yet: a window of 3
+    assert guard.judge(1.0, 1.0).apply  # mean 34
+    assert guard.judge(339.0, 1.0).apply  # under 10x the mean of [1, 100, 1]
+    spike = guard.judge(4000.0, 1.0)  # mean of [100, 1, 339] = 146.7
+    assert spike.halt and "27.3x the mean 146.7 of the last 3 steps" in spike.reason
+
+
+def test_the_divergence_guard_skips_up_to_its_budget_per_segment_counting_a_resumed_segments_skips():
+    settings_ = {"max_loss_ratio": 10.0, "loss_window": 2, "max_skipped_steps": 2}
+    guard = DivergenceGuard(settings_)
+    # The previous segment's losses fill the window, its skips do not count; this segment's do.
+    guard.seed([{"loss": 1.0}, {"loss": 9.0, "skipped": True}, {"loss": 1.0}], count_skips=False)
+    guard.seed([{"loss": 1.0, "total_loss": 1.5}, {"loss": math.nan, "skipped": True}])
+    assert guard.running_mean() == 1.25 and guard.skipped == 1
+    skipped = guard.judge(math.nan, 1.0)
+    assert not skipped.apply and not skipped.halt and guard.skipped == 2
+    assert guard.judge(1.0, 1.0).apply
+    assert guard.judge(math.nan, 1.0).halt
+
+
+def test_a_diverging_segment_stops_unsaved_halts_the_run_and_restarts_from_the_last_good_checkpoint(
+    demo_model, tokenized, tmp_path
+):
+    """Segment 1 with a learning rate of 1e12: its first non-finite step stops it, the message names
+    that step, its figures and segment 0's checkpoint; nothing of segment 1 is a checkpoint (the
+    background save of the diverged weights is dropped), the run is halted; with a sound rate again
+    and the halt cleared, segment 1 restarts from segment 0's checkpoint at that rate."""
+    s = settings(segments=2, steps_per_segment=STEPS // 2, checkpoint_every_steps=1)
+    run_segment(tmp_path, 0, s, demo_model, tokenized)
+    store = open_storage(str(tmp_path))
+    with pytest.raises(TrainingDiverged) as raised:
+        run_segment(tmp_path, 1, {**s, "learning_rate": 1e12}, demo_model, tokenized)
+    message = str(raised.value)
+    assert "\n" not in message
+    metrics_key = layout.train_progress_prefix(1) + layout.TRAIN_METRICS
+    records = [json.loads(line) for line in store.read_text(metrics_key).splitlines()]
+    last = records[-1]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records[:-1])
+    assert not (math.isfinite(last["loss"]) and math.isfinite(last["grad_norm"])) and last["skipped"]
+    assert message.startswith(f"train segment 0001 diverged at step {last['step']}: ")
+    assert f"last good checkpoint: {store.join(layout.checkpoint_prefix(0))} (step {STEPS // 2}" in message
+    assert "make clear-halt" in message
+    assert not (tmp_path / layout.segment_manifest_key(1)).exists()
+    assert not store.exists(layout.checkpoint_prefix(1) + "index.json")
+    assert not store.exists(layout.train_progress_prefix(1) + "checkpoint/latest.json")
+    telemetry = json.loads(store.read_text(layout.train_progress_prefix(1) + "telemetry.json"))
+    assert telemetry["state"] == "diverged"
+    halt = read_halt(store)
+    assert (halt["stage"], halt["unit"], halt["shard"]) == ("train", "segment", "0001")
+    assert halt["message"] == message and halt["details"]["step"] == last["step"]
+    json.loads(store.read_text(layout.HALT), parse_constant=lambda c: pytest.fail(f"{c} in the halt object"))
+    with pytest.raises(RunHalted, match="train segment 0001 diverged at step"):
+        raise_if_halted(store, "train segment 0001")
+
+    clear_halt(store)
+    run_segment(tmp_path, 1, {**s, "learning_rate": 1e-3}, demo_model, tokenized)
+    records = [json.loads(line) for line in store.read_text(metrics_key).splitlines()]
+    assert [r["step"] for r in records] == list(range(STEPS // 2, STEPS))
+    assert not any(r.get("skipped") for r in records)
+    # The rate in force is the config's, not the one segment 0's checkpoint was saved with.
+    assert records[0]["lr"] == pytest.approx(1e-3 * lr_factor(STEPS // 2, STEPS, 0.25, s["min_lr_ratio"]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import posixpath
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,52 @@ def schema_defaults(section: str) -> dict:
     return config[section]
 
 
+# Numbers as YAML 1.2 writes them. PyYAML (YAML 1.1, what Snakemake reads config files with) takes
+# an exponent only after a dot: `6e-4` and `1e12` are text to it, `6.0e-4` a number; and the nested
+# values of a `--config key='{...}'` override are all text (Snakemake parses them with YAML's
+# BaseLoader).
+_INTEGER = re.compile(r"[-+]?[0-9]+")
+_NUMBER = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+_BOOLEAN = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
+_NULL = {"null", "Null", "NULL", "~"}
+
+
+def _as_typed(value: str, types: list) -> Any:
+    """``value`` as the number, boolean or null it spells for a key of schema ``types`` that
+    takes no string; else unchanged (the validator then names the key)."""
+    if "null" in types and value in _NULL:
+        return None
+    if "boolean" in types and value in _BOOLEAN:
+        return _BOOLEAN[value]
+    if ("integer" in types or "number" in types) and _INTEGER.fullmatch(value):
+        return int(value)
+    if "number" in types and _NUMBER.fullmatch(value):
+        return float(value)
+    return value
+
+
+def _read_as_written(instance: Any, schema: dict) -> Any:
+    """``instance`` with every text value whose key's schema takes a number, boolean or null
+    (and no string) read as that: the config means what its author wrote, whether YAML 1.1 or a
+    `--config` override turned it into text."""
+    if not isinstance(schema, dict):
+        return instance
+    if isinstance(instance, str):
+        types = schema.get("type")
+        types = types if isinstance(types, list) else [types] if types else []
+        return instance if "string" in types or not types else _as_typed(instance, types)
+    if isinstance(instance, dict):
+        properties = schema.get("properties", {})
+        other = schema.get("additionalProperties")
+        for key, value in instance.items():
+            sub = properties.get(key, other if isinstance(other, dict) else None)
+            if sub is not None:
+                instance[key] = _read_as_written(value, sub)
+    elif isinstance(instance, list) and isinstance(schema.get("items"), dict):
+        instance[:] = [_read_as_written(item, schema["items"]) for item in instance]
+    return instance
+
+
 def _key_path(error: jsonschema.ValidationError) -> str:
     parts = [str(p) for p in error.absolute_path]
     if error.validator == "additionalProperties":
@@ -79,10 +126,30 @@ def _describe(error: jsonschema.ValidationError) -> str:
         # bound), else how to write it.
         whole = _Validator(error.schema).iter_errors(int(value))
         beyond = next((e for e in whole if e.validator != "type"), None)
+        if beyond is not None and beyond.validator in _BOUNDS:
+            return f"config key '{key}': {value!r} is outside its range {_range(beyond.schema)}"
         if beyond is not None:
             return f"config key '{key}': {value!r} {beyond.message.split(' ', 1)[1]}"
         return f"config key '{key}': {value!r} is not an integer (write {int(value)})"
+    if error.validator in _BOUNDS:
+        return f"config key '{key}': {value!r} is outside its range {_range(error.schema)}"
     return f"config key '{key}': {error.message}"
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _range(schema: dict) -> str:
+    """A key's bounds as an interval: ``(0, 1]``, ``[1, inf)``."""
+    low = schema.get("exclusiveMinimum", schema.get("minimum"))
+    high = schema.get("exclusiveMaximum", schema.get("maximum"))
+    return (
+        ("(" if "exclusiveMinimum" in schema or low is None else "[")
+        + ("-inf" if low is None else f"{low!r}")
+        + ", "
+        + ("inf" if high is None else f"{high!r}")
+        + (")" if "exclusiveMaximum" in schema or high is None else "]")
+    )
 
 
 def _non_finite(instance: Any, path: tuple = ()) -> list[tuple[str, float]]:
@@ -121,7 +188,7 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
     """Return a copy of ``config`` with defaults filled in; raise ConfigError if it is invalid.
     One line per bad key: its dotted path, its value and the reason."""
     schema = load_schema() if schema is None else schema
-    config = copy.deepcopy(dict(config))
+    config = _read_as_written(copy.deepcopy(dict(config)), schema)
     _fill_defaults(config, schema)
     problems = {key: f"config key '{key}': {value!r} is not a finite number" for key, value in _non_finite(config)}
     errors = sorted(_Validator(schema).iter_errors(config), key=lambda e: list(e.absolute_path))
@@ -299,6 +366,7 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             # settings serve both, and change how the same taps are computed, not which.
             "taps_from",
             "taps_server",
+            "divergence",
             # The drafter algorithm and its keys: extract stores taps, whatever trains on them.
             "algorithm",
             "conv_kernel_size",
@@ -371,6 +439,8 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             # The same taps either way (checked per run), so switching retrains nothing.
             "taps_from",
             "taps_server",
+            # When a step counts as diverged: a sound run's steps are all applied whatever it says.
+            "divergence",
         },
     },
     "evaluate": {

@@ -5,9 +5,10 @@ by the job through the storage layer, each object atomically. A restarted job re
 back, so a crash costs only the rows not yet in a part; the status page reads the telemetry.
 
 ``_progress/HALT.json`` stops a whole run: the tokenize stage writes it when a shard fails the
-data-quality gate, because every other shard is being generated with the same settings. While it
-exists no generate, extract or train job starts (``raise_if_halted``), and a running generate job
-stops after its next part. Only an explicit command removes it (``clear_halt``; the CLI is
+data-quality gate, because every other shard is being generated with the same settings, and a
+training segment when it diverged (``training.divergence``), so that no later segment trains on.
+While it exists no generate, extract or train job starts (``raise_if_halted``), and a running
+generate job stops after its next part. Only an explicit command removes it (``clear_halt``; the CLI is
 ``python -m dflash_pipeline.stages.tokenize clear-halt``): Snakemake's ``keep-going`` and reruns
 cannot.
 """
@@ -53,16 +54,24 @@ def read_halt(storage: Storage) -> dict | None:
 
 
 def write_halt(
-    storage: Storage, stage: str, shard: int | str, cause: str, message: str, details: dict | None = None
+    storage: Storage,
+    stage: str,
+    shard: int | str,
+    cause: str,
+    message: str,
+    details: dict | None = None,
+    unit: str = "shard",
 ) -> dict:
     """Halt the run. The first cause stays: a later failure is logged by its own job, and
     re-writing the object would hide which shard stopped the run (two shards failing at the same
-    moment may leave either one's record; both halt)."""
+    moment may leave either one's record; both halt). ``unit``: what ``shard`` numbers (a
+    training job's is its ``segment``)."""
     existing = read_halt(storage)
     if existing is not None:
         return existing
     halt = {
         "stage": stage,
+        "unit": unit,
         "shard": layout.shard_name(shard),
         "cause": cause,
         "message": message,
@@ -85,13 +94,23 @@ def clear_halt(storage: Storage) -> dict | None:
 def describe_halt(halt: dict, storage: Storage) -> str:
     """What a refused job says: the cause, where the halt lives, how to clear it."""
     when = halt.get("halted_at_utc") or "?"
+    if halt.get("stage") == "train":
+        advice = (
+            "Fix what made training diverge (a lower train.learning_rate, a higher warmup_ratio; the "
+            "halt's message names the step, its loss and gradient norm and the last good checkpoint, "
+            "which the segment restarts from)"
+        )
+    else:
+        advice = (
+            "Do what that message advises for the cause (with unchanged settings a greedy run "
+            "regenerates the same text), regenerate that shard (delete its "
+            "outputs/generate-NNNNN.parquet, or change the generation config)"
+        )
     return (
-        f"the run is halted since {when}: {halt.get('stage')} shard {halt.get('shard')} "
-        f"{halt.get('cause')}. No generate, extract or train job of this run starts while "
-        f"{storage.join(layout.HALT)} exists (it holds the full message). Do what that message "
-        "advises for the cause (with unchanged settings a greedy run regenerates the same text), "
-        "regenerate that shard (delete its outputs/generate-NNNNN.parquet, or change the "
-        "generation config), then clear the halt: " + CLEAR_HALT_COMMAND.format(run_url=storage.url)
+        f"the run is halted since {when}: {halt.get('stage')} {halt.get('unit', 'shard')} "
+        f"{halt.get('shard')} {halt.get('cause')}. No generate, extract or train job of this run "
+        f"starts while {storage.join(layout.HALT)} exists (it holds the full message). {advice}, "
+        "then clear the halt: " + CLEAR_HALT_COMMAND.format(run_url=storage.url)
     )
 
 

@@ -13,6 +13,8 @@ and what to do:
   exist (one HEAD each), are not empty and have a known format;
 * the run's storage: S3 credentials found (the S3 plugin's variables, else boto's chain: AWS_*
   variables, ``~/.aws``, an instance role), the endpoint reachable, the bucket readable;
+* the run already in storage: the keys that decide each sample's shard and split (``num_shards``,
+  ``dataset.heldout_fraction``, ``dataset.id_field``) as it was ingested with;
 * offline mode's stored taps: ``train.hidden_dtype`` float32 is refused where ``extract`` runs
   the target on a GPU (``train.gpus_per_job`` > 0), which computes in bfloat16;
 * the experiment tracker (``train.tracker``): its library importable, else the pip extra to install;
@@ -173,6 +175,29 @@ def _jsonl_problem(path: Path) -> str | None:
     return None
 
 
+def run_fixed_problems(config: dict, run_url: str) -> list[str]:
+    """A run-fixed key changed against the run in storage (its ingest summary): a new num_shards
+    would build the new shards from the old ingest with no prompts, a new held-out fraction would
+    move samples between training and evaluation."""
+    import json
+
+    from dflash_pipeline.core.storage import NotFound, open_storage
+    from dflash_pipeline.stages.prepare import run_fixed_changes
+
+    storage = open_storage(run_url)
+    try:
+        summary = json.loads(storage.read_text(layout.INGEST_SUMMARY))
+    except NotFound:
+        return []  # a new run
+    except StorageError as err:
+        return [f"{storage.join(layout.INGEST_SUMMARY)}: unreadable ({err})"]
+    except ValueError:
+        return []  # not JSON: nothing recorded to compare (its checksum record says if it is damaged)
+    if not isinstance(summary, dict) or summary.get("stopped"):
+        return []
+    return run_fixed_changes(config, summary, storage.join(layout.INGEST_SUMMARY))
+
+
 def storage_problems(run_url: str) -> list[str]:
     """An S3 run root: credentials found (the S3 plugin's variables, else boto's chain, as the
     plugin and the jobs resolve them), endpoint reachable, bucket readable ([] for a local root).
@@ -246,6 +271,8 @@ def run_problems(config: dict, run_url: str, workdir: Path = Path(".")) -> tuple
     # each s3:// dataset file again.
     problems += dataset_problems(config["dataset"]["paths"], workdir, check_s3=not storage)
     problems += storage
+    if not storage:
+        problems += run_fixed_problems(config, run_url)
     problems += offline_problems(config)
     problems += taps_server_problems(config)
     problems += tracker_problems(config["train"])

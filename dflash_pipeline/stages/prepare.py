@@ -33,6 +33,32 @@ log = logging.getLogger(__name__)
 # The `dataset` section's defaults (dflash_pipeline/config/schema.yaml), for ingest's keywords and command line.
 DATASET_DEFAULTS = schema_defaults("dataset")
 
+
+def run_fixed_values(num_shards: int, heldout_fraction: float, id_field: str) -> dict:
+    """The config keys that decide each sample's shard and split (shard = hash(id) %
+    num_shards, the split by a hash of the id against heldout_fraction, the id from id_field),
+    by their config names: fixed for the life of a run. The ingest summary records them."""
+    return {"num_shards": num_shards, "dataset.heldout_fraction": heldout_fraction, "dataset.id_field": id_field}
+
+
+def run_fixed_changes(config: dict, summary: dict, where: str) -> list[str]:
+    """One line per run-fixed key whose value in ``config`` differs from what the run in storage
+    was ingested with (``summary``, its ingest summary at ``where``). A summary written before
+    the keys were recorded gives num_shards alone."""
+    recorded = summary.get("run_fixed")
+    if not isinstance(recorded, dict):
+        recorded = {"num_shards": summary["num_shards"]} if "num_shards" in summary else {}
+    dataset = config["dataset"]
+    now = run_fixed_values(config["num_shards"], dataset["heldout_fraction"], dataset["id_field"])
+    return [
+        f"config key '{key}': {now[key]!r}, but this run was ingested with {recorded[key]!r} ({where}): "
+        "it decides which shard and split each sample is in, so it is fixed for the run; set it back "
+        f"to {recorded[key]!r}, or start a new run (another `run` name)"
+        for key in now
+        if key in recorded and recorded[key] != now[key]
+    ]
+
+
 PROMPT_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
@@ -259,6 +285,7 @@ def ingest(
     table = build_table(result.prompts, ids, num_shards, heldout_fraction)
     write_by_shard(table, num_shards, out_prompts)
     summary = summarize(result, table, num_shards, paths)
+    summary["run_fixed"] = run_fixed_values(num_shards, heldout_fraction, id_field)
     log_quarantined(result)
     write_report(result, summary, out_summary, out_quarantine)
     log.info(

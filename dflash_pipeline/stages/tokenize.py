@@ -156,7 +156,7 @@ def halt_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dflash_pipeline.stages.tokenize clear-halt|show-halt",
         description="Show or clear the run's halt (_progress/HALT.json), written when a tokenize "
-        "shard fails the data-quality gate.",
+        "shard fails the data-quality gate or a training segment diverges.",
     )
     parser.add_argument("action", choices=["clear-halt", "show-halt"])
     parser.add_argument("--run-url", type=or_s3(existing_dir), help="run root (local folder or s3://)")

@@ -20,11 +20,11 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.jobstate import raise_if_halted
+from dflash_pipeline.core.jobstate import RunHalted, raise_if_halted, read_halt
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.core.lease import raise_if_driverless
 from dflash_pipeline.core.storage import open_storage
-from dflash_pipeline.training.trainer import SegmentJob
+from dflash_pipeline.training.trainer import SegmentJob, TrainingDiverged
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,10 @@ def run_train_job(job: SegmentJob, gpus: int, logs: list[str] = (), taps_server:
         finally:
             signal.signal(signal.SIGTERM, previous)
     if code != 0:
+        # A diverged segment halted the run with its one-line message: that, not the exit code.
+        halt = read_halt(open_storage(job.run_url)) or {}
+        if halt.get("stage") == "train" and halt.get("shard") == layout.segment_name(job.segment):
+            raise TrainingDiverged(halt.get("message") or halt.get("cause"))
         raise SystemExit(f"torchrun over {gpus} GPUs failed with exit code {code}")
     return 0
 
@@ -219,7 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tokenized:
         parser.error("no tokenized shards: give --tokenized SHARD=PATH ... or --shards FILE")
     with job_logging(None, copies=args.log):
-        run_segment(args, settings)
+        try:
+            run_segment(args, settings)
+        except (TrainingDiverged, RunHalted) as err:
+            if int(os.environ.get("RANK", "0")) == 0:  # the one line that says it all, once
+                log.error("%s", err)
+            return 1
     return 0
 
 

@@ -90,7 +90,7 @@ def halt_summary(halt) -> dict | None:
         return None
     if not isinstance(halt, dict):
         halt = {"cause": "unreadable halt object"}
-    return {k: halt.get(k) for k in ("stage", "shard", "cause", "halted_at_utc")}
+    return {k: halt.get(k) for k in ("stage", "unit", "shard", "cause", "halted_at_utc")}
 
 
 def lease_summary(lease, now: float) -> dict | None:

@@ -3,6 +3,7 @@ and the benchmark both run exactly this."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ class StepResult:
     selector: SelectorResult | None = None  # DFlash2 only
     selector_weight: float = 0.0
     total_loss: float | None = None  # base + selector_weight * selector term
+    applied: bool = True  # False: ``judge`` refused the update (a diverged step)
 
 
 def optimizer_step(
@@ -36,10 +38,14 @@ def optimizer_step(
     backend: str,
     forward_module=None,
     selector_weight: float | None = None,
+    judge: Callable[[float, float], bool] | None = None,
 ) -> StepResult:
     """``forward_module`` (a DDP wrapper of the block forward) replaces the plain forward when
     gradients are averaged across processes. ``selector_weight``: DFlash2's alpha at this step
-    (``training.selector.selector_weight``); None = train.selector_loss_weight."""
+    (``training.selector.selector_weight``); None = train.selector_loss_weight. ``judge(loss,
+    grad_norm)`` (the loss optimised, the norm before clipping) decides whether the update is
+    applied: a diverged step's is not (``training.divergence``); the schedule advances either
+    way, so the learning rate stays a function of the step."""
     config = drafter.config
     anchors, keep = sample_anchors(loss_mask, settings["num_anchors"], generator)
     blocks = build_blocks(
@@ -80,10 +86,13 @@ def optimizer_step(
     clip = settings["grad_clip"] if settings["grad_clip"] > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip)
     lr = scheduler.get_last_lr()[0]
-    optimizer.step()
+    total_loss, grad_norm = float(total.detach()), float(grad_norm)
+    applied = judge is None or judge(total_loss, grad_norm)
+    if applied:
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
-        loss=result, blocks=blocks, grad_norm=float(grad_norm), lr=lr,
-        selector=chosen, selector_weight=alpha, total_loss=float(total.detach()),
+        loss=result, blocks=blocks, grad_norm=grad_norm, lr=lr,
+        selector=chosen, selector_weight=alpha, total_loss=total_loss, applied=applied,
     )  # fmt: skip

@@ -36,7 +36,8 @@ from dflash_pipeline.core import layout
 from dflash_pipeline.model.config import build_drafter_config
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.model.target import target_compute_dtype
-from dflash_pipeline.core.jobstate import write_telemetry
+from dflash_pipeline.core.config import schema_defaults
+from dflash_pipeline.core.jobstate import write_halt, write_telemetry
 from dflash_pipeline.core.lease import DriverGone, raise_if_driverless
 from dflash_pipeline.core.storage import Storage, open_storage
 from dflash_pipeline.training.blocks import block_metrics, blocks_forward
@@ -51,6 +52,7 @@ from dflash_pipeline.training.checkpoint import (
 )
 from dflash_pipeline.training.rolling_checkpoints import RollingCheckpoints
 from dflash_pipeline.training.data import BatchOrder, collate, read_training_sequences
+from dflash_pipeline.training.divergence import APPLY, DivergenceGuard, Verdict
 from dflash_pipeline.training.selector import selector_metrics, selector_weight
 from dflash_pipeline.training.step import optimizer_step
 from dflash_pipeline.training.tracker import Tracker, open_tracker, train_scalars
@@ -64,6 +66,11 @@ SELECTOR_SUMMARY = ("selector_recall", "selector_accuracy", "selector_accept_len
 
 class TrainingError(RuntimeError):
     pass
+
+
+class TrainingDiverged(TrainingError):
+    """A diverged step beyond the skip budget: the segment stopped unsaved and the run is halted;
+    the message is the one line that names the step, its figures and the last good checkpoint."""
 
 
 def check_replicas(module: torch.nn.Module, group) -> None:
@@ -233,6 +240,8 @@ class _SegmentRun:
         self.driver_checked_at = time.monotonic()
         self.driver_gone: str | None = None
         self.pending: PendingSave | None = None  # the background checkpoint save in flight
+        self.saved_step: int | None = None  # the step of this segment's latest rolling checkpoint
+        self.verdict: Verdict = APPLY  # the divergence guard's verdict on the last step
 
     # --- set-up --------------------------------------------------------------------------------
     def _load_target(self):
@@ -305,11 +314,14 @@ class _SegmentRun:
         if loaded is None:
             self.step = self.start_step
             return "fresh drafter"
+        if source == "in-segment checkpoint":
+            self.saved_step = int(loaded.state["step"])
         log.info("%s: %.1f MB read from storage by this rank", source, loaded.bytes_read / 1e6)
         state = loaded.state
         self.drafter.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._configured_learning_rate()
         restore_rng(loaded.rng, self.device)
         self.step = int(state["step"])
         if not self.start_step <= self.step <= self.end_step:
@@ -318,6 +330,21 @@ class _SegmentRun:
                 f"{self.job.segment} [{self.start_step}, {self.end_step})"
             )
         return source
+
+    def _configured_learning_rate(self) -> None:
+        """The config's train.learning_rate over the one a checkpoint holds (its optimizer and
+        schedule carry the rate they were saved with): a segment restarted after a divergence
+        halt with a lower rate trains at that rate. Unchanged, the values are the same bits."""
+        rate = self.settings["learning_rate"]
+        if self.scheduler.base_lrs != [rate] * len(self.scheduler.base_lrs):
+            log.info(
+                f"learning rate {self.scheduler.base_lrs[0]:g} of the checkpoint -> {rate:g} (train.learning_rate)"
+            )
+        self.scheduler.base_lrs = [rate] * len(self.scheduler.base_lrs)
+        for group, lmbda in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group["initial_lr"] = rate
+            group["lr"] = rate * lmbda(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def _state(self) -> dict:
         """What every rank holds alike (DDP); each rank's RNG goes beside it (capture_rng)."""
@@ -367,6 +394,7 @@ class _SegmentRun:
                 step, self.total_steps, s["selector_loss_weight"],
                 s["selector_warmup_ratio"], s["selector_ramp_ratio"],
             ),
+            judge=self._judge,
         )  # fmt: skip
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
@@ -378,12 +406,14 @@ class _SegmentRun:
             # what was optimised.
             metrics.update(selector_metrics(out.selector, out.blocks))
             metrics.update(selector_weight=out.selector_weight, total_loss=round(out.total_loss, 6))
+        diverged = {} if out.applied else {"skipped": True, "diverged": self.verdict.reason}
         return {
             "segment": self.job.segment,
             "step": step,
             "algorithm": self.drafter_config.algorithm,
             "loss": round(out.loss.loss.item(), 6),
             **metrics,
+            **diverged,
             "grad_norm": round(out.grad_norm, 6),
             "lr": out.lr,
             "step_time_s": round(elapsed, 4),
@@ -392,6 +422,19 @@ class _SegmentRun:
             "gpu_mem_gib": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3) if self.on_gpu else None,
             "time": time.time(),
         }
+
+    def _judge(self, loss: float, grad_norm: float) -> bool:
+        """Whether the step's update is applied (``training.divergence``). Every rank judges the
+        mean loss over the ranks and the (all-reduced, so equal) gradient norm: all decide alike."""
+        loss = self.dist.sum(loss, self.device) / self.dist.world
+        self.judged = (loss, grad_norm)
+        self.verdict = self.guard.judge(loss, grad_norm)
+        if not self.verdict.apply and not self.verdict.halt:
+            log.warning(
+                f"step {self.step} skipped ({self.guard.skipped} of train.divergence.max_skipped_steps "
+                f"{self.guard.max_skipped_steps}): {self.verdict.reason} (loss {loss:.6g}, grad_norm {grad_norm:.6g})"
+            )
+        return self.verdict.apply
 
     def _on_sigterm(self, signum, frame):
         self.stop_requested = True
@@ -420,6 +463,8 @@ class _SegmentRun:
                 record = self._train_step(self.step)  # reads its batch, one optimizer step
                 self.step += 1
                 self._log(record, metrics)
+                if self.verdict.halt:
+                    self._diverged(record, metrics)
                 self._checkpoint(self._boundary(resumed_at), metrics)
             self._commit_pending(metrics)
             return self._finish(metrics)
@@ -447,6 +492,7 @@ class _SegmentRun:
             self.storage, self.job.segment, (self.start_step, self.end_step), s["metrics_every_seconds"]
         )
         metrics.resume_from(self.step)
+        self.guard = self._divergence_guard(metrics)
         # The experiment tracker (train.tracker), main rank only: it logs what metrics.jsonl holds.
         self.tracker = open_tracker(s, self.job.run_url) if self.dist.is_main else Tracker()
         log.info(
@@ -455,6 +501,65 @@ class _SegmentRun:
             f"{self.device}, attention {self.backend}",
         )
         return metrics
+
+    def _divergence_guard(self, metrics: MetricsLog) -> DivergenceGuard:
+        """The guard of this segment (train.divergence), seeded with the losses of the steps
+        before it: the previous segment's for the running mean, this one's before a resume."""
+        guard = DivergenceGuard(self.settings.get("divergence") or schema_defaults("train")["divergence"])
+        if self.job.segment > 0:
+            key = layout.train_progress_prefix(self.job.segment - 1) + layout.TRAIN_METRICS
+            if self.storage.exists(key):
+                lines = self.storage.read_text(key).splitlines()[-guard.loss_window :]
+                guard.seed([json.loads(line) for line in lines if line], count_skips=False)
+        guard.seed(metrics.records)
+        return guard
+
+    def _last_good_checkpoint(self) -> str:
+        """Where the segment would restart from: its latest in-segment checkpoint, the previous
+        segment's, or none."""
+        if self.saved_step is not None:
+            return f"{self.storage.join(self.rolling.step_prefix(self.saved_step))} (step {self.saved_step})"
+        if self.job.segment > 0:
+            previous = layout.checkpoint_prefix(self.job.segment - 1)
+            return f"{self.storage.join(previous)} (step {self.start_step}, segment {self.job.segment - 1}'s end)"
+        return "none (segment 0 starts from a fresh drafter)"
+
+    def _diverged(self, record: dict, metrics: MetricsLog) -> NoReturn:
+        """Stop the segment at a diverged step beyond the skip budget, saving nothing: the
+        weights that gave this step's loss are no checkpoint (a background save of them is
+        dropped, an in-segment checkpoint of them removed); halt the run (core.jobstate) and say
+        it in one line. Every rank gets here at the same step (the verdict is alike on all)."""
+        step, (loss, grad_norm) = record["step"], self.judged
+        if self.pending is not None:
+            if self.pending.step < step:  # the state of an earlier, sound step: kept
+                self._commit_pending(metrics)
+            else:
+                self.pending.result()  # its files are written, but no index points to them
+                self.pending = None
+        if self.saved_step is not None and self.saved_step >= step:
+            if self.dist.is_main:
+                self.rolling.clear()
+            self.saved_step = None
+        message = (
+            f"train segment {self.job.segment:04d} diverged at step {step}: {self.verdict.reason} "
+            f"(loss {loss:.6g}, grad_norm {grad_norm:.6g}); stopped without saving this state; "
+            f"last good checkpoint: {self._last_good_checkpoint()}; the run is halted: fix the cause "
+            "(e.g. a lower train.learning_rate), then clear the halt: make clear-halt"
+        )
+        if self.dist.is_main:
+            metrics.flush("diverged")
+            # As text where not finite: the halt object is JSON that browsers parse (no NaN there).
+            figures = {k: v if math.isfinite(v) else str(v) for k, v in (("loss", loss), ("grad_norm", grad_norm))}
+            details = {"step": step, **figures, "reason": self.verdict.reason}
+            try:
+                write_halt(
+                    self.storage, "train", layout.segment_name(self.job.segment),
+                    f"diverged at step {step}: {self.verdict.reason}", message, details, unit="segment",
+                )  # fmt: skip
+            except Exception as err:  # noqa: BLE001 (the divergence is what the job must report)
+                log.error(f"could not halt the run ({err}): other jobs may go on")
+        self.dist.barrier()
+        raise TrainingDiverged(message)
 
     def _log(self, record: dict, metrics: MetricsLog) -> None:
         if self.dist.is_main:
@@ -525,6 +630,7 @@ class _SegmentRun:
             self.pending = self.rolling.begin(self._shared_state(), capture_rng(self.device), self.dist)
         else:
             self.rolling.save(self._shared_state(), capture_rng(self.device), self.dist)
+            self.saved_step = self.step
             self._flush(metrics)
 
     def _commit_pending(self, metrics: MetricsLog) -> None:
@@ -534,6 +640,7 @@ class _SegmentRun:
             return
         pending, self.pending = self.pending, None
         self.rolling.commit(pending, self.dist)
+        self.saved_step = pending.step
         self._flush(metrics)
 
     def _flush(self, metrics: MetricsLog) -> None:

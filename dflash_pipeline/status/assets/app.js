@@ -211,8 +211,9 @@ function render(status) {
   const halt = document.getElementById("halt");
   halt.hidden = !status.halt;
   halt.textContent = status.halt
-    ? `Generation is halted since ${status.halt.halted_at_utc || "?"}: ${status.halt.stage} shard ` +
-      `${status.halt.shard} ${status.halt.cause}. Fix the cause, then clear it: ` +
+    ? `The run is halted since ${status.halt.halted_at_utc || "?"}: ${status.halt.stage} ` +
+      `${status.halt.unit || "shard"} ${status.halt.shard} ${status.halt.cause}. Fix the cause, then clear it ` +
+      `(make clear-halt): ` +
       `python -m dflash_pipeline.stages.tokenize clear-halt --run-url ${status.run}`
     : "";
   const lease = document.getElementById("lease");
