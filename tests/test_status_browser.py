@@ -295,3 +295,64 @@ def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp
     assert "τ (loop)2.50" in page["headline"] and "speed-up (estimated)2.10×" in page["headline"]
     assert "lossless—" in page["headline"]
     assert page["tune"].startswith("Engine settings measured by tune: concurrency 128 with MTP, 2,345.6 tokens/s")
+
+
+# A workflow of one rule that writes the headline table, with the pipeline's own report page:
+# Snakemake's real report template around it, in seconds rather than a demo run.
+HEADLINE_WORKFLOW = """
+from dflash_pipeline.report import headline
+
+configfile: "config.yaml"
+report: {workflow_rst!r}
+
+rule report_headline:
+    output:
+        report("report-headline.html", category="0. Headline"),
+    run:
+        figures = headline.headline(
+            {{"overall": {{"tau": 3.74, "speedup_estimate": 2.1}}}}, samples=160, tokens=40000
+        )
+        headline.write_headline_table(figures, output[0])
+"""
+
+# The front page's heading and the τ rows, as the window shows them (viewport coordinates).
+READ_HEADLINE = r"""
+const box = (node) => {
+  if (!node) return null;
+  const r = node.getBoundingClientRect();
+  return {top: r.top, bottom: r.bottom, text: node.textContent.trim()};
+};
+return {
+  height: window.innerHeight,
+  title: box(document.querySelector("h1.title")),
+  tauLoop: box(document.querySelector("td.headline-tau_loop")),
+  tauEngine: box(document.querySelector("td.headline-tau_engine")),
+};
+"""
+
+
+@pytest.mark.parametrize("width, height", [(1366, 768), (1400, 900)])
+def test_the_report_front_page_shows_its_heading_and_tau_rows_on_a_laptop_screen(
+    tmp_path, browser, width, height
+):
+    """Snakemake's report pane centres its content vertically, so a front page taller than the
+    window once had its heading and headline table above the pane's top, out of scrolling's
+    reach. At laptop window sizes both must be inside the window as the report opens."""
+    (tmp_path / "Snakefile").write_text(HEADLINE_WORKFLOW.format(workflow_rst=str(REPO / "report/workflow.rst")))
+    (tmp_path / "config.yaml").write_text(json.dumps({"run": "demo", "num_shards": 2, "target": {"model": "m"}}))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    for args in (["--cores", "1"], ["--report", "report.html"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "snakemake", *args], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    browser.set_window_size(width, height)
+    browser.get((tmp_path / "report.html").as_uri())
+    page = wait_for(lambda: browser.execute_script(READ_HEADLINE), lambda page: page["tauEngine"] is not None)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / f"report-front-{width}x{height}.png"))
+    assert page["title"] and page["title"]["text"] == "DFlash drafter pipeline", page
+    assert (page["tauLoop"]["text"], page["tauEngine"]["text"]) == ("3.74", "not measured yet"), page
+    for name in ("title", "tauLoop", "tauEngine"):
+        assert 0 <= page[name]["top"] and page[name]["bottom"] <= page["height"], (name, page)
