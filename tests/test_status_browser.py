@@ -332,9 +332,7 @@ return {
 
 
 @pytest.mark.parametrize("width, height", [(1366, 768), (1400, 900)])
-def test_the_report_front_page_shows_its_heading_and_tau_rows_on_a_laptop_screen(
-    tmp_path, browser, width, height
-):
+def test_the_report_front_page_shows_its_heading_and_tau_rows_on_a_laptop_screen(tmp_path, browser, width, height):
     """Snakemake's report pane centres its content vertically, so a front page taller than the
     window once had its heading and headline table above the pane's top, out of scrolling's
     reach. At laptop window sizes both must be inside the window as the report opens."""
@@ -355,4 +353,4 @@ def test_the_report_front_page_shows_its_heading_and_tau_rows_on_a_laptop_screen
     assert page["title"] and page["title"]["text"] == "DFlash drafter pipeline", page
     assert (page["tauLoop"]["text"], page["tauEngine"]["text"]) == ("3.74", "not measured yet"), page
     for name in ("title", "tauLoop", "tauEngine"):
-        assert 0 <= page[name]["top"] and page[name]["bottom"] <= page["height"], (name, page)
+        assert page[name]["top"] >= 0 and page[name]["bottom"] <= page["height"], (name, page)
