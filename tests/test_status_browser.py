@@ -164,6 +164,7 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         num_segments=2,
         events_file=workflow.root / "logs/snakemake-events.jsonl",
         workdir=workflow.root,
+        evaluate_engine="transformers",  # the demo's: no serving engine measures τ
     )
     server = StatusServer(SnapshotBuilder(source), port=0, refresh_s=0.5).start()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -211,16 +212,18 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
     assert final["stages"] == {
         **{s: f"{NUM_SHARDS} / {NUM_SHARDS}" for s in ("prepare", "generate", "tokenize")},
         "train": "2 / 2",
+        "export": "1 / 1",
+        "evaluate": "1 / 1",
     }
     assert final["curvePoints"] == 12  # every optimizer step of both segments
     assert final["evaluation"].startswith("Evaluation (DFlash): acceptance length τ = ")
     assert final["state"] == "finished"
     # The headline strip: the loop's τ, the lossless check (greedy demo evaluation) and the
-    # speed-up are measured; no serving engine was, so its τ stays "—".
+    # speed-up are measured; the demo configures no serving engine, so its τ is not configured.
     headline = final["headline"]
     assert float(headline["tau_loop"]) > 0, headline
     assert headline["lossless"].startswith("loop: passed: 2 prompts"), headline
-    assert headline["speedup"].endswith("×") and headline["tau_engine"] == "—", headline
+    assert headline["speedup"].endswith("×") and headline["tau_engine"] == "not configured", headline
     assert headline["samples"] != "—" and headline["tokens"] != "—", headline
 
     workflow.snakemake("--report", "report.html")
