@@ -146,3 +146,20 @@ def test_each_benchmark_counts_the_gpus_its_job_held_by_the_config():
     assert list(benchmark_gpus(paths, config).values()) == [2, 2, 1, 8, 1]
     cpu = {"generation": {"gpus_per_job": 0, "server": {"tp": 1}}, "train": {"gpus_per_job": 0}}
     assert set(benchmark_gpus(paths, cpu).values()) == {0}
+
+
+def test_the_run_summary_states_tau_lossless_speedup_and_where_the_drafter_is(tmp_path):
+    from dflash_pipeline.core.config import validate_config
+    from dflash_pipeline.report.run_summary import run_summary
+
+    run = LocalStorage(tmp_path / "run")
+    config = validate_config({"evaluate": {"engine": "transformers"}})
+    before = run_summary(config, str(tmp_path / "run"), run)
+    assert "  τ (loop): not measured yet" in before and "  τ (engine): not configured" in before
+    run.write_text(layout.EVAL_METRICS, json.dumps(METRICS))
+    run.write_text(layout.DRAFTER_CONFIG, "{}")
+    lines = run_summary(config, str(tmp_path / "run"), run)
+    assert lines[0].startswith(f"Run {config['run']} done: prepare, ") and str(tmp_path / "run") in lines[0]
+    assert "  τ (loop): 3.46" in lines and "  speed-up (estimated): 2.25×" in lines
+    assert any(line.startswith("  lossless: loop: ") and "LOST" in line for line in lines), lines
+    assert f"  drafter: {tmp_path / 'run'}/drafter/" in lines and lines[-1].startswith("  report: make report")

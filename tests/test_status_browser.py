@@ -108,6 +108,10 @@ return {
     .trim().split(/\s+/).filter(Boolean).length,
   stages: Object.fromEntries([...document.querySelectorAll("#stages tbody tr")].map(
     (row) => [row.dataset.stage, row.querySelectorAll("td")[2].textContent])),
+  runningStages: [...document.querySelectorAll("#stages tbody tr")]
+    .filter((row) => row.querySelectorAll("td")[3].textContent !== "0").map((row) => row.dataset.stage),
+  generationRate: document.getElementById("tokens-per-s").textContent,
+  trainingRate: document.getElementById("training-tokens-per-s").textContent,
   state: document.getElementById("workflow-state").textContent,
   headline: Object.fromEntries([...document.querySelectorAll("#headline [data-key]")].map(
     (item) => [item.dataset.key, item.querySelector("dd").textContent])),
@@ -173,7 +177,22 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         browser.get(server.url)
         seen_overall, seen_shards = [], []
         paused_on = None
+        # The page while only a training segment runs, and while evaluate runs (each seen with
+        # the run paused there, as the shard below).
+        alone = {"train": None, "evaluate": None}
+        watcher = SnapshotBuilder(source)
         while run.poll() is None:
+            if any(v is None for v in alone.values()):
+                os.killpg(run.pid, signal.SIGSTOP)
+                try:
+                    snap = watcher.build()
+                    busy = {s["stage"] for s in snap["stages"] if s["running"]}
+                    for stage in [k for k, v in alone.items() if v is None and busy == {k}]:
+                        alone[stage] = wait_for(
+                            lambda: read_page(browser), lambda page, stage=stage: page["runningStages"] == [stage]
+                        )
+                finally:
+                    os.killpg(run.pid, signal.SIGCONT)
             page = read_page(browser)
             if page["overall"] is not None:
                 seen_overall.append(page["overall"])
@@ -203,6 +222,11 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
             os.killpg(run.pid, signal.SIGKILL)
         server.stop()
 
+    # Only a training segment running: no generation rate, a training rate; the bar below 100%
+    # while evaluate runs.
+    assert alone["train"] and alone["evaluate"], alone
+    assert alone["train"]["generationRate"] == "–" and alone["train"]["trainingRate"] != "–", alone["train"]
+    assert alone["evaluate"]["overall"] < 100, alone["evaluate"]
     moving = sorted({v for v in seen_overall if 0 < v < 100})
     assert len(moving) >= 2, f"progress did not move during the run: {seen_overall}"
     assert seen_overall == sorted(seen_overall), "overall progress went backwards"
