@@ -187,9 +187,15 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
                 try:
                     snap = watcher.build()
                     busy = {s["stage"] for s in snap["stages"] if s["running"]}
+                    # A segment's rate comes with its first steps: paused before, it has none.
+                    if busy == {"train"} and snap["throughput"]["training_tokens_per_s"] is None:
+                        busy = set()
                     for stage in [k for k, v in alone.items() if v is None and busy == {k}]:
                         alone[stage] = wait_for(
-                            lambda: read_page(browser), lambda page, stage=stage: page["runningStages"] == [stage]
+                            lambda: read_page(browser),
+                            lambda page, stage=stage: (
+                                page["runningStages"] == [stage] and (stage != "train" or page["trainingRate"] != "–")
+                            ),
                         )
                 finally:
                     os.killpg(run.pid, signal.SIGCONT)
