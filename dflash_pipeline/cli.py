@@ -17,7 +17,11 @@ from pathlib import Path
 
 # Subcommand: (module whose main() takes the arguments, arguments put first, one-line help).
 TOOLS = {
-    "plan": ("dflash_pipeline.stages.plan", [], "what the run will cost: prompts, shards, tokens, GPU-hours, wall time"),
+    "plan": (
+        "dflash_pipeline.stages.plan",
+        [],
+        "what the run will cost: prompts, shards, tokens, GPU-hours, wall time",
+    ),
     "status": ("dflash_pipeline.status.__main__", [], "the live status page: start | serve | stop"),
     "stop": ("dflash_pipeline.status.__main__", ["stop"], "stop the status page started in this folder"),
     "verify": ("dflash_pipeline.stages.verify", [], "check every shard object against its recorded checksum"),
