@@ -1,5 +1,6 @@
 # Report: figures and tables of each stage, flagged with report() for `snakemake --report`
 # (dflash_pipeline.report.figures); their inputs: rules/inputs.smk.
+from dflash_pipeline.report import headline as headline_figures
 from dflash_pipeline.report import targets as report_targets
 
 
@@ -44,7 +45,7 @@ rule report_headline:
         shards=lambda wildcards: (
             SHARDS if "generated" in headline_inputs(wildcards) else []
         ),
-        gpu_hours_of="job benchmarks: tune, generate, extract, train, evaluate",
+        gpu_hours_of=headline_figures.GPU_HOURS_OF,
     script:
         "../scripts/report_headline.py"
 

@@ -19,6 +19,7 @@ from dflash_pipeline.snakemake_patches.storage_outage import ride_out_plugin_out
 from dflash_pipeline.core.outage import OUTAGE_TOLERANCE_ENV
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.core.s3 import S3Storage
+from dflash_pipeline.report.run_summary import run_summary
 
 # Planning against S3 reads absence from folder listings (one request per 1,000 objects, not
 # three per missing object); see dflash_pipeline/snakemake_patches/s3_inventory.py.
@@ -170,8 +171,32 @@ onstart:
         start_status_page()
 
 
+def print_run_summary():
+    """The run's last lines: what it built, τ, lossless, speed-up, where the drafter and the
+    report are (dflash_pipeline.report.run_summary). A failure to read says so in one line:
+    the run itself succeeded."""
+    try:
+        lines = run_summary(config, RUN_URL, open_storage(RUN_URL), report_command())
+    except Exception as err:  # the summary must never fail a finished run
+        lines = [f"(no run summary: {type(err).__name__}: {err})"]
+    logger.info("\n".join(["", *lines]))
+
+
+def report_command():
+    """How this run's report is made: the Makefile's target for the demo's config, Snakemake's
+    command line otherwise."""
+    files = [str(f) for f in workflow.overwrite_configfiles or []]
+    if not files:
+        return "make report"
+    prefix = workflow.storage_settings.default_storage_prefix
+    return f"snakemake --report report.html --configfile {' '.join(files)}" + (
+        f" --profile profiles/s3 --default-storage-prefix {prefix}" if prefix else ""
+    )
+
+
 onsuccess:
     release_run_lease()
+    print_run_summary()
 
 
 onerror:

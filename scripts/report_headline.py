@@ -13,4 +13,5 @@ with stage_job(smk, "report_headline") as job:
         benchmark_gpus(smk.input.get("benchmarks", []), smk.config),
         smk.params.gpu_hours_of,
         smk.output.table,
+        smk.config["evaluate"]["engine"],
     )

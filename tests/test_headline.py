@@ -4,12 +4,10 @@ lost tokens, in the report's table and in the status page's snapshot."""
 from __future__ import annotations
 
 import json
-import time
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.storage import LocalStorage, ReadOnlyStorage
 from dflash_pipeline.report import headline
-from dflash_pipeline.status.events import EventWriter
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
 from tests.support.status_run import write_run
 
@@ -97,31 +95,32 @@ def test_headline_table_says_not_measured_yet(tmp_path):
     assert "<body" not in page and "body{" not in page  # includable in the report's landing page
 
 
-def test_status_snapshot_has_the_headline(tmp_path):
+def test_status_snapshot_has_the_headline_and_the_reports_gpu_hours(tmp_path):
     root = tmp_path / "results/demo"
     run = LocalStorage(root)
     events = write_run(run, tmp_path)
     run.write_text(layout.EVAL_METRICS, json.dumps(METRICS))
-    # A finished GPU job of 30 minutes on 2 GPUs.
-    now = time.time()
-    writer = EventWriter(events)
-    writer.write({"event": "job_started", "time": now - 1800, "jobids": [7]})
-    writer.write(
-        {
-            "event": "job_info", "time": now - 1800, "jobid": 7, "rule": "evaluate", "wildcards": {},
-            "log": [], "output": [], "gpus": 2,
-        }
-    )  # fmt: skip
-    writer.write({"event": "job_finished", "time": now, "jobid": 7})
-    source = RunSource(ReadOnlyStorage.open(str(root)), num_shards=2, events_file=events, workdir=tmp_path)
+    # A finished GPU job of 30 minutes on 2 GPUs, as its benchmark file records it; a CPU job's
+    # benchmark adds nothing.
+    bench = "s\th:m:s\tmax_rss\n1800.0\t0:30:00\t100\n"
+    run.write_text(layout.benchmark_key("evaluate"), bench)
+    run.write_text(layout.benchmark_key("prepare", 0), bench)
+    gpus = {"tune": 0, "generate": 0, "extract": 2, "train": 2, "evaluate": 2}
+    source = RunSource(
+        ReadOnlyStorage.open(str(root)), num_shards=2, events_file=events, workdir=tmp_path, gpus_per_rule=gpus
+    )
     snap = SnapshotBuilder(source).build()
     figures = snap["headline"]
     assert (figures["tau_loop"], figures["tau_engine"], figures["lossless"]) == (3.456, 3.1, "lost")
     assert figures["speedup"] == 2.25
     # The running generate shard's counts (write_run: 4 samples, 50 tokens so far).
     assert (figures["samples"], figures["tokens"]) == (4, 50)
-    assert abs(figures["gpu_hours"] - 1.0) < 0.01
-    assert {r["key"]: r["text"] for r in figures["rows"]}["gpu_hours"] == "1.00"
+    # The report's figure from the same files: the same number, said the same way.
+    paths = [str(root / layout.benchmark_key("evaluate")), str(root / layout.benchmark_key("prepare", 0))]
+    report_hours = headline.gpu_hours_from_benchmarks({p: gpus.get(headline.benchmark_rule(p), 0) for p in paths})
+    assert figures["gpu_hours"] == report_hours == 1.0
+    rows = {r["key"]: r for r in figures["rows"]}
+    assert rows["gpu_hours"]["text"] == "1.00" and rows["gpu_hours"]["label"] == f"GPU-hours ({headline.GPU_HOURS_OF})"
 
 
 def test_status_snapshot_headline_before_evaluate(tmp_path):
@@ -147,3 +146,20 @@ def test_each_benchmark_counts_the_gpus_its_job_held_by_the_config():
     assert list(benchmark_gpus(paths, config).values()) == [2, 2, 1, 8, 1]
     cpu = {"generation": {"gpus_per_job": 0, "server": {"tp": 1}}, "train": {"gpus_per_job": 0}}
     assert set(benchmark_gpus(paths, cpu).values()) == {0}
+
+
+def test_the_run_summary_states_tau_lossless_speedup_and_where_the_drafter_is(tmp_path):
+    from dflash_pipeline.core.config import validate_config
+    from dflash_pipeline.report.run_summary import run_summary
+
+    run = LocalStorage(tmp_path / "run")
+    config = validate_config({"evaluate": {"engine": "transformers"}})
+    before = run_summary(config, str(tmp_path / "run"), run)
+    assert "  τ (loop): not measured yet" in before and "  τ (engine): not configured" in before
+    run.write_text(layout.EVAL_METRICS, json.dumps(METRICS))
+    run.write_text(layout.DRAFTER_CONFIG, "{}")
+    lines = run_summary(config, str(tmp_path / "run"), run)
+    assert lines[0].startswith(f"Run {config['run']} done: prepare, ") and str(tmp_path / "run") in lines[0]
+    assert "  τ (loop): 3.46" in lines and "  speed-up (estimated): 2.25×" in lines
+    assert any(line.startswith("  lossless: loop: ") and "LOST" in line for line in lines), lines
+    assert f"  drafter: {tmp_path / 'run'}/drafter/" in lines and lines[-1].startswith("  report: make report")

@@ -90,6 +90,10 @@ def test_a_non_editable_install_imports_every_module_and_loads_the_schema(tmp_pa
     expected = {p.stem for p in (REPO / "dflash_pipeline" / "stages").glob("*.py")} - {"__init__"}
     assert {f"dflash_pipeline.stages.{name}" for name in expected} <= set(result["modules"])
 
+    # The console script, from a folder that is not the checkout: its commands.
+    usage = subprocess.run([env / "bin" / "dflash-pipeline"], capture_output=True, text=True, cwd=elsewhere)
+    assert usage.returncode == 0 and "  plan " in usage.stdout and "  clear-halt " in usage.stdout, usage
+
     # The status page's assets ship too (package data since before).
     assets = {p.name for p in (REPO / "dflash_pipeline" / "status" / "assets").iterdir()}
     assert assets and assets <= {p.name for p in (site / "dflash_pipeline" / "status" / "assets").iterdir()}

@@ -108,6 +108,10 @@ return {
     .trim().split(/\s+/).filter(Boolean).length,
   stages: Object.fromEntries([...document.querySelectorAll("#stages tbody tr")].map(
     (row) => [row.dataset.stage, row.querySelectorAll("td")[2].textContent])),
+  runningStages: [...document.querySelectorAll("#stages tbody tr")]
+    .filter((row) => row.querySelectorAll("td")[3].textContent !== "0").map((row) => row.dataset.stage),
+  generationRate: document.getElementById("tokens-per-s").textContent,
+  trainingRate: document.getElementById("training-tokens-per-s").textContent,
   state: document.getElementById("workflow-state").textContent,
   headline: Object.fromEntries([...document.querySelectorAll("#headline [data-key]")].map(
     (item) => [item.dataset.key, item.querySelector("dd").textContent])),
@@ -164,6 +168,7 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         num_segments=2,
         events_file=workflow.root / "logs/snakemake-events.jsonl",
         workdir=workflow.root,
+        evaluate_engine="transformers",  # the demo's: no serving engine measures τ
     )
     server = StatusServer(SnapshotBuilder(source), port=0, refresh_s=0.5).start()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -172,7 +177,28 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         browser.get(server.url)
         seen_overall, seen_shards = [], []
         paused_on = None
+        # The page while only a training segment runs, and while evaluate runs (each seen with
+        # the run paused there, as the shard below).
+        alone = {"train": None, "evaluate": None}
+        watcher = SnapshotBuilder(source)
         while run.poll() is None:
+            if any(v is None for v in alone.values()):
+                os.killpg(run.pid, signal.SIGSTOP)
+                try:
+                    snap = watcher.build()
+                    busy = {s["stage"] for s in snap["stages"] if s["running"]}
+                    # A segment's rate comes with its first steps: paused before, it has none.
+                    if busy == {"train"} and snap["throughput"]["training_tokens_per_s"] is None:
+                        busy = set()
+                    for stage in [k for k, v in alone.items() if v is None and busy == {k}]:
+                        alone[stage] = wait_for(
+                            lambda: read_page(browser),
+                            lambda page, stage=stage: (
+                                page["runningStages"] == [stage] and (stage != "train" or page["trainingRate"] != "–")
+                            ),
+                        )
+                finally:
+                    os.killpg(run.pid, signal.SIGCONT)
             page = read_page(browser)
             if page["overall"] is not None:
                 seen_overall.append(page["overall"])
@@ -202,6 +228,11 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
             os.killpg(run.pid, signal.SIGKILL)
         server.stop()
 
+    # Only a training segment running: no generation rate, a training rate; the bar below 100%
+    # while evaluate runs.
+    assert alone["train"] and alone["evaluate"], alone
+    assert alone["train"]["generationRate"] == "–" and alone["train"]["trainingRate"] != "–", alone["train"]
+    assert alone["evaluate"]["overall"] < 100, alone["evaluate"]
     moving = sorted({v for v in seen_overall if 0 < v < 100})
     assert len(moving) >= 2, f"progress did not move during the run: {seen_overall}"
     assert seen_overall == sorted(seen_overall), "overall progress went backwards"
@@ -211,16 +242,18 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
     assert final["stages"] == {
         **{s: f"{NUM_SHARDS} / {NUM_SHARDS}" for s in ("prepare", "generate", "tokenize")},
         "train": "2 / 2",
+        "export": "1 / 1",
+        "evaluate": "1 / 1",
     }
     assert final["curvePoints"] == 12  # every optimizer step of both segments
     assert final["evaluation"].startswith("Evaluation (DFlash): acceptance length τ = ")
     assert final["state"] == "finished"
     # The headline strip: the loop's τ, the lossless check (greedy demo evaluation) and the
-    # speed-up are measured; no serving engine was, so its τ stays "—".
+    # speed-up are measured; the demo configures no serving engine, so its τ is not configured.
     headline = final["headline"]
     assert float(headline["tau_loop"]) > 0, headline
     assert headline["lossless"].startswith("loop: passed: 2 prompts"), headline
-    assert headline["speedup"].endswith("×") and headline["tau_engine"] == "—", headline
+    assert headline["speedup"].endswith("×") and headline["tau_engine"] == "not configured", headline
     assert headline["samples"] != "—" and headline["tokens"] != "—", headline
 
     workflow.snakemake("--report", "report.html")
@@ -295,3 +328,62 @@ def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp
     assert "τ (loop)2.50" in page["headline"] and "speed-up (estimated)2.10×" in page["headline"]
     assert "lossless—" in page["headline"]
     assert page["tune"].startswith("Engine settings measured by tune: concurrency 128 with MTP, 2,345.6 tokens/s")
+
+
+# A workflow of one rule that writes the headline table, with the pipeline's own report page:
+# Snakemake's real report template around it, in seconds rather than a demo run.
+HEADLINE_WORKFLOW = """
+from dflash_pipeline.report import headline
+
+configfile: "config.yaml"
+report: {workflow_rst!r}
+
+rule report_headline:
+    output:
+        report("report-headline.html", category="0. Headline"),
+    run:
+        figures = headline.headline(
+            {{"overall": {{"tau": 3.74, "speedup_estimate": 2.1}}}}, samples=160, tokens=40000
+        )
+        headline.write_headline_table(figures, output[0])
+"""
+
+# The front page's heading and the τ rows, as the window shows them (viewport coordinates).
+READ_HEADLINE = r"""
+const box = (node) => {
+  if (!node) return null;
+  const r = node.getBoundingClientRect();
+  return {top: r.top, bottom: r.bottom, text: node.textContent.trim()};
+};
+return {
+  height: window.innerHeight,
+  title: box(document.querySelector("h1.title")),
+  tauLoop: box(document.querySelector("td.headline-tau_loop")),
+  tauEngine: box(document.querySelector("td.headline-tau_engine")),
+};
+"""
+
+
+@pytest.mark.parametrize("width, height", [(1366, 768), (1400, 900)])
+def test_the_report_front_page_shows_its_heading_and_tau_rows_on_a_laptop_screen(tmp_path, browser, width, height):
+    """Snakemake's report pane centres its content vertically, so a front page taller than the
+    window once had its heading and headline table above the pane's top, out of scrolling's
+    reach. At laptop window sizes both must be inside the window as the report opens."""
+    (tmp_path / "Snakefile").write_text(HEADLINE_WORKFLOW.format(workflow_rst=str(REPO / "report/workflow.rst")))
+    (tmp_path / "config.yaml").write_text(json.dumps({"run": "demo", "num_shards": 2, "target": {"model": "m"}}))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    for args in (["--cores", "1"], ["--report", "report.html"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "snakemake", *args], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    browser.set_window_size(width, height)
+    browser.get((tmp_path / "report.html").as_uri())
+    page = wait_for(lambda: browser.execute_script(READ_HEADLINE), lambda page: page["tauEngine"] is not None)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / f"report-front-{width}x{height}.png"))
+    assert page["title"] and page["title"]["text"] == "DFlash drafter pipeline", page
+    assert (page["tauLoop"]["text"], page["tauEngine"]["text"]) == ("3.74", "not measured yet"), page
+    for name in ("title", "tauLoop", "tauEngine"):
+        assert page[name]["top"] >= 0 and page[name]["bottom"] <= page["height"], (name, page)

@@ -50,7 +50,7 @@ def local_run(tmp_path):
 def test_snapshot_counts_shards_and_shows_running_failed_training_and_storage(local_run):
     snap = SnapshotBuilder(local_run).build()
     stages = {s["stage"]: s for s in snap["stages"]}
-    assert [s["stage"] for s in snap["stages"]] == ["prepare", "generate", "tokenize", "train"]
+    assert [s["stage"] for s in snap["stages"]] == ["prepare", "generate", "tokenize", "train", "export", "evaluate"]
     assert (stages["prepare"]["done"], stages["prepare"]["percent"]) == (2, 100.0)
     assert {k: stages["generate"][k] for k in ("done", "running", "failed", "missing")} == {
         "done": 1,
@@ -72,7 +72,9 @@ def test_snapshot_counts_shards_and_shows_running_failed_training_and_storage(lo
         "running": 1,
         "percent": 65.0,
     }
-    assert snap["progress_percent"] == pytest.approx((100 + 70 + 0 + 65) / 4, abs=0.01)
+    # Export and evaluate wait for the running segment (the evaluation written is an old one).
+    assert [(stages[s]["missing"], stages[s]["percent"]) for s in ("export", "evaluate")] == [(1, 0.0), (1, 0.0)]
+    assert snap["progress_percent"] == pytest.approx((100 + 70 + 0 + 65 + 0 + 0) / 6, abs=0.01)
     running, training = snap["running"]
     assert (training["shard"], training["percent"], training["samples_done"]) == ("segment-0001", 30.0, 3)
     assert (running["stage"], running["shard"], running["percent"]) == ("generate", "00001", 40.0)
@@ -727,3 +729,92 @@ def test_a_slow_first_read_of_the_run_holds_no_worker_past_its_wait(tmp_path):
     release.set()
     state.first_wait_s = 60  # a bound for a hang only
     assert json.loads(state.body(Redactor([]))) == {"run": "r", "generated_at": 0}
+
+
+def test_generation_throughput_counts_generate_rows_and_training_its_own(local_run):
+    """write_run: generate shard 1 at 12.5 tokens/s while training segment 1 runs at 880."""
+    throughput = SnapshotBuilder(local_run).build()["throughput"]
+    assert (throughput["tokens_per_s"], throughput["training_tokens_per_s"]) == (12.5, 880.0)
+
+
+def test_only_a_train_segment_running_shows_no_generation_rate(local_run, tmp_path):
+    LocalStorage(tmp_path / "results/demo").write_bytes(layout.shard_key("generate", 1), b"g")
+    throughput = SnapshotBuilder(local_run).build()["throughput"]
+    assert (throughput["tokens_per_s"], throughput["training_tokens_per_s"]) == (None, 880.0)
+
+
+def finished_training(run: LocalStorage) -> None:
+    """write_run's run with segment 1 done and the drafter exported, older than its evaluation."""
+    run.write_text(layout.segment_manifest_key(1), "{}")
+    run.write_text(layout.DRAFTER_CONFIG, "{}")
+    for key in (layout.segment_manifest_key(0), layout.segment_manifest_key(1), layout.DRAFTER_CONFIG):
+        os.utime(run.root / key, (1000.0, 1000.0))
+
+
+def test_the_bar_stays_below_100_percent_while_evaluate_runs(local_run, tmp_path):
+    run = LocalStorage(tmp_path / "results/demo")
+    for stage in ("generate", "tokenize"):
+        for shard in (0, 1):
+            run.write_bytes(layout.shard_key(stage, shard), b"x")
+    finished_training(run)
+    run.delete(layout.EVAL_METRICS)
+    (tmp_path / "results/demo/logs/evaluate.log").write_text("prompt 1 of 8\n")
+    events = EventWriter(local_run.events_file)
+    events.write({"event": "job_started", "time": time.time(), "jobids": [11]})
+    events.write({"event": "job_info", "time": time.time(), "jobid": 11, "rule": "evaluate", "wildcards": {},
+                  "log": ["results/demo/logs/evaluate.log"], "output": []})  # fmt: skip
+    snap = SnapshotBuilder(local_run).build()
+    stages = {s["stage"]: s for s in snap["stages"]}
+    assert (stages["export"]["done"], stages["evaluate"]["running"], stages["evaluate"]["percent"]) == (1, 1, 0.0)
+    assert snap["progress_percent"] == pytest.approx(100 * 5 / 6, abs=0.01)  # five of six stages done
+    events.write({"event": "job_finished", "time": time.time(), "jobid": 11})
+    run.write_text(layout.EVAL_METRICS, json.dumps({"overall": {"tau": 3.0}}))
+    assert SnapshotBuilder(local_run).build()["progress_percent"] == 100.0
+
+
+def test_after_a_forced_rerun_the_old_evaluation_and_segments_are_marked_old(local_run, tmp_path):
+    """write_run: segment 1 runs again while segment 0 is done, and an evaluation exists."""
+    run = LocalStorage(tmp_path / "results/demo")
+    # Segment 2 of the earlier run: its manifest and its points are still in the run root.
+    run.write_text(layout.segment_manifest_key(2), "{}")
+    run.write_text(layout.train_progress_prefix(2) + layout.TRAIN_METRICS, json.dumps({"step": 30, "loss": 0.1}) + "\n")
+    source = RunSource(local_run.storage, num_shards=2, num_segments=3, events_file=local_run.events_file,
+                       workdir=tmp_path)  # fmt: skip
+    snap = SnapshotBuilder(source).build()
+    assert snap["evaluation"]["old"] and snap["headline"]["old"]
+    rows = {r["key"]: r["text"] for r in snap["headline"]["rows"]}
+    assert rows["tau_loop"] == "2.50 (old: from before the rerun)"
+    assert [p["step"] for p in snap["training"]["curve"]] == [1, 2, 3, 4, 5]  # not segment 2's step 30
+    assert snap["training"]["segments"][2]["state"] == "old, from before the rerun"
+    assert {s["stage"]: s["done"] for s in snap["stages"]}["train"] == 1
+    # Once training is done again, an evaluation older than the new drafter is still old...
+    finished_training(run)
+    os.utime(run.root / layout.segment_manifest_key(2), (1000.0, 1000.0))
+    os.utime(run.root / layout.EVAL_METRICS, (900.0, 900.0))
+    assert SnapshotBuilder(source).build()["headline"]["old"]
+    # ...and the one evaluate writes after it is not.
+    os.utime(run.root / layout.EVAL_METRICS, (2000.0, 2000.0))
+    snap = SnapshotBuilder(source).build()
+    assert not snap["headline"]["old"] and not snap["evaluation"]["old"]
+    assert {r["key"]: r["text"] for r in snap["headline"]["rows"]}["tau_loop"] == "2.50"
+
+
+def test_a_job_that_logs_its_steps_gets_a_step_count_and_an_eta(local_run, tmp_path):
+    """The demo target's build runs without telemetry and logs its own progress."""
+    (tmp_path / "logs/build_demo_model.log").write_text(
+        "building the demo target\nstep 20/200, 3m17s elapsed, ~29m36s left\n"
+    )
+    events = EventWriter(local_run.events_file)
+    events.write({"event": "job_started", "time": time.time(), "jobids": [12]})
+    events.write({"event": "job_info", "time": time.time(), "jobid": 12, "rule": "build_demo_model",
+                  "wildcards": {}, "log": ["logs/build_demo_model.log"], "output": []})  # fmt: skip
+    [row] = [r for r in SnapshotBuilder(local_run).build()["running"] if r["rule"] == "build_demo_model"]
+    assert (row["samples_done"], row["samples_total"], row["percent"], row["eta_s"]) == (20, 200, 10.0, 1776.0)
+
+
+def test_the_engines_tau_is_not_configured_where_evaluate_runs_the_transformers_loop(local_run):
+    for engine, text in (("transformers", "not configured"), ("vllm", None)):
+        source = RunSource(local_run.storage, num_shards=2, events_file=local_run.events_file,
+                           workdir=local_run.workdir, evaluate_engine=engine)  # fmt: skip
+        rows = {r["key"]: r["text"] for r in SnapshotBuilder(source).build()["headline"]["rows"]}
+        assert rows["tau_engine"] == text

@@ -13,6 +13,9 @@ from pathlib import Path
 
 
 NOT_MEASURED = "not measured yet"
+# A figure the run's config never measures (the serving engine's τ where evaluate runs only the
+# transformers loop): not "not measured yet", which promises it.
+NOT_CONFIGURED = "not configured"
 
 
 def lossless_counts(section) -> dict | None:
@@ -41,10 +44,13 @@ def headline(
     tokens: int | None = None,
     gpu_hours: float | None = None,
     gpu_hours_of: str | None = None,
+    evaluate_engine: str | None = None,
 ) -> dict:
     """The headline figures from evaluate's metrics JSON (None before evaluate wrote it) and the
     run's counts. ``lossless`` is the verdict over the loop's and the engine's checks: "lost"
-    when either lost a token, "passed" when every check run passed, None when none was run."""
+    when either lost a token, "passed" when every check run passed, None when none was run.
+    ``evaluate_engine`` (the config's ``evaluate.engine``) "transformers" says no serving engine
+    is configured to measure τ: its figure is "not configured", not "not measured yet"."""
     metrics = metrics if isinstance(metrics, dict) else {}
     overall = metrics.get("overall") if isinstance(metrics.get("overall"), dict) else {}
     engine = metrics.get("engine") if isinstance(metrics.get("engine"), dict) else {}
@@ -66,6 +72,7 @@ def headline(
         "gpu_hours": gpu_hours,
         # Which jobs the GPU-hours count (the job records there are where they are taken).
         "gpu_hours_of": gpu_hours_of,
+        "engine_configured": evaluate_engine != "transformers",
     }
 
 
@@ -97,7 +104,13 @@ def headline_rows(figures: dict) -> list[dict]:
         lossless = "; ".join(parts)
     return [
         {"key": "tau_loop", "label": "τ (loop)", "text": _fixed(figures["tau_loop"], 2)},
-        {"key": "tau_engine", "label": f"τ ({engine})", "text": _fixed(figures["tau_engine"], 2)},
+        {
+            "key": "tau_engine",
+            "label": f"τ ({engine})",
+            "text": _fixed(figures["tau_engine"], 2)
+            if figures["tau_engine"] is not None or figures.get("engine_configured", True)
+            else NOT_CONFIGURED,
+        },
         {"key": "lossless", "label": "lossless", "text": lossless},
         {
             "key": "speedup",
@@ -172,22 +185,36 @@ def _count(value) -> str | None:
     return None if value is None else f"{int(value):,}"
 
 
-def benchmark_gpus(paths: list[str], config: dict) -> dict[str, int]:
-    """{benchmark file: the GPUs its job held}, by the rule its name says
-    (``benchmark.<rule>[-<shard or segment>].tsv``) and the run's config: tune one server's tensor
+# Which jobs GPU-hours count, in both places that show them (report and status page).
+GPU_HOURS_OF = "job benchmarks: tune, generate, extract, train, evaluate"
+
+
+def gpus_per_rule(config: dict) -> dict[str, int]:
+    """The GPUs each GPU rule's job holds, by the run's config: tune one server's tensor
     parallelism, generate and train their ``gpus_per_job``, extract and evaluate one GPU of
-    training's. Read from the config by the report job, so editing ``gpus_per_job`` (an
-    operational key) reruns nothing."""
+    training's. Read from the config by the report job and the status page, so editing
+    ``gpus_per_job`` (an operational key) reruns nothing."""
     generation, train = config["generation"]["gpus_per_job"], config["train"]["gpus_per_job"]
-    per_rule = {
+    return {
         "tune": config["generation"]["server"]["tp"] if generation else 0,
         "generate": generation,
         "extract": min(1, train),
         "train": train,
         "evaluate": min(1, train),
     }
-    found = {}
-    for path in paths:
-        rule = Path(path).name.removeprefix("benchmark.").split(".")[0].split("-")[0]
-        found[path] = per_rule.get(rule, 0)
-    return found
+
+
+def benchmark_rule(path: str) -> str:
+    """The rule of a benchmark file, by its name (``benchmark.<rule>[-<shard or segment>].tsv``)."""
+    return Path(path).name.removeprefix("benchmark.").split(".")[0].split("-")[0]
+
+
+def benchmark_seconds(text: str) -> float:
+    """A Snakemake benchmark file's wall seconds (column ``s``, summed over its repeats)."""
+    return sum(float(row["s"]) for row in csv.DictReader(text.splitlines(), delimiter="\t"))
+
+
+def benchmark_gpus(paths: list[str], config: dict) -> dict[str, int]:
+    """{benchmark file: the GPUs its job held} (``gpus_per_rule``; 0 for a rule without GPUs)."""
+    per_rule = gpus_per_rule(config)
+    return {path: per_rule.get(benchmark_rule(path), 0) for path in paths}

@@ -59,6 +59,7 @@ def report_headline(
     benchmarks: dict[str, int],
     gpu_hours_of: str,
     table: str,
+    evaluate_engine: str | None = None,
 ) -> None:
     """The report's first item: the headline figures (report/headline.py); ``metrics`` None (a run
     that stops before evaluate) or no ``shards`` leave their figures "not measured yet"."""
@@ -74,6 +75,7 @@ def report_headline(
         tokens=tokens,
         gpu_hours=headline.gpu_hours_from_benchmarks(benchmarks),
         gpu_hours_of=gpu_hours_of,
+        evaluate_engine=evaluate_engine,
     )
     headline.write_headline_table(found, table)
 

@@ -38,6 +38,7 @@ import yaml
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.credentials import protect_storage_credentials
+from dflash_pipeline.report import headline
 from dflash_pipeline.status.events import DEFAULT_EVENTS_FILE
 from dflash_pipeline.core.storage import ReadOnlyStorage
 from dflash_pipeline.status.server import TOKEN_ENV, RedactingFilter, StatusServer
@@ -152,6 +153,9 @@ def resolve_source(args) -> RunSource:
         # the snapshot shows only the Snakemake runs whose jobs write into this run root.
         events_file=events if events.is_absolute() else workdir / events,
         workdir=workdir,
+        # As the report reads them: GPU-hours from the job benchmarks, the engine's τ configured.
+        gpus_per_rule=headline.gpus_per_rule(config),
+        evaluate_engine=config["evaluate"]["engine"],
     )
 
 

@@ -38,12 +38,15 @@ from pathlib import Path
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.jobstate import parse_totals, read_train_metrics
 from dflash_pipeline.core.storage import ObjectInfo, ReadOnlyStorage, StorageError
+from dflash_pipeline.report import headline as headline_figures
 from dflash_pipeline.status.events import RunEvents, RunJobBoard, local_log_path
 from dflash_pipeline.status.summaries import (
+    evaluation_is_old,
     evaluation_summary,
     halt_summary,
     headline_summary,
     lease_summary,
+    log_progress,
     training_summary,
     tune_summary,
 )
@@ -55,6 +58,11 @@ TELEMETRY_KEY = layout.SHARD_TELEMETRY
 TOTALS_KEY = re.compile(r"^_progress/(?P<stage>[a-z_]+)/totals\.json$")
 SEGMENT_KEY = re.compile(r"^_progress/train/segment-(?P<segment>\d{4})/(?P<name>metrics\.jsonl|telemetry\.json)$")
 SEGMENT_MANIFEST = re.compile(r"^outputs/train-segment-(?P<segment>\d{4})\.json$")
+BENCHMARK_KEY = re.compile(rf"^{layout.OUTPUTS_DIR}/benchmark\.[^/]+\.tsv$")
+# Stages of one job each after training, in the stage table and the overall bar beside the shard
+# stages and training: the object that says the job is done. (tune, before generate, shows as a
+# running job: a run skips it when its result is up to date.)
+SINGLE_JOB_STAGES = {"export": layout.DRAFTER_CONFIG, "evaluate": layout.EVAL_METRICS}
 
 # Shards per block: a block whose shards were all done at the last listing is settled (not
 # listed again until the next full listing, or until a job of it runs or fails again).
@@ -96,6 +104,11 @@ class RunSource:
     # The whole run root is listed again this often (bytes of logs, checkpoints, settled
     # shards); in between only what can still change is (see the module's docstring).
     full_listing_every_s: float = 300.0
+    # GPUs per GPU rule (report.headline.gpus_per_rule of the config): GPU-hours from the job
+    # benchmarks in the run root, as the report counts them; None: not known, not shown.
+    gpus_per_rule: dict[str, int] | None = None
+    # The config's evaluate.engine: "transformers" measures no serving engine's τ.
+    evaluate_engine: str | None = None
 
 
 class SnapshotBuilder:
@@ -234,17 +247,35 @@ class SnapshotBuilder:
                 and int(m["shard"]) in totals.get(m["stage"], {})
             )
 
-        self._prefetch(objects, skip=summed)
+        def unread(key: str) -> bool:
+            if BENCHMARK_KEY.match(key):
+                gpus = self.source.gpus_per_rule or {}
+                return not gpus.get(headline_figures.benchmark_rule(key))
+            return summed(key)
+
+        self._prefetch(objects, skip=unread)
         storage_use: dict[str, dict] = {}
         telemetry: dict[tuple[str, int], dict] = {}
         segments: dict[int, dict] = {}
         eval_metrics = tune_result = None
         halt = lease = None
+        written: dict[str, float] = {}  # single-job stages' objects and segment manifests: mtime
+        gpu_seconds, benchmarked = 0.0, False
         for obj in objects:
             use = storage_use.setdefault(layout.storage_category(obj.key), {"bytes": 0, "objects": 0})
             use["bytes"] += obj.size
             use["objects"] += 1
             if layout.SHARD_OBJECT.match(obj.key) or summed(obj.key):
+                continue
+            if obj.key in SINGLE_JOB_STAGES.values() or SEGMENT_MANIFEST.match(obj.key):
+                written[obj.key] = obj.mtime
+            if BENCHMARK_KEY.match(obj.key) and self.source.gpus_per_rule is not None:
+                gpus = self.source.gpus_per_rule.get(headline_figures.benchmark_rule(obj.key))
+                if gpus is not None:
+                    benchmarked = True
+                    if gpus:  # a CPU job's file is not read: it adds nothing
+                        seconds = self._read_cached(obj.key, obj.size, obj.mtime, headline_figures.benchmark_seconds)
+                        gpu_seconds += (seconds or 0.0) * gpus
                 continue
             if m := TELEMETRY_KEY.match(obj.key):
                 stage = m["stage"] if m["stage"] in SHARD_STAGES else None
@@ -326,6 +357,41 @@ class SnapshotBuilder:
         train_row = self._train_stage(segments, events, now, running, failed)
         if train_row is not None:
             stages.append(train_row)
+        train_complete = train_row is None or train_row["done"] == train_row["total"]
+        manifests = [t for key, t in written.items() if SEGMENT_MANIFEST.match(key)]
+        # What each single-job stage's object must be newer than to be this run's, not one from
+        # before a forced rerun of what it follows.
+        upstream = {
+            "export": manifests if train_complete else [float("inf")],
+            "evaluate": manifests + [written.get(layout.DRAFTER_CONFIG, float("inf"))]
+            if train_complete
+            else [float("inf")],
+        }
+        for stage, key in SINGLE_JOB_STAGES.items():
+            # export makes the drafter evaluate reads: built where evaluate is.
+            planned = stage in self.source.stages or (stage == "export" and "evaluate" in self.source.stages)
+            job = max((j for j in events.jobs.values() if j.rule == stage), key=lambda j: j.jobid, default=None)
+            if not planned and key not in written and job is None:
+                continue
+            row = {"stage": stage, "rule": stage, "total": 1, "done": 0, "running": 0, "failed": 0, "missing": 0}
+            fraction = 0.0
+            if job is not None and job.state == "running":
+                row["running"] = 1
+                fraction = (log_progress(self._log_tail(job.log, _log_key(stage, None))).get("percent") or 0) / 100
+            elif job is not None and job.state == "failed":
+                row["failed"] = 1
+            elif (job is not None and job.state == "done") or (
+                key in written and all(t <= written[key] for t in upstream[stage])
+            ):
+                row["done"], fraction = 1, 1.0
+            else:
+                row["missing"] = 1
+            row["percent"] = round(100.0 * fraction, 2)
+            row["bytes"] = 0
+            stages.append(row)
+        eval_old = evaluation_is_old(
+            written.get(layout.EVAL_METRICS), train_complete, upstream["evaluate"] if train_complete else []
+        )
         # Jobs of rules without shards or segments (ingest, tune, export, evaluate, report): the
         # failed ones, and the running ones with their log tails (tune measures for up to an
         # hour on a GPU before the first generate job; evaluate takes minutes).
@@ -337,8 +403,11 @@ class SnapshotBuilder:
             elif job.state == "running":
                 running.append(self._running_row(job.rule, job.rule, None, job, None, now))
 
-        shard_total = sum(s["total"] for s in stages)
-        overall = sum(s["percent"] * s["total"] for s in stages) / shard_total if shard_total else 0.0
+        # Each stage weighs the same: a stage of one job (evaluate) counts as much as one of
+        # 10,000 shards, and the bar stays below 100% until every stage is done.
+        overall = sum(s["percent"] for s in stages) / len(stages) if stages else 0.0
+        if any(s["done"] < s["total"] for s in stages):
+            overall = min(overall, 99.9)
         # Training's bytes: its manifests, checkpoints and progress area.
         for row in stages:
             if row["stage"] == "train":
@@ -367,7 +436,10 @@ class SnapshotBuilder:
             "running": running,
             "failed": failed,
             "throughput": {
-                "tokens_per_s": round(sum(r["tokens_per_s"] or 0 for r in running), 2),
+                # Generation's rate from generate rows alone; training's (tokens it trains on)
+                # on its own: None when no such job runs.
+                "tokens_per_s": _rate(running, "generate"),
+                "training_tokens_per_s": _rate(running, "train"),
                 "tokens_generated": sum(int(t.get("tokens_generated", 0)) for t in telemetry.values())
                 + sum(
                     int(entry.get("tokens_generated", 0))
@@ -377,13 +449,15 @@ class SnapshotBuilder:
                 ),
             },
             "training": training_summary(segments),
-            "evaluation": evaluation_summary(eval_metrics),
+            "evaluation": evaluation_summary(eval_metrics, old=eval_old),
             # The run's headline figures, as on the report's first page (report/headline.py).
             "headline": headline_summary(
                 eval_metrics,
                 [t for (stage, _), t in telemetry.items() if stage == "generate"]
                 + [e for shard, e in totals.get("generate", {}).items() if shard in done.get("generate", ())],
-                events.jobs.values(),
+                round(gpu_seconds / 3600, 4) if benchmarked else None,
+                self.source.evaluate_engine,
+                old=eval_old,
             ),
             # The engine settings measured before generation (stages/tune.py), if any.
             "tune": tune_summary(tune_result),
@@ -408,12 +482,14 @@ class SnapshotBuilder:
         }
         counts = {"done": 0, "running": 0, "failed": 0, "missing": 0}
         fraction_sum = 0.0
+        redoing = False  # a segment before this one is not done: this one's manifest is old
         for segment in range(total):
             seg, job = segments.get(segment, {}), jobs.get(segment)
             tele = seg.get("telemetry.json") or {}
             fresh = now - float(tele.get("updated_at", 0)) < self.source.stale_after_s
             log_key = f"{layout.LOGS_DIR}/train/segment-{layout.segment_name(segment)}.log"
-            if seg.get("done"):
+            done, redoing = seg.get("done") and not redoing, redoing or not seg.get("done")
+            if done:
                 counts["done"] += 1
                 fraction_sum += 1.0
             elif (job is not None and job.state == "running") or (
@@ -458,7 +534,9 @@ class SnapshotBuilder:
         }
 
     def _running_row(self, stage, rule, shard, job, tele, now) -> dict:
-        tele = tele or {}
+        log_tail = self._log_tail(job.log if job else [], _log_key(rule, shard))
+        # A job without telemetry that logs its steps (the demo target's build): those.
+        tele = tele or log_progress(log_tail)
         total = tele.get("samples_total")
         done = tele.get("samples_done")
         percent = round(100.0 * done / total, 2) if total and done is not None else None
@@ -476,7 +554,7 @@ class SnapshotBuilder:
             "errors": tele.get("errors"),
             "elapsed_s": round(now - started, 1) if started else tele.get("elapsed_s"),
             "updated_at": tele.get("updated_at"),
-            "log_tail": self._log_tail(job.log if job else [], _log_key(rule, shard)),
+            "log_tail": log_tail,
         }
 
     def _failed_row(self, stage, rule, shard, job, tele) -> dict:
@@ -489,6 +567,11 @@ class SnapshotBuilder:
             "at": job.ended_at if job is not None else (tele or {}).get("updated_at"),
             "log_tail": self._log_tail(job.log if job else [], _log_key(rule, shard)),
         }
+
+
+def _rate(running: list[dict], stage: str) -> float | None:
+    rows = [r for r in running if r["stage"] == stage and r["tokens_per_s"] is not None]
+    return round(sum(r["tokens_per_s"] for r in rows), 2) if rows else None
 
 
 def _log_key(rule: str | None, shard: int | None) -> str | None:
@@ -516,4 +599,6 @@ def _parser_for(key: str):
         return read_train_metrics if m["name"] == layout.TRAIN_METRICS else json.loads
     if key in (layout.EVAL_METRICS, layout.HALT, layout.RUN_LEASE, layout.TUNE_RESULT):
         return json.loads
+    if BENCHMARK_KEY.match(key):
+        return headline_figures.benchmark_seconds
     return None

@@ -3,6 +3,8 @@ the objects the snapshot read (``status.snapshot``)."""
 
 from __future__ import annotations
 
+import re
+
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.lease import describe_holder
 from dflash_pipeline.report import headline
@@ -10,12 +12,21 @@ from dflash_pipeline.report import headline
 # The page draws at most this many points per training curve (evenly thinned, last kept).
 MAX_CURVE_POINTS = 600
 
+# What a figure from before a forced rerun says beside its value, until the rerun measures it anew.
+OLD_MARK = " (old: from before the rerun)"
+# Progress a long job without telemetry logs, e.g. the demo target's build:
+# "step 20/200, 1m05s elapsed, ~9m45s left".
+LOG_STEP = re.compile(r"\bstep (\d+)/(\d+)\b")
+LOG_LEFT = re.compile(r"~(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)? left\b")
 
-def evaluation_summary(metrics) -> dict | None:
+
+def evaluation_summary(metrics, old: bool = False) -> dict | None:
+    """``old``: from before a forced rerun (``evaluation_is_old``), until evaluate writes anew."""
     if not isinstance(metrics, dict) or not isinstance(metrics.get("overall"), dict):
         return None
     overall = metrics["overall"]
     return {
+        "old": old,
         "tau": overall.get("tau"),
         "per_position": overall.get("per_position", []),
         "speedup_estimate": overall.get("speedup_estimate"),
@@ -49,21 +60,63 @@ def engine_summary(metrics: dict) -> dict | None:
     }
 
 
-def headline_summary(metrics, generate_records: list[dict], jobs) -> dict:
-    """The page's headline strip (report/headline.py): τ, lossless, speed-up from the metrics;
-    samples and tokens from the generate shards' counts; GPU-hours from the finished jobs of the
-    Snakemake run the page follows (their wall time times their ``gpu`` resource)."""
+def headline_summary(
+    metrics,
+    generate_records: list[dict],
+    gpu_hours: float | None,
+    evaluate_engine: str | None = None,
+    old: bool = False,
+) -> dict:
+    """The page's headline strip (report/headline.py), the report's figures from the same
+    sources: τ, lossless, speed-up from the metrics; samples and tokens from the generate shards'
+    counts; GPU-hours from the job benchmarks in the run root (the snapshot sums them). ``old``:
+    the metrics are from before a forced rerun (``evaluation_is_old``); their rows say so."""
     samples, tokens = headline.generated_counts(generate_records)
-    finished = [j for j in jobs if j.state == "done" and j.gpus and j.started_at and j.ended_at]
-    gpu_hours = sum((j.ended_at - j.started_at) * j.gpus for j in finished) / 3600 if finished else None
     figures = headline.headline(
         metrics,
         samples=samples,
         tokens=tokens,
         gpu_hours=gpu_hours,
-        gpu_hours_of="this Snakemake run's finished jobs",
+        gpu_hours_of=headline.GPU_HOURS_OF,
+        evaluate_engine=evaluate_engine,
     )
-    return {**figures, "rows": headline.headline_rows(figures)}
+    rows = headline.headline_rows(figures)
+    if old:
+        for row in rows:
+            if row["key"] in OLD_FIGURES and row["text"] not in (None, headline.NOT_CONFIGURED):
+                row["text"] += OLD_MARK
+    return {**figures, "old": old, "rows": rows}
+
+
+# The headline's figures that evaluate measures (the others are counts of the run so far).
+OLD_FIGURES = ("tau_loop", "tau_engine", "lossless", "speedup")
+
+
+def evaluation_is_old(eval_mtime: float | None, train_complete: bool, newer_than_eval: list[float]) -> bool:
+    """Evaluate's metrics are from before a forced rerun while training is being redone (a
+    segment not done again yet) or anything evaluate reads (a segment's manifest, the exported
+    drafter) was written after them."""
+    if eval_mtime is None:
+        return False
+    return not train_complete or any(t > eval_mtime for t in newer_than_eval)
+
+
+def log_progress(lines: list[str]) -> dict:
+    """Steps and the time left from the last log line that states them (a job without
+    telemetry that logs its progress); {} when no line does."""
+    for line in reversed(lines):
+        step, left = LOG_STEP.search(line), LOG_LEFT.search(line)
+        if not step:
+            continue
+        done, total = int(step[1]), int(step[2])
+        found = {"samples_done": done, "samples_total": total}
+        if total:
+            found["percent"] = round(100.0 * done / total, 2)
+        if left and any(left.groups()):
+            hours, minutes, seconds = (int(g or 0) for g in left.groups())
+            found["eta_s"] = float(hours * 3600 + minutes * 60 + seconds)
+        return found
+    return {}
 
 
 def tune_summary(result) -> dict | None:
@@ -118,15 +171,26 @@ def thin_points(points: list[dict], limit: int = MAX_CURVE_POINTS) -> list[dict]
 def training_summary(segments: dict[int, dict]) -> dict:
     """The training section of the page: per segment its state and rate, the curves (thinned)."""
     points, rows = [], []
-    for segment in sorted(segments):
-        seg = segments[segment]
-        points.extend(seg.get(layout.TRAIN_METRICS) or [])
+    # Segments form a chain: one after a segment not done (again) is from an earlier run (a
+    # forced rerun redoes them in order), so its points would join the new curve to the old.
+    redoing = False
+    for segment in range(max(segments) + 1 if segments else 0):
+        seg = segments.get(segment)
+        if seg is None:  # nothing of it yet: the ones after it cannot be this run's
+            redoing = True
+            continue
         tele = seg.get("telemetry.json") or {}
+        old = redoing
+        if not old:
+            points.extend(seg.get(layout.TRAIN_METRICS) or [])
+        redoing = redoing or not seg.get("done")
         rows.append(
             {
                 "segment": layout.segment_name(segment),
-                "done": bool(seg.get("done")),
-                "state": "done" if seg.get("done") else tele.get("state", "planned"),
+                "done": bool(seg.get("done")) and not old,
+                "state": "old, from before the rerun"
+                if old
+                else ("done" if seg.get("done") else tele.get("state", "planned")),
                 "step": tele.get("step"),
                 "steps_done": tele.get("steps_done"),
                 "steps_total": tele.get("steps_total"),

@@ -162,7 +162,7 @@ function renderTraining(training, evaluation) {
     const drafter = { dflash: "DFlash", dflash2: "DFlash2" }[evaluation.algorithm];
     box.appendChild(el("p", { text: `Evaluation${drafter ? ` (${drafter})` : ""}: acceptance length τ = ${fmtNum(evaluation.tau, 2)}` +
       (evaluation.speedup_estimate != null ? `, estimated speed-up ${fmtNum(evaluation.speedup_estimate, 2)}×` : "") +
-      (sets ? ` (${sets})` : "") }));
+      (sets ? ` (${sets})` : "") + (evaluation.old ? " (old: from before the rerun)" : "") }));
     const engine = evaluation.engine;
     if (engine) {
       const engineSets = Object.entries(engine.prompt_sets || {}).map(([k, v]) => `${k}: ${fmtNum(v, 2)}`).join(", ");
@@ -176,7 +176,9 @@ function renderTraining(training, evaluation) {
 }
 
 function renderStorage(storage, throughput) {
+  // null: no such job runs now ("–"), not a rate of 0.
   document.getElementById("tokens-per-s").textContent = fmtNum(throughput.tokens_per_s);
+  document.getElementById("training-tokens-per-s").textContent = fmtNum(throughput.training_tokens_per_s);
   document.getElementById("tokens-generated").textContent = fmtNum(throughput.tokens_generated, 0);
   const rows = Object.entries(storage.by_category || {}).map(([name, use]) => el("tr", {}, [
     td(name), td(String(use.objects), "num"), td(fmtBytes(use.bytes), "num"),
