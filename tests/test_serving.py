@@ -71,6 +71,33 @@ def test_vllm_speculative_and_plain_servers_differ_only_by_the_dflash_config():
     ]
 
 
+def test_a_sampled_dflash2_evaluation_asks_vllm_to_sample_the_selectors_candidates(tmp_path):
+    """vLLM's DFlash2 selector walks its candidates by argmax unless its speculative config says
+    draft_sample_method probabilistic (vllm 0.28-0.34 config/speculative.py, default greedy);
+    the loop and SGLang sample from the selector's softmax at temperature > 0. Greedy runs and
+    DFlash drafters keep vLLM's default."""
+    import json as _json
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(_json.dumps({"architectures": ["DFlash2DraftModel"]}))
+
+    def vllm_config(temperature, engine="vllm"):
+        spec = serving_server_spec(
+            engine, "/t", str(drafter), 8, 1, hybrid=False, temperature=temperature, python="/e/bin/python"
+        )
+        command = server_command(spec)
+        if engine != "vllm":
+            return command
+        return _json.loads(command[command.index("--speculative-config") + 1])
+
+    assert vllm_config(0.7)["draft_sample_method"] == "probabilistic"
+    assert "draft_sample_method" not in vllm_config(0.0)
+    assert not any("sample" in arg for arg in vllm_config(0.7, "sglang"))
+    (drafter / "config.json").write_text(_json.dumps({"architectures": ["DFlashDraftModel"]}))
+    assert "draft_sample_method" not in vllm_config(0.7)
+
+
 def test_sglang_speculative_and_plain_servers():
     launch = ["/s/bin/python", "-m", "sglang.launch_server", "--model-path", "/m/target"]
     spec = serving_server_spec(

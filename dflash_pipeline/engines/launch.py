@@ -135,6 +135,8 @@ def vllm_speculative_config(spec_cfg: dict) -> dict:
     if "draft_model" in spec_cfg:
         vllm_spec["model"] = spec_cfg["draft_model"]
     vllm_spec["num_speculative_tokens"] = num_tokens
+    if "draft_sample_method" in spec_cfg:
+        vllm_spec["draft_sample_method"] = spec_cfg["draft_sample_method"]
     return vllm_spec
 
 

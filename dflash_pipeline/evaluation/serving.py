@@ -80,6 +80,7 @@ def serving_server_spec(
     env: dict[str, str] | None = None,
     dtype: str | None = None,
     engine_version: str | None = None,
+    temperature: float = 0.0,
 ) -> ServerSpec:
     """The server a measurement launches: target + DFlash drafter with B - 1 drafts per step, or
     with ``speculative=False`` the same server without the drafter (the plain greedy reference).
@@ -106,6 +107,12 @@ def serving_server_spec(
             "draft_model": str(drafter),
             "num_draft_tokens": block_size,
         }
+        if engine == "vllm" and temperature > 0 and drafter_algorithm(drafter) == "dflash2":
+            # vLLM's DFlash2 selector walks its candidates by argmax unless told to sample
+            # (config/speculative.py draft_sample_method, default "greedy"), where the loop and
+            # SGLang sample from the selector's softmax: a sampled evaluation would compare two
+            # proposal rules.
+            settings["draft_sample_method"] = "probabilistic"
         if engine == "sglang":
             args += ["--speculative-dflash-block-size", str(block_size)]
             if hybrid:
@@ -187,6 +194,15 @@ def engine_version(engine: str, url: str, installed: str | None = None) -> str |
     except (httpx.HTTPError, ValueError):
         pass
     return installed
+
+
+def drafter_algorithm(drafter: str | Path) -> str:
+    """dflash or dflash2, from the export's config.json architectures (dflash when unreadable)."""
+    try:
+        config = json.loads((Path(drafter) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "dflash"
+    return DrafterShape.from_exported_config(config).algorithm
 
 
 def check_served(
@@ -320,6 +336,7 @@ def measure_in_engine(
             env=env,
             dtype=dtype,
             engine_version=install.version if install else None,
+            temperature=temperature,
         )
 
     speculative = spec(True)
