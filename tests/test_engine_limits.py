@@ -255,3 +255,25 @@ def test_an_engine_setting_that_serves_dflash2_as_dflash_is_refused_in_one_line(
     assert downgrades("vllm", "0.33.0", DFLASH2, {"VLLM_USE_V2_MODEL_RUNNER": "1"}) == []
     assert downgrades("vllm", "0.33.0", MIXED, {"VLLM_USE_V2_MODEL_RUNNER": "0"}) == []
     assert downgrades("sglang", "0.5.23", DFLASH2, {"VLLM_USE_V2_MODEL_RUNNER": "0"}) == []
+
+
+def test_the_plan_refuses_a_dflash2_evaluation_under_a_setting_that_downgrades_it(tmp_path, monkeypatch):
+    """The plan-time engine check reads the server's environment as launch builds it: the
+    config's engines.vllm.env over this process's."""
+    from dflash_pipeline.core.config import validate_config
+    from dflash_pipeline.engines.readiness import check_engines
+
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["train"]["algorithm"] = "dflash2"
+    config["evaluate"]["engine"] = "vllm"
+    python = str(metadata_only_env(tmp_path / "vllm", "vllm", "0.33.0"))
+    config["engines"] = {"vllm": {"python": python, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}}
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    problems, _ = check_engines(validate_config(config))
+    (line,) = [p for p in problems if "VLLM_USE_V2_MODEL_RUNNER" in p]
+    assert line.startswith("evaluate.engine: VLLM_USE_V2_MODEL_RUNNER=0 in vllm 0.33.0's environment")
+    del config["engines"]["vllm"]["env"]
+    problems, ready = check_engines(validate_config(config))
+    assert problems == [] and any("serves the dflash2 drafter" in line for line in ready)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "false")  # the shell's, inherited by the server
+    assert any("VLLM_USE_V2_MODEL_RUNNER=false" in p for p in check_engines(validate_config(config))[0])
