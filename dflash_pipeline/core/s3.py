@@ -320,16 +320,20 @@ class S3Storage(Storage):
             return None
         return resp["Body"].read(), resp["ETag"]
 
+    # A request that timed out is retried (outage.ride_out) and may have landed meanwhile: a
+    # failed precondition is settled from the stored object (Storage.settle_write).
     def create_if_absent(self, key: str, data: bytes) -> str | None:
         resp = self._conditional("creating", key, self.client.put_object, Body=data, IfNoneMatch="*")
-        return None if resp is None else resp["ETag"]
+        return self.settle_write(key, data) if resp is None else resp["ETag"]
 
     def replace_if_tag(self, key: str, data: bytes, tag: str) -> str | None:
         resp = self._conditional("replacing", key, self.client.put_object, Body=data, IfMatch=tag)
-        return None if resp is None else resp["ETag"]
+        return self.settle_write(key, data) if resp is None else resp["ETag"]
 
     def delete_if_tag(self, key: str, tag: str) -> bool:
-        return self._conditional("deleting", key, self.client.delete_object, IfMatch=tag) is not None
+        if self._conditional("deleting", key, self.client.delete_object, IfMatch=tag) is not None:
+            return True
+        return self.read_tagged(key) is None  # an earlier try that deleted it lost its answer
 
     def ensure_bucket(self) -> None:
         """Create the bucket if needed and put the permanent sentinel object into it."""
