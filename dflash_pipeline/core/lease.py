@@ -21,7 +21,11 @@ expiry:
   over then, without waiting for the rest of its expiry (a driver killed by an outage on
   another machine frees its run about 3 minutes after its last beat instead of 5, with the
   default ``lease.ttl_s`` of the config schema);
-* the holder deletes it when the run ends (success or error).
+* the holder deletes it when the run ends (success or error);
+* every one of these writes decides from what is stored, not from the answer to its last
+  request: a write that timed out on a stalled server may land when it resumes, and its retry
+  then fails its own precondition; a lease found holding this driver's token is its own write
+  (``Storage.create_if_absent`` and the others settle the same way by content).
 
 Only real executions take it (the workflow's ``onstart``): dry-runs, ``--lint``, reports and the
 jobs themselves never do. ``python -m dflash_pipeline.core.lease show|break --run-url URL``
