@@ -8,6 +8,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,23 @@ def provenance(device: str) -> dict:
     return {"device": device, "commit": commit(), "date": time.strftime("%Y-%m-%d")}
 
 
+class MeasuredRunFailed(SystemExit):
+    """A measured run failed: the benchmark exits non-zero and writes no figure (a record of a
+    failed run would read as a measurement)."""
+
+
+def require_success(checks: dict[str, bool], detail: str = "") -> None:
+    """Raise MeasuredRunFailed (exit 1, nothing emitted) naming every check that is false;
+    ``detail`` (e.g. the failed run's last lines) goes with it to stderr. Call it before
+    ``emit``."""
+    failed = [name for name, ok in checks.items() if not ok]
+    if failed:
+        print(f"benchmark failed, no figure written: {', '.join(failed)}", file=sys.stderr)
+        if detail:
+            print(detail, file=sys.stderr)
+        raise MeasuredRunFailed(1)
+
+
 def emit(record: dict, out: str | None, indent: int = 2) -> None:
     text = json.dumps(record, indent=indent)
     print(text, flush=True)
@@ -39,8 +57,6 @@ def emit(record: dict, out: str | None, indent: int = 2) -> None:
 def copy_workflow(dest: Path, extra: tuple[str, ...] = ()) -> Path:
     """The workflow's files (the ones the workflow tests copy, and ``extra``) copied into
     ``dest``: each benchmark runs Snakemake in a folder of its own. Returns ``dest``."""
-    import sys
-
     sys.path.insert(0, str(REPO))
     from tests.conftest import WORKFLOW_FILES
 

@@ -27,24 +27,97 @@ from dflash_pipeline.stages import verify
 from tests.test_checksums import flip_byte, small_run, verify_config, write_shard
 
 
-def test_a_deleted_record_fails_verify_and_adopt_writes_records_once(tmp_path, monkeypatch, capsys):
+def test_a_deleted_record_fails_verify_and_the_advice_is_a_repair(tmp_path, monkeypatch, capsys):
     root, config = small_run(tmp_path)
     config_file = verify_config(tmp_path, config)
     monkeypatch.chdir(tmp_path)
     store = open_storage(root)
-    # A changed row with its record deleted: named, exit 1.
+    # A changed row with its record deleted, in a run that records checksums: named, exit 1, and
+    # the advice is the repair (adopting would give the changed bytes a valid record).
     write_shard(root, "outputs/generate-00000.parquet", b"a changed row")
     store.delete(sidecar_key("outputs/generate-00000.parquet"))
     assert verify.main(["--configfile", str(config_file)]) == 1
     out = capsys.readouterr().out
-    assert f"unrecorded {root}/outputs/generate-00000.parquet" in out and "verify --adopt" in out
-    # A run made before records existed: --adopt writes them, once, and says how many.
+    assert f"unrecorded {root}/outputs/generate-00000.parquet" in out
+    assert "verify --repair rebuilds it)" in out and "--adopt" not in out
+    # --adopt refuses it all the same: its content is no parquet.
+    assert verify.main(["--configfile", str(config_file), "--adopt"]) == 1
+    out = capsys.readouterr().out
+    assert "adopted 0 object(s)" in out
+    assert f"not adopted {root}/outputs/generate-00000.parquet: it does not parse as parquet" in out
+    assert not store.exists(sidecar_key("outputs/generate-00000.parquet"))
+
+
+def parseable(key: str) -> bytes:
+    """Content that parses as the kind of ``key`` (parquet, JSON, JSON lines)."""
+    if key.endswith(".parquet"):
+        import io
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        sink = io.BytesIO()
+        pq.write_table(pa.table({"id": [key]}), sink)
+        return sink.getvalue()
+    return b'{"key": 1}\n'
+
+
+def test_adopt_records_a_run_made_before_checksums_once_and_refuses_what_does_not_parse(tmp_path, monkeypatch, capsys):
+    root, config = small_run(tmp_path)
+    config_file = verify_config(tmp_path, config)
+    monkeypatch.chdir(tmp_path)
+    store = open_storage(root)
+    keys = verify.expected_keys(config)
+    for key in keys:
+        write_shard(root, key, parseable(key))
+    store.delete_prefix(checksums.CHECKSUMS_DIR + "/")  # a run made before records existed
+    damaged = "outputs/tokenize-00001.parquet"
+    write_shard(root, damaged, parseable(damaged)[:-30])  # its footer cut
+    assert verify.main(["--configfile", str(config_file)]) == 1
+    assert "a run made before checksums were recorded: verify --adopt" in capsys.readouterr().out
+    assert verify.main(["--configfile", str(config_file), "--adopt"]) == 1
+    out = capsys.readouterr().out
+    assert f"adopted {len(keys) - 1} object(s)" in out
+    assert f"not adopted {root}/{damaged}: it does not parse as parquet" in out
+    assert json.loads(store.read_bytes(sidecar_key("outputs/generate-00000.parquet")))["adopted"] is True
+    assert not store.exists(sidecar_key(damaged))
+    write_shard(root, damaged, parseable(damaged))  # rebuilt
     assert verify.main(["--configfile", str(config_file), "--adopt"]) == 0
     assert "adopted 1 object(s)" in capsys.readouterr().out
-    assert json.loads(store.read_bytes(sidecar_key("outputs/generate-00000.parquet")))["adopted"] is True
     assert verify.main(["--configfile", str(config_file), "--adopt"]) == 0
     assert "adopted 0 object(s)" in capsys.readouterr().out
     assert verify.main(["--configfile", str(config_file)]) == 0
+
+
+def test_adopt_parses_safetensors_by_their_header(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(4, 4)}, str(path))
+    assert verify.content_problem(path, "drafter/model.safetensors") is None
+    path.write_bytes(path.read_bytes()[:-8])
+    assert "tensors do not end where the file does" in verify.content_problem(path, "drafter/model.safetensors")
+    path.write_bytes(b"\xff" * 16)
+    assert "header length runs past the file" in verify.content_problem(path, "drafter/model.safetensors")
+
+
+def test_refusals_are_notes_of_verify_never_orphans_nor_deleted_by_repair(tmp_path):
+    root, config = small_run(tmp_path)
+    store = open_storage(root)
+    refusal = refusal_key("tokenize", {"shard": "00001"})
+    doc = {"rule": "tokenize", "wildcards": {"shard": "00001"}, "input": "outputs/generate-00001.parquet"}
+    store.write_text(refusal, json.dumps(doc))
+    report = verify.check_run(store, config)
+    assert report.ok and report.refusals == [refusal]
+    assert f"note      {root}/{refusal}  (rule tokenize shard=00001 refused its damaged input" in "\n".join(
+        report.lines(store)
+    )
+    (root / "outputs/generate-00001.parquet").unlink()
+    report = verify.check_run(store, config)
+    assert [f.kind for f in report.findings] == ["missing"]
+    verify.delete_damaged(store, report)
+    assert store.exists(refusal)
 
 
 def test_verify_names_a_damaged_ingest_output_segment_manifest_index_and_drafter(tmp_path):

@@ -290,35 +290,43 @@ def test_a_job_whose_driver_is_sigkilled_stops_after_its_part_and_the_next_run_r
     assert generated == pq.read_table(workflow.root / PROMPTS).column("id").to_pylist()
 
 
-def test_a_twenty_second_s3_outage_during_generate_is_ridden_out(workflow, demo_model, tmp_path, monkeypatch):
-    """SeaweedFS stopped for 20 s while a generate job writes its parts (and the driver waits on
-    it): the job's storage calls and the S3 plugin's retry with backoff, the job's log says so,
+def test_a_hung_s3_server_during_generate_is_ridden_out(workflow, demo_model, tmp_path, monkeypatch):
+    """SeaweedFS frozen (SIGSTOP, as a stalled gateway: connections are accepted, nothing is
+    answered) for 20 s while a generate job writes its parts and the driver beats its lease every
+    2 s, past the 5 s read timeout given to every storage client of the run: requests time out
+    and are retried, and writes that timed out land once the server resumes, so their retries
+    meet their own writes (412 on the lease). The job's log says so, the driver keeps its lease,
     and the run finishes with every prompt once, without a rerun."""
     from tests.support.seaweed import start_seaweed
 
     server = start_seaweed(tmp_path / "weed")  # its own server: the session's stays up
     try:
-        # 16 prompts: 12 left to generate after the first part, while the server is away.
+        # 16 prompts: 12 left to generate after the first part, while the server is frozen.
         configure(workflow, demo_model, tmp_path, prompts=16, max_new_tokens=48)
+        workflow.write_config(lease={"ttl_s": 8})  # a beat every 2 s: some fall in the freeze
         prefix = f"s3://{server.bucket}/outage"
         args = ("--profile", "profiles/s3", "--default-storage-prefix", prefix)
         for key, value in server.env.items():  # this test's own reads
             monkeypatch.setenv(key, value)
         run_url = f"{prefix}/results/demo"
         progress = ShardProgress(open_storage(run_url), "generate", 0)
-        run = start_snakemake(workflow, *args, env=server.env, output=tmp_path / "driver.log")
+        env = {**server.env, "DFLASH_STORAGE_READ_TIMEOUT_S": "5"}
+        run = start_snakemake(workflow, *args, env=env, output=tmp_path / "driver.log")
         try:
             wait_until(lambda: len(progress.part_keys()) >= 1, SLOW, "a progress part")
-            server.stop()
-            time.sleep(20)  # the outage itself (a fault injected, not a wait for a result)
-            server.start_again()
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                time.sleep(20)  # the outage itself (a fault injected, not a wait for a result)
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
             assert run.wait(timeout=2 * SLOW) == 0, (tmp_path / "driver.log").read_text()[-3000:]
         finally:
             if run.poll() is None:
                 os.killpg(run.pid, signal.SIGKILL)
+        assert "was taken over" not in (tmp_path / "driver.log").read_text()
         store = open_storage(run_url)
         job_log = store.read_text("logs/generate/00000.log")
-        assert "unreachable (" in job_log and "giving up after 900 s of outage" in job_log  # met, and said
+        assert "ReadTimeoutError); retry" in job_log and "giving up after 900 s of outage" in job_log  # met, and said
         # One attempt: the job rode the outage out instead of failing into a retry.
         assert len(re.findall(r"attempt \d+ of this job", job_log)) == 1, job_log[-3000:]
         with (

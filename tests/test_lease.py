@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import uuid
 
 import pytest
 
@@ -251,3 +252,104 @@ def test_a_job_knows_when_its_driver_no_longer_drives_the_run(store, monkeypatch
         raise_if_driverless(store, "generate shard 00001")
     monkeypatch.delenv(DRIVER_TOKEN_ENV)
     raise_if_driverless(store, "generate shard 00001")  # started by hand, without a lease: no check
+
+
+def test_a_conditional_call_repeated_after_it_landed_answers_as_the_first(store):
+    """A retry of a request whose answer was lost finds its own write in place (412 against its
+    own version, 404 on what it deleted): the storage decides from what is stored."""
+    tag = store.create_if_absent("k.json", b"one")
+    assert store.create_if_absent("k.json", b"one") == tag
+    new = store.replace_if_tag("k.json", b"two", tag)
+    assert store.replace_if_tag("k.json", b"two", tag) == new
+    assert store.replace_if_tag("k.json", b"three", tag) is None  # another version: not ours
+    assert store.delete_if_tag("k.json", new) is True
+    assert store.delete_if_tag("k.json", new) is True  # gone: the delete took effect
+
+
+def _losing_answers(storage):
+    """Make every PutObject/DeleteObject of ``storage``'s client land on the server, then lose
+    its answer once, as a client timeout does while the server stalls: botocore sends the same
+    request again, which then fails its own precondition."""
+    lost = []
+
+    def lose(response=None, caught_exception=None, operation=None, request_dict=None, **_):
+        if caught_exception is None and operation.name in ("PutObject", "DeleteObject"):
+            context = request_dict.setdefault("context", {})
+            if not context.get("answer_lost"):
+                context["answer_lost"] = True
+                lost.append(operation.name)
+                return 0  # retry at once
+        return None
+
+    storage.client.meta.events.register_first("needs-retry.s3", lose)
+    return lost
+
+
+def test_lease_writes_that_landed_with_their_answers_lost_are_the_drivers_own(s3_server, s3_env):
+    from dflash_pipeline.core.s3 import S3Storage, s3_client
+
+    # A client of its own (the shared one serves the rest of the session).
+    storage = S3Storage(f"s3://{s3_server.bucket}/lost-{uuid.uuid4().hex[:8]}", client=s3_client(read_timeout=30))
+    lost = _losing_answers(storage)
+    lease = RunLease(storage, ttl_s=60).acquire()
+    lease.heartbeat()
+    lease.heartbeat()
+    assert read_lease(storage)["owner"]["token"] == lease.owner["token"]
+    assert lease.release() is True
+    assert read_lease(storage) is None
+    assert lost == ["PutObject", "PutObject", "PutObject", "DeleteObject"]  # each op retried once
+
+
+@pytest.mark.parametrize("operation", ["acquire", "heartbeat", "release"])
+def test_a_lease_write_timed_out_on_a_stalled_server_is_recognised_as_ours(s3_server, s3_env, operation):
+    """The S3 server freezes (SIGSTOP, as a stalled gateway does) while a lease write is in
+    flight: the client times out and retries, the server comes back and takes the timed-out
+    write and then the retry, whose precondition fails against that write. The driver keeps its
+    lease (acquire, heartbeat) or gives it up (release), never "taken over by" itself."""
+    import logging
+    import signal
+
+    from dflash_pipeline.core.s3 import S3Storage, s3_client
+
+    # A read timeout of 1 s stands for botocore's 60: what matters is that it passes while the
+    # server is frozen with the request in its socket.
+    client = s3_client(connect_timeout=1, read_timeout=1)
+    storage = S3Storage(f"s3://{s3_server.bucket}/stall-{uuid.uuid4().hex[:8]}", client=client)
+    lease = RunLease(storage, ttl_s=60)
+    if operation != "acquire":
+        lease.acquire()
+
+    timed_out = threading.Event()
+
+    class Retried(logging.Handler):  # outage.ride_out warns once per failed try
+        def emit(self, record):
+            timed_out.set()
+
+    handler = Retried(logging.WARNING)
+    logging.getLogger("dflash_pipeline.storage").addHandler(handler)
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = getattr(lease, operation)()
+        except Exception as err:  # reported by the assertion below
+            outcome["error"] = err
+
+    worker = threading.Thread(target=run)
+    os.kill(s3_server.process.pid, signal.SIGSTOP)
+    try:
+        worker.start()
+        assert timed_out.wait(120), "the client never timed out against the frozen server"
+    finally:
+        os.kill(s3_server.process.pid, signal.SIGCONT)
+        logging.getLogger("dflash_pipeline.storage").removeHandler(handler)
+    worker.join(300)
+    assert "error" not in outcome, outcome.get("error")
+    stored = read_lease(storage)
+    if operation == "release":
+        assert outcome["result"] is True and stored is None
+    else:
+        assert stored["owner"]["token"] == lease.owner["token"]
+        assert storage.read_tagged(LEASE_KEY)[1] == lease.tag
+        lease.heartbeat()  # and it goes on beating from the version it found
+        assert lease.release() is True

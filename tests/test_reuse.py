@@ -252,15 +252,8 @@ def test_parts_and_reuse_objects_without_the_hash_column_are_regenerated_not_fat
     for row in old_rows:
         del row["prompt_hash"]
 
-    def old_object(rows: list[dict]) -> bytes:
-        sink = io.BytesIO()
-        pq.write_table(pa.Table.from_pylist(rows, schema=OLD_SCHEMA), sink)
-        return sink.getvalue()
-
-    run.write_bytes(layout.reuse_key("generate", 0), old_object(old_rows[:2]))
-    run.write_bytes(
-        layout.progress_prefix("generate", 0) + "part-00000000000000000001-aaaaaa.parquet", old_object(old_rows[2:])
-    )
+    progress.save_reusable(pa.Table.from_pylist(old_rows[:2], schema=OLD_SCHEMA))
+    progress.write_part(pa.Table.from_pylist(old_rows[2:], schema=OLD_SCHEMA))
     assert progress.load_reusable(GENERATED_SCHEMA).column("prompt_hash").null_count == 2
     assert progress.load_parts(GENERATED_SCHEMA).column("prompt_hash").null_count == 2
     generator = EchoGenerator()
@@ -342,3 +335,53 @@ def test_editing_a_prompt_under_its_id_regenerates_it_and_reuses_the_rest(workfl
     for sample_id, row in after.items():
         if sample_id != edited_id:
             assert row == before[sample_id]  # reused as it was, not regenerated
+
+
+# --- what a resume or a repair reads is checked -------------------------------------------
+
+
+def _finished_shard(tmp_path, prompts: list[dict]) -> tuple[ShardProgress, pa.Table]:
+    progress = ShardProgress(open_storage(tmp_path), "generate", 0)
+    table = run_shard(prompts, progress, EchoGenerator())
+    finish_shard(progress, table)
+    return progress, table
+
+
+def test_a_changed_byte_in_the_reuse_copy_is_named_and_its_rows_generated_again(tmp_path, caplog):
+    """The laundering case: one digit of a saved answer changed in the reuse copy (the bytes
+    still parse) must not reach the rebuilt shard, which would then get a valid checksum."""
+    prompts = [prompt(f"s{i}", user(f"What is {i} + 2022?")) for i in range(4)]
+    progress, table = _finished_shard(tmp_path, prompts)
+    key = layout.reuse_key("generate", 0)
+    data = progress.run.read_bytes(key)
+    damaged = data.replace(b"2022", b"2092", 1)
+    assert damaged != data and pq.read_table(io.BytesIO(damaged)).num_rows == 4  # still parses
+    progress.run.write_bytes(key, damaged)
+
+    generator = EchoGenerator()
+    with caplog.at_level(logging.WARNING):
+        rebuilt = run_shard(prompts, progress, generator)
+    assert f"reuse copy {progress.run.join(key)} is damaged: its sha256 is" in caplog.text
+    assert "dropped; its rows are generated again" in caplog.text
+    assert sorted(generator.asked) == sorted(p["messages"][0]["content"] for p in prompts)
+    assert rebuilt.to_pylist() == table.to_pylist()
+    assert not progress.run.exists(key)  # a later rebuild does not meet it again
+
+
+def test_damaged_or_unrecorded_parts_are_dropped_and_the_rest_resumed(tmp_path, caplog):
+    run = open_storage(tmp_path)
+    progress = ShardProgress(run, "generate", 0)
+    prompts = [prompt(f"s{i}", user(f"What is {i} + 10?")) for i in range(3)]
+    rows = [saved_row(p["id"], p["messages"], digest=Wanted.of(p).prompt_hash) for p in prompts]
+    good = progress.write_part(pa.Table.from_pylist(rows[:1], schema=GENERATED_SCHEMA))
+    damaged = progress.write_part(pa.Table.from_pylist(rows[1:2], schema=GENERATED_SCHEMA))
+    unrecorded = progress.write_part(pa.Table.from_pylist(rows[2:], schema=GENERATED_SCHEMA))
+    data = run.read_bytes(damaged)
+    run.write_bytes(damaged, data[:-20] + bytes([data[-20] ^ 1]) + data[-19:])
+    run.delete(unrecorded + ".sha256.json")
+    with caplog.at_level(logging.WARNING):
+        assert progress.load_parts(GENERATED_SCHEMA).column("id").to_pylist() == ["s0"]
+    assert f"progress part {run.join(damaged)} is damaged" in caplog.text
+    assert f"progress part {run.join(unrecorded)} has no checksum record" in caplog.text
+    assert progress.part_keys() == [good]
+    assert progress.clear_parts() == 1 and run.list(progress.prefix + "part-") == []

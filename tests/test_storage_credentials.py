@@ -282,3 +282,77 @@ def test_stop_finds_a_non_dumpable_status_page_by_its_command_line(tmp_path):
     assert status.server_tree(relative, str(proc)) == os.path.realpath(here / "run")
     assert status.server_tree(other, str(proc)) is None  # no status server
     assert status.server_tree(99, str(proc)) is None  # gone
+
+
+# The engine's stand-in as root: reads every /proc/<pid>/environ it can, and says which hold the
+# secret.
+SCAN = """
+import json, os, sys
+secret = sys.argv[1].encode()
+readable, holding, refused = [], [], []
+for name in os.listdir("/proc"):
+    if name.isdigit():
+        try:
+            with open(f"/proc/{name}/environ", "rb") as src:
+                data = src.read()
+        except OSError:
+            refused.append(int(name))
+            continue
+        readable.append(int(name))
+        if secret in data:
+            holding.append(int(name))
+print(json.dumps({"pid": os.getpid(), "readable": readable, "holding": holding, "refused": refused}))
+"""
+
+# The job: started (through a shell, which keeps the secret in its environment) with the secret,
+# it starts the stand-in as the pipeline starts an engine, or as a plain child (the hole).
+ROOT_JOB = """
+import os, subprocess, sys
+from dflash_pipeline.engines.environments import engine_env
+from dflash_pipeline.engines.launch import start_engine_process
+mode, secret, scan, out_path = sys.argv[1:5]
+cmd = [sys.executable, "-c", scan, secret]
+with open(out_path, "wb") as out:
+    if mode == "engine":
+        engine = start_engine_process(cmd, engine_env("vllm", None), out)
+    else:
+        engine = subprocess.Popen(cmd, stdout=out, env=engine_env("vllm", None))
+    engine.wait()
+print(os.getpid(), os.getppid())
+"""
+
+
+def scan_from_engine(tmp_path: Path, mode: str, secret: str) -> tuple[dict, list[int]]:
+    """What the engine stand-in read, and the pids of the shell and the job above it."""
+    out = tmp_path / f"scan-{mode}.json"
+    env = clean_env() | {
+        "SNAKEMAKE_STORAGE_S3_SECRET_KEY": secret,
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "MY_COPY_OF_THE_KEY": secret,  # a copy under another name
+        "PYTHONPATH": str(REPO),
+    }
+    shell = f'{sys.executable} -c "$JOB" {mode} {secret} "$SCAN" {out}; exit $?'  # no exec: the shell stays
+    proc = subprocess.run(
+        ["bash", "-c", shell], env=env | {"JOB": ROOT_JOB, "SCAN": SCAN}, capture_output=True, text=True, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr
+    job, shell_pid = map(int, proc.stdout.split()[-2:])
+    return json.loads(out.read_text()), [shell_pid, job]
+
+
+def test_an_engine_started_as_root_finds_the_secret_in_no_environment_it_can_read(tmp_path):
+    """Run as root, the engine reads every /proc/*/environ it can: none holds the storage
+    secret, neither the non-dumpable job that started it nor the (dumpable) shell above it,
+    nor any other root process; its own environment has none of its copies either."""
+    if os.geteuid() != 0:
+        pytest.skip("the root case: these tests run as an ordinary user")
+    if not any(credentials._effective_capabilities() & (1 << cap) for cap in credentials.PROCESS_READING_CAPS):
+        pytest.skip("root without CAP_SYS_PTRACE and the like here: no process reads another's environment anyway")
+    secret = secrets.token_hex(16)
+    # Without the confinement the engine reads it from the job and the shell: the hole.
+    exposed, above = scan_from_engine(tmp_path, "plain", secret)
+    assert set(above) <= set(exposed["holding"])
+    confined, above = scan_from_engine(tmp_path, "engine", secret)
+    assert confined["holding"] == []
+    assert confined["pid"] in confined["readable"]  # the scan works: its own environment
+    assert set(above) <= set(confined["refused"])

@@ -68,6 +68,20 @@ def test_the_tolerance_comes_from_the_environment():
         zero.next_delay("ReadTimeoutError")  # no tolerance: the first failure is final
 
 
+def test_the_read_timeout_comes_from_the_environment(monkeypatch):
+    from dflash_pipeline.core.s3 import READ_TIMEOUT_ENV, s3_client
+    from dflash_pipeline.core.storage_api import StorageError
+
+    monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.delenv(READ_TIMEOUT_ENV, raising=False)
+    assert s3_client().meta.config.read_timeout == 60  # botocore's
+    monkeypatch.setenv(READ_TIMEOUT_ENV, "5")
+    assert s3_client().meta.config.read_timeout == 5
+    monkeypatch.setenv(READ_TIMEOUT_ENV, "soon")
+    with pytest.raises(StorageError, match=f"^{READ_TIMEOUT_ENV}='soon' is not a positive number of seconds$"):
+        s3_client()
+
+
 def test_connection_errors_5xx_and_throttling_are_retried_4xx_answers_are_not():
     from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
 

@@ -4,6 +4,7 @@ missing, and `verify --repair` rebuilds exactly that shard's chain (dflash_pipel
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -67,9 +68,19 @@ def test_a_deleted_intermediate_is_found_and_only_its_chain_rebuilt(workflow, de
         )
     }
     before = (outputs / "tokenize-00001.parquet").stat().st_mtime_ns
+    # The repair would take the shard's rows from its reuse copy: one byte changed there must be
+    # named and those rows generated again, not rebuilt into a shard with a fresh valid checksum.
+    reuse = workflow.root / "results/demo/_progress/reuse/generate-00001.parquet"
+    damaged = bytearray(reuse.read_bytes())
+    damaged[len(damaged) // 3] ^= 0x01
+    reuse.write_bytes(bytes(damaged))
     repaired = run_verify(workflow, "--repair", "--", "--cores", "2")
     output = repaired.stdout + repaired.stderr
     assert repaired.returncode == 0, output
+    generate_log = (workflow.root / "results/demo/logs/generate/00001.log").read_text()
+    assert "reuse copy results/demo/_progress/reuse/generate-00001.parquet is damaged" in generate_log
+    assert "dropped; its rows are generated again" in generate_log
+    assert re.search(r"(\d+) prompts, 0 resumed from earlier work, \1 to generate", generate_log), generate_log
     assert "running: " in output and "--forcerun results/demo/outputs/generate-00001.parquet --cores 2" in output
     jobs = parse_job_table(output)
     assert jobs["generate"] == 1 and jobs["tokenize"] == 1 and "prepare" not in jobs, jobs

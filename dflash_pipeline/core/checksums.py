@@ -291,8 +291,8 @@ def verify_local_copy(
             raise ChecksumError(_message(where, f"is missing (checked by {reader})", producer_of(key), run_url, config))
         raise ChecksumError(
             f"{where} has no checksum record ({storage.join(sidecar_key(key))}; checked by {reader}), so "
-            f"it cannot be trusted. A run made before checksums were recorded: adopt its objects once with "
-            f"{adopt_command(run_url)}; otherwise rebuild it: {repair_command(run_url, config, _config_hint(config))}"
+            f"it cannot be trusted. Rebuild it: {repair_command(run_url, config, _config_hint(config))}; only a "
+            f"run made before checksums were recorded adopts its objects as stored: {adopt_command(run_url)}"
         )
     problem = record.digest.problem(digest_of(local)) if local.is_file() else "is missing"
     if problem is None:
@@ -337,8 +337,9 @@ def verify_stored_size(run_url: str, url: str, reader: str) -> Record:
         raise ChecksumError(_message(where, f"is missing (checked by {reader})", producer_of(key), run_url, None))
     if record is None:
         raise ChecksumError(
-            f"{where} has no checksum record ({storage.join(sidecar_key(key))}; checked by {reader}). A run made "
-            f"before checksums were recorded: {adopt_command(run_url)}; otherwise: {repair_command(run_url)}"
+            f"{where} has no checksum record ({storage.join(sidecar_key(key))}; checked by {reader}). Rebuild "
+            f"it: {repair_command(run_url)}; only a run made before checksums were recorded adopts its objects "
+            f"as stored: {adopt_command(run_url)}"
         )
     if listed[key] != record.size:
         problem = f"is {listed[key]} bytes, not the {record.size} it was written with (checked by {reader})"

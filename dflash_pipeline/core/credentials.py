@@ -21,6 +21,18 @@ launches an engine (``engines.launch.ManagedServer.start``), whoever called it. 
 readable to the user's other processes is outside the pipeline: the shell that exported the
 credentials, ``make``, the batch script of a Slurm job, and a ``~/.aws`` credentials file.
 
+Root is the exception: a process running as root reads every root process's ``/proc`` files,
+non-dumpable ones too, while it holds ``CAP_SYS_PTRACE``, ``CAP_SYS_ADMIN`` or ``CAP_PERFMON``
+(the last two: Linux lets a "perfmon-capable" process read another's memory and environment;
+measured on Linux 6.18, where dropping ``CAP_SYS_PTRACE`` alone still let a root child read the
+environment of its non-dumpable parent). So a program the pipeline starts but does not control
+(an engine, the probe of an engine's environment) is started without those three
+(``confine_child``, dropped from its bounding set before ``exec``, so nothing the engine starts
+gets them back; engines need none of them). Without them the kernel also refuses it any process
+whose capabilities exceed its own (Linux's capability check of ptrace access): every ordinary
+root process, the driver, the Snakemake job process and the shell that exported the credentials
+included, whether dumpable or not.
+
 Standard library only, and nothing else of the package: a test runs this module as an ordinary
 user with the system's Python, which cannot import the package's dependencies.
 """
@@ -47,6 +59,14 @@ SECRET_ENV_VARS = (
 
 PR_GET_DUMPABLE = 3
 PR_SET_DUMPABLE = 4
+PR_CAPBSET_READ = 23
+PR_CAPBSET_DROP = 24
+CAP_SETPCAP = 8
+CAP_SYS_PTRACE = 19
+CAP_SYS_ADMIN = 21
+CAP_PERFMON = 38
+# Each lets a root process read other root processes' environment and memory (see above).
+PROCESS_READING_CAPS = (CAP_SYS_PTRACE, CAP_SYS_ADMIN, CAP_PERFMON)
 
 
 def _start_environment() -> dict[str, str]:
@@ -114,3 +134,47 @@ def protect_storage_credentials(env: dict[str, str] | None = None) -> bool:
         )
         return False
     return True
+
+
+def secret_values(env: dict[str, str] | None = None) -> set[str]:
+    """The values of the credential variables set in ``env`` (this process's by default): a
+    child's environment drops any variable holding one, whatever its name."""
+    env = os.environ if env is None else env
+    return {env[name] for name in SECRET_ENV_VARS if env.get(name)}
+
+
+def _effective_capabilities() -> int:
+    try:
+        with open("/proc/self/status") as src:
+            for line in src:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def confinement_problem() -> str | None:
+    """Why a child started through ``confine_child`` would keep a capability that reads other
+    processes (root without ``CAP_SETPCAP`` to drop it), None when it will not (or this is no
+    root)."""
+    prctl = _prctl()
+    if prctl is None or os.geteuid() != 0:
+        return None
+    kept = [cap for cap in PROCESS_READING_CAPS if prctl(PR_CAPBSET_READ, cap, 0, 0, 0) == 1]
+    if not kept or _effective_capabilities() & (1 << CAP_SETPCAP):
+        return None
+    return f"this root process lacks CAP_SETPCAP, so its children keep capabilities {kept}"
+
+
+def confine_child() -> None:
+    """For ``subprocess.Popen(preexec_fn=...)``, run in the child before it execs a program the
+    pipeline does not control: as root, drop ``PROCESS_READING_CAPS`` from its bounding set (see
+    the module's docstring). Nothing to do for an ordinary user; a failure leaves the child as
+    it was (``confinement_problem`` tells the parent beforehand)."""
+    if os.geteuid() != 0:
+        return
+    prctl = _prctl()
+    if prctl is not None:
+        for cap in PROCESS_READING_CAPS:
+            prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL for a capability this kernel lacks

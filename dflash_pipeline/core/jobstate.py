@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.digest import Digest, Hasher
 from dflash_pipeline.core.storage import NotFound, Storage, StorageError, open_storage
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,13 @@ class Telemetry:
                 log.warning("telemetry not written (the job goes on): %s", err)
 
 
+# The checksum record of a progress part or reuse copy: beside it, ``<key>.sha256.json``
+# (``core.digest``'s format). What a resume or a repair reads back is checked against it, so a
+# damaged saved row is dropped and generated again, never rebuilt into a shard that then gets a
+# fresh, valid checksum of its own.
+SAVED_RECORD_SUFFIX = ".sha256.json"
+
+
 class ShardProgress:
     def __init__(self, run: Storage, stage: str, shard: int):
         self.run = run
@@ -280,43 +288,74 @@ class ShardProgress:
     def part_keys(self) -> list[str]:
         return [o.key for o in self.run.list(self.prefix + "part-") if o.key.endswith(".parquet")]
 
-    def load_parts(self, schema: pa.Schema) -> pa.Table:
-        """Every row saved so far (later parts win for a repeated id)."""
-        tables = []
-        for key in self.part_keys():
+    def _write_checked(self, key: str, table: pa.Table) -> None:
+        """``table`` as one parquet object at ``key``, its record written first: a crash
+        between the two leaves a record without its object (harmless), or, for the reuse copy
+        it replaces, an object its record does not match (dropped when read)."""
+        sink = io.BytesIO()
+        pq.write_table(table, sink)
+        data = sink.getvalue()
+        digest = Hasher().update_all([data]).digest()
+        record = {"key": key, **digest.fields(), "written_at": time.time()}
+        self.run.write_text(key + SAVED_RECORD_SUFFIX, json.dumps(record) + "\n")
+        self.run.write_bytes(key, data)
+
+    def _read_checked(self, key: str, schema: pa.Schema, what: str) -> pa.Table | None:
+        """The table saved at ``key`` if it matches its record; else None, the object and its
+        record deleted and the reason logged (its rows are generated again)."""
+        try:
+            data = self.run.read_bytes(key)
+        except NotFound:
+            return None
+        try:
+            problem = Digest.of(json.loads(self.run.read_bytes(key + SAVED_RECORD_SUFFIX))).problem(
+                Hasher().update_all([data]).digest()
+            )
+        except NotFound:
+            problem = f"has no checksum record {self.run.join(key + SAVED_RECORD_SUFFIX)}"
+        except (ValueError, KeyError, TypeError) as err:
+            problem = f"has an unreadable checksum record ({type(err).__name__}: {err})"
+        table = None
+        if problem is None:
             try:
-                tables.append(pq.read_table(io.BytesIO(self.run.read_bytes(key)), schema=schema))
-            except (StorageError, pa.ArrowInvalid) as err:
-                # A part is written atomically, so an unreadable one is foreign or damaged:
-                # say so and regenerate its rows rather than trust it.
-                raise StorageError(f"unreadable progress part {self.run.join(key)}: {err}") from err
+                table = pq.read_table(io.BytesIO(data), schema=schema)
+            except (pa.ArrowInvalid, OSError) as err:
+                problem = f"matches its record but is no parquet of generated rows ({err})"
+        if problem is not None:
+            log.warning("%s %s %s: dropped; its rows are generated again", what, self.run.join(key), problem)
+            self.run.delete(key)
+            self.run.delete(key + SAVED_RECORD_SUFFIX)
+            return None
+        return table
+
+    def load_parts(self, schema: pa.Schema) -> pa.Table:
+        """Every row saved so far that its part's record vouches for (later parts win for a
+        repeated id); a damaged or unrecorded part is dropped, named in the log."""
+        tables = [self._read_checked(key, schema, "progress part") for key in self.part_keys()]
+        tables = [t for t in tables if t is not None]
         return pa.concat_tables(tables) if tables else schema.empty_table()
 
     def save_reusable(self, table: pa.Table) -> None:
         """Keep the finished shard so a later rebuild of it reuses its rows."""
-        sink = io.BytesIO()
-        pq.write_table(table, sink)
-        self.run.write_bytes(layout.reuse_key(self.stage, self.shard), sink.getvalue())
+        self._write_checked(layout.reuse_key(self.stage, self.shard), table)
 
     def load_reusable(self, schema: pa.Schema) -> pa.Table:
-        key = layout.reuse_key(self.stage, self.shard)
-        if not self.run.exists(key):
-            return schema.empty_table()
-        return pq.read_table(io.BytesIO(self.run.read_bytes(key)), schema=schema)
+        """The rows of the shard's earlier build, if its reuse copy matches its record."""
+        table = self._read_checked(layout.reuse_key(self.stage, self.shard), schema, "reuse copy")
+        return schema.empty_table() if table is None else table
 
     def write_part(self, table: pa.Table) -> str:
         # Time-ordered names: parts sort in the order they were written.
         key = f"{self.prefix}part-{time.time_ns():020d}-{uuid.uuid4().hex[:6]}.parquet"
-        sink = io.BytesIO()
-        pq.write_table(table, sink)
-        self.run.write_bytes(key, sink.getvalue())
+        self._write_checked(key, table)
         return key
 
     def clear_parts(self) -> int:
-        keys = self.part_keys()
-        for key in keys:
+        """Delete the parts and their records; how many parts there were."""
+        objects = [o.key for o in self.run.list(self.prefix + "part-")]
+        for key in objects:
             self.run.delete(key)
-        return len(keys)
+        return sum(key.endswith(".parquet") for key in objects)
 
     def telemetry(self, total: int, every_s: float, **options) -> Telemetry:
         """The shard job's live telemetry, written at most every ``every_s`` seconds (its stage's

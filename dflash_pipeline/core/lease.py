@@ -21,7 +21,11 @@ expiry:
   over then, without waiting for the rest of its expiry (a driver killed by an outage on
   another machine frees its run about 3 minutes after its last beat instead of 5, with the
   default ``lease.ttl_s`` of the config schema);
-* the holder deletes it when the run ends (success or error).
+* the holder deletes it when the run ends (success or error);
+* every one of these writes decides from what is stored, not from the answer to its last
+  request: a write that timed out on a stalled server may land when it resumes, and its retry
+  then fails its own precondition; a lease found holding this driver's token is its own write
+  (``Storage.create_if_absent`` and the others settle the same way by content).
 
 Only real executions take it (the workflow's ``onstart``): dry-runs, ``--lint``, reports and the
 jobs themselves never do. ``python -m dflash_pipeline.core.lease show|break --run-url URL``
@@ -183,23 +187,39 @@ class RunLease:
         current = self.storage.read_tagged(LEASE_KEY)
         return current is not None and current[1] == tag
 
+    def _ours(self, record: dict) -> bool:
+        """Whether a stored lease record was written by this lease (its owner token): a write
+        whose answer was lost (a client timeout while the storage stalled) may have landed."""
+        owner = record.get("owner")
+        return isinstance(owner, dict) and owner.get("token") == self.owner["token"]
+
+    def _read(self) -> tuple[dict, str] | None:
+        current = self.storage.read_tagged(LEASE_KEY)
+        if current is None:
+            return None
+        try:
+            record = json.loads(current[0])
+        except ValueError:
+            record = {}
+        return (record if isinstance(record, dict) else {}), current[1]
+
     def acquire(self) -> RunLease:
         """Take the lease, or raise LeaseHeld naming the live holder."""
+        takeover = None  # the stale record and why, while this driver's takeover is unconfirmed
         for _ in range(5):  # each retry follows a change by another driver
             tag = self.storage.create_if_absent(LEASE_KEY, self._record())
             if tag is not None:
                 self.tag = tag
                 return self
-            current = self.storage.read_tagged(LEASE_KEY)
+            current = self._read()
             if current is None:
                 continue  # released between our two requests
-            data, current_tag = current
-            try:
-                record = json.loads(data)
-            except ValueError:
-                record = {}
-            if not isinstance(record, dict):
-                record = {}
+            record, current_tag = current
+            if self._ours(record):  # a create or takeover of ours landed; its answer was lost
+                self.tag = current_tag
+                if takeover is not None:
+                    self.took_over, self.takeover_reason = takeover
+                return self
             if is_stale(record, self.clock(), self.owner["host"]):
                 reason = "expired, or its holder's process is gone"
             elif self._silent_holder(record, current_tag):
@@ -213,6 +233,7 @@ class RunLease:
                     "stopped (or it expires), or remove the lease now with: "
                     + BREAK_COMMAND.format(run_url=self.storage.url)
                 )
+            takeover = (record, reason)
             tag = self.storage.replace_if_tag(LEASE_KEY, self._record(), current_tag)
             if tag is not None:
                 self.tag, self.took_over, self.takeover_reason = tag, record, reason
@@ -220,23 +241,36 @@ class RunLease:
         raise LeaseHeld(f"could not take the lease {self.url}: it kept changing under this driver")
 
     def heartbeat(self) -> None:
-        """Push the expiry forward; LeaseLost if another driver took the lease over."""
+        """Push the expiry forward; LeaseLost if another driver took the lease over.
+
+        A beat whose precondition failed reads the lease: still this driver's (by its token) it
+        is a beat of ours that landed late or lost its answer, and is beaten again from there;
+        only another driver's token (or no lease at all) means the lease was lost."""
         if self.tag is None:
             raise LeaseLost(f"{self.url}: this driver does not hold the lease")
-        tag = self.storage.replace_if_tag(LEASE_KEY, self._record(), self.tag)
-        if tag is None:
-            self.tag = None
-            current = self.storage.read_tagged(LEASE_KEY)
-            holder = describe_holder(json.loads(current[0])) if current else "nobody"
-            raise LeaseLost(f"the lease {self.url} was taken over; it is now held by {holder}")
-        self.tag = tag
+        for _ in range(3):  # each retry follows a late write of this driver's own
+            tag = self.storage.replace_if_tag(LEASE_KEY, self._record(), self.tag)
+            if tag is not None:
+                self.tag = tag
+                return
+            current = self._read()
+            if current is None or not self._ours(current[0]):
+                self.tag = None
+                holder = describe_holder(current[0]) if current else "nobody (it was removed)"
+                raise LeaseLost(f"the lease {self.url} was taken over; it is now held by {holder}")
+            self.tag = current[1]
+        raise StorageError(f"{self.url}: the lease kept changing under this driver's own heartbeat")
 
     def release(self) -> bool:
-        """Give the lease up (only the version this process wrote); whether it was deleted."""
+        """Give the lease up (only a version this process wrote); whether it is gone."""
         self.stop_heartbeat()
         if self.tag is None:
             return False
         deleted = self.storage.delete_if_tag(LEASE_KEY, self.tag)
+        if not deleted:  # a beat of ours that landed after its answer was lost changed the tag
+            current = self._read()
+            if current is not None and self._ours(current[0]):
+                deleted = self.storage.delete_if_tag(LEASE_KEY, current[1])
         self.tag = None
         return deleted
 

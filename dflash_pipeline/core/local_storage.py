@@ -155,10 +155,12 @@ class LocalStorage(Storage):
             return None
         return data, self._tag(data)
 
+    # The same outcomes as S3's (decided from what is stored): a call repeated after it took
+    # effect answers as the first did.
     def create_if_absent(self, key: str, data: bytes) -> str | None:
         with self._locked(key) as path:
             if path.is_file():
-                return None
+                return self.settle_write(key, data)
             self.write_bytes(key, data)
         return self._tag(data)
 
@@ -166,14 +168,16 @@ class LocalStorage(Storage):
         with self._locked(key):
             current = self.read_tagged(key)
             if current is None or current[1] != tag:
-                return None
+                return current[1] if current is not None and current[0] == data else None
             self.write_bytes(key, data)
         return self._tag(data)
 
     def delete_if_tag(self, key: str, tag: str) -> bool:
         with self._locked(key):
             current = self.read_tagged(key)
-            if current is None or current[1] != tag:
+            if current is None:
+                return True
+            if current[1] != tag:
                 return False
             self.delete(key)
         return True

@@ -105,16 +105,33 @@ def s3_client(max_attempts: int | None = None, **timeouts):
     (boto3 clients are thread-safe): a job opens many storages, each of which would otherwise
     build its own client, connection pool and credential chain."""
     settings = s3_settings_from_env()
+    read_timeout = os.environ.get(READ_TIMEOUT_ENV) or None
     if max_attempts is None and not timeouts:
         aws = tuple((name, os.environ.get(name)) for name in AWS_ENV_VARS)
-        return _shared_client(tuple(sorted(settings.items())), aws)
+        return _shared_client(tuple(sorted(settings.items())), aws, read_timeout)
     return _new_client(settings, max_attempts, timeouts)
 
 
+# Seconds a request waits for the server's answer before it is tried again (botocore's
+# read_timeout; its default, 60, when unset): a stalled server that accepts connections but
+# answers nothing is an outage only once it passes. Shorter in the tests that freeze one.
+READ_TIMEOUT_ENV = "DFLASH_STORAGE_READ_TIMEOUT_S"
+
+
+def _read_timeout(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise StorageError(f"{READ_TIMEOUT_ENV}={value!r} is not a positive number of seconds")
+    return seconds
+
+
 @functools.lru_cache(maxsize=8)
-def _shared_client(settings: tuple, aws_env: tuple):
+def _shared_client(settings: tuple, aws_env: tuple, read_timeout: str | None = None):
     """``aws_env``: boto's own variables, part of the key only (boto reads them itself)."""
-    return _new_client(dict(settings), None, {})
+    return _new_client(dict(settings), None, {"read_timeout": _read_timeout(read_timeout)} if read_timeout else {})
 
 
 def _new_client(settings: dict, max_attempts: int | None, timeouts: dict):
@@ -320,16 +337,20 @@ class S3Storage(Storage):
             return None
         return resp["Body"].read(), resp["ETag"]
 
+    # A request that timed out is retried (outage.ride_out) and may have landed meanwhile: a
+    # failed precondition is settled from the stored object (Storage.settle_write).
     def create_if_absent(self, key: str, data: bytes) -> str | None:
         resp = self._conditional("creating", key, self.client.put_object, Body=data, IfNoneMatch="*")
-        return None if resp is None else resp["ETag"]
+        return self.settle_write(key, data) if resp is None else resp["ETag"]
 
     def replace_if_tag(self, key: str, data: bytes, tag: str) -> str | None:
         resp = self._conditional("replacing", key, self.client.put_object, Body=data, IfMatch=tag)
-        return None if resp is None else resp["ETag"]
+        return self.settle_write(key, data) if resp is None else resp["ETag"]
 
     def delete_if_tag(self, key: str, tag: str) -> bool:
-        return self._conditional("deleting", key, self.client.delete_object, IfMatch=tag) is not None
+        if self._conditional("deleting", key, self.client.delete_object, IfMatch=tag) is not None:
+            return True
+        return self.read_tagged(key) is None  # an earlier try that deleted it lost its answer
 
     def ensure_bucket(self) -> None:
         """Create the bucket if needed and put the permanent sentinel object into it."""

