@@ -66,3 +66,25 @@ def test_the_27b_example_states_one_prompt_count():
         text = path.read_text()
         stated = set(re.findall(r"\d[\d,.]*[KM] prompts", text))
         assert stated == {count}, f"{path.name}: {sorted(stated)} (expected only {count})"
+
+
+def _make(*args: str) -> str:
+    return subprocess.run(["make", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+def test_make_help_lists_every_phony_target_with_one_line():
+    makefile = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    phony = {name for line in re.findall(r"^\.PHONY:(.*)$", makefile, re.MULTILINE) for name in line.split()}
+    listed = dict(re.findall(r"^  ([\w-]+) +(\S.*)$", _make("-s", "help"), re.MULTILINE))
+    assert phony and not phony - set(listed), f"not in make help: {sorted(phony - set(listed))}"
+
+
+def test_make_dryrun_plans_an_s3_run_under_prefix_as_the_other_targets_do():
+    # -n: make prints the recipe (and setup's, where .venv is missing) and runs nothing.
+    s3 = _make("-n", "dryrun", "CONFIG=my-run.yaml", "PREFIX=s3://bucket/prefix").replace("\\\n", " ")
+    assert re.search(
+        r"-m snakemake -n .*--configfile my-run\.yaml\s+--profile profiles/s3 --default-storage-prefix s3://bucket/prefix",
+        s3,
+    ), s3
+    local = _make("-n", "dryrun").replace("\\\n", " ")
+    assert "-m snakemake -n" in local and "--profile" not in local and "--default-storage-prefix" not in local
