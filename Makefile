@@ -227,7 +227,7 @@ clean: ## remove results/, .snakemake/ and report.html
 	rm -rf results .snakemake report.html
 
 # --- a GPU machine: the pipeline and each engine in an environment of its own -----------------
-# (README, Run on your GPUs). Set engines.vllm.python / engines.sglang.python to the engines'.
+# (docs/gpu.md, Pipeline and engine environments). Set engines.vllm.python / engines.sglang.python to the engines'.
 VLLM_GPU_VENV ?= .venv-vllm-gpu
 SGLANG_VENV ?= .venv-sglang
 
@@ -248,7 +248,7 @@ sglang-env: ## SGLang 0.5.23 in .venv-sglang
 	$(SGLANG_VENV)/bin/python -m pip install --quiet -r envs/gpu/sglang-0.5.23.txt
 
 # --- a GPU node without a package index: pinned wheel sets built on a connected machine ----------
-# (README, GPU nodes without a package index). The locks (envs/gpu/locks/<set>.lock) hold what a GPU
+# (docs/gpu.md, GPU nodes without a package index). The locks (envs/gpu/locks/<set>.lock) hold what a GPU
 # image with torch 2.11.0+cu130 lacks (its pip freeze: envs/gpu/locks/base-freeze.txt): the
 # pipeline's set sits on the image's torch, each engine's brings its own (torch 2.14, CUDA 13);
 # wheels are for CPython 3.12 / Linux x86_64 whatever machine builds them. On the connected machine:
@@ -285,7 +285,7 @@ gpu-wheels: ## build the wheel sets of a GPU node without a package index [WHEEL
 gpu-wheels-install: ## install those wheel sets on the GPU node [WHEELS, GPU_ENVS]
 	$(PYTHON3) scripts/gpu_wheels.py install --wheels $(WHEELS) --envs $(GPU_ENVS) --checkout $(CURDIR)
 
-# The GPU check (README, "The GPU check"): on a machine with one CUDA GPU, the CUDA tests and the
+# The GPU check (docs/gpu.md, "The GPU check"): on a machine with one CUDA GPU, the CUDA tests and the
 # demo through each engine (generation and evaluation, every gate on) for each drafter shape it
 # serves, plus a broken export that must fail; writes bench/results/gpu_check-<device>.json.
 # Start the engines as the card needs (e.g. GPU_CHECK_ARGS="--engine-arg sglang=--disable-cuda-graph").
