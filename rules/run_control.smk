@@ -42,7 +42,7 @@ def preflight():
 
     problems, ready = run_problems(config, RUN_URL)
     if problems:
-        refuse("\n".join(problems))
+        refuse(*problems)
     for line in ready:
         logger.info(line)
 

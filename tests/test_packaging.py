@@ -1,11 +1,13 @@
 """The package works installed, not only from its checkout: a non-editable `pip install` of a copy
 of the project into a fresh environment imports every module and loads the config schema (package
-data) from a folder that is not the checkout. Nothing is downloaded: --no-deps and
+data) from a folder that is not the checkout, and its console script plans a run from the folder
+of the run's config and data. Nothing is downloaded: --no-deps and
 --no-build-isolation, the dependencies and setuptools from the running environment."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -79,7 +81,10 @@ def test_a_non_editable_install_imports_every_module_and_loads_the_schema(tmp_pa
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = subprocess.run([python, "-c", CHECK], capture_output=True, text=True, cwd=elsewhere)
+    # The installed copy alone: a PYTHONPATH naming the checkout (as developers run the tests)
+    # would put the checkout's package first.
+    clean_env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    proc = subprocess.run([python, "-c", CHECK], capture_output=True, text=True, cwd=elsewhere, env=clean_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("package", "plugin", "schema"):
@@ -91,8 +96,32 @@ def test_a_non_editable_install_imports_every_module_and_loads_the_schema(tmp_pa
     assert {f"dflash_pipeline.stages.{name}" for name in expected} <= set(result["modules"])
 
     # The console script, from a folder that is not the checkout: its commands.
-    usage = subprocess.run([env / "bin" / "dflash-pipeline"], capture_output=True, text=True, cwd=elsewhere)
+    usage = subprocess.run(
+        [env / "bin" / "dflash-pipeline"], capture_output=True, text=True, cwd=elsewhere, env=clean_env
+    )
     assert usage.returncode == 0 and "  plan " in usage.stdout and "  clear-halt " in usage.stdout, usage
+
+    # Its plan of a run whose config and data sit in that folder, as a user's would: relative
+    # paths from the working directory (as Snakemake reads them), no checkout's benchmark records.
+    shutil.copy2(REPO / "config.yaml", elsewhere / "config.yaml")
+    dataset = elsewhere / "data" / "demo" / "prompts.jsonl"
+    dataset.parent.mkdir(parents=True)
+    dataset.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"Add {i} and 1."}], "id": f"p{i}"}) + "\n"
+            for i in range(3)
+        )
+    )
+    plan = subprocess.run(
+        [env / "bin" / "dflash-pipeline", "plan", "--configfile", "config.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=elsewhere,
+        env=clean_env,
+    )
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert plan.stdout.startswith("Plan of run 'demo'") and "prompts            3  (counted" in plan.stdout, plan.stdout
+    assert not plan.stderr, plan.stderr
 
     # The status page's assets ship too (package data since before).
     assets = {p.name for p in (REPO / "dflash_pipeline" / "status" / "assets").iterdir()}

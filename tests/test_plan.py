@@ -528,3 +528,16 @@ def test_a_run_whose_gpu_jobs_take_no_gpu_is_planned_on_the_cpu(monkeypatch):
     # A GPU run keeps its GPUs.
     gpu_text = plan_module.format_plan(make_plan(seeds_config(), Measured(bench_train=BENCH[0]), gpus=8))
     assert "on 8 GPUs" in gpu_text.splitlines()[0] and "the CPU" not in gpu_text
+
+
+def test_the_benchmark_records_are_the_working_checkouts_else_the_packages_and_a_named_folder_must_exist(
+    tmp_path, capsys
+):
+    from dflash_pipeline.stages.plan import REPO as PACKAGE_CHECKOUT
+    from dflash_pipeline.stages.plan import default_bench_dir, main
+
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    assert default_bench_dir(tmp_path) == tmp_path / "bench" / "results"
+    assert default_bench_dir(tmp_path / "elsewhere") == PACKAGE_CHECKOUT / "bench" / "results"
+    assert main(["--bench-dir", str(tmp_path / "gone"), "--configfile", str(EXAMPLE)]) == 2
+    assert capsys.readouterr().err.strip() == f"plan: --bench-dir {tmp_path / 'gone'}: no such folder"

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from dflash_pipeline.core.config import validate_config
+from dflash_pipeline.core.refusal import EnvironmentProblem, refusal_text
 from dflash_pipeline.stages.preflight import (
     dataset_problems,
     model_problems,
@@ -64,6 +65,39 @@ def test_a_model_folder_needs_config_tokenizer_and_weights(tmp_path, demo_model)
     assert "looks like a hub id" in line and "hf download Qwen/Qwen3.6-27B" in line
 
 
+def test_a_sharded_checkpoint_missing_files_its_index_lists_is_refused_naming_them(tmp_path, demo_model):
+    """A partial download: the index is there, some of the shards it lists are not."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy2(demo_model / name, model / name)
+    shards = [f"model-{i:05d}-of-00007.safetensors" for i in range(1, 8)]
+    index = model / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {f"layer.{i}": name for i, name in enumerate(shards)}}))
+    (model / shards[0]).write_bytes(b"x")
+    (line,) = model_problems(str(model))
+    assert line == (
+        f"target.model: {model}/model.safetensors.index.json lists 6 of its 7 weight files that are not in "
+        f"the folder (a partial download?): {', '.join(shards[1:6])} and 1 more"
+    )
+    for name in shards[1:]:
+        (model / name).write_bytes(b"x")
+    assert model_problems(str(model)) == []
+    index.write_text("{not json")
+    (line,) = model_problems(str(model))
+    assert line.startswith(f"target.model: {model}/model.safetensors.index.json is not a readable index")
+
+
+def test_the_config_is_named_after_its_own_problems_not_after_the_environments():
+    config_line, env_line = "target.model: /m does not exist", EnvironmentProblem("storage s3://b/r: no S3 credentials")
+    assert refusal_text([env_line, config_line], "my-run.yaml").splitlines() == [
+        config_line,
+        "(check my-run.yaml)",
+        env_line,
+    ]
+    assert refusal_text([env_line], "my-run.yaml") == env_line
+
+
 def test_dataset_files_are_files_of_a_known_format_with_rows(tmp_path):
     (tmp_path / "folder").mkdir()
     (tmp_path / "empty.jsonl").write_bytes(b"")
@@ -99,7 +133,9 @@ def test_s3_without_credentials_or_with_wrong_ones_is_one_line(monkeypatch, s3_s
     assert "denied" in line and "check SNAKEMAKE_STORAGE_S3_ACCESS_KEY and" in line and "\n" not in line
     monkeypatch.setenv("SNAKEMAKE_STORAGE_S3_ENDPOINT_URL", "http://127.0.0.1:9")
     (line,) = storage_problems(f"s3://{s3_server.bucket}/run")
-    assert "cannot reach http://127.0.0.1:9" in line
+    assert "cannot reach http://127.0.0.1:9" in line and isinstance(line, EnvironmentProblem)
+    (line,) = dataset_problems([f"s3://{s3_server.bucket}/a.jsonl"])
+    assert "cannot reach http://127.0.0.1:9" in line and isinstance(line, EnvironmentProblem)
 
 
 def test_s3_with_only_boto_credentials_passes(s3_server, aws_env, monkeypatch):
@@ -136,6 +172,7 @@ def test_s3_without_any_credentials_is_one_line_naming_both_ways(s3_server, no_s
     )
     (line,) = dataset_problems([f"s3://{s3_server.bucket}/a.jsonl", f"s3://{s3_server.bucket}/b.jsonl"])
     assert line.startswith(f"dataset.paths[0]: s3://{s3_server.bucket}/a.jsonl cannot be checked: no S3 credentials")
+    assert isinstance(line, EnvironmentProblem)
 
 
 def test_s3_dataset_files_are_headed(s3_server, s3_env):
@@ -153,6 +190,7 @@ def test_s3_dataset_files_are_headed(s3_server, s3_env):
         f"dataset.paths[4]: s3://{bucket} names a bucket, not a file; list its files (.jsonl or .parquet)",
     ]
     assert dataset_problems([f"s3://{bucket}/datasets/good.jsonl"], check_s3=False) == []
+    assert not any(isinstance(line, EnvironmentProblem) for line in dataset_problems(names))  # the config's
 
 
 # --- through `snakemake -n` ----------------------------------------------------------------------
@@ -200,6 +238,7 @@ def test_s3_without_credentials_is_refused_without_a_flood(workflow, s3_server, 
     lines = refused(workflow, "--profile", "profiles/s3", "--default-storage-prefix", prefix)
     named_early(lines, "no S3 credentials: set SNAKEMAKE_STORAGE_S3_ACCESS_KEY")
     assert len(lines) < 40
+    assert not any(line.startswith("(check ") for line in lines), lines  # not the config's to fix
 
 
 @pytest.mark.workflow
@@ -234,7 +273,14 @@ def test_an_s3_run_with_only_boto_credentials_ingests(workflow, s3_server, aws_e
 @pytest.mark.workflow
 def test_the_s3_profile_names_no_default_bucket(workflow, s3_env):
     lines = refused(workflow, "--profile", "profiles/s3")
-    named_early(lines, "needs --default-storage-prefix")
+    line = named_early(lines, "needs --default-storage-prefix")
+    assert line == (
+        "--default-storage-provider s3 needs --default-storage-prefix s3://<bucket>/<prefix>, where the "
+        "run's objects go (the S3 profile names no default bucket)"
+    )
+    # One line: no traceback, no Snakemake frame, not blamed on the config.
+    assert lines[-1] == line and "Traceback" not in "\n".join(lines) and "ValueError" not in "\n".join(lines), lines
+    assert not any(text.startswith(("(check ", "  File ")) for text in lines), lines
 
 
 @pytest.mark.workflow

@@ -128,12 +128,19 @@ def run_root(results_dir: str, run: str) -> str:
     return f"{results_dir.rstrip('/')}/{run}"
 
 
+class StoragePrefixMissing(ValueError):
+    """An S3 run planned without its bucket and prefix (a forgotten --default-storage-prefix)."""
+
+
 def run_url(root: str, storage_provider: str | None, storage_prefix: str | None) -> str:
     """Where the run's objects really live: ``root`` locally, or below the S3 storage prefix
     (Snakemake's ``--default-storage-prefix`` maps every output path the same way)."""
     if storage_provider == "s3":
         if not storage_prefix:
-            raise ValueError("--default-storage-provider s3 needs --default-storage-prefix")
+            raise StoragePrefixMissing(
+                "--default-storage-provider s3 needs --default-storage-prefix s3://<bucket>/<prefix>, "
+                "where the run's objects go (the S3 profile names no default bucket)"
+            )
         return f"{storage_prefix.rstrip('/')}/{root}"
     return root
 

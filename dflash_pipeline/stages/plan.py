@@ -48,9 +48,20 @@ from dflash_pipeline.engines.tuning import TunedChoice, read_tune_result, tune_d
 
 REPO = Path(__file__).resolve().parents[2]
 # The checkout's measured training steps (bench/train_step.py). Not package data: they are the
-# record of bench runs, rewritten there; an installed package without a checkout has none, and
-# the plan says so (the training rate then comes from the run or plan.train_tokens_per_s_per_gpu).
-DEFAULT_BENCH_DIR = REPO / "bench" / "results"
+# record of bench runs, rewritten there; an installed package without a checkout has none (the
+# training rate then comes from the run or plan.train_tokens_per_s_per_gpu).
+BENCH_RESULTS = Path("bench") / "results"
+
+
+def default_bench_dir(workdir: Path) -> Path | None:
+    """The benchmark records the plan reads without --bench-dir: those of the checkout it runs
+    in, else those of the checkout the package is imported from (an editable install), else none."""
+    for folder in (workdir / BENCH_RESULTS, REPO / BENCH_RESULTS):
+        if folder.is_dir():
+            return folder
+    return None
+
+
 # Rough sizes of the stage objects per token when nothing is measured yet (compressed parquet:
 # text ~2 bytes per token; tokenized ids int32 + loss mask ~3 bytes per token).
 TEXT_BYTES_PER_TOKEN = 2.0
@@ -537,16 +548,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--default-storage-prefix", default=None, help="an S3 run's prefix (as given to snakemake)")
     parser.add_argument(
         "--bench-dir",
-        default=str(DEFAULT_BENCH_DIR),
-        help="train_step*.json and engine_taps*.json results (default: %(default)s)",
+        default=None,
+        help="train_step*.json and engine_taps*.json results (default: bench/results of the checkout "
+        "it runs in or is installed from; none without a checkout)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     if args.gpus is not None and args.gpus < 1:
         print(f"plan: --gpus must be at least 1, got {args.gpus}", file=sys.stderr)
         return 2
+    # Relative paths as Snakemake reads them: config.yaml, the dataset and the results folder in
+    # the working directory, wherever the package is installed.
+    workdir = Path.cwd()
+    if args.bench_dir is not None and not Path(args.bench_dir).is_dir():
+        print(f"plan: --bench-dir {args.bench_dir}: no such folder", file=sys.stderr)
+        return 2
+    bench_dir = Path(args.bench_dir) if args.bench_dir is not None else default_bench_dir(workdir)
     try:
-        config = load_run_config(args.configfile)
+        config = load_run_config(args.configfile, workdir)
         run_url = args.run_url
         if run_url is None:
             root = layout.run_root(config["results_dir"], config["run"])
@@ -556,13 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         if run_url.startswith("s3://") or Path(run_url).is_dir():
             measured = measure_run(run_url, config)
         case = model_case(config["target"]["model"])
-        if not Path(args.bench_dir).is_dir():
-            print(
-                f"plan: no benchmark results in {args.bench_dir} (a package installed without its "
-                "checkout?); --bench-dir names a checkout's bench/results",
-                file=sys.stderr,
-            )
-        steps = read_train_benchmarks(Path(args.bench_dir))
+        steps = read_train_benchmarks(bench_dir) if bench_dir else []
         train = config["train"]
         context = config["tokenize"]["max_length"]
         measured.bench_train = pick_train_benchmark(steps, case, train["mode"], context, train["algorithm"])
@@ -570,10 +583,13 @@ def main(argv: list[str] | None = None) -> int:
             measured.bench_drafter = pick_train_benchmark(
                 steps, case, train["mode"], context, train["algorithm"], train["taps_from"]
             )
-            measured.bench_capture = pick_capture_benchmark(read_capture_benchmarks(Path(args.bench_dir)), case)
+            captures = read_capture_benchmarks(bench_dir) if bench_dir else []
+            measured.bench_capture = pick_capture_benchmark(captures, case)
         measured.hidden_size = read_hidden_size(config["target"]["model"])
         if not measured.prompts and not config["plan"]["prompts"]:
-            measured.dataset_rows, measured.dataset_rows_source = count_dataset_rows(config["dataset"]["paths"])
+            measured.dataset_rows, measured.dataset_rows_source = count_dataset_rows(
+                config["dataset"]["paths"], workdir
+            )
         gpus = args.gpus if args.gpus is not None else config["gpus"] or 8
         plan = make_plan(config, measured, gpus)
     except (PlanError, ValueError) as err:

@@ -4,11 +4,14 @@
 
 The workflow runs the same checks while it parses (``rules/run_control.smk``), so ``snakemake -n``
 and every real run stop at once with one line per problem, naming the key or variable, the value
-and what to do:
+and what to do. The config files are named after the config's problems, not after those of the
+environment (credentials, the endpoint, the storage's answer: ``core.refusal.EnvironmentProblem``),
+which no edit of the config fixes:
 
 * the target model folder (unless the workflow builds the demo target into it): it exists and
-  holds ``config.json``, a tokenizer and weights; a hub id is refused (every node reads the model
-  from a local folder; nothing is downloaded at run time);
+  holds ``config.json``, a tokenizer and weights, every weight file a sharded checkpoint's index
+  lists among them (a partial download is refused); a hub id is refused (every node reads the
+  model from a local folder; nothing is downloaded at run time);
 * the dataset files: local files of a known format, neither folders nor empty; ``s3://`` files
   exist (one HEAD each), are not empty and have a known format;
 * the run's storage: S3 credentials found (the S3 plugin's variables, else boto's chain: AWS_*
@@ -29,6 +32,7 @@ import sys
 from pathlib import Path
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.refusal import EnvironmentProblem, refusal_text
 from dflash_pipeline.core.storage import is_s3_url
 from dflash_pipeline.core.s3 import (
     NO_CREDENTIALS,
@@ -47,6 +51,10 @@ from dflash_pipeline.training.tracker import tracker_problems
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
+# A sharded checkpoint's index (Hugging Face's layout): its weight_map names the file of each tensor.
+WEIGHT_INDEX_PATTERNS = ("*.safetensors.index.json", "pytorch_model*.bin.index.json")
+# Missing shard files named in the refusal; more are counted.
+MISSING_SHARDS_NAMED = 5
 
 
 def model_problems(model: str, workdir: Path = Path(".")) -> list[str]:
@@ -76,7 +84,36 @@ def model_problems(model: str, workdir: Path = Path(".")) -> list[str]:
         missing.append("weights (*.safetensors or pytorch_model*.bin)")
     if missing:
         return [f"target.model: {model} lacks {', '.join(missing)}"]
-    return []
+    return [
+        problem
+        for pattern in WEIGHT_INDEX_PATTERNS
+        for index in sorted(folder.glob(pattern))
+        if (problem := weight_index_problem(model, index))
+    ]
+
+
+def weight_index_problem(model: str, index: Path) -> str | None:
+    """The weight files a sharded checkpoint's index lists that are not in its folder (a
+    download stopped part way), or an index that cannot be read; None when all are there."""
+    import json
+
+    key = f"target.model: {model}/{index.name}"
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{key} is not a readable index of weight files ({type(err).__name__}: {err})"
+    if not all(isinstance(name, str) for name in files):
+        return f"{key} is not a readable index of weight files (a weight_map value is not a file name)"
+    absent = [name for name in files if not (index.parent / name).is_file()]
+    if not absent:
+        return None
+    named = ", ".join(absent[:MISSING_SHARDS_NAMED])
+    more = f" and {len(absent) - MISSING_SHARDS_NAMED} more" if len(absent) > MISSING_SHARDS_NAMED else ""
+    return (
+        f"{key} lists {len(absent)} of its {len(files)} weight files that are not in the folder "
+        f"(a partial download?): {named}{more}"
+    )
 
 
 def dataset_problems(paths: list[str], workdir: Path = Path("."), check_s3: bool = True) -> list[str]:
@@ -121,7 +158,7 @@ def _s3_dataset_problems(entries: list[tuple[int, str]]) -> list[tuple[int, str]
     try:
         source = s3_credentials_source()
     except StorageError as err:
-        return [(entries[0][0], f"{first} cannot be checked: {err}")]
+        return [(entries[0][0], EnvironmentProblem(f"{first} cannot be checked: {err}"))]
     # Few attempts: planning says at once that storage is unreachable (jobs ride out outages).
     client = s3_client(max_attempts=2, connect_timeout=10, read_timeout=30)
     endpoint = s3_endpoint(client)
@@ -148,10 +185,14 @@ def _s3_dataset_problems(entries: list[tuple[int, str]]) -> list[tuple[int, str]
             if code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket"):
                 problems.append((index, f"{key} does not exist (no object {bucket}/{object_key} at {endpoint})"))
             else:
-                problems.append((index, f"{key} cannot be read at {endpoint} ({code or err}); check {source}"))
+                problems.append(
+                    (index, EnvironmentProblem(f"{key} cannot be read at {endpoint} ({code or err}); check {source}"))
+                )
             continue
         except BotoCoreError as err:
-            problems.append((index, f"{key} cannot be checked: cannot reach {endpoint} ({type(err).__name__})"))
+            problems.append(
+                (index, EnvironmentProblem(f"{key} cannot be checked: cannot reach {endpoint} ({type(err).__name__})"))
+            )
             break  # the same endpoint fails every other file the same way
         if int(head.get("ContentLength", 0)) == 0:
             problems.append((index, f"{key} is empty (0 bytes)"))
@@ -190,7 +231,7 @@ def run_fixed_problems(config: dict, run_url: str) -> list[str]:
     except NotFound:
         return []  # a new run
     except StorageError as err:
-        return [f"{storage.join(layout.INGEST_SUMMARY)}: unreadable ({err})"]
+        return [EnvironmentProblem(f"{storage.join(layout.INGEST_SUMMARY)}: unreadable ({err})")]
     except ValueError:
         return []  # not JSON: nothing recorded to compare (its checksum record says if it is damaged)
     if not isinstance(summary, dict) or summary.get("stopped"):
@@ -201,7 +242,12 @@ def run_fixed_problems(config: dict, run_url: str) -> list[str]:
 def storage_problems(run_url: str) -> list[str]:
     """An S3 run root: credentials found (the S3 plugin's variables, else boto's chain, as the
     plugin and the jobs resolve them), endpoint reachable, bucket readable ([] for a local root).
-    A missing bucket is no problem: the run creates it when it starts."""
+    A missing bucket is no problem: the run creates it when it starts. Each is a problem of the
+    environment (the run's storage comes from the command line and the environment)."""
+    return [EnvironmentProblem(line) for line in _storage_problems(run_url)]
+
+
+def _storage_problems(run_url: str) -> list[str]:
     if not is_s3_url(run_url):
         return []
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
@@ -290,15 +336,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configfile", nargs="+", help="as snakemake's (default: config.yaml)")
     parser.add_argument("--default-storage-prefix", help="as snakemake's, for an S3 run")
     args = parser.parse_args(argv)
-    config = load_run_config(args.configfile)
+    try:
+        # Relative paths from the working directory, as Snakemake reads them.
+        config = load_run_config(args.configfile, Path.cwd())
+    except ValueError as err:
+        print(f"preflight: {err}", file=sys.stderr)
+        return 2
     root = layout.run_root(config["results_dir"], config["run"])
     provider = "s3" if args.default_storage_prefix else None
     run_url = layout.run_url(root, provider, args.default_storage_prefix)
     problems, ready = run_problems(config, run_url)
     for line in ready:
         print(line)
-    for line in problems:
-        print(line, file=sys.stderr)
+    if problems:
+        print(refusal_text(problems, " and ".join(args.configfile or ["config.yaml"])), file=sys.stderr)
     return 1 if problems else 0
 
 
