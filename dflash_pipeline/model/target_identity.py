@@ -132,9 +132,9 @@ def mismatch_line(record: dict, drafter: str, target: str, policy: str) -> str:
     verdict = "refused" if policy == "refuse" else "evaluated anyway"
     return (
         f"{target}: the target's weights ({record['evaluated']}) are not those the drafter {drafter} was "
-        f"trained against ({record['trained_against']}), under the same config.json or not (a re-released or "
-        f"quantized copy?); {verdict} (evaluate.target_mismatch: {policy}); point target.model at the "
-        "weights it was trained with, or retrain against these"
+        f"trained against ({record['trained_against']}): a re-released or quantized copy, even under the same "
+        f"config.json, serves it at a fraction of its acceptance; {verdict} (evaluate.target_mismatch: {policy}); "
+        "point target.model at the weights it was trained with, or retrain against these"
     )
 
 
