@@ -1,11 +1,13 @@
 """Snakemake glue for rule `evaluate`: dflash_pipeline.stages.evaluate.evaluate_job."""
 
 from dflash_pipeline.core.stage_job import stage_job
+from dflash_pipeline.model.target_identity import TargetMismatch
 from dflash_pipeline.stages.evaluate import evaluate_job
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 absent = f"no serving engine was launched (evaluate.engine: {smk.params.settings['engine']})"
-with stage_job(smk, "evaluate", engine_absent=absent) as job:
+# A target of other weights than the drafter's is refused in one line (the log has it whole).
+with stage_job(smk, "evaluate", engine_absent=absent, refusals=(TargetMismatch,)) as job:
     job.verify(smk.input.heldout, smk.input.drafter_config, smk.input.drafter_weights)
     # Decoding a small model on a CPU is latency-bound: one thread beat two on a 2-core machine.
     job.torch_threads(smk.threads if smk.resources.gpu else 1)

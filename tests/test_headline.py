@@ -163,3 +163,8 @@ def test_the_run_summary_states_tau_lossless_speedup_and_where_the_drafter_is(tm
     assert "  τ (loop): 3.46" in lines and "  speed-up (estimated): 2.25×" in lines
     assert any(line.startswith("  lossless: loop: ") and "LOST" in line for line in lines), lines
     assert f"  drafter: {tmp_path / 'run'}/drafter/" in lines and lines[-1].startswith("  report: make report")
+    digest = "sampled-v1:0123456789abcdef"
+    compared = {"trained_against": digest, "evaluated": digest, "match": True}
+    run.write_text(layout.EVAL_METRICS, json.dumps({**METRICS, "target_weights": compared}))
+    lines = run_summary(config, str(tmp_path / "run"), run)
+    assert f"  target weights: {digest} (the drafter's: {digest})" in lines

@@ -12,6 +12,7 @@ tests/test_vllm_cpu.py, on the drafter the workflow trains.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.model import speculators_format
 from dflash_pipeline.model.config import FULL, SLIDING, DrafterConfig, drafter_config_for_target
 from dflash_pipeline.model.drafter import DFlashDrafter
+from dflash_pipeline.model.target_identity import TargetMismatch, check_at_evaluate, weights_digest
 from dflash_pipeline.stages.export import export_drafter, main as export_main
 from dflash_pipeline.training.checkpoint import capture_rng, save_checkpoint
 from tests.support.engine_envs import REPO, vllm_python
@@ -172,13 +174,41 @@ def test_the_file_holds_the_drafter_as_exported_and_the_verifiers_embedding_and_
         assert torch.equal(stored["embed_tokens.weight"], target.get_tensor("model.embed_tokens.weight"))
         assert torch.equal(stored["lm_head.weight"], target.get_tensor("lm_head.weight"))
     with safe_open(str(speculators / "model.safetensors"), "pt") as fh:
-        assert fh.metadata() == {"format": "pt"}
+        # The segment recorded no digest: the target folder's at export.
+        assert fh.metadata() == {"format": "pt", "target_weights": weights_digest(demo_model)}
     config = json.loads((speculators / "config.json").read_text())
     assert config["speculators_config"]["verifier"] == {
         "name_or_path": str(demo_model.resolve()),
         "architectures": json.loads((demo_model / "config.json").read_text())["architectures"],
     }
     assert config["dtype"] == config["transformer_layer_config"]["dtype"] == "bfloat16"
+
+
+def test_the_export_names_the_trained_against_weights_and_evaluate_refuses_others(demo_model, tmp_path):
+    """The segment's digest goes into both formats' metadata; a copy of the target with other
+    weights under the same config.json is refused at evaluate."""
+    manifest = write_run(tmp_path, drafter_config(demo_model, "full"))
+    trained_against = weights_digest(demo_model)
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "target_weights": trained_against}))
+    zlab = tmp_path / "drafter"
+    speculators = zlab / speculators_format.FOLDER
+    summary = export_drafter(
+        str(tmp_path), str(manifest), str(zlab / "config.json"), str(zlab / "model.safetensors"), "float32",
+        target=str(demo_model),
+        speculators_out=(str(speculators / "config.json"), str(speculators / "model.safetensors")),
+    )  # fmt: skip
+    assert summary["target_weights"] == trained_against
+    for folder in (zlab, speculators):
+        with safe_open(str(folder / "model.safetensors"), "pt") as fh:
+            assert fh.metadata()["target_weights"] == trained_against
+    assert check_at_evaluate(zlab / "model.safetensors", demo_model)["match"] is True
+    changed = tmp_path / "re-released"
+    shutil.copytree(demo_model, changed)
+    weights = load_file(changed / "model.safetensors")
+    save_file({k: v * 1.01 for k, v in weights.items()}, changed / "model.safetensors")
+    assert (changed / "config.json").read_bytes() == (demo_model / "config.json").read_bytes()
+    with pytest.raises(TargetMismatch, match=f"trained against \\({trained_against}\\)"):
+        check_at_evaluate(zlab / "model.safetensors", changed)
 
 
 def test_a_tied_lm_head_is_written_as_a_copy_of_the_embedding(demo_model, tmp_path):

@@ -124,9 +124,13 @@ def reference(demo_model, tokenized, tmp_path_factory):
     return run_dir, manifest
 
 
-def test_segment_writes_checkpoint_manifest_and_metrics(reference):
+def test_segment_writes_checkpoint_manifest_and_metrics(reference, demo_model):
+    from dflash_pipeline.model.target_identity import weights_digest
+
     run_dir, manifest = reference
     assert manifest["steps"] == [0, STEPS]
+    # The weights the taps came from, which the export names.
+    assert manifest["target_weights"] == weights_digest(demo_model) is not None
     written = json.loads((run_dir / layout.segment_manifest_key(0)).read_text())
     assert written == manifest
     lines = (run_dir / layout.train_progress_prefix(0) / layout.TRAIN_METRICS).read_text().splitlines()
@@ -253,6 +257,7 @@ TAPS_TOLERANCE = {"float32": 1e-5, "bfloat16": 0.02, "float8_e4m3fn": 0.07}
 @pytest.mark.parametrize("hidden_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_model, tokenized, tmp_path):
     from dflash_pipeline.model.target import target_compute_dtype
+    from dflash_pipeline.model.target_identity import weights_digest
     from dflash_pipeline.stages.extract import extract_shard
 
     # Extraction on the device a job would take; the reference below is computed alike.
@@ -279,6 +284,7 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
             torch.device(device).type,
             target_compute_dtype(device),
         )
+        assert written["target_weights"] == weights_digest(demo_model)
     job = SegmentJob(
         run_url=str(tmp_path),
         segment=0,

@@ -456,7 +456,8 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "simulated_rows",
             "benchmark_prompts",
         },
-        "operational": {"engine_mem_fraction", "engine_extra_args", "engine_reference_url"},
+        # target_mismatch: whether a mismatch fails the job, never what is measured.
+        "operational": {"engine_mem_fraction", "engine_extra_args", "engine_reference_url", "target_mismatch"},
     },
 }
 

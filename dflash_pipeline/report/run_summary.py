@@ -1,6 +1,6 @@
 """The lines a run prints when it ends (rules/run_control.smk, onsuccess): what it built, the
-headline figures (τ of the loop and the engine, lossless, speed-up) and where the drafter and
-the report are. The per-prompt lines of evaluate are far above by then; these are the last."""
+headline figures (τ of the loop and the engine, lossless, speed-up), where the drafter and
+the report are, and the target weights evaluate compared with the drafter's. The per-prompt lines of evaluate are far above by then; these are the last."""
 
 from __future__ import annotations
 
@@ -35,5 +35,9 @@ def run_summary(config: dict, run_url: str, storage, report_command: str = "make
         except StorageError:
             exported = False
         lines.append(f"  drafter: {drafter}" if exported else "  drafter: not exported (the run stops before export)")
+    identity = (metrics or {}).get("target_weights")
+    if identity:  # evaluate's comparison (model.target_identity)
+        verdict = {True: "the drafter's", False: "NOT the drafter's", None: "not compared"}[identity.get("match")]
+        lines.append(f"  target weights: {identity.get('evaluated')} ({verdict}: {identity.get('trained_against')})")
     lines.append(f"  report: {report_command} (every stage's figures; the headline first)")
     return lines

@@ -13,7 +13,9 @@ serves the exported drafter in that engine (``dflash_pipeline.evaluation.serving
 prompt from the engine's own counters, losslessness against the engine's plain greedy output, and
 the cross-engine parity gate (the engine's tau within ``--engine-parity-tolerance`` of the
 loop's). The metrics JSON is written before any gate fails, so a failed run still shows what it
-measured.
+measured. A drafter whose export records other target weights than ``--target``'s
+(``model.target_identity``) is refused before anything loads, or evaluated with a one-line
+warning (``--target-mismatch warn``).
 
 Its length (over 400 lines): the evaluate job runs the loop, the serving engine and both parity gates over
 several prompt sets, and the stage's whole command line is here; the loop itself
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from dflash_pipeline.core.storage import write_atomically
 from dflash_pipeline.evaluation.serving import ENGINES
+from dflash_pipeline.model.target_identity import TargetMismatch, check_at_evaluate
 from dflash_pipeline.evaluation.transformers_loop import (
     EvalOptions,
     render_prompts,
@@ -277,6 +280,11 @@ def _evaluate(
     from dflash_pipeline.model.target import load_target
 
     out = Path(out)
+    # Before any engine or target loads: a drafter trained against other weights is refused here
+    # (evaluate.target_mismatch) rather than measured at a fraction of its acceptance.
+    identity = check_at_evaluate(
+        Path(drafter_dir) / "model.safetensors", target, settings.get("target_mismatch", "refuse")
+    )
     options = EvalOptions(
         max_new_tokens=settings["max_new_tokens"],
         temperature=settings["temperature"],
@@ -317,6 +325,7 @@ def _evaluate(
                 document["prompt_sets"].update(extra["prompt_sets"])
                 document["per_prompt"] += extra["per_prompt"]
         document["simulated"] = simulated
+        document["target_weights"] = identity
         _write_json(out, document)
     except Exception:
         if out.exists():
@@ -403,6 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-reference-url",
         help="a running plain server of the engine with the same target: the lossless reference",
     )
+    parser.add_argument(
+        "--target-mismatch",
+        choices=("refuse", "warn"),
+        default="refuse",
+        help="when the drafter's export records other target weights than --target's: refuse, or warn in one line",
+    )
     return parser
 
 
@@ -448,8 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_pipeline.evaluation.parity import EngineParityError
 
     try:
+        check_at_evaluate(Path(args.drafter) / "model.safetensors", args.target, args.target_mismatch)
         run_evaluation(args.target, args.drafter, args.prompts, args.out, options)
     except (
+        TargetMismatch,
         LosslessError,
         ParityError,
         EngineParityError,

@@ -8,7 +8,9 @@ Beside it, in ``speculators/``, the same drafter in the format of vllm-project/s
 (``dflash_pipeline.model.speculators_format``): its ``config.json`` with ``speculators_config``,
 its ``model.safetensors`` with the drafter's tensors and the verifier's embedding and LM head,
 read from the target. A drafter that format cannot express (sliding and full-attention layers
-mixed) is exported in the z-lab format only, and the export says why in one line.
+mixed) is exported in the z-lab format only, and the export says why in one line. Both formats'
+safetensors metadata name the weights of the target the drafter was trained against
+(``target_weights``: ``model.target_identity``), which evaluate compares with its target's.
 
 Run by hand: ``python -m dflash_pipeline.stages.export --help``."""
 
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dflash_pipeline.model import speculators_format
+from dflash_pipeline.model import speculators_format, target_identity
 from dflash_pipeline.model.config import DrafterConfig
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.core.storage import open_storage, write_atomically
@@ -91,21 +93,39 @@ def export_drafter(
     nonfinite = sorted(name for name, t in tensors.items() if not torch.isfinite(t).all())
     if nonfinite:
         raise ValueError(f"{manifest_path}: non-finite values in tensors {nonfinite} (as {dtype})")
+    metadata = {"format": "pt", **target_metadata(manifest, target)}
     with write_atomically(weights_out) as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt"})
+        save_file(tensors, tmp, metadata=metadata)
     with write_atomically(config_out) as tmp:
         tmp.write_text(json.dumps(config.to_zlab(), indent=2) + "\n")
     summary = {"tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values())}
+    summary[target_identity.KEY] = metadata.get(target_identity.KEY)
     print(f"exported {summary['tensors']} tensors, {summary['parameters']:,} parameters")
     del weights  # the fp32 copy: the verifier's embedding and LM head come next
     if reason is not None:
         print(reason)
     elif speculators_out is not None:
-        summary["speculators"] = export_speculators(config, tensors, target, *speculators_out)
+        summary["speculators"] = export_speculators(config, tensors, target, *speculators_out, metadata)
     return summary
 
 
-def export_speculators(config: DrafterConfig, tensors: dict, target: str, config_out: str, weights_out: str) -> dict:
+def target_metadata(manifest: dict, target: str | None) -> dict:
+    """The weights digest of the target the drafter was trained against, for the export's
+    safetensors metadata (evaluate compares it with the target it loads): the last segment's
+    record, else (a segment trained before digests were recorded) the target folder's now."""
+    digest = manifest.get(target_identity.KEY)
+    if digest is None and target is not None:
+        digest = target_identity.weights_digest(target)
+    if digest is None:
+        print("exported without a target weights digest (neither the segment nor a target folder gives one)")
+        return {}
+    print(f"target weights: {digest}")
+    return {target_identity.KEY: digest}
+
+
+def export_speculators(
+    config: DrafterConfig, tensors: dict, target: str, config_out: str, weights_out: str, metadata: dict | None = None
+) -> dict:
     """The speculators-format folder: the drafter's ``tensors`` (as exported) with the target's
     embedding and LM head, and the speculators config naming the target as the verifier."""
     verifier = speculators_format.verifier_tensors(target, config)
@@ -116,7 +136,7 @@ def export_speculators(config: DrafterConfig, tensors: dict, target: str, config
     )
     everything = speculators_format.speculators_tensors(tensors, verifier)
     with write_atomically(weights_out) as tmp:
-        save_file(everything, tmp, metadata={"format": "pt"})
+        save_file(everything, tmp, metadata=metadata or {"format": "pt"})
     with write_atomically(config_out) as tmp:
         tmp.write_text(json.dumps(document, indent=2) + "\n")
     print(

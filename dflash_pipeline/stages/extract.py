@@ -9,7 +9,8 @@ size and sha256, written last.
 The target computes in the dtype online training's target has on the same device
 (``model.target.target_compute_dtype``: bfloat16 on a GPU, float32 on CPU); the manifest and the
 file's metadata name it (``compute_dtype``, with ``device``) beside the storage dtype
-(``hidden_dtype``). float32 storage of bfloat16-computed taps is refused.
+(``hidden_dtype``). float32 storage of bfloat16-computed taps is refused. Both also name the
+target's weights (``target_weights``, ``model.target_identity``).
 
 With ``extract.taps_from: engine`` a vLLM server on the job's node computes the taps instead
 (``engines.engine_taps``, the same server, client and per-run check as online training's
@@ -39,6 +40,7 @@ from dflash_pipeline.core.jobstate import raise_if_halted
 from dflash_pipeline.core.lease import raise_if_driverless
 from dflash_pipeline.data.hidden import FP8_MAX, HIDDEN_DTYPES, StreamingSafetensors
 from dflash_pipeline.data.shard_kinds import ShardKindError, require_file_kind
+from dflash_pipeline.model import target_identity
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,8 @@ def extract_shard(
     tensors["offsets"] = (torch.int64, (len(offsets),))
     tensors["rows"] = (torch.int64, (len(rows),))
     taps_from = "target" if engine is None else "engine"
+    # The taps server serves target_dir too: either way these are its weights' taps.
+    target_weights = target_identity.weights_digest(target_dir)
     metadata = {
         "layer_ids": json.dumps(layer_ids),
         "hidden_dtype": hidden_dtype,
@@ -142,6 +146,7 @@ def extract_shard(
         "device": torch.device(device).type,
         "shard": shard,
         "taps_from": taps_from,
+        **({target_identity.KEY: target_weights} if target_weights else {}),
     }
     storage = open_storage(run_url)
     with storage.staged_file(layout.hidden_states_key(shard)) as path:
@@ -173,6 +178,7 @@ def extract_shard(
             "layer_ids": list(layer_ids),
             "width": width,
             "taps_from": taps_from,
+            target_identity.KEY: target_weights,  # what offline training and the export name
         }
     with write_atomically(manifest_out) as tmp_out:
         tmp_out.write_text(json.dumps(manifest, indent=1))

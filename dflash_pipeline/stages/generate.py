@@ -6,7 +6,8 @@ ends with a user or tool turn gets one more assistant turn. Finished conversatio
 parts under ``_progress/generate/shard-NNNNN/`` every K samples or T seconds, so a killed job
 resumes where it stopped; telemetry for the status page is written every
 ``generation.telemetry_every_seconds``. The regeneration itself is
-``dflash_pipeline.engines.regenerate``; this module starts or reaches the engine and writes the shard. While the run is halted (``_progress/HALT.json``: a tokenize shard
+``dflash_pipeline.engines.regenerate``; this module starts or reaches the engine and writes the shard, whose
+parquet metadata names the target's weights (``target_weights``). While the run is halted (``_progress/HALT.json``: a tokenize shard
 failed the data-quality gate) a job refuses to start, and a running one stops after its next part.
 
 Run by hand: ``python -m dflash_pipeline.stages.generate --help``.
@@ -37,6 +38,7 @@ from dflash_pipeline.engines.regenerate import (
     fingerprint,
     generate_shard,
 )
+from dflash_pipeline.model import target_identity
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +124,22 @@ def run_job(
         if server:
             server.stop()
     with write_atomically(out_path) as tmp:
-        pq.write_table(table, tmp)
+        pq.write_table(with_target_weights(table, model), tmp)
     progress.save_reusable(table)
     removed = progress.clear_parts()
     log.info("shard %05d written (%d rows); %d parts removed", shard, table.num_rows, removed)
+
+
+def with_target_weights(table: pa.Table, model: str) -> pa.Table:
+    """The shard with the target's weights digest in its parquet metadata (``target_weights``,
+    ``model.target_identity``): the fingerprint names the model by its config.json, which a
+    re-released or quantized copy keeps."""
+    digest = target_identity.weights_digest(model)
+    if digest is None:  # an endpoint's model folder may hold no weights here
+        return table
+    return table.replace_schema_metadata(
+        {**(table.schema.metadata or {}), target_identity.KEY.encode(): digest.encode()}
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

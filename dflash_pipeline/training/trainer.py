@@ -34,6 +34,7 @@ import torch
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.model.config import build_drafter_config
+from dflash_pipeline.model import target_identity
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.model.target import target_compute_dtype
 from dflash_pipeline.core.config import schema_defaults
@@ -249,6 +250,9 @@ class _SegmentRun:
         from dflash_pipeline.model.taps import TargetTaps
 
         self.drafter_config = build_drafter_config(self.settings, self.job.target_dir)
+        # The weights the taps come from (the target here, the taps server's, or the stored
+        # taps' record), which the segment manifest and the export name.
+        self.target_weights = target_identity.weights_digest(self.job.target_dir)
         if self.settings["mode"] == "online" and self.job.tap_source is not None:
             from dflash_pipeline.model.target import load_target_embeddings
 
@@ -274,6 +278,10 @@ class _SegmentRun:
             except OfflineBudgetError as err:
                 raise TrainingError(str(err)) from None
             self.taps = None
+            try:
+                self.target_weights = target_identity.stored_target_weights(manifests, self.target_weights)
+            except target_identity.TargetMismatch as err:
+                raise TrainingError(str(err)) from None
             self.hidden = HiddenShards(self.storage, self.job.hidden, self.drafter_config)
             self.embed_weight, self.lm_head_weight = load_target_embeddings(
                 self.job.target_dir, self.device, self.compute_dtype
@@ -664,6 +672,7 @@ class _SegmentRun:
                 "files": index["files"],
                 "drafter_config": self.drafter_config.to_zlab(),
                 "algorithm": self.drafter_config.algorithm,
+                target_identity.KEY: self.target_weights,
                 "last_metrics": {
                     **{k: last.get(k) for k in ("loss", "accuracy", "accept_len", "lr")},
                     **{k: last[k] for k in SELECTOR_SUMMARY if k in last},
