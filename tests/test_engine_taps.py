@@ -347,14 +347,16 @@ class TargetAsTapSource:
     """A tap source with the engine source's interface whose taps the in-process target
     computes; it keeps what the loop asked for and what it prefetched."""
 
-    def __init__(self, demo_model):
+    def __init__(self, demo_model, prefetch_depth=1):
         from dflash_pipeline.model.taps import TargetTaps
         from dflash_pipeline.model.target import load_target
 
         self.taps_of = TargetTaps(
             load_target(str(demo_model), torch.device("cpu"), torch.float32), drafter_taps(demo_model)
         )
+        self.prefetch_depth = prefetch_depth
         self.asked, self.prefetched = [], []
+        self.ahead_when_asked = []  # how many batches had been prefetched when each was asked for
 
     def __enter__(self):
         return self
@@ -369,20 +371,24 @@ class TargetAsTapSource:
         from dflash_pipeline.training.data import collate
 
         self.asked.append([seq.input_ids[:4].tolist() for seq in sequences])
+        self.ahead_when_asked.append(len(self.prefetched))
         input_ids, _ = collate(sequences, device)
         assert input_ids.shape[1] == length
         return self.taps_of(input_ids).to(dtype)
 
 
-def test_the_loop_prefetches_each_next_batch_and_trains_as_on_the_targets_own_taps(
-    demo_model, tokenized, target_fed, tmp_path
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_loop_prefetches_the_next_batches_and_trains_as_on_the_targets_own_taps(
+    depth, demo_model, tokenized, target_fed, tmp_path
 ):
-    source = TargetAsTapSource(demo_model)
+    source = TargetAsTapSource(demo_model, prefetch_depth=depth)
     run_segment(tmp_path, demo_model, tokenized, source=source)
     assert losses(tmp_path) == target_fed
     assert len(source.asked) == STEPS
-    # Each step's batch was asked for ahead, while the step before trained; none after the last.
+    # Each step's batch was asked for ahead, once, in order; none after the last.
     assert source.prefetched == source.asked[1:]
+    # When step s's batch is needed, the batches up to s - 1 + depth have been asked for.
+    assert source.ahead_when_asked == [0] + [min(s - 1 + depth, STEPS - 1) for s in range(1, STEPS)]
 
 
 @pytest.mark.workflow
@@ -720,6 +726,21 @@ def test_the_next_batchs_taps_are_asked_for_while_this_one_trains_and_taken_once
     assert client.asked == [[1, 5], [9], [9]] and client.closed
     assert first.tolist() == [[[1.0], [2.0], [0.0]], [[5.0], [6.0], [0.0]]]  # right-padded to 3
     assert second.tolist() == again.tolist() == [[[9.0], [10.0]]]
+
+
+def test_two_batches_wait_ahead_at_most_and_each_is_taken_once():
+    from dflash_pipeline.engines.engine_taps import EngineTapSource
+
+    client = RecordingTapsClient()
+    first, second, third = batch_of(1), batch_of(3), batch_of(5)
+    with EngineTapSource(client, prefetch_depth=2) as source:
+        for batch in (first, second, third, first):  # a third ahead and a repeat are ignored
+            source.prefetch(batch)
+        assert source.taps(first, 2, "cpu", torch.float32).tolist() == [[[1.0], [2.0]]]
+        source.prefetch(third)  # a slot is free again
+        assert source.taps(second, 2, "cpu", torch.float32).tolist() == [[[3.0], [4.0]]]
+        assert source.taps(third, 2, "cpu", torch.float32).tolist() == [[[5.0], [6.0]]]
+    assert sorted(client.asked) == [[1], [3], [5]]  # each batch asked of the engine once
 
 
 def test_a_prefetch_for_other_sequences_is_not_taken_and_its_engine_error_surfaces_where_used():

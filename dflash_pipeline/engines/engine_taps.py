@@ -387,15 +387,19 @@ class EngineTapSource:
     (``data.hidden.HiddenShards.taps``): right-padded [b, length, K*H] on ``device``.
 
     ``prefetch(sequences)`` asks for a later batch's taps in the background, so the engine
-    computes batch i+1 while the trainer's GPU steps on batch i (the loop calls it right after it
-    has its batch); ``taps`` of those same sequences then takes the prefetched rows, and an
-    engine error of the prefetch surfaces there. At most one batch waits ahead: the node-local
-    cache's bound (``CacheBound``) still holds the engine back."""
+    computes batches i+1 .. i+``prefetch_depth`` while the trainer's GPU steps on batch i (the
+    loop asks for each batch once, as soon as it is that far ahead); ``taps`` of those same
+    sequences then takes the prefetched rows, and an engine error of the prefetch surfaces there.
+    At most ``prefetch_depth`` batches wait ahead (a further prefetch is ignored until one is
+    taken); the node-local cache's bound (``CacheBound``) still holds the engine back. One batch
+    ahead left the engine idle while the trainer read the batch it had (SpecForge measured a
+    remote target at 2.37x its colocated mode with two batches ahead over two servers)."""
 
-    def __init__(self, client: EngineTaps):
+    def __init__(self, client: EngineTaps, prefetch_depth: int = 1):
         self.client = client
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="taps-prefetch")
-        self._ahead: tuple[tuple[int, ...], Future] | None = None
+        self.prefetch_depth = max(1, int(prefetch_depth))
+        self._pool = ThreadPoolExecutor(max_workers=self.prefetch_depth, thread_name_prefix="taps-prefetch")
+        self._ahead: dict[tuple[int, ...], Future] = {}
 
     def __enter__(self) -> EngineTapSource:
         return self
@@ -414,14 +418,21 @@ class EngineTapSource:
         return self.client.taps_of([seq.input_ids.tolist() for seq in sequences])
 
     def prefetch(self, sequences) -> None:
-        self._ahead = (self._key(sequences), self._pool.submit(self._rows, sequences))
+        key = self._key(sequences)
+        if key not in self._ahead and len(self._ahead) < self.prefetch_depth:
+            self._ahead[key] = self._pool.submit(self._rows, sequences)
 
     def taps(self, sequences, length: int, device, dtype) -> torch.Tensor:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == self._key(sequences):
-            rows = ahead[1].result()
-        else:
+        ahead = self._ahead.pop(self._key(sequences), None)
+        if ahead is None:
+            # Not asked for ahead: what waits ahead is of batches before this one (a loop that
+            # went another way), never to be taken.
+            for stale in self._ahead.values():
+                stale.cancel()
+            self._ahead.clear()
             rows = self._rows(sequences)
+        else:
+            rows = ahead.result()
         padded = [torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[0])) for row in rows]
         return torch.stack(padded).to(device=device, dtype=dtype)
 

@@ -136,7 +136,10 @@ def engine_tap_source(address: dict, settings: dict, tap_ids: list[int] | None =
     """Batches' taps from the taps server at ``address`` (``EngineTaps.address``)."""
     from dflash_pipeline.engines.engine_taps import EngineTapSource, taps_client
 
-    return EngineTapSource(taps_client(address, tap_ids or list(address["tap_ids"]), settings["taps_server"]))
+    server = settings["taps_server"]
+    return EngineTapSource(
+        taps_client(address, tap_ids or list(address["tap_ids"]), server), server.get("prefetch_depth", 1)
+    )
 
 
 @contextmanager

@@ -236,6 +236,7 @@ class _SegmentRun:
         self.storage = open_storage(job.run_url)
         self.start_step = job.segment * s["steps_per_segment"]
         self.end_step = self.start_step + s["steps_per_segment"]
+        self._prefetched_to = -1  # the furthest step whose taps an engine source was asked for
         self.total_steps = s["segments"] * s["steps_per_segment"]
         self.stop_requested = False
         self.driver_checked_at = time.monotonic()
@@ -375,9 +376,13 @@ class _SegmentRun:
             taps = self.taps(input_ids)
         else:
             taps = self.hidden.taps(sequences, input_ids.shape[1], self.device, self.compute_dtype)
-            prefetch = getattr(self.hidden, "prefetch", None)  # taps from an engine: the next batch's now
-            if prefetch is not None and step + 1 < self.end_step:
-                prefetch(self._rank_batch(step + 1))
+            prefetch = getattr(self.hidden, "prefetch", None)  # taps from an engine: the next batches' now
+            if prefetch is not None:
+                # Each later batch asked for once, as soon as it is prefetch_depth steps ahead.
+                furthest = min(step + getattr(self.hidden, "prefetch_depth", 1), self.end_step - 1)
+                for ahead in range(max(step, self._prefetched_to) + 1, furthest + 1):
+                    prefetch(self._rank_batch(ahead))
+                self._prefetched_to = max(self._prefetched_to, furthest)
         return input_ids, loss_mask, taps, sum(x.length for x in sequences)
 
     def _train_step(self, step: int) -> dict:
