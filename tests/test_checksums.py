@@ -24,6 +24,7 @@ from dflash_pipeline.core.checksums import (
 )
 from dflash_pipeline.core.digest import Digest, digest_file
 from dflash_pipeline.core.storage import open_storage
+from dflash_pipeline.model import speculators_format
 from dflash_pipeline.stages import verify
 
 KEY = "outputs/tokenize-00000.parquet"
@@ -184,7 +185,7 @@ def small_run(tmp_path: Path, num_shards: int = 2) -> tuple[Path, dict]:
     return root, config
 
 
-def test_expected_keys_follow_num_shards_and_until():
+def test_expected_keys_follow_num_shards_until_and_the_drafters_shape():
     config = validate_config({"until": "tokenize", "num_shards": 2, "train": {"mode": "online"}})
     keys = verify.expected_keys(config)
     assert len(keys) == 3 + 2 * 5 and "outputs/tokenize-00001.heldout.parquet" in keys
@@ -193,8 +194,8 @@ def test_expected_keys_follow_num_shards_and_until():
         layout.INGEST_SUMMARY,
         layout.QUARANTINE,
         "outputs/prepare-00000.parquet",
-        "outputs/generate-00000.parquet",
         "outputs/prepare-00001.parquet",
+        "outputs/generate-00000.parquet",
         "outputs/generate-00001.parquet",
     ]
     offline = verify.expected_keys(
@@ -202,6 +203,18 @@ def test_expected_keys_follow_num_shards_and_until():
     )
     assert "outputs/extract-00001.manifest.json" in offline
     assert {"outputs/train-segment-0001.json", layout.DRAFTER_CONFIG, layout.DRAFTER_WEIGHTS} <= set(offline)
+    # The speculators export where the export writes it: not for a drafter mixing sliding and
+    # full layers (tests/test_run_outputs.py holds both to the rules).
+    speculators = {speculators_format.RUN_CONFIG, speculators_format.RUN_WEIGHTS}
+    assert speculators <= set(offline)
+    mixed = validate_config(
+        {
+            "until": "train",
+            "num_shards": 2,
+            "train": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16},
+        }
+    )
+    assert not speculators & set(verify.expected_keys(mixed))
 
 
 def test_check_run_lists_missing_damaged_and_orphaned_objects(tmp_path):

@@ -1,12 +1,13 @@
-"""What a run builds for its report, as keys of the run root: the figures and tables of the stages
-it builds, what the headline reads, and what the storage figure (made last) waits for. The rules
-(rules/report.smk) and the default target ask for these; each key is mapped to the run's storage
-there.
+"""What a run builds, as keys of the run root: every object its rules declare (``run_outputs``,
+what verify expects of a finished run), the figures and tables of the stages it builds, what the
+headline reads, and what the storage figure (made last) waits for. The rules (rules/report.smk)
+and the default target ask for these; each key is mapped to the run's storage there.
 """
 
 from __future__ import annotations
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.model import speculators_format
 
 # The table of tune's measurements, where the run tunes (its input is the tune result).
 TUNE_ITEM = "tune.html"
@@ -20,6 +21,17 @@ ITEMS = {
     "train": ["training.svg"],
     "evaluate": ["acceptance.svg"],
 }
+# The rule that makes each stage's report items (rules/report.smk).
+REPORT_RULES = {
+    "prepare": "report_prompts",
+    "tune": "report_tune",
+    "generate": "report_generation",
+    "tokenize": "report_tokenization",
+    "train": "report_training",
+    "evaluate": "report_evaluation",
+}
+# The objects of each tokenize shard besides the tokenized rows (rules/tokenize.smk).
+TOKENIZE_EXTS = (layout.SHARD_STAGES["tokenize"], "stats.json", layout.TOKENIZE_HELDOUT_EXT)
 # Made once everything else exists: the run's objects by category.
 STORAGE_ITEM = "storage.svg"
 # The run's headline figures, whatever `until` is.
@@ -75,3 +87,35 @@ def headline_inputs(config: dict) -> dict[str, list[str] | str]:
     if "evaluate" in built:
         inputs["metrics"] = layout.EVAL_METRICS
     return inputs
+
+
+def run_outputs(config: dict) -> dict[str, list[str]]:
+    """Every object a finished run of ``config`` (a validated config) holds, per rule, in the
+    run root: the declared outputs of each job the run builds (``layout.stages_built``), shard by
+    shard and segment by segment. Logs and benchmarks are not among them. The export holds the
+    speculators format beside the z-lab one only for a drafter that format expresses
+    (``speculators_format.run_outputs``). tests/test_run_outputs.py holds it to the rules' own
+    outputs, as a dry run of the workflow lists them."""
+    built = layout.stages_built(config)
+    shards = range(config["num_shards"])
+    outputs: dict[str, list[str]] = {
+        "ingest": [layout.INGESTED_PROMPTS, layout.INGEST_SUMMARY, layout.QUARANTINE],
+    }
+    for stage in built:
+        if stage in ("prepare", "generate", "extract"):
+            outputs[stage] = [layout.shard_key(stage, shard) for shard in shards]
+        elif stage == "tokenize":
+            outputs[stage] = [layout.shard_key(stage, shard, ext) for shard in shards for ext in TOKENIZE_EXTS]
+        elif stage == "tune":
+            outputs[stage] = [layout.TUNE_RESULT]
+        elif stage == "train":
+            outputs[stage] = [layout.segment_manifest_key(k) for k in range(config["train"]["segments"])]
+            speculators = speculators_format.run_outputs(config["train"]["layer_types"])
+            outputs["export"] = [*speculators.values(), layout.DRAFTER_CONFIG, layout.DRAFTER_WEIGHTS]
+        elif stage == "evaluate":
+            outputs[stage] = [layout.EVAL_METRICS]
+        if ITEMS[stage]:
+            outputs[REPORT_RULES[stage]] = [layout.report_key(name) for name in ITEMS[stage]]
+    outputs["report_headline"] = [layout.report_key(HEADLINE_ITEM)]
+    outputs["report_storage"] = [layout.report_key(STORAGE_ITEM)]
+    return outputs

@@ -7,7 +7,8 @@ what is missing or damaged, and exactly that.
     make verify [CONFIG=...] [PREFIX=s3://bucket/prefix] [REPAIR=1] [SNAKEMAKE_ARGS="..."]
 
 The config is read as Snakemake reads it (``plan.load_run_config``); the objects the run should
-hold follow from its ``num_shards`` and ``until``. One line per problem:
+hold are the rules' outputs for it (``report.targets.run_outputs``: its ``num_shards``, ``until``,
+training mode and drafter shape). One line per problem:
 
 * ``missing``: expected, absent (Snakemake does not rebuild a deleted intermediate of a finished
   run: it says "Nothing to be done", and only this check notices);
@@ -57,10 +58,8 @@ from pathlib import Path
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.checksums import (
-    CHECKED_EXTS,
     CHECKSUMS_DIR,
     REFUSALS_DIR,
-    RUN_OBJECTS,
     ChecksumError,
     is_checked_key,
     object_key_of_sidecar,
@@ -72,6 +71,7 @@ from dflash_pipeline.core.checksums import (
 )
 from dflash_pipeline.core.digest import digest_file
 from dflash_pipeline.core.storage import Storage, StorageError, is_s3_url, open_storage
+from dflash_pipeline.report.targets import run_outputs
 
 PARALLEL = 8  # concurrent record reads and hashes (S3 round trips dominate)
 
@@ -111,21 +111,10 @@ class Report:
 
 
 def expected_keys(config: dict) -> list[str]:
-    """Every shard object a finished run of ``config`` holds: per shard, the objects of each
-    shard stage it builds (``layout.stages_built``: extract manifests when training offline)."""
-    built = layout.stages_built(config)
-    stages = [s for s in layout.SHARD_STAGES if s in built]
-    keys = [k for k, rule in RUN_OBJECTS.items() if rule == "ingest"]
-    keys += [
-        layout.shard_key(stage, shard, ext)
-        for shard in range(config["num_shards"])
-        for stage in stages
-        for ext in CHECKED_EXTS[stage]
-    ]
-    if "train" in built:
-        keys += [layout.segment_manifest_key(k) for k in range(config["train"]["segments"])]
-        keys += [layout.DRAFTER_CONFIG, layout.DRAFTER_WEIGHTS]
-    return keys
+    """Every object a finished run of ``config`` holds that carries a checksum record: of the
+    rules' declared outputs (``report.targets.run_outputs``, the one table of what a run
+    produces), those a later job reads."""
+    return [key for keys in run_outputs(config).values() for key in keys if is_checked_key(key)]
 
 
 def index_mismatch(storage: Storage, key: str) -> str | None:
