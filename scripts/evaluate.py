@@ -1,8 +1,7 @@
 """Snakemake glue for rule `evaluate`: dflash_pipeline.stages.evaluate.evaluate_job."""
 
 from dflash_pipeline.core.stage_job import stage_job
-from dflash_pipeline.model.target_identity import TargetMismatch
-from dflash_pipeline.stages.evaluate import evaluate_job
+from dflash_pipeline.stages.evaluate import TargetMismatch, evaluate_job
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 absent = f"no serving engine was launched (evaluate.engine: {smk.params.settings['engine']})"

@@ -2,8 +2,7 @@
 
 from dflash_pipeline.core.jobstate import RunHalted
 from dflash_pipeline.core.stage_job import stage_job
-from dflash_pipeline.stages.train import train_job
-from dflash_pipeline.training.trainer import TrainingDiverged
+from dflash_pipeline.stages.train import TrainingDiverged, train_job
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 # A diverged segment (it halted the run) and a job refused by the halt end in their one line.

@@ -97,6 +97,10 @@ def violations(package_dir: Path = PACKAGE) -> list[str]:
     problems = []
     for path in sorted(package_dir.rglob("*.py")):
         own = package_of(".".join(path.relative_to(package_dir.parent).with_suffix("").parts))
+        if own == "__main__":  # `python -m dflash_pipeline`: the top layer's command, nothing else
+            wrong = [m for _, m in imports_of(path, package_dir) if package_of(m) not in (None, LAYERS[-1][0])]
+            problems += [f"{path}: __main__ imports {m} (only {LAYERS[-1][0]}: the command)" for m in wrong]
+            continue
         if own not in RANK:
             if own not in ("__init__", ""):
                 problems.append(f"{path}: package {own!r} has no layer (add it to LAYERS)")
@@ -294,7 +298,8 @@ def test_only_the_rules_install_snakemakes_patches(tmp_path):
 def test_every_package_has_a_layer():
     packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert packages == set(RANK)
-    assert not [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"], (
+    # __main__.py: `python -m dflash_pipeline`, which hands over to stages.command at once.
+    assert not [p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")], (
         "modules live in a layer's package, not at the top of dflash_pipeline"
     )
 
