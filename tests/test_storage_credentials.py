@@ -345,9 +345,9 @@ def test_an_engine_started_as_root_finds_the_secret_in_no_environment_it_can_rea
     secret, neither the non-dumpable job that started it nor the (dumpable) shell above it,
     nor any other root process; its own environment has none of its copies either."""
     if os.geteuid() != 0:
-        pytest.skip("the root case: these tests run as an ordinary user")
+        skip_unless_ci("the root case: these tests run as an ordinary user here")
     if not any(credentials._effective_capabilities() & (1 << cap) for cap in credentials.PROCESS_READING_CAPS):
-        pytest.skip("root without CAP_SYS_PTRACE and the like here: no process reads another's environment anyway")
+        skip_unless_ci("root without CAP_SYS_PTRACE and the like here: no process reads another's environment anyway")
     secret = secrets.token_hex(16)
     # Without the confinement the engine reads it from the job and the shell: the hole.
     exposed, above = scan_from_engine(tmp_path, "plain", secret)
