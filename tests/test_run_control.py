@@ -59,12 +59,15 @@ OPERATIONAL_CHANGES = {
         "tracker_project": "lab",
         # Engine taps equal the target's (tests/test_engine_taps.py): where they come from is no change.
         "taps_from": "engine",
-        "taps_server": {"concurrency": 2, "mem_fraction": 0.4},
+        "taps_server": {"concurrency": 2, "mem_fraction": 0.4, "prefetch_depth": 3},
+        # When a step counts as diverged: the demo's steps are all applied either way.
+        "divergence": {"max_loss_ratio": 20.0},
     },
     "evaluate": {
         "engine_mem_fraction": 0.5,
         "engine_extra_args": ["--enforce-eager"],
         "engine_reference_url": "http://127.0.0.1:9",
+        "target_mismatch": "warn",
     },
     # Engine-extracted taps equal the target's (tests/test_engine_taps.py): no re-extraction.
     "extract": {"taps_from": "engine"},
