@@ -220,9 +220,11 @@ def test_a_diverging_training_segment_halts_the_run_in_one_line_and_publishes_no
     # Every stored object intact; missing only what the halted training has not made.
     verified = run_verify(workflow).stdout
     assert (
-        "8 object(s) match their checksums, 4 missing, 0 damaged, 0 without a checksum record, 0 orphaned" in verified
+        "8 object(s) match their checksums, 6 missing, 0 damaged, 0 without a checksum record, 0 orphaned" in verified
     )
     missing = sorted(line.split()[1] for line in verified.splitlines() if line.startswith("missing"))
-    assert missing == [f"results/demo/{key}" for key in ("drafter/config.json", "drafter/model.safetensors")] + [
+    exported = ("drafter/config.json", "drafter/model.safetensors")
+    speculators = ("drafter/speculators/config.json", "drafter/speculators/model.safetensors")
+    assert missing == [f"results/demo/{key}" for key in exported + speculators] + [
         f"results/demo/outputs/train-segment-000{k}.json" for k in (0, 1)
     ]
