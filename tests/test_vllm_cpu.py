@@ -109,6 +109,14 @@ def test_generation_stores_the_engines_ids_for_every_turn_and_tokenize_uses_them
     tokenized = {
         (r["id"], r["turn"]): r for r in pq.read_table(root / f"{RUN}/outputs/tokenize-00000.parquet").to_pylist()
     }
+    # A row the data-quality gate refused (degenerate: e.g. too few supervised tokens) has no
+    # sequence; the gate's stats name it.
+    stats = json.loads((root / f"{RUN}/outputs/tokenize-00000.stats.json").read_text())
+    refused = {rid for ids in stats["examples"].values() for rid in ids}
+    kept = {rid for rid, _ in tokenized}
+    assert {r["id"] for r in rows} - kept <= refused
+    assert len({r["id"] for r in rows} - kept) == stats["degenerate_samples"]
+    multi_turn = [r for r in multi_turn if r["id"] in kept]
     checked = 0
     for row in multi_turn:
         for turn in row["turns"]:
