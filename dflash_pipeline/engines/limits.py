@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import functools
 import re
 import zipfile
 from dataclasses import dataclass
@@ -58,6 +59,18 @@ class Evidence:
         return f"{self.path} {'lacks' if self.absent else 'has'} /{self.pattern}/"
 
 
+def shown_by(evidence: tuple[Evidence, ...], sep: str = "; ") -> str:
+    """A row's evidence as words."""
+    return sep.join(e.describe() for e in evidence)
+
+
+def version_range(first: str, until: str = "") -> str:
+    """``>=first`` (and ``,<until``) as a PEP 440 specifier set; "" where ``first`` is ""."""
+    if not first:
+        return ""
+    return f">={first}" + (f",<{until}" if until else "")
+
+
 @dataclass(frozen=True)
 class Serves:
     """``engine`` serves ``feature`` from version ``first`` (before ``until``, if set) on the builds
@@ -74,15 +87,13 @@ class Serves:
 
     @property
     def versions(self) -> str:
-        """The range as a PEP 440 specifier set ("" for none)."""
-        if not self.first:
-            return ""
-        return f">={self.first}" + (f",<{self.until}" if self.until else "")
+        return version_range(self.first, self.until)
 
     @property
     def source(self) -> str:
-        read = "; ".join(e.describe() for e in self.evidence)
-        return f"{self.engine} >= {self.first}: {read}" + (f"; {self.measured}" if self.measured else "")
+        return f"{self.engine} >= {self.first}: {shown_by(self.evidence)}" + (
+            f"; {self.measured}" if self.measured else ""
+        )
 
 
 VLLM_REGISTRY = "vllm/model_executor/models/registry.py"
@@ -187,11 +198,11 @@ class Note:
 
     @property
     def versions(self) -> str:
-        return f">={self.first}" + (f",<{self.until}" if self.until else "")
+        return version_range(self.first, self.until)
 
     @property
     def source(self) -> str:
-        return "; ".join(f"{self.engine} {e.describe()}" for e in self.evidence)
+        return f"{self.engine} {shown_by(self.evidence)}"
 
 
 NOTES = (
@@ -253,7 +264,7 @@ class SilentDowngrade:
 
     @property
     def versions(self) -> str:
-        return f">={self.first},<{self.until}"
+        return version_range(self.first, self.until)
 
 
 SILENT_DOWNGRADES = (
@@ -293,7 +304,7 @@ def downgrades(engine: str, version: str | None, shape: DrafterShape, env: dict[
         ):
             lines.append(
                 f"{row.variable}={value} in {engine} {version}'s environment {row.what}; unset it "
-                f"(engines.{engine}.env, or the shell) [source: {'; '.join(e.describe() for e in row.evidence)}]"
+                f"(engines.{engine}.env, or the shell) [source: {shown_by(row.evidence)}]"
             )
     return lines
 
@@ -412,12 +423,11 @@ class ServesTaps:
 
     @property
     def versions(self) -> str:
-        return f">={self.first}" if self.first else ""
+        return version_range(self.first)
 
     @property
     def source(self) -> str:
-        read = "; ".join(f"{self.engine} {e.describe()}" for e in self.evidence)
-        return read + (f"; {self.measured}" if self.measured else "")
+        return f"{self.engine} {shown_by(self.evidence)}" + (f"; {self.measured}" if self.measured else "")
 
 
 SERVES_TAPS = (
@@ -514,6 +524,8 @@ class Release:
             self.names = [p.relative_to(root).as_posix() for p in (root / package).rglob("*.py")]
             self.names += [p.relative_to(root).as_posix() for p in root.glob("*.dist-info/METADATA")]
             self._read = lambda name: (root / name).read_text(errors="replace")
+        # Rows share their files (qwen3_dflash.py, models/dflash.py): each is read once.
+        self._read = functools.lru_cache(maxsize=None)(self._read)
 
     @property
     def version(self) -> str:
@@ -545,7 +557,7 @@ def disagreements(engine: str, release: Release) -> list[str]:
         covered = _in_range(versions, version)
         shown = all(release.shows(e) for e in evidence)
         if covered != shown and (covered or not what.endswith(MEASURED_FIRST)):
-            where = ", ".join(e.describe() for e in evidence)
+            where = shown_by(evidence, ", ")
             says = "covers" if covered else "does not cover"
             found.append(
                 f"{engine} {version} ({release.path}): the table {says} it for '{what}' ({versions or 'none'}), "
