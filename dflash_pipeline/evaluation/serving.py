@@ -107,7 +107,7 @@ def serving_server_spec(
             "draft_model": str(drafter),
             "num_draft_tokens": block_size,
         }
-        if engine == "vllm" and temperature > 0 and drafter_algorithm(drafter) == "dflash2":
+        if engine == "vllm" and temperature > 0 and exported_shape(drafter).algorithm == "dflash2":
             # vLLM's DFlash2 selector walks its candidates by argmax unless told to sample
             # (config/speculative.py draft_sample_method, default "greedy"), where the loop and
             # SGLang sample from the selector's softmax: a sampled evaluation would compare two
@@ -196,13 +196,9 @@ def engine_version(engine: str, url: str, installed: str | None = None) -> str |
     return installed
 
 
-def drafter_algorithm(drafter: str | Path) -> str:
-    """dflash or dflash2, from the export's config.json architectures (dflash when unreadable)."""
-    try:
-        config = json.loads((Path(drafter) / "config.json").read_text())
-    except (OSError, ValueError):
-        return "dflash"
-    return DrafterShape.from_exported_config(config).algorithm
+def exported_shape(drafter: str | Path) -> DrafterShape:
+    """What decides whether an engine serves the exported drafter, from its config.json."""
+    return DrafterShape.from_exported_config(json.loads((Path(drafter) / "config.json").read_text()))
 
 
 def check_served(
@@ -211,8 +207,7 @@ def check_served(
     """EngineUnsupportedError (one line) when the engine-limits table says ``engine``
     ``version`` cannot serve the exported drafter, or would serve it as something less under a
     setting of ``env`` (the server's environment; this process's by default)."""
-    config = json.loads((Path(drafter) / "config.json").read_text())
-    shape = DrafterShape.from_exported_config(config)
+    shape = exported_shape(drafter)
     refused = refusals(engine, version, build, shape) + downgrades(
         engine, version, shape, env if env is not None else os.environ
     )
