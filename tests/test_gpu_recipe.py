@@ -70,7 +70,7 @@ def test_the_offline_wheel_targets_wire_the_script_with_empty_defaults():
         return subprocess.run(["make", "-n", *args], cwd=REPO, capture_output=True, text=True).stdout
 
     build = planned("gpu-wheels")
-    assert "scripts/gpu_wheels.py build --wheels .offline-wheels" in build
+    assert "tools/gpu_wheels.py build --wheels .offline-wheels" in build
     assert '--sets "pipeline sglang-0.5.23 vllm-0.34.0"' in build
     assert '--allow-missing "llguidance"' in build
     # Nothing is skipped or repacked unless asked for.
@@ -78,7 +78,7 @@ def test_the_offline_wheel_targets_wire_the_script_with_empty_defaults():
     asked = planned("gpu-wheels", "WHEELS=w", "BASE=f.txt", "NO_FA3=1", "SKIP=^(py_spy|z3_solver)-")
     assert "--base f.txt --no-fa3 --skip '^(py_spy|z3_solver)-'" in asked
     install = planned("gpu-wheels-install", "WHEELS=w")
-    assert f"scripts/gpu_wheels.py install --wheels w --envs .gpu-envs --checkout {REPO}" in install
+    assert f"tools/gpu_wheels.py install --wheels w --envs .gpu-envs --checkout {REPO}" in install
     # Every set the target builds by default has its lock.
     for name in re.search(r'--sets "([^"]+)"', build)[1].split():
         assert (GPU / "locks" / f"{name}.lock").exists()

@@ -1,4 +1,4 @@
-"""Wheel sets for GPU nodes without a package index (scripts/gpu_wheels.py, `make gpu-wheels` and
+"""Wheel sets for GPU nodes without a package index (tools/gpu_wheels.py, `make gpu-wheels` and
 `make gpu-wheels-install`), as far as a CPU machine without network can check them: the locks, the
 BASE subtraction, the repack without FA3, a rerun that downloads nothing, and a real install of
 hand-made wheels through the wrappers it writes."""
@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import REPO
 
-SCRIPT = REPO / "scripts" / "gpu_wheels.py"
+SCRIPT = REPO / "tools" / "gpu_wheels.py"
 LOCKS = REPO / "envs" / "gpu" / "locks"
 _spec = importlib.util.spec_from_file_location("gpu_wheels", SCRIPT)
 gw = importlib.util.module_from_spec(_spec)

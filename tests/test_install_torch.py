@@ -1,4 +1,4 @@
-"""How `make setup` and `make vllm-env` install torch (scripts/install_torch.py), without a network:
+"""How `make setup` and `make vllm-env` install torch (tools/install_torch.py), without a network:
 the pip arguments tried in turn, and the script run against a fake python whose pip records its
 arguments and, like a stock PyPI, has no +cpu build until PyTorch's index is named."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import REPO
 
-SCRIPT = REPO / "scripts" / "install_torch.py"
+SCRIPT = REPO / "tools" / "install_torch.py"
 _spec = importlib.util.spec_from_file_location("install_torch", SCRIPT)
 it = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(it)
@@ -133,7 +133,7 @@ def test_make_setup_and_vllm_env_install_torch_through_the_script(tmp_path):
         ["make", "-n", "setup", f"VENV={tmp_path / 'venv'}"], cwd=REPO, env=env, capture_output=True, text=True
     )
     assert setup.returncode == 0, setup.stderr
-    assert f"scripts/install_torch.py --python {tmp_path / 'venv'}/bin/python torch==2.13.0+cpu" in setup.stdout
+    assert f"tools/install_torch.py --python {tmp_path / 'venv'}/bin/python torch==2.13.0+cpu" in setup.stdout
     assert '-e ".[model,test]"' in setup.stdout
     gpu = subprocess.run(
         ["make", "-n", "gpu-env", f"VENV={tmp_path / 'gpu'}"], cwd=REPO, env=env, capture_output=True, text=True
@@ -142,5 +142,5 @@ def test_make_setup_and_vllm_env_install_torch_through_the_script(tmp_path):
     vllm = subprocess.run(
         ["make", "-n", "vllm-env", f"VLLM_VENV={tmp_path / 'vllm'}"], cwd=REPO, capture_output=True, text=True
     )
-    assert f'scripts/install_torch.py --python {tmp_path / "vllm"}/bin/python "torch==2.13.0+cpu"' in vllm.stdout
+    assert f'tools/install_torch.py --python {tmp_path / "vllm"}/bin/python "torch==2.13.0+cpu"' in vllm.stdout
     assert 'pip install --quiet "torch==2.13.0+cpu"' not in vllm.stdout

@@ -321,3 +321,14 @@ def test_an_upward_or_sideways_import_fails(tmp_path, module, source, message):
     (copy / module).write_text(source)
     found = violations(copy)
     assert len(found) == 1 and message in found[0] and module in found[0], found
+
+
+def test_the_scripts_folder_holds_only_the_rules_thin_entry_points():
+    """scripts/ is what the rules run: each file a few lines of glue called by a rule's
+    ``script:``; install tools live in tools/ and logic in the package."""
+    called = set()
+    for smk in [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]:
+        called |= set(re.findall(r'scripts/(\w+\.py)"', smk.read_text()))
+    scripts = {p.name: len(p.read_text().splitlines()) for p in (REPO / "scripts").glob("*.py")}
+    assert sorted(scripts) == sorted(called), "scripts/ has files no rule runs, or a rule runs a missing one"
+    assert {name: n for name, n in scripts.items() if n > 30} == {}

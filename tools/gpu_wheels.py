@@ -13,24 +13,18 @@ Only the standard library and the running interpreter's pip: the GPU node has no
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
 import os
+import re
+import shutil
+import subprocess
 import sys
-
-# Run as a script, its folder comes first on sys.path: the workflow's scripts/tokenize.py would
-# shadow the standard library's tokenize (which logging, and so concurrent.futures, imports).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import zipfile  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from pathlib import Path  # noqa: E402
+import tempfile
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 LOCKS = Path(__file__).resolve().parent.parent / "envs" / "gpu" / "locks"
 

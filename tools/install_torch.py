@@ -12,7 +12,7 @@ local wheel folder or a mirror) must not be sent there, and a stock pip must be.
 
 An importable torch is never replaced (a GPU machine's CUDA build, installed first): nothing runs.
 
-    python scripts/install_torch.py [--python PY] [TORCH WORDS...]   (default: torch==2.13.0+cpu)
+    python tools/install_torch.py [--python PY] [TORCH WORDS...]   (default: torch==2.13.0+cpu)
 """
 
 from __future__ import annotations
