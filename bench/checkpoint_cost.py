@@ -50,7 +50,7 @@ from dflash_pipeline.training.checkpoint import capture_rng  # noqa: E402
 from dflash_pipeline.training.rolling_checkpoints import RollingCheckpoints  # noqa: E402
 from dflash_pipeline.training.step import optimizer_step  # noqa: E402
 from dflash_pipeline.training.distributed import Distributed  # noqa: E402
-from dflash_pipeline.training.trainer import make_optimizer  # noqa: E402
+from dflash_pipeline.training.step import make_optimizer  # noqa: E402
 
 TINY = {  # small enough for 3 x 200 steps on a busy 2-core machine
     "seq_len": 96,

@@ -37,7 +37,7 @@ from benchlib import commit as bench_commit  # noqa: E402
 from dflash_pipeline.model.config import DFLASH, DFLASH2, DFLASH2_KEYS, FULL, SLIDING, DrafterConfig  # noqa: E402
 from dflash_pipeline.model.drafter import DFlashDrafter  # noqa: E402
 from dflash_pipeline.training.step import optimizer_step  # noqa: E402
-from dflash_pipeline.training.trainer import make_optimizer  # noqa: E402
+from dflash_pipeline.training.step import make_optimizer  # noqa: E402
 
 PEAK_BF16_TFLOPS = 790.0  # measured dense bf16 peak of one H200
 

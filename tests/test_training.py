@@ -22,18 +22,11 @@ from dflash_pipeline.core.jobstate import RunHalted, clear_halt, raise_if_halted
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.stages.export import expected_tensor_shapes, export_drafter
 from dflash_pipeline.training.checkpoint import load_checkpoint
-from dflash_pipeline.training.distributed import Distributed
+from dflash_pipeline.training.distributed import Distributed, ReplicasDiffer, check_replicas
 from dflash_pipeline.training.divergence import DivergenceGuard
-from dflash_pipeline.training.trainer import (
-    PREEMPTED_EXIT_CODE,
-    Boundary,
-    SegmentJob,
-    TrainingDiverged,
-    TrainingError,
-    check_replicas,
-    lr_factor,
-    step_boundary,
-)
+from dflash_pipeline.training.segment_log import Boundary, step_boundary
+from dflash_pipeline.training.step import lr_factor
+from dflash_pipeline.training.trainer import PREEMPTED_EXIT_CODE, SegmentJob, TrainingDiverged
 from tests.support.paused_run import Pause
 from tests.support.train_data import write_tokenized_shard
 
@@ -479,7 +472,7 @@ class _Ranks:
 def test_diverged_replicas_are_refused_naming_the_parameters():
     module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
     check_replicas(module, _Ranks({}))  # the same weights: nothing to say
-    with pytest.raises(TrainingError, match=r"different weights in 1 parameters \(first: 1.bias\)"):
+    with pytest.raises(ReplicasDiffer, match=r"different weights in 1 parameters \(first: 1.bias\)"):
         check_replicas(module, _Ranks({"1.bias": 123.0}))
 
 

@@ -288,6 +288,67 @@ TOKENIZE_GATE_KEYS = (
     "repetition_min_fraction",
 )
 
+# train's keys (extract's section too): data, optimizer, schedule and drafter shape. gpus_per_job
+# is here because the global batch is batch_size x processes. export_dtype is the export rule's
+# own param; hidden_dtype reaches training through extract's outputs (its inputs) in offline mode.
+TRAIN_DEFINING = {
+    "mode",
+    "segments",
+    "steps_per_segment",
+    "batch_size",
+    "gpus_per_job",
+    "num_layers",
+    "intermediate_size",
+    "block_size",
+    "target_layer_ids",
+    "layer_types",
+    "sliding_window",
+    "mask_token_id",
+    "num_anchors",
+    "loss_decay_gamma",
+    "learning_rate",
+    "min_lr_ratio",
+    "warmup_ratio",
+    "weight_decay",
+    "grad_clip",
+    "seed",
+    "algorithm",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "selector_loss_weight",
+    "selector_warmup_ratio",
+    "selector_ramp_ratio",
+    "selector_gold_policy",
+    "selector_normalization",
+    "selector_stop_gradient",
+}
+# attention: sdpa and flex are tested equal; loss_chunk_rows only bounds memory.
+TRAIN_OPERATIONAL = {
+    "checkpoint_every_steps",
+    "attention",
+    "loss_chunk_rows",
+    "export_dtype",
+    "metrics_every_seconds",
+    "hidden_dtype",
+    "retries",
+    # Where and how checkpoints and data copies are written, and a budget check.
+    "checkpoint_async",
+    "data_cache_dir",
+    "offline_max_bytes",
+    # The experiment tracker: what is logged where, never what is trained.
+    "tracker",
+    "tracker_dir",
+    "tracker_project",
+    # The same taps either way (checked per run), so switching retrains nothing.
+    "taps_from",
+    "taps_server",
+    # When a step counts as diverged: a sound run's steps are all applied whatever it says.
+    "divergence",
+}
+EXTRACT_DEFINING = {"num_layers", "target_layer_ids", "hidden_dtype"}
+
 # Which keys of a rule's config section define what the rule writes. Only these go into the
 # rule's `params`, Snakemake's `params` rerun trigger: editing any other key of the section (how
 # a job runs: concurrency, intervals, ports, retries, kernels, resources) must not regenerate
@@ -329,119 +390,13 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
         "section": "train",
         # The taps stored: which target layers (the default rule depends on num_layers), in
         # which dtype. Everything else about the drafter is training's business.
-        "defining": {"num_layers", "target_layer_ids", "hidden_dtype"},
-        "operational": {
-            "mode",
-            "segments",
-            "steps_per_segment",
-            "checkpoint_every_steps",
-            "batch_size",
-            "gpus_per_job",
-            "intermediate_size",
-            "block_size",
-            "layer_types",
-            "sliding_window",
-            "mask_token_id",
-            "num_anchors",
-            "loss_decay_gamma",
-            "learning_rate",
-            "min_lr_ratio",
-            "warmup_ratio",
-            "weight_decay",
-            "grad_clip",
-            "seed",
-            "attention",
-            "loss_chunk_rows",
-            "export_dtype",
-            "metrics_every_seconds",
-            "retries",
-            "checkpoint_async",
-            "data_cache_dir",
-            "offline_max_bytes",
-            # The experiment tracker: what is logged where, never what is trained.
-            "tracker",
-            "tracker_dir",
-            "tracker_project",
-            # Online training's tap source (extract's own is extract.taps_from); the taps server's
-            # settings serve both, and change how the same taps are computed, not which.
-            "taps_from",
-            "taps_server",
-            "divergence",
-            # The drafter algorithm and its keys: extract stores taps, whatever trains on them.
-            "algorithm",
-            "conv_kernel_size",
-            "conv_group_size",
-            "selector_rank",
-            "selector_top_k",
-            "selector_loss_weight",
-            "selector_warmup_ratio",
-            "selector_ramp_ratio",
-            "selector_gold_policy",
-            "selector_normalization",
-            "selector_stop_gradient",
-        },
+        "defining": EXTRACT_DEFINING,
+        "operational": (TRAIN_DEFINING | TRAIN_OPERATIONAL) - EXTRACT_DEFINING,
     },
     "train": {
         "section": "train",
-        # Data, optimizer, schedule and drafter shape. gpus_per_job is here because the global
-        # batch is batch_size x processes. export_dtype is the export rule's own param;
-        # hidden_dtype reaches training through extract's outputs (its inputs) in offline mode.
-        "defining": {
-            "mode",
-            "segments",
-            "steps_per_segment",
-            "batch_size",
-            "gpus_per_job",
-            "num_layers",
-            "intermediate_size",
-            "block_size",
-            "target_layer_ids",
-            "layer_types",
-            "sliding_window",
-            "mask_token_id",
-            "num_anchors",
-            "loss_decay_gamma",
-            "learning_rate",
-            "min_lr_ratio",
-            "warmup_ratio",
-            "weight_decay",
-            "grad_clip",
-            "seed",
-            "algorithm",
-            "conv_kernel_size",
-            "conv_group_size",
-            "selector_rank",
-            "selector_top_k",
-            "selector_loss_weight",
-            "selector_warmup_ratio",
-            "selector_ramp_ratio",
-            "selector_gold_policy",
-            "selector_normalization",
-            "selector_stop_gradient",
-        },
-        # attention: sdpa and flex are tested equal; loss_chunk_rows only bounds memory.
-        "operational": {
-            "checkpoint_every_steps",
-            "attention",
-            "loss_chunk_rows",
-            "export_dtype",
-            "metrics_every_seconds",
-            "hidden_dtype",
-            "retries",
-            # Where and how checkpoints and data copies are written, and a budget check.
-            "checkpoint_async",
-            "data_cache_dir",
-            "offline_max_bytes",
-            # The experiment tracker: what is logged where, never what is trained.
-            "tracker",
-            "tracker_dir",
-            "tracker_project",
-            # The same taps either way (checked per run), so switching retrains nothing.
-            "taps_from",
-            "taps_server",
-            # When a step counts as diverged: a sound run's steps are all applied whatever it says.
-            "divergence",
-        },
+        "defining": TRAIN_DEFINING,
+        "operational": TRAIN_OPERATIONAL,
     },
     "evaluate": {
         "section": "evaluate",

@@ -80,14 +80,27 @@ class ServerSpec:
         return settings if settings.get("algorithm") else {}
 
 
-def sglang_command(spec: ServerSpec) -> list[str]:
-    cmd = server_module_command(spec.interpreter(), "sglang") + ["--model-path", spec.model]
-    cmd += ["--host", spec.host, "--port", str(spec.port)]
-    cmd += ["--tp-size", str(spec.tp), "--dp-size", str(spec.dp)]
+# Each engine's spelling of the flags both servers take: model, tensor and data parallel sizes,
+# the GPU memory share.
+SERVER_FLAGS = {
+    "sglang": ("--model-path", "--tp-size", "--dp-size", "--mem-fraction-static"),
+    "vllm": ("--model", "--tensor-parallel-size", "--data-parallel-size", "--gpu-memory-utilization"),
+}
+
+
+def server_base_command(spec: ServerSpec, engine: str) -> list[str]:
+    model, tp, dp, mem = SERVER_FLAGS[engine]
+    cmd = server_module_command(spec.interpreter(), engine) + [model, spec.model]
+    cmd += ["--host", spec.host, "--port", str(spec.port), tp, str(spec.tp), dp, str(spec.dp)]
     if spec.mem_fraction is not None:
-        cmd += ["--mem-fraction-static", str(spec.mem_fraction)]
+        cmd += [mem, str(spec.mem_fraction)]
     if spec.reasoning_parser:
         cmd += ["--reasoning-parser", spec.reasoning_parser]
+    return cmd
+
+
+def sglang_command(spec: ServerSpec) -> list[str]:
+    cmd = server_base_command(spec, "sglang")
     spec_cfg = spec.speculative_settings()
     if spec_cfg:
         cmd += ["--speculative-algorithm", spec_cfg["algorithm"]]
@@ -103,13 +116,7 @@ def sglang_command(spec: ServerSpec) -> list[str]:
 
 
 def vllm_command(spec: ServerSpec) -> list[str]:
-    cmd = server_module_command(spec.interpreter(), "vllm")
-    cmd += ["--model", spec.model, "--host", spec.host, "--port", str(spec.port)]
-    cmd += ["--tensor-parallel-size", str(spec.tp), "--data-parallel-size", str(spec.dp)]
-    if spec.mem_fraction is not None:
-        cmd += ["--gpu-memory-utilization", str(spec.mem_fraction)]
-    if spec.reasoning_parser:
-        cmd += ["--reasoning-parser", spec.reasoning_parser]
+    cmd = server_base_command(spec, "vllm")
     spec_cfg = spec.speculative_settings()
     if spec_cfg:
         cmd += ["--speculative-config", json.dumps(vllm_speculative_config(spec_cfg))]

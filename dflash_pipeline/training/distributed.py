@@ -78,3 +78,24 @@ class Distributed:
         """Fill ``tensor`` on every rank with ``src``'s, in place."""
         if self.world > 1:
             torch.distributed.broadcast(tensor, src=src)
+
+
+class ReplicasDiffer(RuntimeError):
+    """The ranks of one training job hold different weights."""
+
+
+def check_replicas(module: torch.nn.Module, group) -> None:
+    """Every rank must hold the same weights: each writes only its share of the checkpoint
+    (training.checkpoint), so diverged replicas would be saved mixed. A float64 sum per
+    parameter, gathered; DDP's all-reduced updates keep them bitwise equal. Raises naming the
+    first parameters that differ, so a gradient path outside DDP's reduction is found loudly."""
+    if group.world == 1:
+        return
+    sums = {name: float(p.detach().double().sum()) for name, p in module.named_parameters()}
+    ranks = group.gather_objects(sums)
+    differ = sorted({name for other in ranks[1:] for name in sums if other.get(name) != ranks[0].get(name)})
+    if differ:
+        raise ReplicasDiffer(
+            f"the {group.world} ranks hold different weights in {len(differ)} parameters "
+            f"(first: {', '.join(differ[:3])}); their checkpoint shards would not fit together"
+        )

@@ -3,6 +3,7 @@ and the benchmark both run exactly this."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,3 +97,23 @@ def optimizer_step(
         loss=result, blocks=blocks, grad_norm=grad_norm, lr=lr,
         selector=chosen, selector_weight=alpha, total_loss=total_loss, applied=applied,
     )  # fmt: skip
+
+
+def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` at the last step."""
+    warmup = int(total_steps * warmup_ratio)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def make_optimizer(drafter, settings: dict) -> torch.optim.Optimizer:
+    """AdamW over fp32 master weights; the fused kernel on GPUs (one launch for all tensors)."""
+    on_gpu = next(drafter.parameters()).is_cuda
+    return torch.optim.AdamW(
+        drafter.parameters(),
+        lr=settings["learning_rate"],
+        weight_decay=settings["weight_decay"],
+        fused=True if on_gpu else None,
+    )

@@ -13,8 +13,9 @@ written by every rank, each its share (``dflash_pipeline.training.checkpoint``).
 
 The run loop reads a batch, steps, logs and checkpoints; what each step boundary decides (commit
 a background save, stop, finish, a periodic save) is one function of flags OR-ed over the ranks,
-``step_boundary``. Its length (over 400 lines): set-up, loop and saves of one segment; the process
-group (``training.distributed``), the checkpoint format, the data and the drafter config live in
+``step_boundary`` (``training.segment_log``, with the metrics log). Its length (over 400 lines):
+set-up, loop and saves of one segment; the process group (``training.distributed``), the
+optimizer (``training.step``), the checkpoint format, the data and the drafter config live in
 their own modules.
 """
 
@@ -38,11 +39,11 @@ from dflash_pipeline.model import target_identity
 from dflash_pipeline.model.drafter import DFlashDrafter
 from dflash_pipeline.model.target import target_compute_dtype
 from dflash_pipeline.core.config import schema_defaults
-from dflash_pipeline.core.jobstate import write_halt, write_telemetry
+from dflash_pipeline.core.jobstate import write_halt
 from dflash_pipeline.core.lease import DriverGone, raise_if_driverless
-from dflash_pipeline.core.storage import Storage, open_storage
+from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.training.blocks import block_metrics, blocks_forward
-from dflash_pipeline.training.distributed import Distributed
+from dflash_pipeline.training.distributed import Distributed, check_replicas
 from dflash_pipeline.training.checkpoint import (
     INDEX,
     PendingSave,
@@ -55,7 +56,8 @@ from dflash_pipeline.training.rolling_checkpoints import RollingCheckpoints
 from dflash_pipeline.training.data import BatchOrder, collate, read_training_sequences
 from dflash_pipeline.training.divergence import APPLY, DivergenceGuard, Verdict
 from dflash_pipeline.training.selector import selector_metrics, selector_weight
-from dflash_pipeline.training.step import optimizer_step
+from dflash_pipeline.training.segment_log import Boundary, MetricsLog, step_boundary
+from dflash_pipeline.training.step import lr_factor, make_optimizer, optimizer_step
 from dflash_pipeline.training.tracker import Tracker, open_tracker, train_scalars
 
 log = logging.getLogger(__name__)
@@ -72,131 +74,6 @@ class TrainingError(RuntimeError):
 class TrainingDiverged(TrainingError):
     """A diverged step beyond the skip budget: the segment stopped unsaved and the run is halted;
     the message is the one line that names the step, its figures and the last good checkpoint."""
-
-
-def check_replicas(module: torch.nn.Module, group) -> None:
-    """Every rank must hold the same weights: each writes only its share of the checkpoint
-    (training.checkpoint), so diverged replicas would be saved mixed. A float64 sum per
-    parameter, gathered; DDP's all-reduced updates keep them bitwise equal. Raises naming the
-    first parameters that differ, so a gradient path outside DDP's reduction is found loudly."""
-    if group.world == 1:
-        return
-    sums = {name: float(p.detach().double().sum()) for name, p in module.named_parameters()}
-    ranks = group.gather_objects(sums)
-    differ = sorted({name for other in ranks[1:] for name in sums if other.get(name) != ranks[0].get(name)})
-    if differ:
-        raise TrainingError(
-            f"the {group.world} ranks hold different weights in {len(differ)} parameters "
-            f"(first: {', '.join(differ[:3])}); their checkpoint shards would not fit together"
-        )
-
-
-def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio`` at the last step."""
-    warmup = int(total_steps * warmup_ratio)
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total_steps - warmup)
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def make_optimizer(drafter, settings: dict) -> torch.optim.Optimizer:
-    """AdamW over fp32 master weights; the fused kernel on GPUs (one launch for all tensors)."""
-    on_gpu = next(drafter.parameters()).is_cuda
-    return torch.optim.AdamW(
-        drafter.parameters(),
-        lr=settings["learning_rate"],
-        weight_decay=settings["weight_decay"],
-        fused=True if on_gpu else None,
-    )
-
-
-class MetricsLog:
-    """metrics.jsonl (one object per step) and telemetry.json in the segment's progress area,
-    rewritten as whole objects (S3 has no append) every few seconds."""
-
-    def __init__(self, storage: Storage, segment: int, steps: tuple[int, int], every_s: float):
-        self.storage = storage
-        self.prefix = layout.train_progress_prefix(segment)
-        self.segment = segment
-        self.steps = steps
-        self.every_s = every_s
-        self.records: list[dict] = []
-        self.last_flush = 0.0
-        self.started = time.time()
-
-    def resume_from(self, step: int) -> None:
-        key = self.prefix + layout.TRAIN_METRICS
-        if self.storage.exists(key):
-            lines = self.storage.read_text(key).splitlines()
-            self.records = [r for r in map(json.loads, filter(None, lines)) if r["step"] < step]
-
-    def add(self, record: dict) -> None:
-        self.records.append(record)
-        if time.time() - self.last_flush >= self.every_s:
-            self.flush("running")
-
-    def flush(self, state: str) -> None:
-        text = "".join(json.dumps(r) + "\n" for r in self.records)
-        self.storage.write_text(self.prefix + layout.TRAIN_METRICS, text)
-        last = self.records[-1] if self.records else {}
-        done = (last.get("step", self.steps[0] - 1) + 1) - self.steps[0]
-        total = self.steps[1] - self.steps[0]
-        rate = last.get("steps_per_s")
-        write_telemetry(
-            self.storage,
-            self.prefix,
-            {"stage": "train", "segment": self.segment},
-            {
-                "state": state,
-                "step": last.get("step"),
-                "steps_done": done,
-                "steps_total": total,
-                "tokens_per_s": last.get("tokens_per_s"),
-                "eta_s": round((total - done) / rate, 1) if rate else None,
-            },
-        )
-        self.last_flush = time.time()
-
-
-@dataclass(frozen=True)
-class Boundary:
-    """What the end of a step decides; every rank decides alike (``step_boundary`` of flags
-    OR-ed over the ranks)."""
-
-    commit: bool  # the background save in flight finished on every rank: it becomes the latest
-    reserve: bool  # the job's first step: the background saves' buffers are allocated now
-    stop: str | None  # why the segment stops here ("SIGTERM", "driver gone"); None: it goes on
-    last: bool  # the segment's last step: its final checkpoint follows
-    save: bool  # a periodic checkpoint is due (never at the last step, nor when stopping)
-
-
-def step_boundary(
-    step: int,
-    steps: tuple[int, int],
-    every: int,
-    *,
-    first: bool,
-    checkpoint_async: bool,
-    pending: bool,
-    writing: bool,
-    stop: bool,
-    orphaned: bool,
-) -> Boundary:
-    """The decisions once ``step`` steps are done in a segment of ``steps`` [start, end) that
-    checkpoints every ``every`` steps. ``first``: the job's first step; ``pending``: a background
-    save is in flight, ``writing``: still written on some rank; ``stop``: a SIGTERM on some rank,
-    ``orphaned``: the driver is gone (a SIGTERM names the stop when both came)."""
-    start, end = steps
-    last = step >= end
-    why = "SIGTERM" if stop else "driver gone" if orphaned else None
-    return Boundary(
-        commit=pending and not writing,
-        reserve=checkpoint_async and first,
-        stop=why,
-        last=last,
-        save=why is None and not last and (step - start) % every == 0,
-    )
 
 
 @dataclass
