@@ -354,3 +354,18 @@ def test_the_dry_run_reads_exponents_as_written_and_refuses_a_learning_rate_out_
     assert proc.returncode != 0
     assert "  config key 'train.learning_rate': 1000000000000.0 is outside its range (0, 1]" in out.splitlines()
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    "train, expected",
+    [
+        ({"mode": "online", "taps_from": "engine"}, True),
+        ({"mode": "online", "taps_from": "target"}, False),
+        ({"mode": "offline", "taps_from": "engine"}, False),  # offline reads extract's taps
+        ({"mode": "online"}, False),
+    ],
+)
+def test_one_predicate_says_whether_training_takes_taps_from_an_engine(train, expected):
+    from dflash_pipeline.core.config import trains_from_engine_taps
+
+    assert trains_from_engine_taps(train) is expected

@@ -719,10 +719,10 @@ def test_the_next_batchs_taps_are_asked_for_while_this_one_trains_and_taken_once
     client = RecordingTapsClient()
     now, later = batch_of(1, 5), batch_of(9)
     with EngineTapSource(client) as source:
-        first = source.taps(now, 3, "cpu", torch.float32)
+        first = source.taps(now, torch.zeros(1, 3), "cpu", torch.float32)
         source.prefetch(later)
-        second = source.taps(later, 2, "cpu", torch.float32)
-        again = source.taps(later, 2, "cpu", torch.float32)  # nothing ahead any more: asked anew
+        second = source.taps(later, torch.zeros(1, 2), "cpu", torch.float32)
+        again = source.taps(later, torch.zeros(1, 2), "cpu", torch.float32)  # nothing ahead any more: asked anew
     assert client.asked == [[1, 5], [9], [9]] and client.closed
     assert first.tolist() == [[[1.0], [2.0], [0.0]], [[5.0], [6.0], [0.0]]]  # right-padded to 3
     assert second.tolist() == again.tolist() == [[[9.0], [10.0]]]
@@ -736,10 +736,10 @@ def test_two_batches_wait_ahead_at_most_and_each_is_taken_once():
     with EngineTapSource(client, prefetch_depth=2) as source:
         for batch in (first, second, third, first):  # a third ahead and a repeat are ignored
             source.prefetch(batch)
-        assert source.taps(first, 2, "cpu", torch.float32).tolist() == [[[1.0], [2.0]]]
+        assert source.taps(first, torch.zeros(1, 2), "cpu", torch.float32).tolist() == [[[1.0], [2.0]]]
         source.prefetch(third)  # a slot is free again
-        assert source.taps(second, 2, "cpu", torch.float32).tolist() == [[[3.0], [4.0]]]
-        assert source.taps(third, 2, "cpu", torch.float32).tolist() == [[[5.0], [6.0]]]
+        assert source.taps(second, torch.zeros(1, 2), "cpu", torch.float32).tolist() == [[[3.0], [4.0]]]
+        assert source.taps(third, torch.zeros(1, 2), "cpu", torch.float32).tolist() == [[[5.0], [6.0]]]
     assert sorted(client.asked) == [[1], [3], [5]]  # each batch asked of the engine once
 
 
@@ -750,9 +750,9 @@ def test_a_prefetch_for_other_sequences_is_not_taken_and_its_engine_error_surfac
     client = RecordingTapsClient(fail_on=7)
     with EngineTapSource(client) as source:
         source.prefetch(batch_of(3))
-        other = source.taps(batch_of(4), 2, "cpu", torch.float32)  # not the prefetched batch
+        other = source.taps(batch_of(4), torch.zeros(1, 2), "cpu", torch.float32)  # not the prefetched batch
         assert other.tolist() == [[[4.0], [5.0]]]
         doomed = batch_of(7)
         source.prefetch(doomed)
         with pytest.raises(EngineError, match="died"):
-            source.taps(doomed, 2, "cpu", torch.float32)
+            source.taps(doomed, torch.zeros(1, 2), "cpu", torch.float32)

@@ -302,7 +302,7 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
     sequences = read_training_sequences(tokenized)[:3]
     ids, _ = collate(sequences, "cpu")
     stored = HiddenShards(open_storage(str(tmp_path)), hidden, config).taps(
-        sequences, ids.shape[1], "cpu", torch.float32
+        sequences, ids, "cpu", torch.float32
     )
     written = json.loads(Path(next(iter(hidden.values()))).read_text())
     target = load_target(str(demo_model), written["device"], getattr(torch, written["compute_dtype"]))

@@ -258,6 +258,12 @@ def layered_config(configfiles: Sequence[str | Path] | str | Path | None, workdi
     return config
 
 
+def trains_from_engine_taps(train: dict) -> bool:
+    """Whether training takes its taps from a taps server on the job's node (online training
+    with ``train.taps_from: engine``); offline training reads extract's taps whatever it says."""
+    return train.get("mode") == "online" and train.get("taps_from", "target") == "engine"
+
+
 def load_run_config(configfiles: Sequence[str | Path] | str | Path | None, workdir: Path = REPO) -> dict:
     """The config a `snakemake [--configfile A [B ...]]` run in ``workdir`` sees: the layered
     files (``layered_config``) validated, the schema's defaults filled in (rules/common.smk);

@@ -65,7 +65,10 @@ class StreamingSafetensors:
 
 
 class HiddenShards:
-    """Reads stored taps for training rows; each shard object is fetched once per job."""
+    """Reads stored taps for training rows; each shard object is fetched once per job. A tap
+    source of training (``training.tap_sources.TapSource``): nothing to fetch ahead."""
+
+    prefetch_depth = 0
 
     def __init__(self, storage: Storage, manifests: dict[str, str], drafter_config):
         from safetensors import safe_open
@@ -93,7 +96,11 @@ class HiddenShards:
             for i, row in enumerate(rows):
                 self.row_index[(shard, row)] = (offsets[i], offsets[i + 1], i)
 
-    def taps(self, sequences, length: int, device, dtype) -> torch.Tensor:
+    def prefetch(self, sequences) -> None:
+        """Stored taps are read when used."""
+
+    def taps(self, sequences, input_ids: torch.Tensor, device, dtype) -> torch.Tensor:
+        length = input_ids.shape[1]
         out = []
         for seq in sequences:
             try:

@@ -383,8 +383,8 @@ class EngineTaps:
 
 
 class EngineTapSource:
-    """Training batches' taps from a taps server, with the interface of stored taps
-    (``data.hidden.HiddenShards.taps``): right-padded [b, length, K*H] on ``device``.
+    """Training batches' taps from a taps server, a tap source of training
+    (``training.tap_sources.TapSource``): right-padded [b, length, K*H] on ``device``.
 
     ``prefetch(sequences)`` asks for a later batch's taps in the background, so the engine
     computes batches i+1 .. i+``prefetch_depth`` while the trainer's GPU steps on batch i (the
@@ -422,7 +422,8 @@ class EngineTapSource:
         if key not in self._ahead and len(self._ahead) < self.prefetch_depth:
             self._ahead[key] = self._pool.submit(self._rows, sequences)
 
-    def taps(self, sequences, length: int, device, dtype) -> torch.Tensor:
+    def taps(self, sequences, input_ids: torch.Tensor, device, dtype) -> torch.Tensor:
+        length = input_ids.shape[1]
         ahead = self._ahead.pop(self._key(sequences), None)
         if ahead is None:
             # Not asked for ahead: what waits ahead is of batches before this one (a loop that

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.config import layered_config, load_run_config, validate_config  # noqa: F401 (the CLI reads the config through them)
+from dflash_pipeline.core.config import layered_config, load_run_config, trains_from_engine_taps, validate_config  # noqa: F401 (the CLI reads the config through them)
 from dflash_pipeline.core.jobstate import StageTotals
 from dflash_pipeline.training.offline import hidden_bytes_per_token
 from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage
@@ -380,7 +380,7 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
         train_rate = Estimate(measured.train_tokens_per_s_per_gpu, "the run's training telemetry")
     elif plan_cfg["train_tokens_per_s_per_gpu"]:
         train_rate = Estimate(plan_cfg["train_tokens_per_s_per_gpu"], "config plan.train_tokens_per_s_per_gpu")
-    elif train["mode"] == "online" and train["taps_from"] == "engine":
+    elif trains_from_engine_taps(train):
         train_rate = engine_fed_rate(measured.bench_drafter, measured.bench_capture, measured.bench_train)
     else:
         train_rate = bench_estimate(measured.bench_train, "target and context")
@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         train = config["train"]
         context = config["tokenize"]["max_length"]
         measured.bench_train = pick_train_benchmark(steps, case, train["mode"], context, train["algorithm"])
-        if train["mode"] == "online" and train["taps_from"] == "engine":
+        if trains_from_engine_taps(train):
             measured.bench_drafter = pick_train_benchmark(
                 steps, case, train["mode"], context, train["algorithm"], train["taps_from"]
             )

@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.config import trains_from_engine_taps
 from dflash_pipeline.core.refusal import EnvironmentProblem, refusal_text
 from dflash_pipeline.core.storage import is_s3_url
 from dflash_pipeline.core.s3 import (
@@ -294,7 +295,7 @@ def taps_server_problems(config: dict) -> list[str]:
     GPUs before the trainers, so its memory share must be set (vLLM's default takes 0.9 of each
     card and the trainers would run out of memory). [] otherwise."""
     train = config["train"]
-    if "train" not in layout.stages_built(config) or train["mode"] != "online" or train["taps_from"] != "engine":
+    if "train" not in layout.stages_built(config) or not trains_from_engine_taps(train):
         return []
     if train["gpus_per_job"] == 0 or train["taps_server"]["mem_fraction"] is not None:
         return []

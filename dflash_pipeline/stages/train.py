@@ -20,6 +20,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.config import trains_from_engine_taps
 from dflash_pipeline.core.jobstate import RunHalted, raise_if_halted, read_halt
 from dflash_pipeline.core.joblog import job_logging
 from dflash_pipeline.core.lease import raise_if_driverless
@@ -119,7 +120,7 @@ def train_job(
         manifest_path=manifest,
         device=None if gpus else "cpu",
     )
-    if settings.get("taps_from", "target") == "engine" and settings["mode"] == "online":
+    if trains_from_engine_taps(settings):
         from dflash_pipeline.engines.engine_taps import node_local_dir
 
         # Node-local (shared memory where it has room): the server writes each request's taps

@@ -28,7 +28,6 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -57,6 +56,7 @@ from dflash_pipeline.training.data import BatchOrder, collate, read_training_seq
 from dflash_pipeline.training.divergence import APPLY, DivergenceGuard, Verdict
 from dflash_pipeline.training.selector import selector_metrics, selector_weight
 from dflash_pipeline.training.segment_log import Boundary, MetricsLog, step_boundary
+from dflash_pipeline.training.tap_sources import TapSource, TapSourceError, open_training_target
 from dflash_pipeline.training.step import lr_factor, make_optimizer, optimizer_step
 from dflash_pipeline.training.tracker import Tracker, open_tracker, train_scalars
 
@@ -86,9 +86,9 @@ class SegmentJob:
     manifest_path: str
     hidden: dict[str, str] = field(default_factory=dict)  # offline mode: shard -> manifest
     device: str | None = None
-    # train.taps_from engine: where batches' taps come from instead of the target, with the
-    # interface of stored taps, taps(sequences, length, device, dtype) (engines.engine_taps)
-    tap_source: object | None = None
+    # train.taps_from engine: the job's taps server (engines.engine_taps.EngineTapSource), the
+    # segment's tap source instead of the target (training.tap_sources)
+    tap_source: TapSource | None = None
 
     def run(self) -> dict:
         return _SegmentRun(self).run()
@@ -124,46 +124,20 @@ class _SegmentRun:
 
     # --- set-up --------------------------------------------------------------------------------
     def _load_target(self):
-        from dflash_pipeline.model.target import load_target, target_embeddings
-        from dflash_pipeline.model.taps import TargetTaps
-
         self.drafter_config = build_drafter_config(self.settings, self.job.target_dir)
+        try:
+            target = open_training_target(
+                self.settings, self.job.target_dir, self.drafter_config, self.device, self.compute_dtype,
+                engine_source=self.job.tap_source, hidden=self.job.hidden, storage=self.storage,
+                world=self.dist.world,
+            )  # fmt: skip
+        except TapSourceError as err:
+            raise TrainingError(str(err)) from None
+        self.tap_source = target.source
+        self.embed_weight, self.lm_head_weight = target.embed_weight, target.lm_head_weight
         # The weights the taps come from (the target here, the taps server's, or the stored
         # taps' record), which the segment manifest and the export name.
-        self.target_weights = target_identity.weights_digest(self.job.target_dir)
-        if self.settings["mode"] == "online" and self.job.tap_source is not None:
-            from dflash_pipeline.model.target import load_target_embeddings
-
-            # Taps from outside (train.taps_from engine), with the stored taps' interface; only
-            # the embeddings here.
-            self.taps, self.hidden = None, self.job.tap_source
-            self.embed_weight, self.lm_head_weight = load_target_embeddings(
-                self.job.target_dir, self.device, self.compute_dtype
-            )
-        elif self.settings["mode"] == "online":
-            target = load_target(self.job.target_dir, self.device, self.compute_dtype)
-            self.taps = TargetTaps(target, self.drafter_config.target_layer_ids)
-            self.embed_weight, self.lm_head_weight = target_embeddings(target)
-        else:
-            from dflash_pipeline.data.hidden import HiddenShards
-            from dflash_pipeline.model.target import load_target_embeddings
-            from dflash_pipeline.training.offline import OfflineBudgetError, check_stored
-
-            # Refuse before any rank downloads the shards (train.offline_max_bytes).
-            manifests = {k: json.loads(Path(p).read_text()) for k, p in self.job.hidden.items()}
-            try:
-                check_stored(self.settings, manifests, self.dist.world)
-            except OfflineBudgetError as err:
-                raise TrainingError(str(err)) from None
-            self.taps = None
-            try:
-                self.target_weights = target_identity.stored_target_weights(manifests, self.target_weights)
-            except target_identity.TargetMismatch as err:
-                raise TrainingError(str(err)) from None
-            self.hidden = HiddenShards(self.storage, self.job.hidden, self.drafter_config)
-            self.embed_weight, self.lm_head_weight = load_target_embeddings(
-                self.job.target_dir, self.device, self.compute_dtype
-            )
+        self.target_weights = target.weights
 
     def _build_model(self):
         torch.manual_seed(self.settings["seed"])
@@ -249,17 +223,14 @@ class _SegmentRun:
     def _batch(self, step: int):
         sequences = self._rank_batch(step)
         input_ids, loss_mask = collate(sequences, self.device)
-        if self.taps is not None:
-            taps = self.taps(input_ids)
-        else:
-            taps = self.hidden.taps(sequences, input_ids.shape[1], self.device, self.compute_dtype)
-            prefetch = getattr(self.hidden, "prefetch", None)  # taps from an engine: the next batches' now
-            if prefetch is not None:
-                # Each later batch asked for once, as soon as it is prefetch_depth steps ahead.
-                furthest = min(step + getattr(self.hidden, "prefetch_depth", 1), self.end_step - 1)
-                for ahead in range(max(step, self._prefetched_to) + 1, furthest + 1):
-                    prefetch(self._rank_batch(ahead))
-                self._prefetched_to = max(self._prefetched_to, furthest)
+        source = self.tap_source
+        taps = source.taps(sequences, input_ids, self.device, self.compute_dtype)
+        # Each later batch asked for once, as soon as it is prefetch_depth steps ahead (a source
+        # that fetches ahead: the engine computes them while this step trains).
+        furthest = min(step + source.prefetch_depth, self.end_step - 1)
+        for ahead in range(max(step, self._prefetched_to) + 1, furthest + 1):
+            source.prefetch(self._rank_batch(ahead))
+        self._prefetched_to = max(self._prefetched_to, furthest)
         return input_ids, loss_mask, taps, sum(x.length for x in sequences)
 
     def _train_step(self, step: int) -> dict:
