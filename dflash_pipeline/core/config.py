@@ -367,6 +367,7 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "taps_from",
             "taps_server",
             "divergence",
+            "segment_eval",
             # The drafter algorithm and its keys: extract stores taps, whatever trains on them.
             "algorithm",
             "conv_kernel_size",
@@ -441,6 +442,8 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "taps_server",
             # When a step counts as diverged: a sound run's steps are all applied whatever it says.
             "divergence",
+            # What rule segment_tau measures of each segment (its own param), never what is trained.
+            "segment_eval",
         },
     },
     "evaluate": {

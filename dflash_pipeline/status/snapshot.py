@@ -11,7 +11,8 @@ Sources, cheapest first:
   while the incremental refresh costs a handful of requests (bench/status_scale.py);
 * the ``_progress/`` telemetry of jobs (read again only when its size or mtime changed, so a
   finished shard's telemetry is read once per server, concurrently on the first refresh);
-* training metrics (``_progress/train/segment-KKKK/metrics.jsonl``) and evaluation metrics;
+* training metrics (``_progress/train/segment-KKKK/metrics.jsonl``), each segment's τ in the loop
+  (``outputs/segment_tau-KKKK.json``) and evaluation metrics;
 * the events file of the ``dflash`` logger plugin: which jobs run, finished or failed. The
   plugin writes one file per working directory, whatever run Snakemake drives from there (a
   local run, an S3 run, another prefix): only the Snakemake runs whose jobs write into this run
@@ -73,6 +74,7 @@ LIVE_PREFIXES = (
     layout.HALT,
     layout.RUN_LEASE,
     f"{layout.OUTPUTS_DIR}/train-segment-",
+    f"{layout.OUTPUTS_DIR}/segment_tau-",
     f"{layout.OUTPUTS_DIR}/evaluate-",
     f"{layout.OUTPUTS_DIR}/ingest-",
     layout.TUNE_RESULT,
@@ -257,6 +259,7 @@ class SnapshotBuilder:
         storage_use: dict[str, dict] = {}
         telemetry: dict[tuple[str, int], dict] = {}
         segments: dict[int, dict] = {}
+        segment_taus: dict[int, tuple[object, float]] = {}
         eval_metrics = tune_result = None
         halt = lease = None
         written: dict[str, float] = {}  # single-job stages' objects and segment manifests: mtime
@@ -287,7 +290,11 @@ class SnapshotBuilder:
                 parse = read_train_metrics if m["name"] == layout.TRAIN_METRICS else json.loads
                 seg[m["name"]] = self._read_cached(obj.key, obj.size, obj.mtime, parse)
             elif m := SEGMENT_MANIFEST.match(obj.key):
-                segments.setdefault(int(m["segment"]), {})["done"] = True
+                segments.setdefault(int(m["segment"]), {}).update(done=True, manifest_at=obj.mtime)
+            elif m := layout.SEGMENT_TAU.match(obj.key):
+                # The segment's τ in the loop (rule segment_tau); only a manifest makes a segment.
+                record = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
+                segment_taus[int(m["segment"])] = (record, obj.mtime)
             elif obj.key == layout.EVAL_METRICS:
                 eval_metrics = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
             elif obj.key == layout.TUNE_RESULT:
@@ -448,7 +455,7 @@ class SnapshotBuilder:
                     if shard in done.get(stage, ())
                 ),
             },
-            "training": training_summary(segments),
+            "training": training_summary(segments, segment_taus),
             "evaluation": evaluation_summary(eval_metrics, old=eval_old),
             # The run's headline figures, as on the report's first page (report/headline.py).
             "headline": headline_summary(
