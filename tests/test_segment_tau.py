@@ -166,7 +166,7 @@ def test_a_checkpoint_measures_what_evaluates_loop_measures_on_its_export(demo_m
         str(tmp_path), 0, str(manifest), str(demo_model), str(prompts), out, settings, thinking=False
     )
     assert json.loads(out.read_text()) == found
-    assert found["segment"] == 0 and found["step"] == 40 and found["prompts"] == 2
+    assert found["segment"] == 0 and found["step"] == 39 and found["prompts"] == 2
     assert [p["id"] for p in found["per_prompt"]] == ["q1", "q2"]
     assert math.isfinite(found["tau"]) and 1.0 <= found["tau"] <= 8
     drafter = tmp_path / "drafter"

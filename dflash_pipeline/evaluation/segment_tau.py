@@ -92,7 +92,8 @@ def segment_record(segment: int, manifest: dict, results: list, settings: dict, 
     overall = aggregate(results)
     record = {
         "segment": segment,
-        "step": (manifest.get("steps") or [None, None])[-1],
+        # The segment's last optimizer step, as its metrics number it (steps [start, end)).
+        "step": manifest["steps"][1] - 1 if manifest.get("steps") else None,
         "tau": overall["tau"],
         "tau_mean_of_prompts": overall["tau_mean_of_prompts"],
         "block_size": results[0].block_size if results else None,
