@@ -318,7 +318,7 @@ def embedded_svgs(report_html: str) -> str:
     import base64
     import re
 
-    found = re.findall(r"data:image/svg\+xml;(?:[a-z-]+=[^;]+;)?base64,([A-Za-z0-9+/=]+)", report_html)
+    found = re.findall(r"data:image/svg\+xml;(?:[a-z-]+=[^;]+;)*base64,([A-Za-z0-9+/=]+)", report_html)
     return "\n".join(base64.b64decode(data).decode() for data in found)
 
 
