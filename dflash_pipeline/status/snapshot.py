@@ -405,10 +405,13 @@ class SnapshotBuilder:
         for job in events.jobs.values():
             if job.rule in ("train", "all") or (job.rule in SHARD_STAGES and "shard" in job.wildcards):
                 continue
+            # A segment_tau job names its segment (its log: logs/segment_tau/segment-KKKK.log).
+            segment = job.wildcards.get("segment")
+            part = f"segment-{segment}" if segment else None
             if job.state == "failed":
-                failed.append(self._failed_row(None, job.rule, None, job, None))
+                failed.append(self._failed_row(None, job.rule, part, job, None))
             elif job.state == "running":
-                running.append(self._running_row(job.rule, job.rule, None, job, None, now))
+                running.append(self._running_row(job.rule, job.rule, part, job, None, now))
 
         # Each stage weighs the same: a stage of one job (evaluate) counts as much as one of
         # 10,000 shards, and the bar stays below 100% until every stage is done.
