@@ -181,6 +181,8 @@ rule report_tokenization:
 rule report_training:
     input:
         segments=[segment_manifest(k) for k in range(config["train"]["segments"])],
+        # Each segment's τ in the loop (rule segment_tau), drawn beside the loss.
+        segment_taus=[run_path(key) for key in report_targets.segment_tau_keys(config)],
     output:
         figure=report(
             run_path(layout.report_key("training.svg")),

@@ -43,6 +43,8 @@ rule train:
         run_path(f"{layout.LOGS_DIR}/train/segment-{{segment}}.log"),
     benchmark:
         run_path(layout.benchmark_key("train", "{segment}"))
+    # Ahead of a segment_tau job that waits for the same cores or GPUs: training goes on first.
+    priority: 1
     # A retry resumes from the segment's last in-segment checkpoint.
     retries: config["train"]["retries"]
     conda:
@@ -64,6 +66,44 @@ rule train:
         settings=rule_params(config, "train"),
     script:
         "../scripts/train.py"
+
+
+# τ while it trains: each segment's checkpoint in the speculative-decoding loop, on a few
+# held-out prompts (train.segment_eval). The next segment reads only the manifest, never this.
+rule segment_tau:
+    input:
+        unpack(target_model_input),
+        manifest=segment_manifest("{segment}"),
+        # Orders the job after ingest; the held-out prompts are read from the ingested table by
+        # byte range (params.ingested), as evaluate reads them.
+        summary=run_path(layout.INGEST_SUMMARY),
+    output:
+        tau=run_path(layout.segment_tau_key("{segment}")),
+    log:
+        run_path(f"{layout.LOGS_DIR}/segment_tau/segment-{{segment}}.log"),
+    benchmark:
+        run_path(layout.benchmark_key("segment_tau", "{segment}"))
+    conda:
+        "../envs/pipeline.yaml"
+    threads: 1
+    resources:
+        **slurm(min(1, config["train"]["gpus_per_job"])),
+        gpu=min(1, config["train"]["gpus_per_job"]),
+        mem_mb=job_memory("segment_tau", min(1, config["train"]["gpus_per_job"])),
+        runtime=config["resources"]["runtime_minutes"]["segment_tau"],
+    params:
+        run_url=lambda wildcards: RUN_URL,
+        ingested=lambda wildcards: f"{RUN_URL}/{layout.INGESTED_PROMPTS}",
+        model=config["target"]["model"],
+        thinking=config["generation"]["thinking"],
+        # What defines the record: the budget and the loop's temperature (evaluate's).
+        settings={
+            "prompts": config["train"]["segment_eval"]["prompts"],
+            "max_new_tokens": config["train"]["segment_eval"]["max_new_tokens"],
+            "temperature": config["evaluate"]["temperature"],
+        },
+    script:
+        "../scripts/segment_tau.py"
 
 
 rule export:

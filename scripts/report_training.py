@@ -5,4 +5,4 @@ from dflash_pipeline.stages.report import report_training
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 with stage_job(smk, "report_training") as job:
-    report_training(job.run_url, smk.params.segments, smk.output.figure)
+    report_training(job.run_url, smk.params.segments, smk.output.figure, list(smk.input.segment_taus))

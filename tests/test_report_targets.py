@@ -46,6 +46,9 @@ def test_the_headline_reads_the_stages_built_and_the_gpu_jobs_benchmarks():
         layout.benchmark_key("extract", 1),
         layout.benchmark_key("train", "0000"),
         layout.benchmark_key("train", "0001"),
+        # Each segment's τ in the loop takes one of training's GPUs too (rule segment_tau).
+        layout.benchmark_key("segment_tau", "0000"),
+        layout.benchmark_key("segment_tau", "0001"),
         layout.benchmark_key("evaluate"),
     ]
     assert targets.headline_inputs(config(tunes=True, until="prepare")) == {"benchmarks": []}

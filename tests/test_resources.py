@@ -57,6 +57,7 @@ def test_the_demo_and_a_missing_folder_keep_the_floors(tmp_path, demo_model):
     floors = {rule: config["resources"]["mem_mb"][rule] for rule in MODEL_SIZED_RULES}
     assert job_memory_mb(config) == floors == {
         "generate": 8000, "extract": 16000, "train": 16000, "export": 8000, "evaluate": 16000,
+        "segment_tau": 16000,
     }  # fmt: skip
     demo = validate_config(yaml.safe_load((REPO / "config.yaml").read_text()) | {"target": {"model": str(demo_model)}})
     assert job_memory_mb(demo) == floors  # a few MB of weights: the floors

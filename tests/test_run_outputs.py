@@ -18,8 +18,9 @@ from dflash_pipeline.stages import verify
 from tests.conftest import copy_workflow
 
 # Variations of the demo config, each a path through the rules: the demo as it ships (online, a
-# drafter the speculators format expresses, so the export writes it); offline with its extract
-# shards, a tuned engine and a drafter mixing sliding and full layers (no speculators export);
+# drafter the speculators format expresses, so the export writes it, and each segment's τ);
+# offline with its extract shards, a tuned engine, a drafter mixing sliding and full layers (no
+# speculators export) and no segment measured (train.segment_eval off);
 # a run that stops after tokenize, with more shards.
 VARIANTS = {
     "demo": {},
@@ -28,6 +29,7 @@ VARIANTS = {
             "mode": "offline",
             "layer_types": ["sliding_attention", "full_attention"],
             "sliding_window": 16,
+            "segment_eval": {"enabled": False},
         },
         "tune": {"enabled": True},
     },
@@ -69,3 +71,5 @@ def test_the_run_outputs_table_is_what_the_rules_declare(tmp_path, variant):
     speculators = {speculators_format.RUN_CONFIG, speculators_format.RUN_WEIGHTS}
     exported = {key for rule, key in declared if rule == "export"}
     assert (speculators <= exported) == (variant == "demo")
+    measured = {key for rule, key in declared if rule == "segment_tau"}
+    assert measured == ({layout.segment_tau_key(0), layout.segment_tau_key(1)} if variant == "demo" else set())

@@ -106,6 +106,8 @@ return {
   evaluation: document.getElementById("evaluation").textContent,
   curvePoints: (document.querySelector("#chart-loss polyline")?.getAttribute("points") || "")
     .trim().split(/\s+/).filter(Boolean).length,
+  segmentTaus: [...document.querySelectorAll("#segments tbody td.segment-tau")].map((cell) => cell.textContent),
+  segmentTauDots: document.querySelectorAll("#chart-segment-tau circle").length,
   stages: Object.fromEntries([...document.querySelectorAll("#stages tbody tr")].map(
     (row) => [row.dataset.stage, row.querySelectorAll("td")[2].textContent])),
   runningStages: [...document.querySelectorAll("#stages tbody tr")]
@@ -155,7 +157,14 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         # Telemetry every second: a generating shard's own bar moves too. A short training
         # (two segments of a few steps) keeps the run to a couple of minutes on two cores.
         generation={"telemetry_every_seconds": 1},
-        train={"segments": 2, "steps_per_segment": 6, "checkpoint_every_steps": 3, "metrics_every_seconds": 1},
+        # Each segment's τ in the loop on two held-out prompts (rule segment_tau).
+        train={
+            "segments": 2,
+            "steps_per_segment": 6,
+            "checkpoint_every_steps": 3,
+            "metrics_every_seconds": 1,
+            "segment_eval": {"prompts": 2, "max_new_tokens": 32},
+        },
         # A few prompts; a drafter this short-trained is not held to the parity gate here.
         evaluate={"max_prompts": 2, "max_new_tokens": 32, "simulated_rows": 8, "parity_tolerance": 10.0},
         # A degenerate demo sample or two (CPU batching changes greedy output) is not this test's.
@@ -246,6 +255,12 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         "evaluate": "1 / 1",
     }
     assert final["curvePoints"] == 12  # every optimizer step of both segments
+    # τ per segment: each record a finite τ the loop can give, at its segment's last step, shown
+    # in the segments table (as the page rounds it) and as a point of its chart.
+    taus = [json.loads((run_root / layout.segment_tau_key(k)).read_text()) for k in (0, 1)]
+    assert [r["step"] for r in taus] == [5, 11] and all(1 <= r["tau"] <= 8 for r in taus), taus
+    assert final["segmentTaus"] == [as_the_page_rounds(r["tau"]) for r in taus], (final, taus)
+    assert final["segmentTauDots"] == 2
     assert final["evaluation"].startswith("Evaluation (DFlash): acceptance length τ = ")
     assert final["state"] == "finished"
     # The headline strip: the loop's τ, the lossless check (greedy demo evaluation) and the
@@ -278,10 +293,33 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
     assert "Headline figures" in body and "τ (loop)" in body and "lossless" in body, body[:2000]
     assert "speed-up (estimated)" in body and "loop: passed: 2 prompts" in body
     assert body.index("0. Headline") < body.index("1. Prompts")
+    # The training figure draws each segment's τ beside the loss, labelled with its value.
+    training_svg = (run_root / layout.report_key("training.svg")).read_text()
+    for record in taus:
+        assert f"τ {record['tau']:.2f}" in training_svg
+    assert training_svg in embedded_svgs((workflow.root / "report.html").read_text())
     browser.find_element("xpath", "//*[normalize-space(text())='2. Generation']").click()
     body = wait_for(body_text, lambda text: "report-generation-lengths.svg" in text)
     assert "report-generation-lengths.svg" in body and "report-generation-finish.svg" in body
     browser.save_screenshot(str(ARTIFACTS / "report.png"))
+
+
+def as_the_page_rounds(value: float) -> str:
+    """fmtNum(value, 2) of the page: the double's exact value to 2 decimals, halves away from 0
+    (Intl.NumberFormat's halfExpand), trailing zeros dropped."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    text = str(Decimal(value).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP))
+    return text.rstrip("0").rstrip(".")
+
+
+def embedded_svgs(report_html: str) -> str:
+    """The SVG figures a Snakemake report embeds (base64 data URIs), decoded and joined."""
+    import base64
+    import re
+
+    found = re.findall(r"data:image/svg\+xml;(?:[a-z-]+=[^;]+;)*base64,([A-Za-z0-9+/=]+)", report_html)
+    return "\n".join(base64.b64decode(data).decode() for data in found)
 
 
 def test_page_draws_running_shards_failures_training_and_evaluation(browser, tmp_path):

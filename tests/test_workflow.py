@@ -25,6 +25,7 @@ def test_dry_run_lists_the_jobs_of_every_stage(workflow, demo_model):
         "report_generation": 1,
         "report_tokenization": 1,
         "train": 2,
+        "segment_tau": 2,
         "export": 1,
         "evaluate": 1,
         "report_training": 1,
@@ -52,6 +53,10 @@ def test_demo_trains_a_drafter_that_the_real_loop_accepts(workflow, demo_model):
     assert evaluation["parity"]["passed"]
     assert {p["prompt_set"] for p in evaluation["per_prompt"]} and evaluation["overall"]["verify_steps"] > 0
     assert (root / "drafter/model.safetensors").exists()
+    # τ while it trained: each segment's checkpoint in the loop, a finite τ the loop can give.
+    taus = [json.loads((root / f"outputs/segment_tau-000{k}.json").read_text()) for k in (0, 1)]
+    assert [r["step"] for r in taus] == [99, 199] and all(1 <= r["tau"] <= 8 for r in taus), taus
+    print("demo τ per segment:", [r["tau"] for r in taus], "evaluate:", evaluation["overall"]["tau"])
     engine_log = (root / "logs/evaluate-engine.log").read_text()
     assert engine_log.startswith("no serving engine was launched (evaluate.engine: transformers)")
     assert workflow.planned_jobs() == {}
@@ -66,6 +71,7 @@ def test_demo_trains_a_drafter_that_the_real_loop_accepts(workflow, demo_model):
         (root / key).unlink()
     assert workflow.planned_jobs() == {
         "train": 1,
+        "segment_tau": 1,
         "export": 1,
         "evaluate": 1,
         "report_training": 1,

@@ -352,6 +352,8 @@ TRAIN_OPERATIONAL = {
     "taps_server",
     # When a step counts as diverged: a sound run's steps are all applied whatever it says.
     "divergence",
+    # What rule segment_tau measures of each segment (its own param), never what is trained.
+    "segment_eval",
 }
 EXTRACT_DEFINING = {"num_layers", "target_layer_ids", "hidden_dtype"}
 

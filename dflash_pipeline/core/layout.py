@@ -157,6 +157,16 @@ def segment_manifest_key(segment: int | str) -> str:
     return f"{OUTPUTS_DIR}/train-segment-{segment}.json"
 
 
+def segment_tau_key(segment: int | str) -> str:
+    """Declared output of rule segment_tau for segment K: that checkpoint's acceptance length in
+    the speculative-decoding loop, e.g. ``outputs/segment_tau-0003.json``."""
+    segment = segment_name(segment)
+    return f"{OUTPUTS_DIR}/segment_tau-{segment}.json"
+
+
+SEGMENT_TAU = re.compile(rf"^{OUTPUTS_DIR}/segment_tau-(?P<segment>\d{{4}})\.json$")
+
+
 def checkpoint_prefix(segment: int | str) -> str:
     """Folder of segment K's finished checkpoint (weights, optimizer, scheduler, data, RNG)."""
     segment = segment_name(segment)

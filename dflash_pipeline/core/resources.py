@@ -6,7 +6,7 @@ the CPU demo. The figures follow what each job holds in host memory at its peak:
 
 * generate: the engine loads the target's weights through host memory (``LOAD_FACTOR`` x the
   checkpoint's bytes), beside the job's own client;
-* extract and evaluate: the target loaded by the job (bf16 on a GPU; on a CPU the loop runs fp32,
+* extract, evaluate and segment_tau: the target loaded by the job (bf16 on a GPU; on a CPU the loop runs fp32,
   twice a bf16 checkpoint's bytes); evaluate's engine runs before the target is loaded, so the two
   do not add up;
 * train: every rank of the job loads its own copy of the target (online mode) and stages its
@@ -31,7 +31,7 @@ LOAD_FACTOR = 1.2  # weights read through host memory: the file's bytes plus the
 JOB_OVERHEAD_MB = 4000  # Python, torch, CUDA context and the job's own buffers
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two moments
 # The rules whose memory follows the model's size (tune asks for generate's).
-MODEL_SIZED_RULES = ("generate", "extract", "train", "export", "evaluate")
+MODEL_SIZED_RULES = ("generate", "extract", "train", "export", "evaluate", "segment_tau")
 
 
 def checkpoint_bytes(model: str | Path) -> int | None:
@@ -101,5 +101,7 @@ def job_memory_mb(config: dict, speculators_export: bool = False) -> dict[str, i
         "train": ranks * (JOB_OVERHEAD_MB + target_mb) + state_mb,
         "export": JOB_OVERHEAD_MB + (params or 0) * (4 + 4) / MB + speculators_mb,
         "evaluate": JOB_OVERHEAD_MB + max(target_mb, loop_mb),
+        # One segment's checkpoint in evaluate's loop: the same target, a drafter of its size.
+        "segment_tau": JOB_OVERHEAD_MB + max(target_mb, loop_mb) + (params or 0) * 4 / MB,
     }
     return {rule: max(floors[rule], int(round(mb, -3))) for rule, mb in figures.items()}

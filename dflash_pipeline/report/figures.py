@@ -351,9 +351,10 @@ def plot_storage(use: dict[str, int], out: str | Path) -> None:
     _save(fig, out)
 
 
-def plot_training_curves(points: list[dict], out: str | Path) -> None:
+def plot_training_curves(points: list[dict], out: str | Path, segment_taus: list[dict] = ()) -> None:
     """Loss, accuracy, simulated acceptance length, learning rate, tokens/s against the step,
-    and the last step's accuracy per draft position."""
+    and the last step's accuracy per draft position; with ``segment_taus`` (rule segment_tau's
+    records), each segment's τ in the loop beside the loss, at the segment's last step."""
     plt = _pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.4))
     algorithm = next((p["algorithm"] for p in reversed(points) if p.get("algorithm")), "dflash")
@@ -379,6 +380,8 @@ def plot_training_curves(points: list[dict], out: str | Path) -> None:
             ax.legend(fontsize=7)
         ax.set_title(title)
         ax.set_xlabel("step")
+    if segment_taus:
+        _segment_taus_beside(axes.flat[0], segment_taus)
     ax = axes.flat[5]
     last = next((p["accuracy_per_position"] for p in reversed(points) if p.get("accuracy_per_position")), None)
     if last:
@@ -387,6 +390,23 @@ def plot_training_curves(points: list[dict], out: str | Path) -> None:
     else:
         _empty(ax, "accuracy per position: no data")
     _save(fig, out)
+
+
+def _segment_taus_beside(ax, records: list[dict]) -> None:
+    """τ per segment (the loop's, on held-out prompts) on a second axis of the loss panel, each
+    point labelled with its value: the drafter's real acceptance as training goes."""
+    xy = sorted((r["step"], r["tau"]) for r in records if r.get("step") is not None)
+    if not xy:
+        return
+    right = ax.twinx()
+    right.plot(*zip(*xy), color="#2e9d5b", marker="o", markersize=4, linewidth=1.2, label="τ per segment (loop)")
+    for step, tau in xy:
+        right.annotate(f"τ {tau:.2f}", (step, tau), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+    right.set_ylabel("τ (loop, held-out)", color="#2e9d5b")
+    low, high = min(t for _, t in xy), max(t for _, t in xy)
+    right.set_ylim(min(1.0, low), high + max(0.5, 0.2 * (high - low)))
+    ax.set_title("loss, and τ per segment")
+    right.legend(fontsize=7, loc="upper right")
 
 
 def plot_acceptance(metrics: dict, out: str | Path) -> None:
@@ -441,9 +461,15 @@ def plot_acceptance(metrics: dict, out: str | Path) -> None:
 # ---------------------------------------------------------------- for the train and evaluate rules
 
 
-def write_training_report(run_url: str, segments: Iterable[int], out: str | Path) -> None:
+def write_training_report(
+    run_url: str, segments: Iterable[int], out: str | Path, segment_taus: Iterable[str | Path] = ()
+) -> None:
     """The training figure (caption report/training.rst) from the ``metrics.jsonl`` that each
-    training segment keeps in the run's ``_progress/`` (read-only)."""
+    training segment keeps in the run's ``_progress/`` (read-only), with the τ of each segment's
+    record in ``segment_taus`` (rule segment_tau's outputs)."""
+    from dflash_pipeline.evaluation.segment_tau import check_record
+
+    taus = [check_record(read_json(path), str(path)) for path in segment_taus]
     from dflash_pipeline.core.storage import ReadOnlyStorage
     from dflash_pipeline.core.storage import StorageError
 
@@ -457,7 +483,7 @@ def write_training_report(run_url: str, segments: Iterable[int], out: str | Path
             missing.append(run.url + "/" + key)
     if not points:
         raise ValueError(f"no training step recorded; missing: {', '.join(missing) or 'none'}")
-    plot_training_curves(sorted(points, key=lambda p: p["step"]), out)
+    plot_training_curves(sorted(points, key=lambda p: p["step"]), out, taus)
 
 
 def write_evaluation_report(eval_metrics: str | Path, out: str | Path) -> None:

@@ -186,13 +186,13 @@ def _count(value) -> str | None:
 
 
 # Which jobs GPU-hours count, in both places that show them (report and status page).
-GPU_HOURS_OF = "job benchmarks: tune, generate, extract, train, evaluate"
+GPU_HOURS_OF = "job benchmarks: tune, generate, extract, train, segment_tau, evaluate"
 
 
 def gpus_per_rule(config: dict) -> dict[str, int]:
     """The GPUs each GPU rule's job holds, by the run's config: tune one server's tensor
-    parallelism, generate and train their ``gpus_per_job``, extract and evaluate one GPU of
-    training's. Read from the config by the report job and the status page, so editing
+    parallelism, generate and train their ``gpus_per_job``, extract, segment_tau and evaluate one
+    GPU of training's. Read from the config by the report job and the status page, so editing
     ``gpus_per_job`` (an operational key) reruns nothing."""
     generation, train = config["generation"]["gpus_per_job"], config["train"]["gpus_per_job"]
     return {
@@ -200,6 +200,7 @@ def gpus_per_rule(config: dict) -> dict[str, int]:
         "generate": generation,
         "extract": min(1, train),
         "train": train,
+        "segment_tau": min(1, train),
         "evaluate": min(1, train),
     }
 

@@ -38,6 +38,18 @@ STORAGE_ITEM = "storage.svg"
 HEADLINE_ITEM = "headline.html"
 
 
+def segments_measured(config: dict) -> range:
+    """The training segments whose checkpoint rule segment_tau measures (train.segment_eval):
+    every one, or none where it is off."""
+    train = config["train"]
+    return range(train["segments"] if train["segment_eval"]["enabled"] else 0)
+
+
+def segment_tau_keys(config: dict) -> list[str]:
+    """The records of rule segment_tau, one per measured segment; the training figure reads them."""
+    return [layout.segment_tau_key(k) for k in segments_measured(config)]
+
+
 def storage_figure_inputs(config: dict) -> list[str]:
     """Everything ``until`` asks for (its stage's shards, or the drafter, or the evaluation), with
     the report items of the stages the run builds (``layout.stages_built``; the tune table where
@@ -47,7 +59,7 @@ def storage_figure_inputs(config: dict) -> list[str]:
     if config["until"] in ("prepare", "generate", "tokenize"):
         keys += [layout.shard_key(config["until"], shard) for shard in range(config["num_shards"])]
     if "train" in built:
-        keys += [layout.DRAFTER_CONFIG, layout.DRAFTER_WEIGHTS]
+        keys += [layout.DRAFTER_CONFIG, layout.DRAFTER_WEIGHTS, *segment_tau_keys(config)]
     if "evaluate" in built:
         keys.append(layout.EVAL_METRICS)
     for stage in built:
@@ -74,6 +86,7 @@ def headline_benchmarks(config: dict) -> list[str]:
         elif stage == "train":
             segments = range(config["train"]["segments"])
             keys += [layout.benchmark_key("train", layout.segment_name(k)) for k in segments]
+            keys += [layout.benchmark_key("segment_tau", layout.segment_name(k)) for k in segments_measured(config)]
     return keys
 
 
@@ -110,6 +123,8 @@ def run_outputs(config: dict) -> dict[str, list[str]]:
             outputs[stage] = [layout.TUNE_RESULT]
         elif stage == "train":
             outputs[stage] = [layout.segment_manifest_key(k) for k in range(config["train"]["segments"])]
+            if segment_tau_keys(config):
+                outputs["segment_tau"] = segment_tau_keys(config)
             speculators = speculators_format.run_outputs(config["train"]["layer_types"])
             outputs["export"] = [*speculators.values(), layout.DRAFTER_CONFIG, layout.DRAFTER_WEIGHTS]
         elif stage == "evaluate":

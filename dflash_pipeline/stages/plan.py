@@ -42,6 +42,8 @@ from pathlib import Path
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import layered_config, load_run_config, trains_from_engine_taps, validate_config  # noqa: F401 (the CLI reads the config through them)
 from dflash_pipeline.core.jobstate import StageTotals
+from dflash_pipeline.core.resources import checkpoint_bytes
+from dflash_pipeline.evaluation import segment_tau
 from dflash_pipeline.training.offline import hidden_bytes_per_token
 from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage
 from dflash_pipeline.engines.tuning import TunedChoice, read_tune_result, tune_defining, tune_key
@@ -99,6 +101,8 @@ class Measured:
     bench_capture: dict | None = None  # with taps from an engine: the engine_taps record
     hidden_size: int | None = None  # from the target's config.json
     tuned: TunedChoice | None = None  # the run's tune result, for the current settings
+    target_bytes: int | None = None  # the target's weights (segment τ's cost until measured)
+    segment_tau_seconds: list[float] = field(default_factory=list)  # finished segment τ jobs
 
 
 def model_case(model: str) -> str:
@@ -320,6 +324,7 @@ def measure_run(run_url: str, config: dict) -> Measured:
                 continue
             if rate:
                 rates.append(float(rate))
+    measured.segment_tau_seconds = segment_tau.measured_seconds(storage, range(config["train"]["segments"]))
     if rates:
         measured.train_tokens_per_s_per_gpu = sum(rates) / len(rates) / (config["train"]["gpus_per_job"] or 1)
     return measured
@@ -462,6 +467,7 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
         "bytes": {stage: _asdict(e) for stage, e in stage_bytes.items()},
         "hidden_bytes_per_token": per_token_hidden,
         "wall": wall,
+        "segment_tau": segment_tau.segment_tau_cost(config, measured.target_bytes, measured.segment_tau_seconds),
     }
 
 
@@ -518,6 +524,7 @@ def format_plan(plan: dict) -> str:
         f"at {_num(t['tokens_per_s_per_gpu']['value'], 0)} tok/s per GPU ({t['tokens_per_s_per_gpu']['source']})",
         f"                     {_num(t['gpu_hours'])} for the configured {t['steps']:,} steps "
         f"({t['sequences']:,} sequences of ~{_num(t['sequence_tokens'], 0)} tokens = {_num(t['epochs'], 2)} epochs)",
+        segment_tau.cost_line(plan["segment_tau"], bool(cores)),
         "Bytes",
     ]
     for stage, estimate in plan["bytes"].items():
@@ -586,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             captures = read_capture_benchmarks(bench_dir) if bench_dir else []
             measured.bench_capture = pick_capture_benchmark(captures, case)
         measured.hidden_size = read_hidden_size(config["target"]["model"])
+        measured.target_bytes = checkpoint_bytes(config["target"]["model"])
         if not measured.prompts and not config["plan"]["prompts"]:
             measured.dataset_rows, measured.dataset_rows_source = count_dataset_rows(
                 config["dataset"]["paths"], workdir

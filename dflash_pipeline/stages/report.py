@@ -43,9 +43,10 @@ def report_tokenization(stats: list[str], supervised: str, degenerate: str, tabl
     tables.write_tokenization_table(docs, table)
 
 
-def report_training(run_url: str, segments: int, figure: str) -> None:
-    # The per-step metrics are the segments' own (_progress/), next to their manifests.
-    figures.write_training_report(run_url, range(segments), figure)
+def report_training(run_url: str, segments: int, figure: str, segment_taus: list[str] = ()) -> None:
+    # The per-step metrics are the segments' own (_progress/), next to their manifests; each
+    # segment's τ is its segment_tau record (none where train.segment_eval is off).
+    figures.write_training_report(run_url, range(segments), figure, segment_taus)
 
 
 def report_evaluation(metrics: str, figure: str) -> None:
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-url", required=True)
     p.add_argument("--segments", type=int, required=True)
     p.add_argument("--figure", required=True)
+    p.add_argument("--segment-taus", nargs="*", default=[], help="rule segment_tau's records")
     p = sub.add_parser("evaluation", help="acceptance per prompt set")
     p.add_argument("--metrics", required=True)
     p.add_argument("--figure", required=True)

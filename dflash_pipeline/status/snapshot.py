@@ -11,7 +11,8 @@ Sources, cheapest first:
   while the incremental refresh costs a handful of requests (bench/status_scale.py);
 * the ``_progress/`` telemetry of jobs (read again only when its size or mtime changed, so a
   finished shard's telemetry is read once per server, concurrently on the first refresh);
-* training metrics (``_progress/train/segment-KKKK/metrics.jsonl``) and evaluation metrics;
+* training metrics (``_progress/train/segment-KKKK/metrics.jsonl``), each segment's τ in the loop
+  (``outputs/segment_tau-KKKK.json``) and evaluation metrics;
 * the events file of the ``dflash`` logger plugin: which jobs run, finished or failed. The
   plugin writes one file per working directory, whatever run Snakemake drives from there (a
   local run, an S3 run, another prefix): only the Snakemake runs whose jobs write into this run
@@ -73,6 +74,7 @@ LIVE_PREFIXES = (
     layout.HALT,
     layout.RUN_LEASE,
     f"{layout.OUTPUTS_DIR}/train-segment-",
+    f"{layout.OUTPUTS_DIR}/segment_tau-",
     f"{layout.OUTPUTS_DIR}/evaluate-",
     f"{layout.OUTPUTS_DIR}/ingest-",
     layout.TUNE_RESULT,
@@ -257,6 +259,7 @@ class SnapshotBuilder:
         storage_use: dict[str, dict] = {}
         telemetry: dict[tuple[str, int], dict] = {}
         segments: dict[int, dict] = {}
+        segment_taus: dict[int, tuple[object, float]] = {}
         eval_metrics = tune_result = None
         halt = lease = None
         written: dict[str, float] = {}  # single-job stages' objects and segment manifests: mtime
@@ -287,7 +290,11 @@ class SnapshotBuilder:
                 parse = read_train_metrics if m["name"] == layout.TRAIN_METRICS else json.loads
                 seg[m["name"]] = self._read_cached(obj.key, obj.size, obj.mtime, parse)
             elif m := SEGMENT_MANIFEST.match(obj.key):
-                segments.setdefault(int(m["segment"]), {})["done"] = True
+                segments.setdefault(int(m["segment"]), {}).update(done=True, manifest_at=obj.mtime)
+            elif m := layout.SEGMENT_TAU.match(obj.key):
+                # The segment's τ in the loop (rule segment_tau); only a manifest makes a segment.
+                record = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
+                segment_taus[int(m["segment"])] = (record, obj.mtime)
             elif obj.key == layout.EVAL_METRICS:
                 eval_metrics = self._read_cached(obj.key, obj.size, obj.mtime, json.loads)
             elif obj.key == layout.TUNE_RESULT:
@@ -398,10 +405,13 @@ class SnapshotBuilder:
         for job in events.jobs.values():
             if job.rule in ("train", "all") or (job.rule in SHARD_STAGES and "shard" in job.wildcards):
                 continue
+            # A segment_tau job names its segment (its log: logs/segment_tau/segment-KKKK.log).
+            segment = job.wildcards.get("segment")
+            part = f"segment-{segment}" if segment else None
             if job.state == "failed":
-                failed.append(self._failed_row(None, job.rule, None, job, None))
+                failed.append(self._failed_row(None, job.rule, part, job, None))
             elif job.state == "running":
-                running.append(self._running_row(job.rule, job.rule, None, job, None, now))
+                running.append(self._running_row(job.rule, job.rule, part, job, None, now))
 
         # Each stage weighs the same: a stage of one job (evaluate) counts as much as one of
         # 10,000 shards, and the bar stays below 100% until every stage is done.
@@ -448,7 +458,7 @@ class SnapshotBuilder:
                     if shard in done.get(stage, ())
                 ),
             },
-            "training": training_summary(segments),
+            "training": training_summary(segments, segment_taus),
             "evaluation": evaluation_summary(eval_metrics, old=eval_old),
             # The run's headline figures, as on the report's first page (report/headline.py).
             "headline": headline_summary(

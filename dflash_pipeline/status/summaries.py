@@ -7,6 +7,7 @@ import re
 
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.lease import describe_holder
+from dflash_pipeline.evaluation.segment_tau import SegmentTauError, check_record
 from dflash_pipeline.report import headline
 
 # The page draws at most this many points per training curve (evenly thinned, last kept).
@@ -168,9 +169,10 @@ def thin_points(points: list[dict], limit: int = MAX_CURVE_POINTS) -> list[dict]
     return [points[round(i * step)] for i in range(limit)]
 
 
-def training_summary(segments: dict[int, dict]) -> dict:
-    """The training section of the page: per segment its state and rate, the curves (thinned)."""
-    points, rows = [], []
+def training_summary(segments: dict[int, dict], segment_taus: dict[int, tuple[object, float]] | None = None) -> dict:
+    """The training section of the page: per segment its state, rate and τ in the loop (rule
+    segment_tau's record with its mtime, in ``segment_taus``), the curves (thinned)."""
+    points, rows, taus = [], [], []
     # Segments form a chain: one after a segment not done (again) is from an earlier run (a
     # forced rerun redoes them in order), so its points would join the new curve to the old.
     redoing = False
@@ -184,6 +186,9 @@ def training_summary(segments: dict[int, dict]) -> dict:
         if not old:
             points.extend(seg.get(layout.TRAIN_METRICS) or [])
         redoing = redoing or not seg.get("done")
+        tau = segment_tau(seg, (segment_taus or {}).get(segment), old)
+        if tau is not None:
+            taus.append({"segment": layout.segment_name(segment), "step": tau["step"], "tau": tau["tau"]})
         rows.append(
             {
                 "segment": layout.segment_name(segment),
@@ -196,6 +201,7 @@ def training_summary(segments: dict[int, dict]) -> dict:
                 "steps_total": tele.get("steps_total"),
                 "tokens_per_s": tele.get("tokens_per_s"),
                 "eta_s": tele.get("eta_s"),
+                "tau": None if tau is None else tau["tau"],
             }
         )
     points.sort(key=lambda p: p.get("step", 0))
@@ -203,4 +209,24 @@ def training_summary(segments: dict[int, dict]) -> dict:
     curve = [{k: p.get(k) for k in keys} for p in thin_points(points)]
     # Which drafter is training: each step records it (metrics before DFlash2 existed: dflash).
     algorithm = next((p["algorithm"] for p in reversed(points) if p.get("algorithm")), "dflash" if points else None)
-    return {"segments": rows, "curve": curve, "steps_logged": len(points), "algorithm": algorithm}
+    return {
+        "segments": rows,
+        "curve": curve,
+        "steps_logged": len(points),
+        "algorithm": algorithm,
+        "segment_taus": taus,
+    }
+
+
+def segment_tau(seg: dict, found: tuple[object, float] | None, old: bool) -> dict | None:
+    """A done segment's τ record, if it is this segment's: written after its manifest (a record
+    from before a rerun of the segment is not) and valid (``evaluation.segment_tau.check_record``)."""
+    if found is None or old or not seg.get("done"):
+        return None
+    record, written_at = found
+    if written_at < seg.get("manifest_at", 0):
+        return None
+    try:
+        return check_record(record, "segment tau")
+    except SegmentTauError:
+        return None

@@ -115,8 +115,8 @@ function renderFailed(failed) {
   document.getElementById("failed-empty").hidden = failed.length > 0;
 }
 
-// A minimal SVG line chart of points [{x, y}].
-function lineChart(svgId, points) {
+// A minimal SVG line chart of points [{x, y}]; with dots, each point is marked (a few points).
+function lineChart(svgId, points, dots = false) {
   const svg = document.getElementById(svgId);
   const ns = "http://www.w3.org/2000/svg";
   svg.replaceChildren();
@@ -136,6 +136,7 @@ function lineChart(svgId, points) {
   add("line", { class: "axis", x1: L, y1: H - B, x2: W - R, y2: H - B });
   add("line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B });
   add("polyline", { class: "line", points: pts.map((p) => `${sx(p.x).toFixed(1)},${sy(p.y).toFixed(1)}`).join(" ") });
+  if (dots) for (const p of pts) add("circle", { class: "dot", cx: sx(p.x).toFixed(1), cy: sy(p.y).toFixed(1), r: 3 });
   add("text", { x: 2, y: T + 8 }, fmtNum(y1, 3));
   add("text", { x: 2, y: H - B }, fmtNum(y0, 3));
   add("text", { x: L, y: H - 6 }, `step ${x0}`);
@@ -147,12 +148,15 @@ function renderTraining(training, evaluation) {
   lineChart("chart-loss", curve.map((p) => ({ x: p.step, y: p.loss })));
   // DFlash2 proposes by its selector's walk: its simulated acceptance length is the walk's.
   lineChart("chart-accept", curve.map((p) => ({ x: p.step, y: p.selector_accept_len ?? p.accept_len })));
+  // Each finished segment's checkpoint in the speculative-decoding loop (rule segment_tau).
+  lineChart("chart-segment-tau", (training.segment_taus || []).map((p) => ({ x: p.step, y: p.tau })), true);
   const algorithm = { dflash: "DFlash", dflash2: "DFlash2 (selector walk)" }[training.algorithm];
   document.getElementById("training-algorithm").textContent = algorithm ? `Drafter: ${algorithm}` : "";
   fillTable("segments", (training.segments || []).map((s) => el("tr", {}, [
     td(s.segment), td(s.state),
     td(s.steps_total ? `${s.steps_done ?? 0} / ${s.steps_total} (step ${s.step ?? "–"})` : String(s.step ?? "–"), "num"),
     td(fmtNum(s.tokens_per_s), "num"), td(fmtSeconds(s.eta_s), "num"),
+    td(s.tau == null ? "–" : fmtNum(s.tau, 2), "num segment-tau"),
   ])));
   document.getElementById("training-empty").hidden = curve.length > 0 || (training.segments || []).length > 0;
   const box = document.getElementById("evaluation");
