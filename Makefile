@@ -167,7 +167,7 @@ report: setup ## the HTML report of CONFIG's run: report.html
 
 # Serve the live status page of CONFIG's run in the background (see README).
 status: setup ## serve CONFIG's live status page in the background [PREFIX, STATUS_PORT]
-	$(STATUS) start --port $(STATUS_PORT) --configfile $(CONFIG) $(if $(PREFIX),--default-storage-prefix $(PREFIX))
+	$(STATUS) start --port $(STATUS_PORT) $(CONFIG_ARGS) $(if $(PREFIX),--default-storage-prefix $(PREFIX))
 
 # Copy a run's results (drafter, metrics, report figures, logs, checkpoint manifests) to a local
 # folder; again later to catch up with a running run (only new or changed objects are copied).
@@ -192,7 +192,7 @@ verify: setup ## check every shard object of CONFIG's run against its checksum [
 # Clear the run's halt once its cause is fixed (a tokenize shard failed the data-quality gate and
 # stopped generation, or a training segment diverged; see README). An S3 run: make clear-halt PREFIX=s3://bucket/prefix
 clear-halt: setup ## clear the halt of CONFIG's run once its cause is fixed [PREFIX]
-	$(PY) -m dflash_pipeline.stages.tokenize clear-halt --configfile $(CONFIG) \
+	$(PY) -m dflash_pipeline.stages.tokenize clear-halt $(CONFIG_ARGS) \
 		$(if $(PREFIX),--default-storage-prefix $(PREFIX))
 
 # What the run of CONFIG will cost before it runs: prompts, shards, tokens, GPU-hours per stage,

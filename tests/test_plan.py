@@ -14,15 +14,13 @@ import pytest
 import yaml
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.config import ConfigError, load_schema, validate_config
+from dflash_pipeline.core.config import ConfigError, layered_config, load_run_config, load_schema, validate_config
 from dflash_pipeline.core.jobstate import ShardProgress
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.stages.plan import (
     Measured,
     PlanError,
     count_dataset_rows,
-    layered_config,
-    load_run_config,
     make_plan,
     measure_run,
     model_case,
@@ -270,7 +268,7 @@ def test_several_configfiles_are_layered_by_snakemakes_own_update(tmp_path):
     # What `snakemake --configfile a.yaml b.yaml` builds (snakemake.settings.types.ConfigSettings).
     assert layered == ConfigSettings(configfiles=[base, over]).overwrite_config
     assert layered_config([over, base])["generation"]["sampling"]["temperature"] == 0.6  # order matters
-    with pytest.raises(ConfigError, match="nope.yaml not found"):
+    with pytest.raises(ConfigError, match="nope.yaml does not exist"):
         layered_config([base, tmp_path / "nope.yaml"])
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="list.yaml"):

@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 
 from dflash_pipeline.engines.tuning import mtp_speculative
-from dflash_pipeline.core.config import load_config
+from dflash_pipeline.core.config import load_run_config
 from dflash_pipeline.engines.client import Sampling, SglangAdapter
 from dflash_pipeline.engines.launch import ServerSpec, server_command
 from dflash_pipeline.evaluation.engine_counters import SGLANG_HISTOGRAM_FIELDS
@@ -269,7 +269,7 @@ CASES = {
 def generation_spec(model: Path, speculative: dict, reasoning_parser: str | None = None) -> ServerSpec:
     """The generation server of config/examples/qwen3.6-27b.yaml (its `generation.server` and
     `engines` sections, schema defaults filled), as generate jobs build it."""
-    config = load_config(EXAMPLE)
+    config = load_run_config([EXAMPLE])
     server = dict(config["generation"]["server"])
     server["speculative"] = speculative
     server["reasoning_parser"] = reasoning_parser

@@ -382,12 +382,12 @@ def test_verify_help_describes_the_command_in_full_sentences(capsys):
 def test_generate_train_and_tune_read_their_sections_from_the_runs_config_file(paths, tmp_path, monkeypatch):
     """By hand, a stage takes the run's config file (`--configfile`, as snakemake does) instead of
     a section copied out as JSON: each gets its validated section, the schema's defaults filled."""
-    from dflash_pipeline.core.config import load_config
+    from dflash_pipeline.core.config import load_run_config
     from dflash_pipeline.stages import generate, train, tune
 
     config_file = tmp_path / "run.yaml"
     config_file.write_text("generation:\n  concurrency: 3\ntrain:\n  batch_size: 5\ntune:\n  prompts: 7\n")
-    expected = load_config(config_file)
+    expected = load_run_config([config_file])
     seen = {}
     monkeypatch.setattr(generate, "run_job", lambda *args: seen.update(generate=args))
     monkeypatch.setattr(train, "run_segment", lambda args, settings: seen.update(train=settings))
@@ -424,12 +424,12 @@ def test_extract_reads_the_runs_config_file_and_its_taps_source(paths, tmp_path,
     """extract by hand: `--configfile` gives its train section, `extract.taps_from` and the engines
     section (where vLLM is); `--taps-from` overrides the file's choice; engine taps without a config
     file (no engines section to find vLLM in) is one error line."""
-    from dflash_pipeline.core.config import load_config
+    from dflash_pipeline.core.config import load_run_config
     from dflash_pipeline.stages import extract
 
     config_file = tmp_path / "run.yaml"
     config_file.write_text("train:\n  batch_size: 5\nextract:\n  taps_from: engine\n")
-    expected = load_config(config_file)
+    expected = load_run_config([config_file])
     seen = []
     monkeypatch.setattr(extract, "extract_job", lambda *args, **kwargs: seen.append((args, kwargs)))
 

@@ -301,9 +301,7 @@ def test_offline_training_reads_extracted_taps(hidden_dtype, reference, demo_mod
     config = build_drafter_config(settings(), str(demo_model))
     sequences = read_training_sequences(tokenized)[:3]
     ids, _ = collate(sequences, "cpu")
-    stored = HiddenShards(open_storage(str(tmp_path)), hidden, config).taps(
-        sequences, ids, "cpu", torch.float32
-    )
+    stored = HiddenShards(open_storage(str(tmp_path)), hidden, config).taps(sequences, ids, "cpu", torch.float32)
     written = json.loads(Path(next(iter(hidden.values()))).read_text())
     target = load_target(str(demo_model), written["device"], getattr(torch, written["compute_dtype"]))
     online = TargetTaps(target, [1, 5])(ids.to(written["device"])).float().cpu()

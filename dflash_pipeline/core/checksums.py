@@ -235,12 +235,9 @@ def repair_command(run_url: str, config: dict | None = None, configfiles: str | 
     """The commands that repair the run at ``run_url``: verify --repair (and its make target),
     with the run's S3 prefix and, when the job's config is not the default one, its config."""
     prefix = None
-    if is_s3_url(run_url) and config is not None:
-        root = layout.run_root(config["results_dir"], config["run"])
-        if run_url.rstrip("/").endswith("/" + root):
-            prefix = run_url.rstrip("/")[: -len(root) - 1]
-    elif is_s3_url(run_url):
-        prefix = "<the run's --default-storage-prefix>"
+    if is_s3_url(run_url):
+        root = layout.run_root(config["results_dir"], config["run"]) if config is not None else ""
+        prefix = layout.storage_prefix_of(run_url, root) if root else "<the run's --default-storage-prefix>"
     args, make = [], []
     if configfiles:
         args += ["--configfile", configfiles]

@@ -28,6 +28,14 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names the key."""
 
 
+class ConfigFileError(ConfigError):
+    """A config file that cannot be read: ``path`` as given and the ``reason``."""
+
+    def __init__(self, path: str | Path, reason: str):
+        super().__init__(f"config file {path} {reason}")
+        self.path, self.reason = str(path), reason
+
+
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
     with open(path, encoding="utf-8") as fh:
         return yaml.safe_load(fh)
@@ -246,15 +254,20 @@ def layered_config(configfiles: Sequence[str | Path] | str | Path | None, workdi
 
     if isinstance(configfiles, (str, Path)):
         configfiles = [configfiles]
-    paths = [Path(f) for f in configfiles] if configfiles else [workdir / "config.yaml"]
     config: dict = {}
-    for path in paths:
+    for given in configfiles or ["config.yaml"]:
+        # Relative to the working directory of the run, as Snakemake reads them; named as given
+        # when that is where the command runs.
+        path = Path(workdir) / given
+        named = given if Path(workdir).resolve() == Path.cwd().resolve() else path
+        if path.is_dir():
+            raise ConfigFileError(named, "is a folder, not a file")
         if not path.is_file():
-            raise ConfigError(f"config file {path} not found")
+            raise ConfigFileError(named, "does not exist" if not path.exists() else "is not a regular file")
         try:
             update_config(config, load_configfile(path))
         except WorkflowError as err:
-            raise ConfigError(f"config file {path}: {err}") from None
+            raise ConfigFileError(named, f"cannot be read: {_unreadable_because(path, err)}") from None
     return config
 
 
@@ -264,19 +277,21 @@ def trains_from_engine_taps(train: dict) -> bool:
     return train.get("mode") == "online" and train.get("taps_from", "target") == "engine"
 
 
+def _unreadable_because(path: Path, err: Exception) -> str:
+    """Why Snakemake's reader refused a config file, in one line: the YAML parser's own reason
+    (line and column) where it has one; Snakemake's message names neither."""
+    try:
+        yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as yaml_err:
+        err = yaml_err
+    return " ".join(str(err).split())
+
+
 def load_run_config(configfiles: Sequence[str | Path] | str | Path | None, workdir: Path = REPO) -> dict:
     """The config a `snakemake [--configfile A [B ...]]` run in ``workdir`` sees: the layered
     files (``layered_config``) validated, the schema's defaults filled in (rules/common.smk);
     ConfigError names an invalid key."""
     return validate_config(layered_config(configfiles, workdir))
-
-
-def load_config(path: str | Path, overrides: dict | None = None) -> dict:
-    """Read a YAML config file, apply ``overrides`` (top-level keys) and validate it."""
-    with open(path, encoding="utf-8") as fh:
-        config = yaml.safe_load(fh) or {}
-    config.update(overrides or {})
-    return validate_config(config)
 
 
 # The data-quality gate's settings (keys of the `tokenize` section): they decide which rows a

@@ -145,6 +145,15 @@ def run_url(root: str, storage_provider: str | None, storage_prefix: str | None)
     return root
 
 
+def storage_prefix_of(url: str, root: str) -> str | None:
+    """The ``--default-storage-prefix`` that ``run_url`` put before ``root`` to make ``url`` (its
+    inverse): None for a local run, or a URL that does not end in ``root``."""
+    url, suffix = url.rstrip("/"), "/" + root.strip("/")
+    if not url.startswith("s3://") or not url.endswith(suffix):
+        return None
+    return url[: -len(suffix)]
+
+
 # Training runs as a chain of checkpoint segments (dflash_pipeline.training). Snakemake tracks a
 # small manifest per segment; the checkpoint itself and the live metrics are written by the job.
 def segment_name(segment: int | str) -> str:

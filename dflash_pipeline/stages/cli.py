@@ -150,23 +150,6 @@ def json_object(value: str) -> dict:
     return _parse_object(value, shown(value))
 
 
-def run_config_file(value: str) -> dict:
-    """The run's YAML config file (what ``snakemake --configfile`` takes), validated with the
-    schema's defaults filled in: a stage run by hand reads its sections from the file the
-    workflow reads, instead of a section copied out as JSON."""
-    import yaml
-
-    from dflash_pipeline.core.config import ConfigError, load_config
-
-    existing_file(value)
-    try:
-        return load_config(value)
-    except ConfigError as err:  # one line: argparse shows one
-        _fail(f"{shown(value)}: " + " ".join(line.strip() for line in str(err).splitlines()))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        _fail(f"{shown(value)} cannot be read as a YAML config: {err}")
-
-
 def json_file(value: str) -> str:
     """A local file holding one JSON object; returns the path (the stage reads it)."""
     existing_file(value)

@@ -259,15 +259,14 @@ def taps_engine(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_pipeline.stages.cli import json_object, model_dir, or_s3, run_config_file, shard_name, shard_of
+    from dflash_pipeline.core.run_cli import add_configfile_argument, read_configfiles
+    from dflash_pipeline.stages.cli import json_object, model_dir, or_s3, shard_name, shard_of
 
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.extract", description=__doc__)
     parser.add_argument("tokenized", type=or_s3(shard_of("tokenize", "extract")), help="tokenized shard parquet")
     parser.add_argument("--target", type=model_dir, required=True, help="target model folder")
     given = parser.add_mutually_exclusive_group(required=True)
-    given.add_argument(
-        "--configfile", type=run_config_file, help="the run's config file (its train, extract and engines sections)"
-    )
+    add_configfile_argument(given, "read for its train, extract and engines sections")
     given.add_argument("--settings-json", type=json_object, help="the `train` config as JSON")
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://)")
     parser.add_argument("--shard", type=shard_name, required=True, help="shard name, e.g. 00003")
@@ -280,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine needs --configfile (its engines section says where vLLM is installed)",
     )
     args = parser.parse_args(argv)
-    config = args.configfile or {}
+    config = read_configfiles(args.configfile, parser) if args.configfile else {}
     taps_from = args.taps_from or config.get("extract", {}).get("taps_from", "target")
     if taps_from == "engine" and not args.configfile:
         parser.error("--taps-from engine needs --configfile: its engines section says where vLLM is installed")

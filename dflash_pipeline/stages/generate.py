@@ -143,7 +143,8 @@ def with_target_weights(table: pa.Table, model: str) -> pa.Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_pipeline.stages.cli import json_object, model_dir, non_negative_int, or_s3, run_config_file, shard_of
+    from dflash_pipeline.core.run_cli import add_configfile_argument, read_configfiles
+    from dflash_pipeline.stages.cli import json_object, model_dir, non_negative_int, or_s3, shard_of
 
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.generate", description=__doc__)
     parser.add_argument(
@@ -154,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", type=non_negative_int, required=True)
     parser.add_argument("--model", type=model_dir, required=True, help="target model folder")
     settings = parser.add_mutually_exclusive_group(required=True)
-    settings.add_argument(
-        "--configfile", type=run_config_file, help="the run's config file (its generation and engines sections)"
-    )
+    add_configfile_argument(settings, "read for its generation and engines sections")
     settings.add_argument("--generation-json", type=json_object, help="the `generation` config as JSON")
     parser.add_argument("--engine-log", default="engine.log")
     parser.add_argument("--runtime-dir", default=".")
@@ -164,10 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         "--engines-json", type=json_object, help="the `engines` config as JSON (default: --configfile's, else none)"
     )
     args = parser.parse_args(argv)
-    if args.configfile:
-        args.generation_json = args.configfile["generation"]
+    config = read_configfiles(args.configfile, parser) if args.configfile else None
+    if config:
+        args.generation_json = config["generation"]
     if args.engines_json is None:
-        args.engines_json = args.configfile["engines"] if args.configfile else {}
+        args.engines_json = config["engines"] if config else {}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         run_job(

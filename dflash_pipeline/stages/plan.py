@@ -19,7 +19,7 @@ Every figure says where it comes from, best source first:
 * bytes: finished shards' objects in the run root, else per-token estimates; hidden states are
   K taps x hidden size x bytes per element per token (stored in offline mode only).
 
-The config is the one Snakemake sees (``load_run_config``): without ``--configfile``, config.yaml;
+The config is the one Snakemake sees (``core.run_cli.open_run``): without ``--configfile``, config.yaml;
 with ``--configfile A [B ...]``, those files alone, later ones updating earlier ones (nested
 mappings merged, by Snakemake's own ``update_config``), never over config.yaml; keys they leave
 out take dflash_pipeline/config/schema.yaml's defaults. The logic is plain functions over that validated config
@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.config import layered_config, load_run_config, trains_from_engine_taps, validate_config  # noqa: F401 (the CLI reads the config through them)
+from dflash_pipeline.core.config import trains_from_engine_taps
 from dflash_pipeline.core.jobstate import StageTotals
 from dflash_pipeline.core.resources import checkpoint_bytes
+from dflash_pipeline.core.run_cli import add_run_arguments, open_run
 from dflash_pipeline.evaluation import segment_tau
 from dflash_pipeline.training.offline import hidden_bytes_per_token
 from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage
@@ -541,18 +542,8 @@ def format_plan(plan: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.plan", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--configfile",
-        "--configfiles",
-        nargs="+",
-        default=None,
-        metavar="FILE",
-        help="as snakemake's: these files alone (later ones update earlier ones), not over "
-        "config.yaml; keys they leave out take dflash_pipeline/config/schema.yaml's defaults (default: config.yaml)",
-    )
+    add_run_arguments(parser, run_url=True)
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for the wall time (default: config gpus, else 8)")
-    parser.add_argument("--run-url", default=None, help="the run root to measure (default: the config's, if it exists)")
-    parser.add_argument("--default-storage-prefix", default=None, help="an S3 run's prefix (as given to snakemake)")
     parser.add_argument(
         "--bench-dir",
         default=None,
@@ -571,13 +562,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: --bench-dir {args.bench_dir}: no such folder", file=sys.stderr)
         return 2
     bench_dir = Path(args.bench_dir) if args.bench_dir is not None else default_bench_dir(workdir)
+    run = open_run(args, parser)
+    config, run_url = run.config, run.url
     try:
-        config = load_run_config(args.configfile, workdir)
-        run_url = args.run_url
-        if run_url is None:
-            root = layout.run_root(config["results_dir"], config["run"])
-            provider = "s3" if args.default_storage_prefix else None
-            run_url = layout.run_url(root, provider, args.default_storage_prefix)
         measured = Measured()
         if run_url.startswith("s3://") or Path(run_url).is_dir():
             measured = measure_run(run_url, config)

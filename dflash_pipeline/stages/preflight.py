@@ -328,24 +328,16 @@ def run_problems(config: dict, run_url: str, workdir: Path = Path(".")) -> tuple
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_pipeline.core import layout
-    from dflash_pipeline.stages.plan import load_run_config
+    from dflash_pipeline.core.run_cli import add_run_arguments, open_run
 
     parser = argparse.ArgumentParser(
         prog="python -m dflash_pipeline.stages.preflight", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--configfile", nargs="+", help="as snakemake's (default: config.yaml)")
-    parser.add_argument("--default-storage-prefix", help="as snakemake's, for an S3 run")
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        # Relative paths from the working directory, as Snakemake reads them.
-        config = load_run_config(args.configfile, Path.cwd())
-    except ValueError as err:
-        print(f"preflight: {err}", file=sys.stderr)
-        return 2
-    root = layout.run_root(config["results_dir"], config["run"])
-    provider = "s3" if args.default_storage_prefix else None
-    run_url = layout.run_url(root, provider, args.default_storage_prefix)
+    # Relative paths from the working directory, as Snakemake reads them.
+    run = open_run(args, parser)
+    config, run_url = run.config, run.url
     problems, ready = run_problems(config, run_url)
     for line in ready:
         print(line)

@@ -40,7 +40,7 @@ from dflash_pipeline.core.jobstate import (
     read_halt,
     write_halt,
 )
-from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage, write_atomically
+from dflash_pipeline.core.storage import StorageError, open_storage, write_atomically
 from dflash_pipeline.data.quality import DegenerateShard
 from dflash_pipeline.data.shard_kinds import ShardKindError, require_file_kind
 from dflash_pipeline.data.sharding import HELDOUT
@@ -133,25 +133,8 @@ def halt_run(run_url: str, shard: int, err: DegenerateShard) -> None:
         log.error("halting the run: %s", describe_halt(halt, storage))
 
 
-def resolve_run_url(args) -> str:
-    """The run root: --run-url, or the config's results_dir/run (below the S3 prefix)."""
-    if args.run_url:
-        return args.run_url
-    import yaml
-
-    from dflash_pipeline.core.config import validate_config
-
-    with open(args.configfile) as fh:
-        config = validate_config(yaml.safe_load(fh) or {})
-    root = layout.run_root(config["results_dir"], config["run"])
-    prefix = args.default_storage_prefix
-    return layout.run_url(root, "s3" if prefix else None, prefix)
-
-
 def halt_main(argv: list[str]) -> int:
-    import yaml
-
-    from dflash_pipeline.stages.cli import existing_dir, or_s3, shown
+    from dflash_pipeline.core.run_cli import add_run_arguments, open_run
 
     parser = argparse.ArgumentParser(
         prog="python -m dflash_pipeline.stages.tokenize clear-halt|show-halt",
@@ -159,27 +142,9 @@ def halt_main(argv: list[str]) -> int:
         "shard fails the data-quality gate or a training segment diverges.",
     )
     parser.add_argument("action", choices=["clear-halt", "show-halt"])
-    parser.add_argument("--run-url", type=or_s3(existing_dir), help="run root (local folder or s3://)")
-    parser.add_argument(
-        "--configfile",
-        default="config.yaml",
-        help="without --run-url: find the run from this config (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--default-storage-prefix", help="without --run-url: the S3 prefix of an S3 run (as given to Snakemake)"
-    )
+    add_run_arguments(parser, run_url=True)
     args = parser.parse_args(argv)
-    if not args.run_url and args.default_storage_prefix and not is_s3_url(args.default_storage_prefix):
-        parser.error(
-            f"argument --default-storage-prefix: must be an s3:// URL, got {shown(args.default_storage_prefix)}"
-        )
-    if not args.run_url and not os.path.isfile(args.configfile):
-        what = "is a folder, not a file" if os.path.isdir(args.configfile) else "does not exist"
-        parser.error(f"argument --configfile: {shown(args.configfile)} {what} (or give --run-url)")
-    try:
-        run_url = resolve_run_url(args)
-    except (OSError, ValueError, TypeError, yaml.YAMLError) as err:  # ConfigError is a ValueError
-        parser.error(f"argument --configfile: {shown(args.configfile)}: {' '.join(str(err).split())}")
+    run_url = open_run(args, parser, config_needed=False, must_exist=True).url
     storage = open_storage(run_url)
     if args.action == "show-halt":
         halt = read_halt(storage)

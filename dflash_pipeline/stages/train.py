@@ -181,11 +181,11 @@ def parse_shard_paths(values: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflash_pipeline.core.run_cli import add_configfile_argument, read_configfiles
     from dflash_pipeline.stages.cli import (
         json_file,
         model_dir,
         non_negative_int,
-        run_config_file,
         shard_file,
         shard_file_of,
     )
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://bucket/prefix)")
     parser.add_argument("--segment", type=non_negative_int, required=True)
     given = parser.add_mutually_exclusive_group(required=True)
-    given.add_argument("--configfile", type=run_config_file, help="the run's config file (its train section)")
+    add_configfile_argument(given, "read for its train section")
     given.add_argument("--settings", type=json_file, help="JSON file with the config's `train` section")
     parser.add_argument("--target", type=model_dir, required=True, help="target model folder")
     parser.add_argument(
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.configfile:
-        settings = args.configfile["train"]
+        settings = read_configfiles(args.configfile, parser)["train"]
     else:
         with open(args.settings) as fh:
             settings = json.load(fh)

@@ -189,28 +189,27 @@ def run_job(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_pipeline.stages.cli import existing_file, json_object, model_dir, run_config_file
+    from dflash_pipeline.core.run_cli import add_configfile_argument, read_configfiles
+    from dflash_pipeline.stages.cli import existing_file, json_object, model_dir
 
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.tune", description=__doc__)
     parser.add_argument("--prompts", type=existing_file, nargs="+", required=True, help="prepared shard parquets")
     parser.add_argument("--out", required=True, help="the result's JSON file")
     parser.add_argument("--model", type=model_dir, required=True, help="target model folder")
     given = parser.add_mutually_exclusive_group(required=True)
-    given.add_argument(
-        "--configfile", type=run_config_file, help="the run's config file (its generation, tune and engines sections)"
-    )
+    add_configfile_argument(given, "read for its generation, tune and engines sections")
     given.add_argument(
         "--config-json", type=json_object, help="the run's config as JSON (its generation, tune and engines sections)"
     )
     parser.add_argument("--engine-log", default="tune-engine.log")
     parser.add_argument("--runtime-dir", default=".")
     args = parser.parse_args(argv)
+    cfg = read_configfiles(args.configfile, parser) if args.configfile else args.config_json
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     from dflash_pipeline.core.config import ConfigError, validate_config
     from dflash_pipeline.engines.tuning import tune_defining
 
     try:
-        cfg = args.config_json or args.configfile
         config = validate_config({**cfg, "target": {**cfg.get("target", {}), "model": args.model}})
         run_job(
             args.prompts,

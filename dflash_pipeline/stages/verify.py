@@ -6,7 +6,7 @@ what is missing or damaged, and exactly that.
                                             [--repair [--dry-run] | --adopt] [--sizes-only] [-- SNAKEMAKE ARGS]
     make verify [CONFIG=...] [PREFIX=s3://bucket/prefix] [REPAIR=1] [SNAKEMAKE_ARGS="..."]
 
-The config is read as Snakemake reads it (``plan.load_run_config``); the objects the run should
+The config is read as Snakemake reads it (``core.run_cli.open_run``); the objects the run should
 hold are the rules' outputs for it (``report.targets.run_outputs``: its ``num_shards``, ``until``,
 training mode and drafter shape). One line per problem:
 
@@ -70,7 +70,8 @@ from dflash_pipeline.core.checksums import (
     write_record,
 )
 from dflash_pipeline.core.digest import digest_file
-from dflash_pipeline.core.storage import Storage, StorageError, is_s3_url, open_storage
+from dflash_pipeline.core.run_cli import add_run_arguments, open_run
+from dflash_pipeline.core.storage import Storage, StorageError, open_storage
 from dflash_pipeline.report.targets import run_outputs
 
 PARALLEL = 8  # concurrent record reads and hashes (S3 round trips dominate)
@@ -343,15 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         description=" ".join(__doc__.split("\n\n")[0].split()),
         epilog="Arguments after -- go to snakemake (with --repair).",
     )
-    parser.add_argument(
-        "--configfile",
-        "--configfiles",
-        nargs="+",
-        default=None,
-        metavar="FILE",
-        help="as snakemake's (default: config.yaml in the current directory)",
-    )
-    parser.add_argument("--default-storage-prefix", default=None, help="an S3 run's prefix (as given to snakemake)")
+    add_run_arguments(parser)
     parser.add_argument(
         "--repair",
         action="store_true",
@@ -372,28 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")
     args = parser.parse_args(argv)
-    if args.default_storage_prefix and not is_s3_url(args.default_storage_prefix):
-        parser.error(f"argument --default-storage-prefix: must be an s3:// URL, got {args.default_storage_prefix!r}")
     if args.adopt and args.repair:
         parser.error("--adopt and --repair: give one")
     if snakemake_args and not args.repair:
         parser.error("arguments after -- are for snakemake, which only --repair runs")
-    from dflash_pipeline.stages.plan import PlanError, load_run_config
-
-    try:
-        config = load_run_config(args.configfile, Path.cwd())
-    except (PlanError, ValueError) as err:
-        print(f"verify: {err}", file=sys.stderr)
-        return 2
-    root = layout.run_root(config["results_dir"], config["run"])
-    run_url = layout.run_url(root, "s3" if args.default_storage_prefix else None, args.default_storage_prefix)
-    if not is_s3_url(run_url) and not Path(run_url).is_dir():
-        print(
-            f"verify: the run root {run_url} does not exist (run the workflow first, or give "
-            "--configfile / --default-storage-prefix)",
-            file=sys.stderr,
-        )
-        return 2
+    run = open_run(args, parser, must_exist=True)
+    config, root, run_url = run.config, run.root, run.url
     storage = open_storage(run_url)
     try:
         report = check_run(storage, config, args.sizes_only)

@@ -33,17 +33,15 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 
 from dflash_pipeline.core import layout
-from dflash_pipeline.core.config import validate_config
 from dflash_pipeline.core.credentials import protect_storage_credentials
+from dflash_pipeline.core.run_cli import RunArgumentError, add_run_arguments, open_run
 from dflash_pipeline.report import headline
 from dflash_pipeline.status.events import DEFAULT_EVENTS_FILE
 from dflash_pipeline.core.storage import ReadOnlyStorage
 from dflash_pipeline.status.server import TOKEN_ENV, RedactingFilter, StatusServer
 from dflash_pipeline.status.snapshot import RunSource, SnapshotBuilder
-from dflash_pipeline.core.storage import is_s3_url
 
 DEFAULT_PIDFILE = "logs/status-server.pid"
 DEFAULT_LOGFILE = "logs/status-server.log"
@@ -61,9 +59,7 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("action", nargs="?", choices=["serve", "start", "stop"], default="serve")
-    p.add_argument("--configfile", default="config.yaml", help="the workflow config (default: %(default)s)")
-    p.add_argument("--run-url", help="the run root (local folder or s3:// URL); overrides the config")
-    p.add_argument("--default-storage-prefix", help="the S3 prefix of an S3 run (as given to Snakemake)")
+    add_run_arguments(p, run_url=True)
     p.add_argument("--num-shards", type=int, help="shards per stage; overrides the config")
     p.add_argument("--num-segments", type=int, help="training segments; overrides the config")
     p.add_argument("--until", choices=layout.STAGES, help="the last stage the run builds; overrides the config")
@@ -122,26 +118,18 @@ def read_token(args) -> str | None:
 
 def resolve_source(args) -> RunSource:
     workdir = Path(args.workdir)
-    config = {}
-    if args.run_url is None or args.num_shards is None:
-        config_path = workdir / args.configfile if not Path(args.configfile).is_absolute() else Path(args.configfile)
-        if not config_path.is_file():
-            raise SystemExit(f"config file {config_path} not found: give --configfile, or --run-url and --num-shards")
-        config = validate_config(yaml.safe_load(config_path.read_text()) or {})
-    run_url = args.run_url
-    if run_url is None:
-        root = layout.run_root(config["results_dir"], config["run"])
-        provider = "s3" if args.default_storage_prefix else None
-        run_url = layout.run_url(root, provider, args.default_storage_prefix)
-    if not is_s3_url(run_url) and not Path(run_url).is_absolute():
-        run_url = str(workdir / run_url)
+    try:
+        # Without --num-shards the page needs the config's, wherever the run is.
+        run = open_run(args, workdir=workdir, config_needed=args.num_shards is None)
+    except RunArgumentError as err:
+        raise CliError(str(err)) from None
+    config, run_url = run.config, run.url
     num_shards = args.num_shards if args.num_shards is not None else config["num_shards"]
     num_segments = args.num_segments
     if num_segments is None:
         num_segments = config.get("train", {}).get("segments", 0)
     # The stages the run builds: without a config file (--run-url and --num-shards given), those
     # of a default run up to --until.
-    config = config or validate_config({})
     stages = layout.stages_built({**config, "until": args.until or config["until"]})
     events = Path(args.events_file)
     return RunSource(
@@ -269,8 +257,7 @@ def start_background(args, port: int, token: str | None) -> int:
         "serve",
         "--workdir",
         tree,
-        "--configfile",
-        args.configfile,
+        *(["--configfile", *args.configfile] if args.configfile else []),
         "--events-file",
         args.events_file,
         "--host",
