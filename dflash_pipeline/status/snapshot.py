@@ -44,10 +44,13 @@ from dflash_pipeline.status.events import RunEvents, RunJobBoard, local_log_path
 from dflash_pipeline.status.summaries import (
     evaluation_is_old,
     evaluation_summary,
+    failed_row,
     halt_summary,
     headline_summary,
     lease_summary,
     log_progress,
+    running_row,
+    stage_rate,
     training_summary,
     tune_summary,
 )
@@ -448,8 +451,8 @@ class SnapshotBuilder:
             "throughput": {
                 # Generation's rate from generate rows alone; training's (tokens it trains on)
                 # on its own: None when no such job runs.
-                "tokens_per_s": _rate(running, "generate"),
-                "training_tokens_per_s": _rate(running, "train"),
+                "tokens_per_s": stage_rate(running, "generate"),
+                "training_tokens_per_s": stage_rate(running, "train"),
                 "tokens_generated": sum(int(t.get("tokens_generated", 0)) for t in telemetry.values())
                 + sum(
                     int(entry.get("tokens_generated", 0))
@@ -544,44 +547,12 @@ class SnapshotBuilder:
         }
 
     def _running_row(self, stage, rule, shard, job, tele, now) -> dict:
-        log_tail = self._log_tail(job.log if job else [], _log_key(rule, shard))
-        # A job without telemetry that logs its steps (the demo target's build): those.
-        tele = tele or log_progress(log_tail)
-        total = tele.get("samples_total")
-        done = tele.get("samples_done")
-        percent = round(100.0 * done / total, 2) if total and done is not None else None
-        started = job.started_at if job is not None else None
-        return {
-            "stage": stage,
-            "rule": rule,
-            "shard": layout.shard_name(shard) if shard is not None else None,
-            "jobid": job.jobid if job is not None else None,
-            "samples_done": done,
-            "samples_total": total,
-            "percent": percent,
-            "tokens_per_s": tele.get("tokens_per_s"),
-            "eta_s": tele.get("eta_s"),
-            "errors": tele.get("errors"),
-            "elapsed_s": round(now - started, 1) if started else tele.get("elapsed_s"),
-            "updated_at": tele.get("updated_at"),
-            "log_tail": log_tail,
-        }
+        return running_row(
+            stage, rule, shard, job, tele, now, self._log_tail(job.log if job else [], _log_key(rule, shard))
+        )
 
     def _failed_row(self, stage, rule, shard, job, tele) -> dict:
-        return {
-            "stage": stage,
-            "rule": rule,
-            "shard": layout.shard_name(shard) if shard is not None else None,
-            "jobid": job.jobid if job is not None else None,
-            "message": (job.message if job is not None else "") or "",
-            "at": job.ended_at if job is not None else (tele or {}).get("updated_at"),
-            "log_tail": self._log_tail(job.log if job else [], _log_key(rule, shard)),
-        }
-
-
-def _rate(running: list[dict], stage: str) -> float | None:
-    rows = [r for r in running if r["stage"] == stage and r["tokens_per_s"] is not None]
-    return round(sum(r["tokens_per_s"] for r in rows), 2) if rows else None
+        return failed_row(stage, rule, shard, job, tele, self._log_tail(job.log if job else [], _log_key(rule, shard)))
 
 
 def _log_key(rule: str | None, shard: int | None) -> str | None:

@@ -230,3 +230,47 @@ def segment_tau(seg: dict, found: tuple[object, float] | None, old: bool) -> dic
         return check_record(record, "segment tau")
     except SegmentTauError:
         return None
+
+
+def stage_rate(running: list[dict], stage: str) -> float | None:
+    """Tokens/s of a stage's running jobs together (None: none of them says)."""
+    rows = [r for r in running if r["stage"] == stage and r["tokens_per_s"] is not None]
+    return round(sum(r["tokens_per_s"] for r in rows), 2) if rows else None
+
+
+def running_row(stage, rule, shard, job, tele, now: float, log_tail: list[str]) -> dict:
+    """A running job's row: its telemetry, else the progress its log's steps show (the demo
+    target's build has no telemetry), and the log's last lines."""
+    tele = tele or log_progress(log_tail)
+    total = tele.get("samples_total")
+    done = tele.get("samples_done")
+    percent = round(100.0 * done / total, 2) if total and done is not None else None
+    started = job.started_at if job is not None else None
+    return {
+        "stage": stage,
+        "rule": rule,
+        "shard": layout.shard_name(shard) if shard is not None else None,
+        "jobid": job.jobid if job is not None else None,
+        "samples_done": done,
+        "samples_total": total,
+        "percent": percent,
+        "tokens_per_s": tele.get("tokens_per_s"),
+        "eta_s": tele.get("eta_s"),
+        "errors": tele.get("errors"),
+        "elapsed_s": round(now - started, 1) if started else tele.get("elapsed_s"),
+        "updated_at": tele.get("updated_at"),
+        "log_tail": log_tail,
+    }
+
+
+def failed_row(stage, rule, shard, job, tele, log_tail: list[str]) -> dict:
+    """A failed job's row: Snakemake's message and the log's last lines."""
+    return {
+        "stage": stage,
+        "rule": rule,
+        "shard": layout.shard_name(shard) if shard is not None else None,
+        "jobid": job.jobid if job is not None else None,
+        "message": (job.message if job is not None else "") or "",
+        "at": job.ended_at if job is not None else (tele or {}).get("updated_at"),
+        "log_tail": log_tail,
+    }
