@@ -639,7 +639,8 @@ def test_the_connector_writes_files_in_the_background_a_few_at_a_time_and_a_fail
 import os, sys, threading
 import torch
 from safetensors.torch import load_file
-from dflash_taps_connector import BackgroundWrites, write_taps_file
+from dflash_taps_connector import write_taps_file
+from taps_host_copies import BackgroundWrites
 done, gate = [], threading.Event()
 def slow(i):
     gate.wait()
@@ -756,3 +757,136 @@ def test_a_prefetch_for_other_sequences_is_not_taken_and_its_engine_error_surfac
         source.prefetch(doomed)
         with pytest.raises(EngineError, match="died"):
             source.taps(doomed, torch.zeros(1, 2), "cpu", torch.float32)
+
+
+def host_copies_module():
+    """The connector's copies-and-writes module, loaded by its path: it imports only torch (the
+    connector beside it imports vLLM), so its logic runs here without an engine."""
+    import importlib.util
+
+    from dflash_pipeline.engines.engine_taps import CONNECTOR_SOURCE
+
+    spec = importlib.util.spec_from_file_location("taps_host_copies", CONNECTOR_SOURCE.parent / "taps_host_copies.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class GatedCopies:
+    """A device copy whose event is done only when the test opens its gate (a GPU copy still in
+    flight); ``waiting`` is set once something waits on the copy of that index."""
+
+    pin_memory = False
+
+    def __init__(self):
+        import threading
+
+        self.gates: list = []
+        self.waiting: list = []
+        self.buffers: list[int] = []  # data_ptr of each copy's host buffer, in order
+        self._threading = threading
+
+    def copy(self, host, rows):
+        host.copy_(rows)
+        gate, waiting = self._threading.Event(), self._threading.Event()
+        self.gates.append(gate)
+        self.waiting.append(waiting)
+        self.buffers.append(host.data_ptr())
+
+        class Event:
+            def synchronize(self):
+                waiting.set()
+                gate.wait()
+
+        return Event()
+
+
+def test_the_connectors_host_buffers_are_reused_and_grow_only_for_larger_rows():
+    module = host_copies_module()
+    copies = module.RowsToHost(module.HostCopy(), limit=2)
+    written: list[tuple[str, list]] = []
+
+    def record(rows, name):
+        written.append((name, rows.clone().tolist()))
+
+    copies.submit(torch.ones(4, 2, 3), record, "first")
+    copies.writes.settle(below=1)
+    assert copies.allocations == 1
+    for i, rows in enumerate([torch.zeros(4, 2, 3), torch.zeros(2, 2, 3, dtype=torch.bfloat16), torch.zeros(3, 2)]):
+        copies.submit(rows, record, f"same-or-smaller-{i}")
+        copies.writes.settle(below=1)
+    assert copies.allocations == 1  # same size, fewer bytes, another dtype: no new buffer
+    copies.submit(torch.full((5, 2, 3), 7.0), record, "larger")
+    copies.writes.settle(below=1)
+    assert copies.allocations == 2  # grown once for the larger rows...
+    copies.submit(torch.full((5, 2, 3), 8.0), record, "larger-again")
+    copies.writes.settle(below=1)
+    assert copies.allocations == 2  # ...and that buffer serves the next rows of that size
+    assert written[-1] == ("larger-again", torch.full((5, 2, 3), 8.0).tolist())
+
+
+def test_no_taps_file_is_written_before_its_copy_is_done_and_rows_keep_their_order_and_values(tmp_path):
+    import os
+
+    from safetensors.torch import load_file
+
+    module = host_copies_module()
+    copier = GatedCopies()
+    copies = module.RowsToHost(copier, limit=3)
+    paths = [str(tmp_path / f"req-{i}.safetensors") for i in range(3)]
+    rows = [torch.arange(6 * (i + 1), dtype=torch.float32).reshape(i + 1, 2, 3) + 100 * i for i in range(3)]
+
+    def write(host, path):
+        from safetensors.torch import save_file
+
+        save_file({"hidden_states": host.contiguous()}, path)
+
+    for path, r in zip(paths, rows):
+        copies.submit(r, write, path)
+    copier.waiting[0].wait()  # the writer waits on the first copy's event...
+    assert not any(os.path.exists(p) for p in paths)  # ...and writes nothing meanwhile
+    for gate in copier.gates:
+        gate.set()
+    copies.writes.settle(below=1)
+    for path, r in zip(paths, rows):
+        assert load_file(path)["hidden_states"].equal(r)
+
+
+def test_when_every_host_buffer_is_in_flight_the_next_rows_wait_for_the_oldest():
+    import threading
+
+    module = host_copies_module()
+    copier = GatedCopies()
+    copies = module.RowsToHost(copier, limit=2)
+    written: list[str] = []
+    copies.submit(torch.zeros(2, 3), lambda host, name: written.append(name), "first")
+    copies.submit(torch.zeros(2, 3), lambda host, name: written.append(name), "second")
+    third = threading.Thread(target=copies.submit, args=(torch.zeros(2, 3), lambda h, n: written.append(n), "third"))
+    third.start()
+    copier.waiting[0].wait()
+    third.join(0.5)
+    # Both buffers hold copies in flight: the third rows are not copied anywhere yet.
+    assert third.is_alive() and len(copier.buffers) == 2
+    copier.gates[0].set()
+    third.join()
+    # The oldest was written and its buffer, none other, took the third rows.
+    assert written == ["first"] and copier.buffers[2] == copier.buffers[0]
+    copier.gates[1].set()
+    copier.gates[2].set()
+    copies.writes.settle(below=1)
+    assert written == ["first", "second", "third"] and copies.allocations == 2
+
+
+def test_a_failed_taps_write_gives_its_buffer_back_and_raises_at_the_next_call():
+    module = host_copies_module()
+    copies = module.RowsToHost(module.HostCopy(), limit=1)
+
+    def full(host):
+        raise OSError(28, "No space left on device")
+
+    copies.submit(torch.zeros(2), full)
+    with pytest.raises(OSError, match="No space left"):
+        copies.submit(torch.zeros(2), full)
+    copies.submit(torch.zeros(2), lambda host: None)  # the buffer is free again
+    copies.writes.settle(below=1)
+    assert copies.allocations == 1

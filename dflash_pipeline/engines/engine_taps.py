@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 CONNECTOR_MODULE = "dflash_taps_connector"
 CONNECTOR_SOURCE = Path(__file__).parent / "vllm_connector" / f"{CONNECTOR_MODULE}.py"
 CONNECTOR_CLASS = "DFlashTapsConnector"
+# The connector and the module it imports beside it (its copies to the host and writes).
+CONNECTOR_MODULES = (f"{CONNECTOR_MODULE}.py", "taps_host_copies.py")
 # The connector's marker beside a taps file it could not write (its FAILED_SUFFIX: the connector
 # runs in the engine's environment and imports nothing of the pipeline's).
 FAILED_SUFFIX = ".failed"
@@ -61,10 +63,11 @@ class TapsMismatch(EngineError):
 
 
 def install_connector(folder: str | Path) -> Path:
-    """Copy the connector module into ``folder``; returns the folder (for ``PYTHONPATH``)."""
+    """Copy the connector's modules into ``folder``; returns the folder (for ``PYTHONPATH``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(CONNECTOR_SOURCE, folder / f"{CONNECTOR_MODULE}.py")
+    for module in CONNECTOR_MODULES:
+        shutil.copyfile(CONNECTOR_SOURCE.parent / module, folder / module)
     return folder
 
 

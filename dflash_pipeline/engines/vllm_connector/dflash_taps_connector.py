@@ -16,9 +16,10 @@ nothing; the response's ``kv_transfer_params.hidden_states_path`` names it.
 
 Why not vLLM's ``ExampleHiddenStatesConnector``: it copies through a pinned host buffer on a CUDA
 stream, which fails on vLLM's CPU build (``pin_memory=True requires a CUDA or other accelerator
-backend``), and its private helpers change between releases. This one copies a finished request's
-rows to the host synchronously (before its blocks are released) and writes the file on a thread of
-its own (``BackgroundWrites``), and uses only the connector base class's interface.
+backend``), and its private helpers change between releases. This one gathers a finished request's
+rows on the device before its blocks are released, copies them to a reused host buffer (pinned, on a
+side stream, where the cache is on a GPU) and writes the file on a thread of its own once the copy
+is done (``taps_host_copies.RowsToHost``), and uses only the connector base class's interface.
 Every tensor-parallel rank reports each request done (only rank 0 writes), so vLLM's default
 count of finished notifications (one per worker) holds on every version.
 """
@@ -26,9 +27,7 @@ count of finished notifications (one per worker) holds on every version.
 from __future__ import annotations
 
 import os
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +41,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+# The connector's folder is on the engine's PYTHONPATH (engines.engine_taps copies both modules).
+from taps_host_copies import RowsToHost, host_copy_for
+
 CONNECTOR_NAME = "DFlashTapsConnector"
 
 # Beside a taps file that could not be written: ``<file>.failed``, holding the error, so that the
@@ -49,37 +51,6 @@ CONNECTOR_NAME = "DFlashTapsConnector"
 # engine's own stop comes only at its next step, which may never come). The client
 # (``engines.engine_taps``) spells the same suffix.
 FAILED_SUFFIX = ".failed"
-
-# Files being written at once at most: each holds its rows in host memory until written (an 8B
-# target's 3,072-token sequence with 5 taps: 126 MB).
-MAX_PENDING_WRITES = 4
-
-
-class BackgroundWrites:
-    """Files written on a thread of their own, so that the engine's step loop does not wait for
-    them: a 126 MB taps file took ~56 ms to /dev/shm on a Xeon (1.3 s to a disk's /tmp), and the
-    loop went on meanwhile (the write releases the GIL). At most ``limit`` in flight: a new one
-    waits for the oldest. A failed write raises at the next ``submit`` or ``settle`` (the engine's
-    next step): the engine then stops and its clients see a dead server. The client of the file
-    itself learns it at once, from the marker ``write_taps_file`` leaves (``FAILED_SUFFIX``), also
-    when the write failed after the engine's last step."""
-
-    def __init__(self, limit: int = MAX_PENDING_WRITES):
-        self.limit = limit
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: deque[Future] = deque()
-
-    def settle(self, below: int | None = None) -> None:
-        """Collect the finished writes (raising a failed one's error); with ``below``, wait until
-        fewer than that many are in flight."""
-        while self._pending and (self._pending[0].done() or (below is not None and len(self._pending) >= below)):
-            self._pending.popleft().result()
-
-    def submit(self, write: Callable[..., None], *args: Any) -> None:
-        self.settle(below=self.limit)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-taps-write")
-        self._pending.append(self._pool.submit(write, *args))
 
 
 def write_taps_file(path: str, rows: torch.Tensor, token_ids: list[int], layer_ids: list[int]) -> None:
@@ -191,7 +162,7 @@ class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self._cache: torch.Tensor | None = None
         self._rank_zero = True
-        self._writes = BackgroundWrites()
+        self._writes: RowsToHost | None = None
 
     # --- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -237,6 +208,7 @@ class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
         # The scheduler's block ids count blocks of the group's size: a cache whose token axis
         # disagrees would be read at the wrong rows, so token_axis refuses it.
         self._token_axis = token_axis(self._cache.shape, self.block_size, len(self.layer_ids))
+        self._writes = RowsToHost(host_copy_for(self._cache.device))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         pass
@@ -251,7 +223,8 @@ class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
         pass
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self._writes.settle()
+        if self._writes is not None:
+            self._writes.settle()
         done: set[str] = set()
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
@@ -259,15 +232,15 @@ class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
                 for item in meta.to_write:
                     if self._rank_zero:
                         # The rows leave the cache now (its blocks are released once reported
-                        # done); the file is written in the background.
+                        # done); their copy to the host and the file follow in the background.
                         self._writes.submit(
-                            write_taps_file, item.path, self._rows(item), item.token_ids, self.layer_ids
+                            self._rows(item), write_taps_file, item.path, item.token_ids, self.layer_ids
                         )
                     done.add(item.req_id)
         return done or None, None
 
     def _rows(self, item: TapsToWrite) -> torch.Tensor:
-        """The request's rows [T, K, H], copied to the host."""
+        """The request's rows [T, K, H], gathered on the cache's device."""
         block_size = self._cache.shape[self._token_axis]
         blocks = torch.tensor(item.block_ids, dtype=torch.long)
         slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()
@@ -277,8 +250,8 @@ class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             rows = self._cache[slots // block_size, :, slots % block_size]
         # [T, K, H] either way, in storage of its own (indexing by a tensor copies: the cache's
-        # blocks may be reused while the file is written); to the host, a copy only off the CPU.
-        return rows.to("cpu")
+        # blocks may be reused once the request is reported done, before the host has the rows).
+        return rows
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
