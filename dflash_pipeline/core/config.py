@@ -314,6 +314,8 @@ TOKENIZE_GATE_KEYS = (
 # own param; hidden_dtype reaches training through extract's outputs (its inputs) in offline mode.
 TRAIN_DEFINING = {
     "mode",
+    # The target's taps are a quantized target's (model.quantized): other taps, another drafter.
+    "target_quantization",
     "segments",
     "steps_per_segment",
     "batch_size",
@@ -370,7 +372,7 @@ TRAIN_OPERATIONAL = {
     # What rule segment_tau measures of each segment (its own param), never what is trained.
     "segment_eval",
 }
-EXTRACT_DEFINING = {"num_layers", "target_layer_ids", "hidden_dtype"}
+EXTRACT_DEFINING = {"num_layers", "target_layer_ids", "hidden_dtype", "target_quantization"}
 
 # Which keys of a rule's config section define what the rule writes. Only these go into the
 # rule's `params`, Snakemake's `params` rerun trigger: editing any other key of the section (how

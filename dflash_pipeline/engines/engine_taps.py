@@ -85,11 +85,13 @@ def taps_server_spec(
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
     extra_args: Sequence[str] = (),
+    quantization: str | None = None,
 ) -> ServerSpec:
     """A vLLM server that computes the taps ``tap_ids`` of ``model``; its files go to
     ``<run_dir>/taps`` and its connector module to ``<run_dir>/connector``. ``max_num_seqs``:
     the most sequences its clients can have in flight (``extra_args`` come last, so a
-    ``--max-num-seqs`` there wins)."""
+    ``--max-num-seqs`` there wins). ``quantization`` (``train.target_quantization``): vLLM's
+    ``--quantization`` of the same name."""
     run_dir = Path(run_dir)
     connector_dir = install_connector(run_dir / "connector")
     storage = run_dir / "taps"
@@ -112,6 +114,8 @@ def taps_server_spec(
         args += ["--dtype", dtype]
     if max_model_len:
         args += ["--max-model-len", str(max_model_len)]
+    if quantization:
+        args += ["--quantization", quantization]
     if max_num_seqs:
         # vLLM sizes its start-up for --max-num-seqs sequences at once (1024 by default on a
         # large GPU): a sampler warm-up over that many rows of the vocabulary, CUDA graphs for
@@ -519,6 +523,7 @@ def checked_taps_server(
     device,
     purpose: str,
     clients: int = 1,
+    quantization: str | None = None,
 ) -> Iterator[EngineTaps]:
     """A vLLM taps server of ``target_dir`` on this node (``server``: the config's
     ``train.taps_server``; ``engines``: where vLLM is installed) with its files in ``run_dir``,
@@ -552,7 +557,7 @@ def checked_taps_server(
             "the target's weights (%s bytes) do not fit the %s bytes free on %s: the per-run check's "
             "reference is computed on the CPU", weights, free, device,
         )  # fmt: skip
-    target = load_target(target_dir, where, getattr(torch, target_compute_dtype(device)))
+    target = load_target(target_dir, where, getattr(torch, target_compute_dtype(device)), quantization)
     reference = target_taps(target, tap_ids, sample)
     del target
     if device.type == "cuda":
@@ -562,7 +567,7 @@ def checked_taps_server(
         env=engine_env("vllm", engines), tp=max(1, torch.cuda.device_count()) if device.type == "cuda" else 1,
         mem_fraction=server["mem_fraction"], dtype=dtype,
         max_model_len=server["max_model_len"], max_num_seqs=server["concurrency"] * clients,
-        extra_args=server["extra_args"],
+        extra_args=server["extra_args"], quantization=quantization,
     )  # fmt: skip
     address = {"url": spec.url, "model": spec.model, "storage": str(taps_storage(spec))}
     with ManagedServer(spec, log_path, run_dir, startup_timeout=server["startup_timeout_s"]) as managed:

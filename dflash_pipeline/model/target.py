@@ -25,13 +25,18 @@ def target_compute_dtype(device: str | torch.device) -> str:
     return "bfloat16" if device_type == "cuda" else "float32"
 
 
-def load_target(model_dir: str, device: str | torch.device = "cpu", dtype=None):
-    """The target in eval mode with frozen weights (it is never trained here)."""
+def load_target(model_dir: str, device: str | torch.device = "cpu", dtype=None, quantization: str | None = None):
+    """The target in eval mode with frozen weights (it is never trained here); with
+    ``quantization`` (``train.target_quantization``: fp8) its decoder's linear weights stored
+    quantized (``model.quantized``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dflash_pipeline.model.quantized import quantize
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
-    model.to(device).eval()
+    # Quantized where it is loaded, before it moves: the device never holds the full-size weights.
+    quantize(model, quantization).to(device).eval()
     for param in model.parameters():
         param.requires_grad_(False)
     return model

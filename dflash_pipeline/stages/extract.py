@@ -41,6 +41,7 @@ from dflash_pipeline.core.lease import raise_if_driverless
 from dflash_pipeline.data.hidden import FP8_MAX, HIDDEN_DTYPES, StreamingSafetensors
 from dflash_pipeline.data.shard_kinds import ShardKindError, require_file_kind
 from dflash_pipeline.model import target_identity
+from dflash_pipeline.model.quantized import quantized_identity
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def row_batches(sequences: list[np.ndarray], max_batch_tokens: int) -> Iterator[
         start = end
 
 
-def target_rows(target_dir: str, layer_ids: list[int], device, compute_dtype: str):
+def target_rows(target_dir: str, layer_ids: list[int], device, compute_dtype: str, quantization: str | None = None):
     """The in-process target's taps of a batch of rows: a function of the rows' token ids to
     their taps [T, K*H], one forward of the right-padded batch."""
     from dflash_pipeline.model.taps import TargetTaps
@@ -78,7 +79,8 @@ def target_rows(target_dir: str, layer_ids: list[int], device, compute_dtype: st
 
     def compute(sequences: list[np.ndarray]) -> list[torch.Tensor]:
         if not loaded:
-            loaded.append(TargetTaps(load_target(target_dir, device, getattr(torch, compute_dtype)), layer_ids))
+            target = load_target(target_dir, device, getattr(torch, compute_dtype), quantization)
+            loaded.append(TargetTaps(target, layer_ids))
         taps = loaded[0]
         batch = torch.zeros(len(sequences), max(map(len, sequences)), dtype=torch.long)
         for i, seq in enumerate(sequences):
@@ -101,10 +103,12 @@ def extract_shard(
     device: str | None = None,
     engine=None,
     engine_dtype: str | None = None,
+    quantization: str | None = None,
 ) -> dict:
     """Store the taps of the shard's training rows. By default the target computes them here;
     with ``engine`` (an ``engines.engine_taps.EngineTaps`` of the same ``layer_ids``, computing
-    in ``engine_dtype``) a taps server does, ``max_batch_tokens`` at a time."""
+    in ``engine_dtype``) a taps server does, ``max_batch_tokens`` at a time; ``quantization``
+    (``train.target_quantization``): the target's, either way."""
     from transformers import AutoConfig
 
     from dflash_pipeline.model.target import target_compute_dtype
@@ -120,7 +124,7 @@ def extract_shard(
     rows, sequences = train_rows(tokenized_path)
     offsets = np.concatenate([[0], np.cumsum([len(s) for s in sequences])]).astype(np.int64)
     if engine is None:
-        compute = target_rows(target_dir, layer_ids, device, compute_dtype)
+        compute = target_rows(target_dir, layer_ids, device, compute_dtype, quantization)
     else:
         if list(engine.tap_ids) != list(layer_ids):
             raise ValueError(f"the engine client serves taps {engine.tap_ids}, not {layer_ids}")
@@ -138,7 +142,7 @@ def extract_shard(
     tensors["rows"] = (torch.int64, (len(rows),))
     taps_from = "target" if engine is None else "engine"
     # The taps server serves target_dir too: either way these are its weights' taps.
-    target_weights = target_identity.weights_digest(target_dir)
+    target_weights = quantized_identity(target_identity.weights_digest(target_dir), quantization)
     metadata = {
         "layer_ids": json.dumps(layer_ids),
         "hidden_dtype": hidden_dtype,
@@ -210,13 +214,16 @@ def extract_job(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     layer_ids = build_drafter_config(settings, target_dir).target_layer_ids
     hidden_dtype, server = settings["hidden_dtype"], settings["taps_server"]
+    quantization = settings.get("target_quantization")
     engine = nullcontext()
     if taps_from == "engine":
-        engine = taps_engine(tokenized, target_dir, layer_ids, hidden_dtype, server, engines, device, log_file)
+        engine = taps_engine(
+            tokenized, target_dir, layer_ids, hidden_dtype, server, engines, device, log_file, quantization
+        )
     with engine as client:
         manifest = extract_shard(
             tokenized, target_dir, layer_ids, run_url, shard, manifest_out, hidden_dtype, device=device,
-            engine=client, engine_dtype=server_dtype(server, device) if client else None,
+            engine=client, engine_dtype=server_dtype(server, device) if client else None, quantization=quantization,
         )  # fmt: skip
     log.info("stored %d tokens x %d taps: %s bytes", manifest["tokens"], manifest["width"], f"{manifest['size']:,}")
     return manifest
@@ -232,6 +239,7 @@ def taps_engine(
     engines: dict | None,
     device: str,
     log_file: str | None,
+    quantization: str | None = None,
 ) -> Iterator:
     """A vLLM taps server for the shard, started as online training's is (the config's
     ``train.taps_server``; ``engines`` says where vLLM is installed; its log goes beside
@@ -253,8 +261,9 @@ def taps_engine(
             Path(log_file).with_name(f"{Path(log_file).stem}-vllm-taps.log") if log_file else run_dir / "vllm-taps.log"
         )
         with checked_taps_server(
-            target_dir, layer_ids, server, engines, run_dir, log_path, sample, device, purpose="extract.taps_from"
-        ) as client:
+            target_dir, layer_ids, server, engines, run_dir, log_path, sample, device,
+            purpose="extract.taps_from", quantization=quantization,
+        ) as client:  # fmt: skip
             yield client
 
 

@@ -164,7 +164,7 @@ def taps_server(
     log_path = Path(logs[0]).with_name(f"{Path(logs[0]).stem}-vllm-taps.log") if logs else run_dir / "vllm-taps.log"
     with checked_taps_server(
         job.target_dir, tap_ids, job.settings["taps_server"], engines, run_dir, log_path, sample, device,
-        purpose="train.taps_from", clients=clients,
+        purpose="train.taps_from", clients=clients, quantization=job.settings.get("target_quantization"),
     ) as client:  # fmt: skip
         yield {**client.address(), "tap_ids": list(tap_ids)}
 

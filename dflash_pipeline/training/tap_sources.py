@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from dflash_pipeline.model import target_identity
+from dflash_pipeline.model.quantized import quantized_identity
 
 
 class TapSource(Protocol):
@@ -78,11 +79,13 @@ def open_training_target(
     or of other target weights."""
     from dflash_pipeline.model.target import load_target, load_target_embeddings, target_embeddings
 
-    weights = target_identity.weights_digest(target_dir)
+    quantization = settings.get("target_quantization")
+    # The taps this segment trains on are the quantized target's where it is one (engine or not).
+    weights = quantized_identity(target_identity.weights_digest(target_dir), quantization)
     if settings["mode"] == "online" and engine_source is None:
         from dflash_pipeline.model.taps import TargetTaps
 
-        target = load_target(target_dir, device, dtype)
+        target = load_target(target_dir, device, dtype, quantization)
         embed, lm_head = target_embeddings(target)
         return TrainingTarget(
             TargetTapSource(TargetTaps(target, drafter_config.target_layer_ids)), embed, lm_head, weights

@@ -1,0 +1,76 @@
+"""train.target_quantization: the FP8 target's linear weights take about half of bf16's bytes,
+its taps stay close to the full-precision target's, the option reaches the taps server's command
+line and the target identity, and the schema refuses another value in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_pipeline.core.config import ConfigError, rule_params, validate_config
+from dflash_pipeline.model.quantized import Fp8Linear, linear_weight_bytes, quantized_identity
+from dflash_pipeline.model.target import load_target
+from dflash_pipeline.model.taps import TargetTaps
+from dflash_pipeline.model.target_identity import comparison
+
+# Measured on the demo target (fp32 on CPU, 64 tokens): per-tap relative errors (Frobenius norm)
+# from 0.034 at the first layer to 0.061 at the deepest, growing with depth (e4m3 keeps 3
+# mantissa bits: ~3% per weight).
+TAPS_RELATIVE_ERROR = 0.08
+
+
+def test_an_fp8_target_stores_its_decoder_linears_in_half_of_bf16s_bytes(demo_model):
+    bf16 = load_target(str(demo_model), "cpu", torch.bfloat16)
+    fp8 = load_target(str(demo_model), "cpu", torch.bfloat16, "fp8")
+    ratio = linear_weight_bytes(fp8) / linear_weight_bytes(bf16)
+    # One byte a weight plus a 4-byte scale per output channel: just over half.
+    assert 0.5 <= ratio < 0.55, ratio
+    assert any(isinstance(m, Fp8Linear) for m in fp8.modules())
+    # The drafter shares the embeddings and the LM head: they keep the compute dtype.
+    assert fp8.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert fp8.get_output_embeddings().weight.dtype == torch.bfloat16
+    assert not any(p.requires_grad for p in fp8.parameters())
+
+
+def test_an_fp8_targets_taps_are_close_to_the_full_precision_targets(demo_model):
+    layers = [0, 3, 7]
+    full = TargetTaps(load_target(str(demo_model), "cpu", torch.float32), layers)
+    quantized = TargetTaps(load_target(str(demo_model), "cpu", torch.float32, "fp8"), layers)
+    ids = torch.arange(3, 67)[None, :]
+    want, got = full(ids)[0], quantized(ids)[0]
+    width = want.shape[-1] // len(layers)
+    for k in range(len(layers)):
+        tap = slice(k * width, (k + 1) * width)
+        error = ((got[:, tap] - want[:, tap]).norm() / want[:, tap].norm()).item()
+        assert 0 < error < TAPS_RELATIVE_ERROR, (layers[k], error)
+
+
+def test_the_quantization_defines_the_taps_and_reaches_the_taps_servers_command_line(tmp_path):
+    from dflash_pipeline.engines.engine_taps import taps_server_spec
+
+    plain, fp8 = validate_config({}), validate_config({"train": {"target_quantization": "fp8"}})
+    for rule in ("train", "extract"):
+        assert rule_params(fp8, rule)["target_quantization"] == "fp8"
+        assert rule_params(fp8, rule) != rule_params(plain, rule)
+    engine = {"python": "/engine/bin/python", "env": {}}
+    args = taps_server_spec("/models/t", [1], 8000, tmp_path, quantization="fp8", **engine).extra_args
+    assert args[args.index("--quantization") + 1] == "fp8"
+    assert "--quantization" not in taps_server_spec("/models/t", [1], 8000, tmp_path / "b", **engine).extra_args
+
+
+def test_another_quantization_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        validate_config({"train": {"target_quantization": "int3"}})
+    # The configuration's problems, one a line: this one names the key, the value and the choices.
+    assert "config key 'train.target_quantization': 'int3' is not one of [None, 'fp8']" in [
+        line.strip() for line in str(err.value).splitlines()
+    ]
+
+
+def test_a_drafter_of_fp8_taps_served_against_the_full_precision_target_is_a_named_mismatch():
+    digest = "sampled-v1:0123456789abcdef"
+    trained = quantized_identity(digest, "fp8")
+    assert trained == "sampled-v1:0123456789abcdef+fp8"
+    assert quantized_identity(digest, None) == digest and quantized_identity(None, "fp8") is None
+    assert comparison(trained, digest)["match"] is False
+    assert comparison(trained, quantized_identity(digest, "fp8"))["match"] is True
