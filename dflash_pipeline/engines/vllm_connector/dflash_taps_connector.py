@@ -74,6 +74,11 @@ def write_taps_file(path: str, rows: torch.Tensor, token_ids: list[int], layer_i
         raise
 
 
+def _write_rows(rows: torch.Tensor, path: str, token_ids: list[int], layer_ids: list[int]) -> None:
+    """``write_taps_file`` with the host rows first, as ``RowsToHost`` hands them."""
+    write_taps_file(path, rows, token_ids, layer_ids)
+
+
 def _leave_failure(path: str, why: str) -> None:
     """The failure marker of ``path`` (best effort: the file system that failed the write may fail
     this too; the engine's stop still follows at its next step)."""
@@ -233,9 +238,7 @@ class DFlashTapsConnector(KVConnectorBase_V1, SupportsHMA):
                     if self._rank_zero:
                         # The rows leave the cache now (its blocks are released once reported
                         # done); their copy to the host and the file follow in the background.
-                        self._writes.submit(
-                            self._rows(item), write_taps_file, item.path, item.token_ids, self.layer_ids
-                        )
+                        self._writes.submit(self._rows(item), _write_rows, item.path, item.token_ids, self.layer_ids)
                     done.add(item.req_id)
         return done or None, None
 
