@@ -85,9 +85,9 @@ demo: setup ## set up, then run every stage on the CPU demo (config.yaml) with t
 
 # The real-vLLM tests need the engine environment (built once, ~2 minutes); the SGLang argument
 # tests SGLang's parser (~1 minute more). Two pytest-xdist workers (CI has 2 cores; the suite's
-# time is mostly waiting on subprocesses); tests sharing one resource (the Slurm cluster, the vLLM
-# servers, a module's expensive fixture) carry an xdist_group and run on one worker
-# (tests/conftest.py). -ra lists every skip with its reason; --durations=30 keeps the slowest.
+# time is mostly waiting on subprocesses); tests sharing one resource (the Slurm cluster, a lane
+# of vLLM servers, a module's expensive fixture) carry an xdist_group and run on one worker
+# (tests/conftest.py, which also puts the longest groups first). -ra lists every skip with its reason; --durations=30 keeps the slowest.
 # Two passes: the tests that do not need the demo target run while it trains in the background
 # (2-4 minutes on 2 cores when its cache misses, its OpenMP threads passive; a copy otherwise),
 # then those that do (marker `demo`, set in tests/conftest.py). A failure of the first pass still

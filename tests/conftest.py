@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -53,11 +54,16 @@ WORKFLOW_FILES = [
 XDIST_GROUPS = {
     # the single-node Slurm cluster (slurm_cluster): one per session, every CPU of the machine
     "test_slurm_workflow.py": "slurm",
-    # vLLM CPU servers (the module's reference server lives through it, besides each job's):
-    # two at once on two workers would starve each other into timeouts and share 24 GiB of RAM;
-    # test_tune_workflow.py's vLLM case joins them (marked there)
+    # vLLM CPU servers, in two lanes that run at once, each starting its servers on a core of its
+    # own (VLLM_LANES below): two servers on one core starved each other into timeouts. A lane's
+    # servers run one test after another (a module's shared server besides each job's), so at
+    # most four run at once (~2 GiB of RAM each, of 24).
+    # The generated run and the drafters served from it (its module's reference server lives
+    # through it, besides each job's):
     "test_vllm_cpu.py": "vllm",
-    "test_engine_taps.py": "vllm",  # shares vllm_taps_server with the training tests that need it
+    # vllm_taps_server, shared with the training tests that need it; test_tune_workflow.py's
+    # and test_mtp_target.py's vLLM cases and test_vllm_cpu.py's refusals join it (marked there)
+    "test_engine_taps.py": "vllm_taps",
     # modules whose module- or session-scoped fixtures train or build something
     "test_demo_model.py": "test_demo_model",  # trains a demo target in its own cache
     "test_dflash_compat.py": "test_dflash_compat",  # trains two drafters
@@ -70,6 +76,50 @@ XDIST_GROUPS = {
 }
 
 
+# The vLLM lanes' cores: a lane's servers run on the N-th core the process may use
+# (tests/support/vllm_one_core reads DFLASH_VLLM_LANE), so the two lanes' servers never share one.
+VLLM_LANES = {"vllm": 0, "vllm_taps": 1}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures start anything (a module's server included): the vLLM lane of
+    its group, inherited by every server it starts, directly or through Snakemake's jobs."""
+    for mark in item.iter_markers("xdist_group"):
+        group = mark.args[0] if mark.args else mark.kwargs.get("name")
+        if group in VLLM_LANES:
+            os.environ["DFLASH_VLLM_LANE"] = str(VLLM_LANES[group])
+
+
+# The longest groups, longest first (docs/internals.md, the durations): each starts at once on a
+# worker of its own. --dist loadgroup hands the work out in the collection's order (its reordering
+# by group size is off, pytest_configure): by size the three came 7th, 8th and 3rd of the second
+# pass's groups, and each then started only once a worker was free.
+FIRST_GROUPS = ("vllm", "slurm", "vllm_taps")
+
+
+def pytest_configure(config):
+    config.option.loadscopereorder = False  # the suite orders its collection itself (below)
+
+
+def order_for_the_scheduler(items) -> None:
+    """FIRST_GROUPS first, then the other groups, most tests first (the order xdist's own
+    reordering gives), then the single tests in their collection's order."""
+    groups = [
+        next((str(m.args[0] if m.args else m.kwargs.get("name")) for m in item.iter_markers("xdist_group")), None)
+        for item in items
+    ]
+    sizes = Counter(groups)
+
+    def rank(pair):
+        group = pair[1]
+        if group in FIRST_GROUPS:
+            return (0, FIRST_GROUPS.index(group), "")
+        return (1, -sizes[group], group) if group else (2, 0, "")
+
+    items[:] = [item for item, _ in sorted(zip(items, groups), key=rank)]
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -79,6 +129,7 @@ def pytest_collection_modifyitems(config, items):
         if needs_demo_target(item):
             item.add_marker(pytest.mark.demo)
     result = yield
+    order_for_the_scheduler(items)
     # An xdist worker tells the scheduler an item's group by the suffix "@<group>" of its node id.
     # xdist 3.8 writes it to Node._nodeid, which pytest 9.2 no longer reads (the id is Node._id):
     # without this, --dist loadgroup spreads a group's tests over the workers like --dist load.

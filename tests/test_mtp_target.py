@@ -200,7 +200,7 @@ def test_sglang_builds_the_target_and_its_mtp_draft_and_loads_every_parameter(ta
 
 
 @pytest.mark.workflow
-@pytest.mark.xdist_group("vllm")  # with the other vLLM CPU servers (tests/conftest.py XDIST_GROUPS)
+@pytest.mark.xdist_group("vllm_taps")  # a lane of vLLM CPU servers (tests/conftest.py XDIST_GROUPS)
 def test_vllm_cpu_serves_it_with_tunes_mtp_command_and_accepts_the_heads_drafts(target, tmp_path):
     from dflash_pipeline.engines.environments import engine_env
     from dflash_pipeline.engines.launch import ManagedServer, ServerSpec, free_port, server_command

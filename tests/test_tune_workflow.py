@@ -32,8 +32,8 @@ def engine_settings(engine: str) -> tuple[dict, dict | None]:
     return {}, None
 
 
-# vLLM's case with the other vLLM servers (tests/conftest.py XDIST_GROUPS): not at once.
-@pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=pytest.mark.xdist_group("vllm"))])
+# vLLM's case in a lane of vLLM servers (tests/conftest.py XDIST_GROUPS): one at a time.
+@pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=pytest.mark.xdist_group("vllm_taps"))])
 def test_tune_measures_the_engine_and_generate_and_plan_take_its_choice(engine, workflow, demo_model, tmp_path):
     engines, server = engine_settings(engine)
     generation = {"engine": engine, "concurrency": None, "max_new_tokens": 32}
