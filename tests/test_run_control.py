@@ -80,6 +80,7 @@ OPERATIONAL_CHANGES = {
 # Rules downstream of each stage in this run (offline mode, so `extract` is in the chain).
 AFTER_TRAIN = {
     "train": NUM_SHARDS,
+    "segment_tau": NUM_SHARDS,  # each segment's τ in the loop (as many segments as shards here)
     "export": 1,
     "evaluate": 1,
     "report_training": 1,
@@ -138,10 +139,11 @@ def write(workflow, config: dict) -> None:
 
 def test_operational_keys_leave_a_finished_run_with_nothing_to_do(workflow, demo_model):
     # Every operational key of every rule that reads the section is changed here (export_dtype
-    # is the export rule's own param, hidden_dtype defines extract's taps).
+    # is the export rule's own param, segment_eval segment_tau's, hidden_dtype defines extract's
+    # taps).
     for section in ("generation", "train", "evaluate"):
         rules = [r for r, t in RULE_KEYS.items() if t["section"] == section]
-        operational = set.intersection(*(RULE_KEYS[r]["operational"] for r in rules)) - {"export_dtype"}
+        operational = set.intersection(*(RULE_KEYS[r]["operational"] for r in rules)) - {"export_dtype", "segment_eval"}
         assert set(OPERATIONAL_CHANGES[section]) == operational, section
     base = finished_run(workflow, demo_model)
     # The copy also sorts every mapping's keys: the order of keys in the file is no change.
@@ -160,6 +162,10 @@ DEFINING_CHANGES = [
     (
         {"train": {"export_dtype": "float32"}},
         {"export": 1, "evaluate": 1, "report_evaluation": 1, "report_headline": 1, "report_storage": 1, "all": 1},
+    ),
+    (
+        {"train": {"segment_eval": {"prompts": 3}}},
+        {"segment_tau": NUM_SHARDS, "report_training": 1, "report_headline": 1, "report_storage": 1, "all": 1},
     ),
     (
         {"evaluate": {"max_prompts": 3}},
@@ -218,7 +224,7 @@ def test_slurm_profile_plans_on_a_fresh_checkout_with_cpu_and_gpu_partitions(wor
     )  # fmt: skip
     proc = workflow.snakemake("--profile", "profiles/slurm", "-n")
     blocks = job_blocks(proc.stdout)
-    gpu_rules = {"generate", "train", "evaluate"}
+    gpu_rules = {"generate", "train", "segment_tau", "evaluate"}  # segment_tau runs the target too
     assert gpu_rules <= set(blocks) and "prepare" in blocks and "tokenize" in blocks
     for rule, lines in blocks.items():
         if rule == "all":

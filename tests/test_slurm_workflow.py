@@ -167,15 +167,25 @@ def test_the_demo_runs_through_sbatch_to_the_evaluated_drafter(profile, workflow
     rules = by_rule(jobs_of(slurm_cluster, out))
     expected = {"ingest": 1, "prepare": 1, "generate": 1}
     if profile == "slurm":
-        expected.update(tokenize=1, train=2, export=1, evaluate=1)
+        expected.update(tokenize=1, train=2, segment_tau=2, export=1, evaluate=1)
     assert {rule: len(jobs) for rule, jobs in rules.items()} == expected, rules
-    threads = {"ingest": 1, "prepare": 1, "generate": 2, "tokenize": 4, "train": 2, "export": 1, "evaluate": 2}
+    threads = {
+        "ingest": 1,
+        "prepare": 1,
+        "generate": 2,
+        "tokenize": 4,
+        "train": 2,
+        "segment_tau": 1,
+        "export": 1,
+        "evaluate": 2,
+    }
     memory = {
         "ingest": 4000,
         "prepare": 2000,
         "tokenize": 4000,
         "generate": 8000,
         "train": 16000,
+        "segment_tau": 16000,
         "export": 8000,
         "evaluate": 16000,
     }
