@@ -344,8 +344,9 @@ def address(server) -> dict:
 
 
 class TargetAsTapSource:
-    """A tap source with the engine source's interface whose taps the in-process target
-    computes; it keeps what the loop asked for and what it prefetched."""
+    """A tap source (training.tap_sources.TapSource) whose taps the in-process target computes
+    though it prefetches as the engine source does; it keeps what the loop asked for and what it
+    prefetched."""
 
     def __init__(self, demo_model, prefetch_depth=1):
         from dflash_pipeline.model.taps import TargetTaps
@@ -367,13 +368,12 @@ class TargetAsTapSource:
     def prefetch(self, sequences):
         self.prefetched.append([seq.input_ids[:4].tolist() for seq in sequences])
 
-    def taps(self, sequences, length, device, dtype):
+    def taps(self, sequences, input_ids, device, dtype):
         from dflash_pipeline.training.data import collate
 
         self.asked.append([seq.input_ids[:4].tolist() for seq in sequences])
         self.ahead_when_asked.append(len(self.prefetched))
-        input_ids, _ = collate(sequences, device)
-        assert input_ids.shape[1] == length
+        assert torch.equal(collate(sequences, device)[0], input_ids)  # the batch the loop collated
         return self.taps_of(input_ids).to(dtype)
 
 
