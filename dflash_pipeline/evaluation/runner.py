@@ -224,3 +224,10 @@ def target_stop_token_ids(tokenizer, generation_config) -> set[int]:
     if isinstance(end_of_turn, int) and end_of_turn != tokenizer.unk_token_id:
         stop.add(end_of_turn)
     return stop
+
+
+def loop_target(model, tokenizer, layer_ids) -> tuple[TargetRunner, frozenset[int]]:
+    """What the loop decodes with on ``model``: its runner tapping ``layer_ids`` (the drafter's)
+    and the tokens that end a reply."""
+    stop = frozenset(target_stop_token_ids(tokenizer, getattr(model, "generation_config", None)))
+    return TargetRunner(model, layer_ids), stop

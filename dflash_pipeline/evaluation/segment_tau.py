@@ -70,12 +70,11 @@ def measure(target_dir: str, model, proposer, prompts, max_new_tokens: int, temp
 
     from dflash_pipeline.evaluation.loop import DecodeSettings, speculative_decode
     from dflash_pipeline.evaluation.metrics import PromptResult
-    from dflash_pipeline.evaluation.runner import TargetRunner, target_stop_token_ids
+    from dflash_pipeline.evaluation.runner import loop_target
     from dflash_pipeline.evaluation.transformers_loop import render_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    runner = TargetRunner(model, proposer.target_layer_ids)
-    stop = frozenset(target_stop_token_ids(tokenizer, getattr(model, "generation_config", None)))
+    runner, stop = loop_target(model, tokenizer, proposer.target_layer_ids)
     results = []
     for index, (prompt, ids) in enumerate(zip(prompts, render_prompts(tokenizer, prompts, thinking))):
         # One seed per prompt, as evaluate's loop: sampled runs are reproducible.

@@ -83,7 +83,7 @@ def run_transformers_loop(target, drafter, prompts, options: EvalOptions, load_p
     )
     from dflash_pipeline.evaluation.loop import DecodeSettings, plain_decode, speculative_decode
     from dflash_pipeline.evaluation.metrics import PromptResult, trajectory_digest
-    from dflash_pipeline.evaluation.runner import TargetRunner, target_stop_token_ids
+    from dflash_pipeline.evaluation.runner import loop_target
     from dflash_pipeline.model.target import load_target
 
     if load_proposer is None:
@@ -99,8 +99,7 @@ def run_transformers_loop(target, drafter, prompts, options: EvalOptions, load_p
         if options.block_size < 2:
             raise ValueError(f"--block-size must be at least 2, got {options.block_size}")
         proposer.block_size = options.block_size
-    runner = TargetRunner(model, proposer.target_layer_ids)
-    stop = frozenset(target_stop_token_ids(tokenizer, getattr(model, "generation_config", None)))
+    runner, stop = loop_target(model, tokenizer, proposer.target_layer_ids)
     prompt_ids = render_prompts(tokenizer, prompts, options.thinking)
     margin = options.lossless_margin
     if margin is None:
