@@ -159,7 +159,20 @@ def main() -> None:
     p.add_argument("--engine", choices=("transformers", "vllm", "sglang"), default="transformers")
     p.add_argument("--engine-python", help="the Python of the engine's own environment (default: this one)")
     p.add_argument("--prompts", type=int, default=256)
-    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="requests in flight; several are measured one after another against one server",
+    )
+    p.add_argument(
+        "--prompts-per-slot",
+        type=int,
+        default=0,
+        help="with several concurrencies, each sends max(--prompts-per-slot x concurrency, 16) prompts "
+        "(rounds of equal length at every concurrency) instead of --prompts",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=28)
@@ -190,7 +203,8 @@ def main() -> None:
         tmp = Path(tmp)
         model = make_model(tmp, args.demo_model, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate)
         tokenizer = AutoTokenizer.from_pretrained(model)
-        rows = prompts(args.prompts)
+        most = max(max(args.prompts_per_slot * c, 16) for c in args.concurrency) if args.prompts_per_slot else 0
+        rows = prompts(max(args.prompts, most))
         texts = [render_prompt(tokenizer, r["messages"], True) for r in rows]
         spec = ServerSpec(
             engine=args.engine, model=str(model), port=18931, extra_args=args.engine_arg, python=args.engine_python
@@ -199,28 +213,34 @@ def main() -> None:
         with ManagedServer(spec, tmp / "engine.log", tmp, startup_timeout=600) as server:
             # Warm-up, then alternate the two clients so drift hits both alike.
             asyncio.run(load_generator(spec.url, str(model), texts[:16], 16, 16))
-            for _ in range(args.repeats):
-                base = asyncio.run(load_generator(spec.url, str(model), texts, args.concurrency, args.max_new_tokens))
-                ours = asyncio.run(
-                    pipeline(
-                        spec.url,
-                        args.engine,
-                        str(model),
-                        tokenizer,
-                        rows,
-                        args.concurrency,
-                        args.max_new_tokens,
-                        str(tmp / "run"),
+            for concurrency in args.concurrency:
+                count = max(args.prompts_per_slot * concurrency, 16) if args.prompts_per_slot else len(rows)
+                for _ in range(args.repeats):
+                    base = asyncio.run(
+                        load_generator(spec.url, str(model), texts[:count], concurrency, args.max_new_tokens)
                     )
-                )
-                runs.append(
-                    {
-                        "load_generator": base,
-                        "pipeline": ours,
-                        "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 3),
-                    }
-                )
-                print(json.dumps(runs[-1]), flush=True)
+                    ours = asyncio.run(
+                        pipeline(
+                            spec.url,
+                            args.engine,
+                            str(model),
+                            tokenizer,
+                            rows[:count],
+                            concurrency,
+                            args.max_new_tokens,
+                            str(tmp / "run"),
+                        )
+                    )
+                    runs.append(
+                        {
+                            "concurrency": concurrency,
+                            "prompts": count,
+                            "load_generator": base,
+                            "pipeline": ours,
+                            "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 3),
+                        }
+                    )
+                    print(json.dumps(runs[-1]), flush=True)
             log_tail = server.log_tail(5)
     gpu = (
         subprocess.run(
@@ -248,6 +268,10 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "runs": runs,
         "ratio_mean": round(sum(r["ratio"] for r in runs) / len(runs), 3),
+        "ratio_by_concurrency": {
+            str(c): round(sum(r["ratio"] for r in runs if r["concurrency"] == c) / args.repeats, 3)
+            for c in args.concurrency
+        },
         **provenance(gpu or platform.processor() or "cpu"),
         "server_log_tail": log_tail,
     }

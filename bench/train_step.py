@@ -11,6 +11,10 @@ Cases (the references are SpecForge's published step times on one H200):
     python bench/train_step.py --case qwen3-8b --out bench/results/train_step-qwen3-8b.json
     python bench/train_step.py --algorithm dflash dflash2 --out bench/results/train_step-dflash2-h200.json
 
+``--target-quantization fp8`` runs the online step against the target quantized as
+``train.target_quantization: fp8`` does it (``dflash_pipeline.model.quantized``: FP8 weight-only
+decoder linears), the way a 27B target fits beside the drafter's step on an 80 GB card.
+
 ``--algorithm dflash2`` builds the DFlash2 drafter of the same shape with the schema's DFlash2
 defaults (conv kernel/group, selector rank and top-K) and trains it with the selector term at
 its full weight (the step after the warm-up).
@@ -158,19 +162,22 @@ def target_config(spec: dict):
     )
 
 
-def random_target(spec: dict, device):
+def random_target(spec: dict, device, quantization: str | None = None):
     from transformers import AutoModelForCausalLM
+
+    from dflash_pipeline.model.quantized import quantize
 
     config = target_config(spec)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
-    return model
+    # Linear by linear, as the training job's loader does: the peak is the bf16 model's size.
+    return quantize(model, quantization)
 
 
 def run_case(
     name: str, mode: str, steps: int, warmup: int, attention: str, anchors: int,
-    profile: bool = False, algorithm: str = DFLASH,
+    profile: bool = False, algorithm: str = DFLASH, quantization: str | None = None,
 ) -> dict:  # fmt: skip
     case = CASES[name]
     device = torch.device("cuda")
@@ -183,7 +190,9 @@ def run_case(
     if mode == "online":
         from dflash_pipeline.model.taps import TargetTaps
 
-        target = random_target(case["target"], device)
+        target = random_target(case["target"], device, quantization)
+        torch.cuda.empty_cache()
+        target_gib = torch.cuda.memory_allocated(device) / 2**30
         taps_fn = TargetTaps(target, config.target_layer_ids)
         embed = target.get_input_embeddings().weight
         head = target.get_output_embeddings().weight
@@ -273,6 +282,9 @@ def run_case(
         "loss": round(out.loss.loss.item(), 4),
         "reference": case["reference"],
     }
+    if mode == "online":
+        result["target_quantization"] = quantization
+        result["target_resident_gib"] = round(target_gib, 2)
     if out.selector is not None:
         result["selector_loss"] = round(out.selector.loss.item(), 4)
     if target_times:
@@ -293,6 +305,9 @@ def main() -> None:
     parser.add_argument("--anchors", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--target-quantization", choices=["fp8"], help="the online target's quantization (train.target_quantization)"
+    )
     parser.add_argument("--profile", action="store_true", help="print the top kernels of two more steps")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -304,7 +319,7 @@ def main() -> None:
                 try:
                     record = run_case(
                         case, mode, args.steps, args.warmup, args.attention, args.anchors,
-                        args.profile, algorithm,
+                        args.profile, algorithm, args.target_quantization,
                     )  # fmt: skip
                 except Exception as err:  # record it and go on with the other cases
                     record = {
