@@ -57,7 +57,7 @@ from dflash_pipeline.core.config import schema_defaults  # noqa: E402
 from dflash_pipeline.engines.engine_taps import EngineTaps, node_local_dir, taps_server_spec  # noqa: E402
 from dflash_pipeline.engines.environments import engine_env  # noqa: E402
 from dflash_pipeline.engines.launch import ManagedServer, free_port  # noqa: E402
-from dflash_pipeline.stages.plan import engine_on_the_training_gpus  # noqa: E402
+from dflash_pipeline.core.bench_records import engine_on_the_training_gpus  # noqa: E402
 
 # A CPU-sized case to try the bench where no GPU is (vLLM's CPU build): same code path.
 TINY = {
@@ -235,7 +235,7 @@ def measure(name: str, case: dict, args, work: Path) -> dict:
 def trainer_figures(record: dict, trainer: dict) -> dict:
     """Per trainer GPU, from train_step's rows of the same case: in-process (online) tokens/s;
     engine-fed tokens/s as the pipeline runs it, the engine on the training GPUs
-    (``stages.plan.engine_on_the_training_gpus``, what the plan uses); and with a capture server
+    (``core.bench_records.engine_on_the_training_gpus``, what the plan uses); and with a capture server
     on GPUs of its own, the trainer's tokens/s (the drafter step or one sequence's wait, the longer:
     the loop asks for the next batch's taps while it trains on this one) and how many trainer GPUs
     one such server keeps busy."""

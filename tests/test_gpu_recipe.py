@@ -293,7 +293,7 @@ def test_the_taps_bench_scales_a_cut_target_and_prices_engine_fed_training_as_th
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     import engine_taps
 
-    from dflash_pipeline.stages.plan import engine_on_the_training_gpus
+    from dflash_pipeline.core.bench_records import engine_on_the_training_gpus
 
     cut = engine_taps.fewer_layers(engine_taps.CASES["qwen3.6-27b"], 16)
     assert cut["target"]["num_hidden_layers"] == 16 and cut["drafter"]["target_layer_ids"] == [0, 4, 7, 11, 15]

@@ -16,17 +16,23 @@ import yaml
 from dflash_pipeline.core import layout
 from dflash_pipeline.core.config import ConfigError, layered_config, load_run_config, load_schema, validate_config
 from dflash_pipeline.core.jobstate import ShardProgress
+from dflash_pipeline.core.bench_records import (
+    IN_PROCESS_FP8,
+    OFFLINE,
+    pick_capture_benchmark,
+    pick_train_benchmark,
+    read_capture_benchmarks,
+    training_options,
+)
 from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.stages.plan import (
     Measured,
     PlanError,
     count_dataset_rows,
+    format_plan,
     make_plan,
     measure_run,
     model_case,
-    pick_capture_benchmark,
-    pick_train_benchmark,
-    read_capture_benchmarks,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,6 +89,65 @@ def test_benchmark_pick_takes_the_configs_algorithm_and_averages_files_of_one_co
     h100 = {**again, "tokens_per_s": 5000.0, "file": "train_step-h100.json", "device": "NVIDIA H100 80GB HBM3"}
     picked = pick_train_benchmark([*records, h100], "qwen3.6-27b", "online", 4096)
     assert picked["device"] == "NVIDIA H100 80GB HBM3, NVIDIA H200"
+
+
+FP8_ONLINE = {
+    "case": "qwen3.6-27b",
+    "mode": "online",
+    "seq_len": 4096,
+    "tokens_per_s": 4360.1,
+    "peak_gib": 63.18,
+    "target_quantization": "fp8",
+    "file": "train_step-fp8-h100.json",
+    "device": "NVIDIA H100 80GB HBM3",
+}
+
+
+def test_the_online_step_is_the_record_of_the_targets_quantization():
+    """An FP8 target's online step is another cost on other cards: a bf16 run is never priced
+    from it, nor an FP8 run from the bf16 record; the drafter step alone is the same for both."""
+    records = [*BENCH, FP8_ONLINE]
+    assert pick_train_benchmark(records, "qwen3.6-27b", "online", 4096)["tokens_per_s"] == 5657.4
+    fp8 = pick_train_benchmark(records, "qwen3.6-27b", "online", 4096, quantization="fp8")
+    assert fp8["tokens_per_s"] == 4360.1 and fp8["file"] == "train_step-fp8-h100.json"
+    assert pick_train_benchmark(BENCH, "qwen3.6-27b", "online", 4096, quantization="fp8") is None
+    drafter = pick_train_benchmark(records, "qwen3.6-27b", "offline", 4096, quantization="fp8")
+    assert drafter["tokens_per_s"] == 14787.3
+
+
+def test_the_newest_capture_record_of_a_target_replaces_the_older_engines(tmp_path):
+    for name, date, rate in (
+        ("engine_taps-old.json", "2026-12-06", 18000.0),
+        ("engine_taps-new.json", "2026-12-07", 30000.0),
+    ):
+        (tmp_path / name).write_text(
+            json.dumps({"device": "H100", "date": date, "cases": [{"case": "qwen3-8b", "capture_tokens_per_s": rate}]})
+        )
+    picked = pick_capture_benchmark(read_capture_benchmarks(tmp_path), "qwen3-8b")
+    assert picked["capture_tokens_per_s"] == 30000.0 and picked["file"] == "engine_taps-new.json"
+
+
+def test_the_plan_prices_each_way_to_train_the_target_from_its_records():
+    """In-process (bf16 and FP8), engine-fed and offline, each at its measured rate with its
+    records named; a way without a record says so; offline also stores the taps."""
+    captures = [
+        {"case": "qwen3.6-27b", "capture_tokens_per_s": 2000.0, "file": "engine_taps-h100.json", "device": "H100"}
+    ]
+    options = training_options([*BENCH, FP8_ONLINE], captures, "qwen3.6-27b", 4096, "dflash")
+    rates = {option["option"]: option["tokens_per_s_per_gpu"] for option in options}
+    assert rates[IN_PROCESS_FP8] == 4360.1
+    assert rates[OFFLINE] == round(1 / (1 / 14787.3 + 1 / 2000.0), 1)
+    config = seeds_config()
+    plan = make_plan(config, Measured(bench_train=BENCH[0], training_options=options), gpus=8)
+    priced = {option["option"]: option for option in plan["training_options"]}
+    epoch = plan["train"]["epoch_tokens"]
+    assert priced[IN_PROCESS_FP8]["gpu_hours_per_epoch"] == pytest.approx(epoch / 4360.1 / 3600)
+    assert priced[OFFLINE]["stored_bytes"] == plan["hidden_bytes_per_token"] * epoch
+    text = format_plan(plan)
+    assert "FP8 (train.target_quantization: fp8): 4,360 tok/s per GPU, peak 63.18 GiB" in text
+    assert "train_step-fp8-h100.json on NVIDIA H100 80GB HBM3" in text
+    unmeasured = training_options(BENCH, [], "qwen3.6-27b", 4096, "dflash")
+    assert [o["source"] for o in unmeasured if o["option"] == IN_PROCESS_FP8] == ["not measured"]
 
 
 def test_with_taps_from_an_engine_the_plan_trains_at_the_drafter_step_plus_the_engines_forward(tmp_path):

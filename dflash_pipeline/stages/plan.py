@@ -16,6 +16,9 @@ Every figure says where it comes from, best source first:
   else the train_step benchmark in ``bench/results`` closest to the target and the context; with
   ``train.taps_from: engine``, the drafter step's benchmark combined with the engine_taps
   benchmark of the target (the taps server shares the training GPUs), else the in-process rate;
+  the online step is the record of the target in ``train.target_quantization``;
+* ways to train the target (``core.bench_records.training_options``): in-process, in-process with an
+  FP8 target, engine-fed and offline, each at its measured rate (or "not measured") per epoch;
 * bytes: finished shards' objects in the run root, else per-token estimates; hidden states are
   K taps x hidden size x bytes per element per token (stored in offline mode only).
 
@@ -40,6 +43,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_pipeline.core import layout
+from dflash_pipeline.core.bench_records import (
+    REPO,
+    default_bench_dir,
+    engine_on_the_training_gpus,
+    pick_capture_benchmark,
+    pick_train_benchmark,
+    read_capture_benchmarks,
+    read_train_benchmarks,
+    training_options,
+    OFFLINE,
+)
 from dflash_pipeline.core.config import trains_from_engine_taps
 from dflash_pipeline.core.jobstate import StageTotals
 from dflash_pipeline.core.resources import checkpoint_bytes
@@ -48,21 +62,6 @@ from dflash_pipeline.evaluation import segment_tau
 from dflash_pipeline.training.offline import hidden_bytes_per_token
 from dflash_pipeline.core.storage import StorageError, is_s3_url, open_storage
 from dflash_pipeline.engines.tuning import TunedChoice, read_tune_result, tune_defining, tune_key
-
-REPO = Path(__file__).resolve().parents[2]
-# The checkout's measured training steps (bench/train_step.py). Not package data: they are the
-# record of bench runs, rewritten there; an installed package without a checkout has none (the
-# training rate then comes from the run or plan.train_tokens_per_s_per_gpu).
-BENCH_RESULTS = Path("bench") / "results"
-
-
-def default_bench_dir(workdir: Path) -> Path | None:
-    """The benchmark records the plan reads without --bench-dir: those of the checkout it runs
-    in, else those of the checkout the package is imported from (an editable install), else none."""
-    for folder in (workdir / BENCH_RESULTS, REPO / BENCH_RESULTS):
-        if folder.is_dir():
-            return folder
-    return None
 
 
 # Rough sizes of the stage objects per token when nothing is measured yet (compressed parquet:
@@ -104,70 +103,12 @@ class Measured:
     tuned: TunedChoice | None = None  # the run's tune result, for the current settings
     target_bytes: int | None = None  # the target's weights (segment τ's cost until measured)
     segment_tau_seconds: list[float] = field(default_factory=list)  # finished segment τ jobs
+    training_options: list[dict] = field(default_factory=list)  # bench_records.training_options
 
 
 def model_case(model: str) -> str:
     """``/models/Qwen3.6-27B`` -> ``qwen3.6-27b``: how train_step benchmark cases are named."""
     return Path(str(model).rstrip("/")).name.lower()
-
-
-def pick_train_benchmark(
-    records: list[dict], case: str, mode: str, seq_len: int, algorithm: str = "dflash", taps_from: str = "target"
-) -> dict | None:
-    """The train_step measurement of this target, mode and drafter algorithm, closest in context
-    (None: no record of this target; another model's throughput would say nothing about this
-    one). Records of one context from several result files are averaged, and all are named.
-    Records older than the algorithm key are DFlash's. Offline, and online with taps from an
-    engine, the trainer steps the drafter alone."""
-    bench_mode = "online" if mode == "online" and taps_from == "target" else "drafter"
-    pool = [
-        r for r in records
-        if r.get("mode") == bench_mode and r.get("tokens_per_s") and r.get("case") == case
-        and r.get("algorithm", "dflash") == algorithm
-    ]  # fmt: skip
-    if not pool:
-        return None
-    closest = min(abs(int(r.get("seq_len", 0)) - seq_len) for r in pool)
-    chosen = [r for r in pool if abs(int(r.get("seq_len", 0)) - seq_len) == closest]
-    return {
-        **chosen[0],
-        "tokens_per_s": round(sum(float(r["tokens_per_s"]) for r in chosen) / len(chosen), 1),
-        "file": ", ".join(sorted({r["file"] for r in chosen})),
-        "device": ", ".join(sorted({str(r.get("device")) for r in chosen})),  # every card averaged
-        "algorithm": algorithm,
-    }
-
-
-def pick_capture_benchmark(records: list[dict], case: str) -> dict | None:
-    """The engine_taps measurement of this target (a vLLM capture server's taps tokens/s on one
-    GPU), several files averaged and named; None without one."""
-    chosen = [r for r in records if r.get("case") == case and r.get("capture_tokens_per_s")]
-    if not chosen:
-        return None
-    return {
-        **chosen[0],
-        "capture_tokens_per_s": round(sum(float(r["capture_tokens_per_s"]) for r in chosen) / len(chosen), 1),
-        "file": ", ".join(sorted({r["file"] for r in chosen})),
-    }
-
-
-def read_capture_benchmarks(bench_dir: Path) -> list[dict]:
-    """The cases of ``bench/engine_taps.py``'s results (engine_taps*.json)."""
-    records = []
-    for path in sorted(bench_dir.glob("engine_taps*.json")):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise PlanError(f"{path}: unreadable benchmark result ({err})") from err
-        records += [{**case, "file": path.name, "device": doc.get("device")} for case in doc.get("cases", [])]
-    return records
-
-
-def engine_on_the_training_gpus(drafter_tokens_per_s: float, capture_tokens_per_s: float) -> float:
-    """Training tokens/s per GPU with taps from an engine that runs on the training job's own
-    GPUs (as ``train.taps_from: engine`` starts it): each GPU's time goes to the drafter's step and
-    to its share of the engine's forward, 1/rate = 1/drafter + 1/capture."""
-    return 1 / (1 / drafter_tokens_per_s + 1 / capture_tokens_per_s)
 
 
 def bench_estimate(record: dict | None, what: str) -> Estimate:
@@ -195,24 +136,6 @@ def engine_fed_rate(drafter: dict | None, capture: dict | None, in_process: dict
         f"drafter step {step.value:,.0f} tok/s ({step.source}) with the engine's forward on the same GPUs at "
         f"{capture_rate:,.0f} tok/s (bench/results/{capture['file']} on {capture['device']})",
     )
-
-
-# Result files kept as the record of an earlier state (before an optimization), not current.
-HISTORICAL_SUFFIXES = ("-first", "-before")
-
-
-def read_train_benchmarks(bench_dir: Path) -> list[dict]:
-    records = []
-    for path in sorted(bench_dir.glob("train_step*.json")):
-        if path.stem.endswith(HISTORICAL_SUFFIXES):
-            continue
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise PlanError(f"{path}: unreadable benchmark result ({err})") from err
-        for record in doc.get("results", []):
-            records.append({**record, "file": path.name, "device": doc.get("device")})
-    return records
 
 
 def read_hidden_size(model: str) -> int | None:
@@ -469,6 +392,16 @@ def make_plan(config: dict, measured: Measured, gpus: int) -> dict:
         "hidden_bytes_per_token": per_token_hidden,
         "wall": wall,
         "segment_tau": segment_tau.segment_tau_cost(config, measured.target_bytes, measured.segment_tau_seconds),
+        "training_options": [
+            {
+                **option,
+                "gpu_hours_per_epoch": epoch_tokens / option["tokens_per_s_per_gpu"] / 3600
+                if option["tokens_per_s_per_gpu"]
+                else None,
+                "stored_bytes": per_token_hidden * epoch_tokens if option["option"] == OFFLINE and hidden else 0,
+            }
+            for option in measured.training_options
+        ],
     }
 
 
@@ -530,6 +463,15 @@ def format_plan(plan: dict) -> str:
     ]
     for stage, estimate in plan["bytes"].items():
         lines.append(f"  {stage:<18} {_bytes(estimate['value']):>10}  ({estimate['source']})")
+    if any(option["tokens_per_s_per_gpu"] for option in plan["training_options"]):
+        lines.append("Ways to train this target (bench/results; GPU-hours per epoch at each measured rate)")
+        for option in plan["training_options"]:
+            stored = f", stores {_bytes(option['stored_bytes'])}" if option["stored_bytes"] else ""
+            peak = f", peak {option['peak_gib']} GiB" if option["peak_gib"] else ""
+            lines.append(
+                f"  {_num(option['gpu_hours_per_epoch']):>8}  {option['option']}: "
+                f"{_num(option['tokens_per_s_per_gpu'], 0)} tok/s per GPU{peak}{stored} ({option['source']})"
+            )
     lines += [
         f"Wall time on {where}",
         f"  generate           {_num(w['generate_h'])} h",
@@ -572,13 +514,16 @@ def main(argv: list[str] | None = None) -> int:
         steps = read_train_benchmarks(bench_dir) if bench_dir else []
         train = config["train"]
         context = config["tokenize"]["max_length"]
-        measured.bench_train = pick_train_benchmark(steps, case, train["mode"], context, train["algorithm"])
+        measured.bench_train = pick_train_benchmark(
+            steps, case, train["mode"], context, train["algorithm"], quantization=train["target_quantization"]
+        )
+        captures = read_capture_benchmarks(bench_dir) if bench_dir else []
         if trains_from_engine_taps(train):
             measured.bench_drafter = pick_train_benchmark(
                 steps, case, train["mode"], context, train["algorithm"], train["taps_from"]
             )
-            captures = read_capture_benchmarks(bench_dir) if bench_dir else []
             measured.bench_capture = pick_capture_benchmark(captures, case)
+        measured.training_options = training_options(steps, captures, case, context, train["algorithm"])
         measured.hidden_size = read_hidden_size(config["target"]["model"])
         measured.target_bytes = checkpoint_bytes(config["target"]["model"])
         if not measured.prompts and not config["plan"]["prompts"]:
