@@ -1,9 +1,12 @@
 """Generation client overhead: the pipeline's generate path against a minimal load generator.
 
-Both send the same rendered prompts to the same server (`transformers serve`, or vLLM / SGLang
-with ``--engine vllm|sglang``, each from its environment with ``--engine-python``) at the same
-concurrency; the pipeline adds chat rendering, tokenization, reasoning splitting, progress parts
-and telemetry. Design target: pipeline tokens/s >= 0.97 x the load generator's.
+Both send the same requests to the same server (`transformers serve`, or vLLM / SGLang with
+``--engine vllm|sglang``, each from its environment with ``--engine-python``) at the same
+concurrency: the load generator posts the body the pipeline's adapter builds for that engine
+(same endpoint, same fields), prompts rendered and tokenized before its clock starts; the pipeline
+adds chat rendering, tokenization, reasoning splitting, progress parts and telemetry. Design
+target: pipeline tokens/s >= 0.97 x the load generator's. Several ``--concurrency`` values are
+measured one after another against one server (``--prompts-per-slot`` sizes each run).
 
 The model has a realistic layer shape (random weights; hidden/layers/heads configurable) with
 the demo tokenizer, so every request runs to `--max-new-tokens` (random weights never stop).
@@ -95,39 +98,37 @@ def prompts(n: int) -> list[dict]:
     ]
 
 
-async def load_generator(url: str, model: str, texts: list[str], concurrency: int, max_new: int) -> dict:
-    """The minimal client: POST the same prompts, count completion tokens."""
+async def load_generator(
+    url: str, adapter, prompts: list[tuple[str, list[int]]], concurrency: int, max_new: int
+) -> dict:
+    """The minimal client: POST the very requests the pipeline's adapter for this engine builds
+    (same endpoint, same body: SGLang's ``/generate`` with ids, vLLM's ``/v1/completions`` with
+    ids and ``return_token_ids``), prompts rendered and tokenized before the clock starts, and
+    count completion tokens. What the pipeline adds is then only its own work per request."""
     sem = asyncio.Semaphore(concurrency)
     tokens = 0
+    sampling = Sampling(max_new, 0.0)
     # One connection per in-flight request, as the pipeline's client keeps (httpx's default pool
     # of 100 would cap a concurrency of 256 and flatter the pipeline).
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
 
-        async def one(text):
+        async def one(text, ids):
             nonlocal tokens
+            path, body = adapter.request(text, ids, sampling)
             async with sem:
                 for attempt in range(3):  # a dropped keep-alive connection is retried, as ours does
                     try:
-                        r = await http.post(
-                            url + "/v1/completions",
-                            json={
-                                "model": model,
-                                "prompt": text,
-                                "max_tokens": max_new,
-                                "temperature": 0.0,
-                                "top_p": 1.0,
-                            },
-                        )
+                        r = await http.post(url + path, json=body)
                         break
                     except httpx.TransportError:
                         if attempt == 2:
                             raise
                 r.raise_for_status()
-                tokens += r.json()["usage"]["completion_tokens"]
+                tokens += adapter.parse(r.json()).completion_tokens or 0
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(t) for t in texts))
+        await asyncio.gather(*(one(text, ids) for text, ids in prompts))
         wall = time.perf_counter() - t0
     return {"tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1)}
 
@@ -206,18 +207,20 @@ def main() -> None:
         most = max(max(args.prompts_per_slot * c, 16) for c in args.concurrency) if args.prompts_per_slot else 0
         rows = prompts(max(args.prompts, most))
         texts = [render_prompt(tokenizer, r["messages"], True) for r in rows]
+        requests = [(text, tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
+        adapter = make_adapter(args.engine, str(model))
         spec = ServerSpec(
             engine=args.engine, model=str(model), port=18931, extra_args=args.engine_arg, python=args.engine_python
         )
         runs = []
         with ManagedServer(spec, tmp / "engine.log", tmp, startup_timeout=600) as server:
             # Warm-up, then alternate the two clients so drift hits both alike.
-            asyncio.run(load_generator(spec.url, str(model), texts[:16], 16, 16))
+            asyncio.run(load_generator(spec.url, adapter, requests[:16], 16, 16))
             for concurrency in args.concurrency:
                 count = max(args.prompts_per_slot * concurrency, 16) if args.prompts_per_slot else len(rows)
                 for _ in range(args.repeats):
                     base = asyncio.run(
-                        load_generator(spec.url, str(model), texts[:count], concurrency, args.max_new_tokens)
+                        load_generator(spec.url, adapter, requests[:count], concurrency, args.max_new_tokens)
                     )
                     ours = asyncio.run(
                         pipeline(
