@@ -7,7 +7,8 @@ the lossless verdicts. ``stages.evaluate`` drives it (and the serving engines be
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from dflash_pipeline.core.config import schema_defaults
 
@@ -44,6 +45,25 @@ class EvalOptions:
     engines: dict | None = None
     # A running plain server of the engine with the same target: the lossless reference.
     engine_reference_url: str | None = DEFAULTS["engine_reference_url"]
+    # A drafter exported against other target weights: refuse, or warn and evaluate.
+    target_mismatch: str = DEFAULTS["target_mismatch"]
+
+
+# The `evaluate` section's names that differ from the options'.
+SECTION_NAMES = {"max_prompts": "limit"}
+
+
+def eval_options(values: Mapping, **chosen) -> EvalOptions:
+    """The options of an evaluation, the only way they are built: from ``values`` (the `evaluate`
+    section's keys, as the job's settings or the command line's arguments name them; keys that
+    are no option are ignored, missing ones take their defaults) and ``chosen`` (options by name,
+    over ``values``; an unknown name is a TypeError)."""
+    names = {field.name for field in fields(EvalOptions)}
+    picked = {SECTION_NAMES.get(key, key): value for key, value in values.items()}
+    picked = {key: value for key, value in picked.items() if key in names} | chosen
+    if "engine_extra_args" in picked:
+        picked["engine_extra_args"] = tuple(picked["engine_extra_args"])
+    return EvalOptions(**picked)
 
 
 def resolve_device_dtype(options: EvalOptions):
