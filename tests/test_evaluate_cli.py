@@ -192,3 +192,40 @@ def test_evaluate_runs_a_dflash2_drafter_greedy_and_sampled(demo_model, tmp_path
     assert not refused.exists()
     assert "vllm 0.32.0 (CPU build) cannot serve this dflash2 drafter" in caplog.text
     assert "It is served by vllm >= 0.28 (GPU build)" in caplog.text
+
+
+def test_the_evaluate_job_measures_simulated_loop_and_benchmark_sets_on_one_target_load(
+    demo_model, tmp_path, prompts_file, monkeypatch
+):
+    """The rule's path: the simulated tau on the held-out tokenized rows, the loop on the held-out
+    prompts gated against it, then a benchmark prompt file in the loop, on one load of the target;
+    the metrics record the target weights compared."""
+    from dflash_pipeline.core.config import schema_defaults
+    from dflash_pipeline.model import target as target_module
+    from dflash_pipeline.stages.evaluate import evaluate_job
+    from tests.support.train_data import write_tokenized_shard
+
+    loads = []
+    load_target = target_module.load_target
+    monkeypatch.setattr(target_module, "load_target", lambda *a, **k: loads.append(a) or load_target(*a, **k))
+    drafter = export_untrained_drafter(demo_model, tmp_path / "drafter")
+    heldout = write_tokenized_shard(demo_model, tmp_path / "tokenized.parquet", 4, heldout_every=2)
+    prompts = tmp_path / "ingested.jsonl"
+    rows = [
+        {"id": f"h{i}", "split": s, "messages": [{"role": "user", "content": f"{i} + 1?"}]}
+        for i, s in enumerate(["train", "heldout"])
+    ]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = {**schema_defaults("evaluate"), "max_new_tokens": 8, "max_prompts": 2, "simulated_rows": 2}
+    settings |= {"parity_tolerance": 100.0, "benchmark_prompts": [str(prompts_file)]}
+    out = tmp_path / "metrics.json"
+    doc = evaluate_job(
+        str(demo_model), str(drafter / "config.json"), str(prompts), [str(heldout)], out, settings, False,
+        tmp_path / "failed.json",
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == doc and len(loads) == 1
+    assert doc["simulated"]["rows"] == 2 and doc["parity"]["simulated_tau"] == round(doc["simulated"]["tau"], 4)
+    assert doc["target_weights"]["match"] is None  # an untrained export records no target digest
+    assert [p["id"] for p in doc["per_prompt"]] == ["h1", "a1", "a2"]
+    assert set(doc["prompt_sets"]) >= {"arith"} and doc["settings"]["split"] == "heldout"
+    assert not (tmp_path / "failed.json").exists()

@@ -24,7 +24,7 @@ from dflash_pipeline.core.storage import open_storage
 from dflash_pipeline.data.quality import DegenerateShard
 from dflash_pipeline.engines.client import Sampling
 from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA, GenerationSettings, generate_shard
-from tests.test_tokenize import generated_row, healthy
+from tests.support.generated_rows import generated_row, healthy
 
 CAUSE = "failed the data-quality gate: 87 of 100 samples (87.0%) degenerate"
 

@@ -16,7 +16,7 @@ from dflash_pipeline.evaluation.simulated import simulated_tau, split_rows
 from dflash_pipeline.stages.tokenize import heldout_rows, tokenize_file
 from tests.support.train_data import write_tokenized_shard
 from tests.test_evaluate_cli import export_untrained_drafter
-from tests.test_tokenize import healthy
+from tests.support.generated_rows import healthy
 
 
 def test_tokenize_writes_the_shards_heldout_rows_on_their_own(demo_model, tmp_path):

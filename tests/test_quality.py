@@ -1,6 +1,7 @@
-"""The repetition-loop check on token ids: loops of any period up to 1,024 with per-repeat
-variation are flagged, in the thinking and in the answer apart; long varied text with repeated
-structure is not."""
+"""The data-quality gate. The repetition-loop check on token ids: loops of any period up to
+1,024 with per-repeat variation are flagged, in the thinking and in the answer apart; long varied
+text with repeated structure is not. The gate's verdict and message on a shard, judged directly
+and through the tokenize stage: the degenerate reasons counted, the shard failed naming its cause."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pyarrow as pa
 import pytest
 
 from dflash_pipeline.data.quality import DEFAULT_GATE, DegenerateShard
+from dflash_pipeline.data.tokenized import ShardTokenizer
+from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
 from dflash_pipeline.data.repetition import (
     measure_repetition,
     measure_repetitions,
@@ -21,6 +24,7 @@ from dflash_pipeline.data.repetition import (
     response_spans,
     sequence_repetition,
 )
+from tests.support.generated_rows import generated_row, healthy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -266,13 +270,6 @@ def word_ids(text: str) -> list[int]:
     return [vocab.setdefault(w, len(vocab)) for w in text.split()]
 
 
-@pytest.fixture(scope="module")
-def tok(demo_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(demo_model)
-
-
 def negatives(tok) -> dict[str, list[int]]:
     def encode(text):
         return tok(text, add_special_tokens=False)["input_ids"]
@@ -307,18 +304,7 @@ def test_a_loop_in_demo_text_is_flagged(tok):
     assert found and found["fraction"] > 0.95 and found["repeats"] >= 7
 
 
-def generated_row(i, content, reasoning, finish="stop", closed=True, error=None, fingerprint="f"):
-    from tests.test_tokenize import generated_row as row
-
-    out = row(i, content, reasoning, finish=finish, closed=closed, error=error)
-    out["fingerprint"] = fingerprint
-    return out
-
-
 def test_the_stage_flags_loops_in_the_thinking_and_the_answer_and_reports_them(tok):
-    from dflash_pipeline.data.tokenized import ShardTokenizer
-    from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
-
     traces = demo_traces(12)
     rows = [generated_row(i, f"The answer is {i}.", traces[i]) for i in range(12)]  # long healthy thinking
     sentence = "So the sum of the two numbers is the same as before, and nothing changes."
@@ -597,12 +583,78 @@ def test_the_sampling_is_read_from_the_rows_fingerprints():
 
 def test_a_13_sample_trial_with_one_odd_sample_passes_the_stage(tok):
     """Through the tokenize stage with the demo tokenizer: the trial run that used to halt."""
-    from dflash_pipeline.data.tokenized import ShardTokenizer
-    from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
-    from tests.test_tokenize import healthy
-
     rows = [healthy(i) for i in range(12)] + [generated_row(50, "", "")]
     out, stats = ShardTokenizer(tok, thinking=True).run(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), "g")
     assert stats["degenerate_samples"] == 1 and stats["reasons"]["empty_response"] == 1
     assert stats["gate"]["verdict"] == "passed: too few degenerate samples to judge"
     assert out.num_rows == 12 and "s50" not in out.column("id").to_pylist()
+
+
+# --- the gate through the tokenize stage (``ShardTokenizer``) with the demo tokenizer ------------
+
+
+def test_a_shard_like_the_seed_incident_fails_naming_the_cause(tok):
+    rows = [healthy(i) for i in range(13)]
+    rows += [generated_row(100 + i, "OK.", "") for i in range(87)]
+    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
+    with pytest.raises(DegenerateShard) as err:
+        ShardTokenizer(tok, thinking=True).run(table, "generated-00007.parquet")
+    message = str(err.value)
+    assert "generated-00007.parquet: 87 of 100 samples (87.0%) are degenerate" in message
+    assert "identical_response 87" in message and "too_few_supervised 87" in message
+    assert "s100" in message
+    assert "Most common response (87 times): ' | OK.'" in message
+
+
+def test_a_healthy_shard_passes_and_counts_cut_traces_without_failing(tok):
+    rows = [healthy(i) for i in range(40)]
+    rows.append(generated_row(99, "", "1+1=2, write 2\n" * 3, finish="length", closed=False))
+    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
+    out, stats = ShardTokenizer(tok, thinking=True).run(table, "g")
+    assert stats["degenerate_samples"] == 0 and out.num_rows == 41
+    assert stats["finish_reasons"] == {"stop": 40, "length": 1}
+    assert all(
+        sum(m) == n for m, n in zip(out.column("loss_mask").to_pylist(), out.column("num_supervised").to_pylist())
+    )
+
+
+def test_each_degenerate_reason_is_counted(tok):
+    loop = "1+1=2, write 2 " * 40
+    rows = [healthy(i) for i in range(60)]
+    rows += [
+        generated_row(200, "", "", error="gave up after 6 attempts"),
+        generated_row(201, "  ", ""),
+        generated_row(202, "x", "never closed", closed=False),
+        generated_row(203, "ok", loop),
+    ]
+    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
+    _, stats = ShardTokenizer(tok, thinking=True, settings={"max_degenerate_fraction": 0.5}).run(table, "g")
+    assert stats["examples"]["generation_error"] == ["s200"]
+    assert stats["examples"]["empty_response"] == ["s201"]
+    assert stats["examples"]["think_not_closed"] == ["s202"]
+    assert stats["examples"]["repetition_loop"] == ["s203"]
+    assert stats["degenerate_samples"] == 4
+
+
+def test_special_token_in_text_is_a_default_reason_counted_in_the_stats_and_the_report(tok, tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from dflash_pipeline.core.config import load_schema
+    from dflash_pipeline.data.quality import DEFAULT_GATE, DEGENERATE_REASONS
+    from dflash_pipeline.report import figures, tables
+
+    schema = load_schema()
+    setting = schema["properties"]["tokenize"]["properties"]["degenerate_reasons"]
+    assert setting["default"] == DEFAULT_GATE["degenerate_reasons"] == sorted(DEGENERATE_REASONS)
+    assert sorted(setting["items"]["enum"]) == sorted(DEGENERATE_REASONS)
+    assert "special_token_in_text" in DEFAULT_GATE["degenerate_reasons"]
+
+    rows = [healthy(i) for i in range(40)] + [generated_row(99, "Stop at <|im_end|> here.", "think")]
+    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
+    out, stats = ShardTokenizer(tok, thinking=True).run(table, "generate-00000.parquet")
+    assert stats["reasons"] == {"special_token_in_text": 1} and stats["degenerate_samples"] == 1
+    assert out.num_rows == 40 and "s99" not in out.column("id").to_pylist()
+    figures.plot_degenerate_reasons([stats], tmp_path / "deg.svg")
+    assert "special_token_in_text" in " ".join(ET.parse(tmp_path / "deg.svg").getroot().itertext())
+    tables.write_tokenization_table([stats], tmp_path / "tok.html")
+    assert "special_token_in_text 1" in (tmp_path / "tok.html").read_text()

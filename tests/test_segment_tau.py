@@ -143,7 +143,8 @@ def test_the_status_page_shows_a_segments_tau_only_once_it_is_this_segments():
 
 def test_a_checkpoint_measures_what_evaluates_loop_measures_on_its_export(demo_model, tmp_path):
     """Built from the checkpoint's weights (no export), the segment's drafter decodes the held-out
-    prompts as evaluate's loop decodes them with the exported drafter: the same τ per prompt."""
+    prompts as evaluate's loop decodes them with the exported drafter: the same τ per prompt,
+    greedy and sampled (the same seed per prompt)."""
     import torch
 
     from dflash_pipeline.evaluation.transformers_loop import EvalOptions
@@ -177,3 +178,11 @@ def test_a_checkpoint_measures_what_evaluates_loop_measures_on_its_export(demo_m
     evaluated = run_evaluation(demo_model, drafter, prompts, tmp_path / "metrics.json", options)
     assert [p["tau"] for p in found["per_prompt"]] == [p["tau"] for p in evaluated["per_prompt"]]
     assert found["tau"] == evaluated["overall"]["tau"]
+    # Sampled, the same too: each prompt drawn with evaluate's seed for it (evaluate.seed + index).
+    sampled = segment_tau.run_segment_tau(
+        str(tmp_path), 0, str(manifest), str(demo_model), str(prompts), out, {**settings, "temperature": 0.9},
+        thinking=False,
+    )  # fmt: skip
+    options.temperature = 0.9
+    evaluated = run_evaluation(demo_model, drafter, prompts, tmp_path / "metrics.json", options)
+    assert [p["tau"] for p in sampled["per_prompt"]] == [p["tau"] for p in evaluated["per_prompt"]]

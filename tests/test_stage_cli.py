@@ -24,6 +24,16 @@ FILE, FOLDER, MODEL, MISSING, EMPTY_DIR, SETTINGS, MANIFEST, BAD_JSON_FILE = (
 )  # fmt: skip
 # Empty shards of each stage's schema: a shard reader reads its input's columns while parsing.
 PREPARE_SHARD, GENERATE_SHARD, TOKENIZE_SHARD = "@prepare-shard", "@generate-shard", "@tokenize-shard"
+# Train's shard lists (--shards), each a JSON file: the tokenize shard; a missing file; a prepare
+# shard; a list that is no {SHARD: PATH} object; a key that is no list.
+SHARD_LISTS = {
+    "@lists-valid": {"tokenized": {"00000": TOKENIZE_SHARD}},
+    "@lists-missing": {"tokenized": {"00000": TOKENIZE_SHARD}, "hidden": {"00000": MISSING}},
+    "@lists-of-prepare": {"tokenized": {"00000": PREPARE_SHARD}},
+    "@lists-not-object": {"tokenized": ["00000", TOKENIZE_SHARD]},
+    "@lists-unknown": {"tokenized": {"00000": TOKENIZE_SHARD}, "extracted": {}},
+    "@lists-empty": {"tokenized": {}},
+}
 
 # Valid arguments per stage (what one bad value replaces), as (option, value) pairs; an option
 # starting with "<" is a positional.
@@ -37,7 +47,7 @@ VALID = {
                        ("--out-summary", "b"), ("--out-quarantine", "c")],
     "prepare select": [("<ingested>", FILE), ("--shard", "0"), ("--out", "x.parquet")],
     "train": [("--run-url", FOLDER), ("--segment", "0"), ("--settings", SETTINGS), ("--target", MODEL),
-              ("--manifest", "m.json"), ("--tokenized", f"00000={TOKENIZE_SHARD}")],
+              ("--manifest", "m.json"), ("--shards", "@lists-valid")],
     "export": [("--run-url", FOLDER), ("--manifest", MANIFEST), ("--out", "drafter")],
     "segment_tau": [("--run-url", FOLDER), ("--segment", "0"), ("--manifest", MANIFEST), ("--target", MODEL),
                     ("--prompts", FILE), ("--out", "t.json")],
@@ -97,8 +107,11 @@ CASES = [
     ("train", "--settings", FOLDER, "is a folder, not a file"),
     ("train", "--settings", BAD_JSON_FILE, "is not valid JSON: Expecting property name"),
     ("train", "--target", MISSING, "no such folder"),
-    ("train", "--tokenized", f"00000={MISSING}", "no such file"),
-    ("train", "--tokenized", "shard-without-path", "expected SHARD=PATH"),
+    ("train", "--shards", "@lists-missing", "hidden shard 00000: no such file"),
+    ("train", "--shards", "@lists-not-object", "tokenized must be an object {SHARD: PATH}"),
+    ("train", "--shards", "@lists-unknown", "unknown key 'extracted' (the lists are tokenized, hidden)"),
+    ("train", "--shards", "@lists-empty", "no tokenized shards"),
+    ("train", "--shards", MISSING, "no such file"),
     ("train", "--segment", "-1", "must be an integer >= 0"),
     ("export", "--run-url", MISSING, "no such folder"),
     ("segment_tau", "--segment", "-1", "must be an integer >= 0"),
@@ -119,7 +132,7 @@ CASES = [
     ("generate", "--prompts", TOKENIZE_SHARD, "a tokenize shard (columns id, split, turn, input_ids"),
     ("generate", "--prompts", GENERATE_SHARD, "a generate shard (columns id, shard, split, messages, turns"),
     ("extract", "<tokenized>", GENERATE_SHARD, "a generate shard (columns "),
-    ("train", "--tokenized", f"00000={PREPARE_SHARD}", "), train reads tokenize shards (shard 00000)"),
+    ("train", "--shards", "@lists-of-prepare", "a prepare shard (columns id, shard, split, messages, source), train"),
     ("extract", "--target", MISSING, "no such folder"),
     ("extract", "--settings-json", "[]", "must be a JSON object"),
     ("extract", "--shard", "-1", "is not a shard number"),
@@ -141,13 +154,18 @@ def paths(tmp_path):
     shards = {PREPARE_SHARD: PROMPT_SCHEMA, GENERATE_SHARD: GENERATED_SCHEMA, TOKENIZE_SHARD: TOKENIZED_SCHEMA}
     for placeholder, schema in shards.items():
         pq.write_table(schema.empty_table(), tmp_path / f"{placeholder.strip('@')}.parquet")
-    return {
+    found = {
         **{placeholder: str(tmp_path / f"{placeholder.strip('@')}.parquet") for placeholder in shards},
         FILE: str(tmp_path / "data.parquet"), FOLDER: str(tmp_path / "run"), MODEL: str(tmp_path / "model"),
         MISSING: str(tmp_path / "no-such-thing"), EMPTY_DIR: str(tmp_path / "empty"),
         SETTINGS: str(tmp_path / "settings.json"), MANIFEST: str(tmp_path / "manifest.json"),
         BAD_JSON_FILE: str(tmp_path / "bad.json"),
     }  # fmt: skip
+    for placeholder, lists in SHARD_LISTS.items():
+        path = tmp_path / f"{placeholder.strip('@')}.json"
+        path.write_text(real(json.dumps(lists), found))
+        found[placeholder] = str(path)
+    return found
 
 
 def real(value: str, paths: dict) -> str:
@@ -270,7 +288,7 @@ def test_end_to_end_a_missing_model_folder_never_reaches_transformers(paths):
         ("tokenize", "--settings-json", BAD_JSON, "is not valid JSON: Expecting property name enclosed in "
          "double quotes: line 1 column 21 (char 20)"),
         ("evaluate", "--target", MISSING, "no such folder"),
-        ("train", "--tokenized", f"00000={MISSING}", "no such file"),
+        ("train", "--shards", "@lists-missing", "hidden shard 00000: no such file"),
         ("prepare ingest", "--num-shards", "0", "must be an integer from 1 to 99999"),
         # Before: KeyError: 'turns' from deep inside the tokenizer's rows.
         ("tokenize", "<generated>", PREPARE_SHARD, "a prepare shard (columns id, shard, split, messages, source), "
@@ -333,7 +351,6 @@ def test_types_accept_good_values(check, value, expected):
         (cli.json_object, '"text"', "must be a JSON object ({...}), not str"),
         (cli.json_object, "", "is not valid JSON: Expecting value: line 1 column 1 (char 0)"),
         (cli.shard_name, "3a", "'3a' is not a shard number such as 00003"),
-        (cli.shard_file, "=x", "expected SHARD=PATH, got '=x'"),
     ],
 )  # fmt: skip
 def test_types_refuse_bad_values_in_one_line(check, value, message):

@@ -132,6 +132,7 @@ def test_a_drafter_exported_without_a_digest_is_compared_with_nothing(tmp_path):
 def test_the_evaluate_job_refuses_before_it_loads_anything(tmp_path):
     """evaluate_job's first act is the check: nothing of the prompts, held-out rows or engine is
     read (they do not exist here)."""
+    from dflash_pipeline.core.config import schema_defaults
     from dflash_pipeline.stages.evaluate import evaluate_job
 
     target = tiny_target(tmp_path / "target")
@@ -139,7 +140,8 @@ def test_the_evaluate_job_refuses_before_it_loads_anything(tmp_path):
     with pytest.raises(TargetMismatch, match="evaluate.target_mismatch: refuse"):
         evaluate_job(
             str(target), str(drafter.parent / "config.json"), str(tmp_path / "none.parquet"), [],
-            tmp_path / "metrics.json", {"target_mismatch": "refuse"}, False, tmp_path / "failed.json",
+            tmp_path / "metrics.json", {**schema_defaults("evaluate"), "target_mismatch": "refuse"}, False,
+            tmp_path / "failed.json",
         )  # fmt: skip
     assert not (tmp_path / "metrics.json").exists()
 

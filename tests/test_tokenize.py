@@ -1,4 +1,5 @@
-"""Exact ids and loss masks against hand-built expectations, and the data-quality gate."""
+"""Exact ids and loss masks against hand-built expectations (the data-quality gate's cases are in
+tests/test_quality.py)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,8 @@ import pytest
 
 from dflash_pipeline.data.loss_masks import conversation_sequences
 from dflash_pipeline.engines.regenerate import GENERATED_SCHEMA
-from dflash_pipeline.data.quality import DegenerateShard
 from dflash_pipeline.data.tokenized import ShardTokenizer
-
-
-@pytest.fixture(scope="module")
-def tok(demo_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(demo_model)
+from tests.support.generated_rows import generated_row, healthy
 
 
 def pieces(tok, *parts):
@@ -148,80 +142,6 @@ def test_a_template_whose_turns_change_later_is_refused_as_one_row(tok):
     ]
     with pytest.raises(TemplateMismatch):
         conversation_sequences(tok, messages, thinking=False, per_turn=False)
-
-
-def generated_row(i, content, reasoning, finish="stop", closed=True, error=None):
-    return {
-        "id": f"s{i}",
-        "shard": 0,
-        "split": "train",
-        "messages": [
-            {"role": "user", "content": f"What is {i} + {i}?", "reasoning_content": None},
-            {"role": "assistant", "content": content, "reasoning_content": reasoning},
-        ],
-        "turns": [
-            {
-                "message_index": 1,
-                "finish_reason": finish,
-                "think_closed": closed,
-                "prompt_tokens": 10,
-                "completion_tokens": 10,
-                "output_ids": None,
-            }
-        ],
-        "prompt_tokens": 10,
-        "completion_tokens": 10,
-        "error": error,
-        "fingerprint": "f",
-    }
-
-
-def healthy(i):
-    steps = "\n".join(f"{d}+{d}={2 * d}, write {2 * d % 10}" for d in range(1, 4))
-    return generated_row(i, f"{i} + {i} = {2 * i}", steps)
-
-
-def test_a_shard_like_the_seed_incident_fails_naming_the_cause(tok):
-    rows = [healthy(i) for i in range(13)]
-    rows += [generated_row(100 + i, "OK.", "") for i in range(87)]
-    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
-    with pytest.raises(DegenerateShard) as err:
-        ShardTokenizer(tok, thinking=True).run(table, "generated-00007.parquet")
-    message = str(err.value)
-    assert "generated-00007.parquet: 87 of 100 samples (87.0%) are degenerate" in message
-    assert "identical_response 87" in message and "too_few_supervised 87" in message
-    assert "s100" in message
-    assert "Most common response (87 times): ' | OK.'" in message
-
-
-def test_a_healthy_shard_passes_and_counts_cut_traces_without_failing(tok):
-    rows = [healthy(i) for i in range(40)]
-    rows.append(generated_row(99, "", "1+1=2, write 2\n" * 3, finish="length", closed=False))
-    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
-    out, stats = ShardTokenizer(tok, thinking=True).run(table, "g")
-    assert stats["degenerate_samples"] == 0 and out.num_rows == 41
-    assert stats["finish_reasons"] == {"stop": 40, "length": 1}
-    assert all(
-        sum(m) == n for m, n in zip(out.column("loss_mask").to_pylist(), out.column("num_supervised").to_pylist())
-    )
-
-
-def test_each_degenerate_reason_is_counted(tok):
-    loop = "1+1=2, write 2 " * 40
-    rows = [healthy(i) for i in range(60)]
-    rows += [
-        generated_row(200, "", "", error="gave up after 6 attempts"),
-        generated_row(201, "  ", ""),
-        generated_row(202, "x", "never closed", closed=False),
-        generated_row(203, "ok", loop),
-    ]
-    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
-    _, stats = ShardTokenizer(tok, thinking=True, settings={"max_degenerate_fraction": 0.5}).run(table, "g")
-    assert stats["examples"]["generation_error"] == ["s200"]
-    assert stats["examples"]["empty_response"] == ["s201"]
-    assert stats["examples"]["think_not_closed"] == ["s202"]
-    assert stats["examples"]["repetition_loop"] == ["s203"]
-    assert stats["degenerate_samples"] == 4
 
 
 def test_one_tokenization_of_the_whole_text_gives_the_piecewise_ids_and_masks(tok):
@@ -657,30 +577,6 @@ def test_a_special_token_literal_in_generated_text_never_cuts_the_turn(tokenizer
     got, stats = tokenized(tokenizer, rows[:1], thinking=True, degenerate_reasons=reasons)
     assert stats["reasons"] == {"special_token_in_text": 1} and stats["degenerate_samples"] == 0
     assert got[("text-answer", -1)] == pieces(tokenizer, (prompts["text-answer"], 0), (answer + "<|im_end|>", 1))
-
-
-def test_special_token_in_text_is_a_default_reason_counted_in_the_stats_and_the_report(tok, tmp_path):
-    import xml.etree.ElementTree as ET
-
-    from dflash_pipeline.core.config import load_schema
-    from dflash_pipeline.data.quality import DEFAULT_GATE, DEGENERATE_REASONS
-    from dflash_pipeline.report import figures, tables
-
-    schema = load_schema()
-    setting = schema["properties"]["tokenize"]["properties"]["degenerate_reasons"]
-    assert setting["default"] == DEFAULT_GATE["degenerate_reasons"] == sorted(DEGENERATE_REASONS)
-    assert sorted(setting["items"]["enum"]) == sorted(DEGENERATE_REASONS)
-    assert "special_token_in_text" in DEFAULT_GATE["degenerate_reasons"]
-
-    rows = [healthy(i) for i in range(40)] + [generated_row(99, "Stop at <|im_end|> here.", "think")]
-    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
-    out, stats = ShardTokenizer(tok, thinking=True).run(table, "generate-00000.parquet")
-    assert stats["reasons"] == {"special_token_in_text": 1} and stats["degenerate_samples"] == 1
-    assert out.num_rows == 40 and "s99" not in out.column("id").to_pylist()
-    figures.plot_degenerate_reasons([stats], tmp_path / "deg.svg")
-    assert "special_token_in_text" in " ".join(ET.parse(tmp_path / "deg.svg").getroot().itertext())
-    tables.write_tokenization_table([stats], tmp_path / "tok.html")
-    assert "special_token_in_text 1" in (tmp_path / "tok.html").read_text()
 
 
 # The real Qwen3 tokenizer and chat template against the Qwen3 chat format written out by hand.

@@ -150,13 +150,14 @@ def start_training(run_dir: Path, s: dict, demo_model, tokenized, pause: Pause |
     """Segment 0 of a run in ``run_dir`` by the stage's command line; its output goes to
     ``training.log`` beside it (a pipe nobody reads while the test waits could fill and stall it).
     With ``pause``, held after a write until the test lets it go on."""
-    settings_file = run_dir / "settings.json"
+    settings_file, shards_file = run_dir / "settings.json", run_dir / "shards.json"
     settings_file.write_text(json.dumps(s))
+    shards_file.write_text(json.dumps({"tokenized": tokenized}))
     command = [
         sys.executable, "-m", "dflash_pipeline.stages.train", "--run-url", str(run_dir), "--segment", "0",
         "--settings", str(settings_file), "--target", str(demo_model), "--device", "cpu",
         "--manifest", str(run_dir / layout.segment_manifest_key(0)),
-        "--tokenized", *[f"{k}={v}" for k, v in tokenized.items()],
+        "--shards", str(shards_file),
     ]  # fmt: skip
     with open(run_dir / "training.log", "w") as out:
         if pause is None:

@@ -12,7 +12,6 @@ One plain vLLM server with the demo target serves the whole module's lossless re
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import subprocess
@@ -27,7 +26,7 @@ from dflash_pipeline.engines.launch import ManagedServer, free_port
 from dflash_pipeline.evaluation.parity import relative_gap
 from dflash_pipeline.evaluation.serving import serving_server_spec
 from dflash_pipeline.model import speculators_format
-from dflash_pipeline.stages.evaluate import EvalOptions, measure_engine
+from dflash_pipeline.stages.evaluate import eval_options, measure_engine
 from dflash_pipeline.stages.evaluate import main as evaluate_main
 from tests.conftest import Workflow, copy_workflow
 from tests.support.engine_envs import REPO, VLLM_CPU_ENV, VLLM_CPU_MEM_FRACTION, vllm_python
@@ -287,10 +286,7 @@ def serve_speculators_export(folder, root, metrics, vllm_reference, tmp_path):
     its settings: lossless against the same plain reference, tau within the engine parity
     tolerance of the z-lab export's (and of the loop's)."""
     settings = metrics["settings"]
-    fields = {f.name for f in dataclasses.fields(EvalOptions)}
-    options = EvalOptions(**{k: v for k, v in settings.items() if k in fields})
-    options.engine_extra_args = tuple(options.engine_extra_args)
-    options.runtime_dir = str(tmp_path / "speculators-engine")
+    options = eval_options(settings, runtime_dir=str(tmp_path / "speculators-engine"))
     started = time.monotonic()
     section = measure_engine(
         root / settings["target"], folder, root / settings["prompts"], options, tmp_path / "unused.json"

@@ -3,9 +3,9 @@
 Rule ``segment_tau`` runs this for each segment once its checkpoint is published, as a job of its
 own that the next segment does not wait for. The drafter is built from the checkpoint's weights
 (no export), the target decodes the first ``train.segment_eval.prompts`` held-out prompts through
-``evaluation.loop.speculative_decode``, the loop ``evaluate`` runs, and the acceptance length τ
-is aggregated as evaluate's metrics are (``evaluation.metrics.aggregate``: committed tokens over
-verify steps). Plain decoding, the lossless check and the parity gates are evaluate's business:
+evaluate's loop (``evaluation.transformers_loop.decode_prompts``: its seeds, one per prompt, and
+stop tokens), and the acceptance length τ is aggregated as evaluate's metrics are
+(``evaluation.metrics.aggregate``: committed tokens over verify steps). Plain decoding, the lossless check and the parity gates are evaluate's business:
 a segment's job measures τ only, so it costs one speculative decode of a small fixed budget.
 
 One small JSON object per segment (``layout.segment_tau_key``); the report's training figure and
@@ -63,24 +63,20 @@ def checkpoint_proposer(storage, manifest: dict, manifest_path: str, target_mode
     return DFlashProposer(drafter, embed, head)
 
 
-def measure(target_dir: str, model, proposer, prompts, max_new_tokens: int, temperature: float, thinking: bool) -> list:
-    """Each prompt decoded speculatively once (``evaluation.loop.speculative_decode``), as a
-    ``PromptResult``: the loop's own seeds and stop tokens, as evaluate decodes them."""
+def measure(target_dir: str, model, proposer, prompts, options) -> list:
+    """Each prompt decoded speculatively once, as a ``PromptResult``: through evaluate's loop
+    (``transformers_loop.decode_prompts``), so with its seeds and stop tokens."""
     from transformers import AutoTokenizer
 
-    from dflash_pipeline.evaluation.loop import DecodeSettings, speculative_decode
-    from dflash_pipeline.evaluation.metrics import PromptResult
     from dflash_pipeline.evaluation.runner import loop_target
-    from dflash_pipeline.evaluation.transformers_loop import render_prompts
+    from dflash_pipeline.evaluation.transformers_loop import decode_prompts, render_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     runner, stop = loop_target(model, tokenizer, proposer.target_layer_ids)
-    results = []
-    for index, (prompt, ids) in enumerate(zip(prompts, render_prompts(tokenizer, prompts, thinking))):
-        # One seed per prompt, as evaluate's loop: sampled runs are reproducible.
-        trace = speculative_decode(runner, proposer, ids, DecodeSettings(max_new_tokens, temperature, stop, index))
-        results.append(PromptResult.from_traces(prompt.id, prompt.prompt_set, len(ids), trace))
-    return results
+    prompt_ids = render_prompts(tokenizer, prompts, options.thinking)
+    return [
+        result for _, result, *_ in decode_prompts(runner, proposer, prompts, prompt_ids, stop, options, plain=False)
+    ]
 
 
 def segment_record(segment: int, manifest: dict, results: list, settings: dict, seconds: float) -> dict:
@@ -138,17 +134,18 @@ def run_segment_tau(
     ``prompts_url`` (the run's ingested prompts) and write its record to ``out`` atomically."""
     from dflash_pipeline.core.storage import open_storage, write_atomically
     from dflash_pipeline.evaluation.prompts import read_eval_prompts
-    from dflash_pipeline.evaluation.transformers_loop import EvalOptions, resolve_device_dtype
+    from dflash_pipeline.evaluation.transformers_loop import eval_options, resolve_device_dtype
     from dflash_pipeline.model.target import load_target
 
     started = time.monotonic()
     manifest = json.loads(Path(manifest_path).read_text())
+    # Evaluate's options but for the budget: its seeds (the evaluate job leaves them at their
+    # default), its temperature, the device's dtype; no warm-up, nothing here is timed.
+    options = eval_options(settings, thinking=thinking, device=device, warmup=False)
     prompts = read_eval_prompts(prompts_url, settings["prompts"], split="heldout")
-    model = load_target(target_dir, *resolve_device_dtype(EvalOptions(device=device)))
+    model = load_target(target_dir, *resolve_device_dtype(options))
     proposer = checkpoint_proposer(open_storage(run_url), manifest, manifest_path, model)
-    results = measure(
-        target_dir, model, proposer, prompts, settings["max_new_tokens"], settings["temperature"], thinking
-    )
+    results = measure(target_dir, model, proposer, prompts, options)
     record = segment_record(segment, manifest, results, settings, time.monotonic() - started)
     with write_atomically(out) as tmp:
         tmp.write_text(json.dumps(record, indent=1) + "\n")

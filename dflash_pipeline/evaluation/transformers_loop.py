@@ -7,7 +7,8 @@ the lossless verdicts. ``stages.evaluate`` drives it (and the serving engines be
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
 
 from dflash_pipeline.core.config import schema_defaults
 
@@ -44,6 +45,25 @@ class EvalOptions:
     engines: dict | None = None
     # A running plain server of the engine with the same target: the lossless reference.
     engine_reference_url: str | None = DEFAULTS["engine_reference_url"]
+    # A drafter exported against other target weights: refuse, or warn and evaluate.
+    target_mismatch: str = DEFAULTS["target_mismatch"]
+
+
+# The `evaluate` section's names that differ from the options'.
+SECTION_NAMES = {"max_prompts": "limit"}
+
+
+def eval_options(values: Mapping, **chosen) -> EvalOptions:
+    """The options of an evaluation, the only way they are built: from ``values`` (the `evaluate`
+    section's keys, as the job's settings or the command line's arguments name them; keys that
+    are no option are ignored, missing ones take their defaults) and ``chosen`` (options by name,
+    over ``values``; an unknown name is a TypeError)."""
+    names = {field.name for field in fields(EvalOptions)}
+    picked = {SECTION_NAMES.get(key, key): value for key, value in values.items()}
+    picked = {key: value for key, value in picked.items() if key in names} | chosen
+    if "engine_extra_args" in picked:
+        picked["engine_extra_args"] = tuple(picked["engine_extra_args"])
+    return EvalOptions(**picked)
 
 
 def resolve_device_dtype(options: EvalOptions):
@@ -73,6 +93,33 @@ def render_prompts(tokenizer, prompts, thinking: bool) -> list[list[int]]:
     return rendered
 
 
+def loop_settings(options: EvalOptions, stop, index: int, max_new_tokens: int | None = None):
+    """How the loop decodes prompt ``index``: ``options``' budget (or ``max_new_tokens``) and
+    temperature, stopping at ``stop``, sampling with the seed ``options.seed + index`` (one seed
+    per prompt: sampled runs are reproducible and prompts independent)."""
+    from dflash_pipeline.evaluation.loop import DecodeSettings
+
+    return DecodeSettings(max_new_tokens or options.max_new_tokens, options.temperature, stop, options.seed + index)
+
+
+def decode_prompts(runner, proposer, prompts, prompt_ids, stop, options: EvalOptions, plain: bool) -> Iterator[tuple]:
+    """Each of ``prompts`` (rendered as ``prompt_ids``) decoded speculatively by ``proposer``
+    against ``runner``'s target, and with ``plain`` also plainly, under ``loop_settings``: yields
+    ``(prompt, result, settings, trace, plain_trace)`` in order, ``result`` its acceptance (a
+    ``PromptResult`` with the trajectory's digest), ``plain_trace`` None without ``plain``. The
+    evaluate job's loop and each training segment's τ decode prompts through this one function."""
+    from dflash_pipeline.evaluation.loop import plain_decode, speculative_decode
+    from dflash_pipeline.evaluation.metrics import PromptResult, trajectory_digest
+
+    for index, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+        settings = loop_settings(options, stop, index)
+        trace = speculative_decode(runner, proposer, ids, settings)
+        plain_trace = plain_decode(runner, ids, settings) if plain else None
+        result = PromptResult.from_traces(prompt.id, prompt.prompt_set, len(ids), trace, plain_trace)
+        result.trajectory = trajectory_digest(trace.tokens, stop)
+        yield prompt, result, settings, trace, plain_trace
+
+
 def run_transformers_loop(target, drafter, prompts, options: EvalOptions, load_proposer, model=None):
     from transformers import AutoTokenizer
 
@@ -81,8 +128,7 @@ def run_transformers_loop(target, drafter, prompts, options: EvalOptions, load_p
         compare_greedy,
         lossless_summary,
     )
-    from dflash_pipeline.evaluation.loop import DecodeSettings, plain_decode, speculative_decode
-    from dflash_pipeline.evaluation.metrics import PromptResult, trajectory_digest
+    from dflash_pipeline.evaluation.loop import plain_decode, speculative_decode
     from dflash_pipeline.evaluation.runner import loop_target
     from dflash_pipeline.model.target import load_target
 
@@ -105,23 +151,15 @@ def run_transformers_loop(target, drafter, prompts, options: EvalOptions, load_p
     if margin is None:
         margin = default_margin_tolerance(dtype)
 
-    def settings_for(index: int, max_new_tokens: int) -> DecodeSettings:
-        # One seed per prompt: sampled runs are reproducible and prompts independent.
-        return DecodeSettings(max_new_tokens, options.temperature, stop, options.seed + index)
-
     if options.warmup:
         # Kernel selection and allocator growth would otherwise be billed to the first prompt.
-        warm = settings_for(0, min(8, options.max_new_tokens))
+        warm = loop_settings(options, stop, 0, min(8, options.max_new_tokens))
         speculative_decode(runner, proposer, prompt_ids[0], warm)
         plain_decode(runner, prompt_ids[0], warm)
 
     results, verdicts = [], {}
-    for index, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
-        settings = settings_for(index, options.max_new_tokens)
-        trace = speculative_decode(runner, proposer, ids, settings)
-        plain = plain_decode(runner, ids, settings)
-        result = PromptResult.from_traces(prompt.id, prompt.prompt_set, len(ids), trace, plain)
-        result.trajectory = trajectory_digest(trace.tokens, stop)
+    decoded = decode_prompts(runner, proposer, prompts, prompt_ids, stop, options, plain=True)
+    for index, (prompt, result, settings, trace, plain) in enumerate(decoded):
         if settings.greedy:
             verdict = compare_greedy(trace.tokens, plain.tokens, plain.margins, margin)
             verdicts[prompt.id] = verdict

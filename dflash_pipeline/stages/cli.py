@@ -161,18 +161,6 @@ def json_file(value: str) -> str:
     return value
 
 
-def shard_file(value: str) -> str:
-    """``SHARD=PATH`` with PATH an existing local file; returns the pair as written."""
-    shard, sep, path = value.partition("=")
-    if not sep or not shard or not path:
-        _fail(f"expected SHARD=PATH, got {shown(value)}")
-    try:
-        existing_file(path)
-    except argparse.ArgumentTypeError as err:
-        _fail(f"{err} (shard {shard})")
-    return value
-
-
 def shard_of(expected: str, reader: str) -> Callable[[str], str]:
     """A local parquet shard written by stage ``expected`` (told by its columns,
     ``dflash_pipeline.data.shard_kinds``): another stage's shard is refused naming both."""
@@ -190,17 +178,30 @@ def shard_of(expected: str, reader: str) -> Callable[[str], str]:
     return check
 
 
-def shard_file_of(expected: str, reader: str) -> Callable[[str], str]:
-    """``SHARD=PATH`` (``shard_file``) with PATH a local ``expected`` shard (``shard_of``)."""
-    kind_check = shard_of(expected, reader)
+def shard_lists(required: str, checks: dict[str, Callable[[str], str]]) -> Callable[[str], str]:
+    """A local JSON file of shard lists, ``{NAME: {SHARD: PATH}}`` for each NAME of ``checks``
+    (each PATH checked by its function; ``required``'s list must name a shard); returns the path
+    (the stage reads it). A job's lists go in a file: at 10,000 shards they are past argv's limit."""
 
     def check(value: str) -> str:
-        shard_file(value)
-        try:
-            kind_check(value.partition("=")[2])
-        except argparse.ArgumentTypeError as err:
-            _fail(f"{err} (shard {value.partition('=')[0]})")
+        json_file(value)
+        where = shown(value)
+        listed = json.loads(Path(value).read_text(encoding="utf-8"))
+        unknown = sorted(set(listed) - set(checks))
+        if unknown:
+            _fail(f"{where}: unknown key {shown(unknown[0])} (the lists are {', '.join(checks)})")
+        for name, path_check in checks.items():
+            shards = listed.get(name, {})
+            if not isinstance(shards, dict) or not all(isinstance(p, str) and p for p in shards.values()):
+                _fail(f"{where}: {name} must be an object {{SHARD: PATH}}, got {shown(json.dumps(shards))}")
+            for shard, path in shards.items():
+                try:
+                    path_check(path)
+                except argparse.ArgumentTypeError as err:
+                    _fail(f"{where}: {name} shard {shard}: {err}")
+        if not listed.get(required):
+            _fail(f"{where}: no {required} shards")
         return value
 
-    check.__name__ = f"{expected}_shard_file"
+    check.__name__ = "shard_lists"
     return check

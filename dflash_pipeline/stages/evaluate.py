@@ -28,15 +28,16 @@ import argparse
 import json
 import logging
 import sys
-import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from dflash_pipeline.core.storage import write_atomically
 from dflash_pipeline.evaluation.serving import ENGINES
 from dflash_pipeline.model.target_identity import TargetMismatch, check_at_evaluate
 from dflash_pipeline.evaluation.transformers_loop import (
+    DEFAULTS,
     EvalOptions,
+    eval_options,
     render_prompts,
     resolve_device_dtype,
     run_transformers_loop,
@@ -74,35 +75,48 @@ def run_evaluation(
     out: str | Path,
     options: EvalOptions | None = None,
     load_proposer=None,
-    target_model=None,
-    engine_section: dict | None = None,
+    heldout: list[str] = (),
+    simulated_rows: int = DEFAULTS["simulated_rows"],
+    benchmark_prompts: list[str] = (),
 ) -> dict:
-    """Evaluate and write the metrics JSON; raises LosslessError, ParityError or
-    EngineParityError after writing it.
+    """Evaluate and write the metrics JSON; raises TargetMismatch before anything loads, and
+    LosslessError, ParityError or EngineParityError after writing it.
 
-    The loop always runs (in transformers: the lossless check, the parity gate against the
-    simulated tau). With ``options.engine`` vllm or sglang the exported drafter is also measured
-    inside that engine, before the target is loaded here (both want the GPU's memory), and the
-    engine's tau is gated against the loop's. ``load_proposer(drafter_dir, target_model)``
-    defaults to the DFlash drafter's loader; ``target_model`` is the target already loaded (on
-    the device and dtype of ``options``), so a caller that also needs it loads a big target once;
-    ``engine_section`` is an engine measurement already made (``measure_engine``).
+    The one path of the command line and the evaluate job, in this order: the drafter's target
+    weights checked against ``target``'s (``options.target_mismatch``); with ``options.engine``
+    vllm or sglang the exported drafter measured inside that engine (``measure_engine``), before
+    the target is loaded here (both want the GPU's memory); the target loaded once for all that
+    follows: the simulated tau on the tokenized ``heldout`` rows where there are any (at most
+    ``simulated_rows``; else ``options.simulated_tau`` is the parity gate's), the loop on the
+    prompts (lossless check, parity gate against the simulated tau, the engine's tau gated against
+    the loop's), then, once the gates passed, each of ``benchmark_prompts`` in the loop only (its
+    lossless check gated too), added to the prompt sets. ``load_proposer(drafter_dir,
+    target_model)`` defaults to the DFlash drafter's loader.
     """
     from dflash_pipeline.evaluation.prompts import read_eval_prompts
+    from dflash_pipeline.model.target import load_target
 
     options = options or EvalOptions()
     if options.engine not in ("transformers", *ENGINES):
         raise ValueError(f"unknown engine {options.engine!r} (transformers, {', '.join(ENGINES)})")
     out = Path(out)
-    if options.engine in ENGINES and engine_section is None:
-        engine_section = measure_engine(target, drafter, prompts_path, options, out)
+    # A drafter trained against other weights is refused here rather than measured at a
+    # fraction of its acceptance.
+    identity = check_at_evaluate(Path(drafter) / "model.safetensors", target, options.target_mismatch)
+    engine_section = measure_engine(target, drafter, prompts_path, options, out) if options.engine in ENGINES else None
     prompts = read_eval_prompts(prompts_path, options.limit, options.split)
-    results, sections, resolved = run_transformers_loop(target, drafter, prompts, options, load_proposer, target_model)
+    model = load_target(target, *resolve_device_dtype(options))
+    simulated = None
+    if heldout:
+        from dflash_pipeline.evaluation.simulated import simulated_tau
 
-    from dflash_pipeline.evaluation.lossless import LosslessError, failure_message
+        simulated = simulated_tau(str(drafter), str(target), list(heldout), max_rows=simulated_rows, target=model)
+        log.info("simulated (teacher-forced, held-out) acceptance length: %s", simulated)
+        options = replace(options, simulated_tau=simulated["tau"])
+    results, sections, resolved = run_transformers_loop(target, drafter, prompts, options, load_proposer, model)
+
     from dflash_pipeline.evaluation.metrics import metrics_document
-    from dflash_pipeline.evaluation.parity import check_parity, parity_report
-    from dflash_pipeline.evaluation.parity import check_engine_parity, engine_parity_report, same_output_taus
+    from dflash_pipeline.evaluation.parity import engine_parity_report, parity_report, same_output_taus
 
     document = metrics_document(results, _settings(target, drafter, prompts_path, options, **resolved), **sections)
     loop_tau = document["overall"]["tau"]
@@ -120,6 +134,9 @@ def run_evaluation(
                 drafter_fields=engine_section["drafter_fields"],
                 same_output=same_output_taus(document["per_prompt"], engine_section["per_prompt"]),
             )
+    if simulated is not None:
+        document["simulated"] = simulated
+    document["target_weights"] = identity
     _write_json(out, document)
     overall = document["overall"]
     log.info(
@@ -130,14 +147,44 @@ def run_evaluation(
         overall["speedup_estimate"],
         out,
     )
-    for where, lossless in (("loop", document.get("lossless")), ("engine", (engine_section or {}).get("lossless"))):
+    _check_gates(document, options)
+    if benchmark_prompts:
+        _add_benchmark_sets(document, target, drafter, benchmark_prompts, options, load_proposer, model)
+        _write_json(out, document)
+    return document
+
+
+def _check_gates(document: dict, options: EvalOptions) -> None:
+    from dflash_pipeline.evaluation.lossless import LosslessError, failure_message
+    from dflash_pipeline.evaluation.parity import check_engine_parity, check_parity
+
+    for where, lossless in (("loop", document.get("lossless")), ("engine", document.get("engine", {}).get("lossless"))):
         if lossless and lossless.get("checked") and not lossless["passed"]:
             raise LosslessError(f"{where}: {failure_message(lossless)}")
     if "parity" in document:
-        check_parity(options.simulated_tau, loop_tau, options.parity_tolerance)
+        check_parity(options.simulated_tau, document["overall"]["tau"], options.parity_tolerance)
     if "engine_parity" in document:
         check_engine_parity(document["engine_parity"])
-    return document
+
+
+def _add_benchmark_sets(document, target, drafter, paths, options: EvalOptions, load_proposer, model) -> None:
+    """Each prompt file of ``paths`` decoded in the loop on the target already loaded, its prompt
+    sets and prompts added to ``document``; a set the loop does not decode losslessly fails the
+    job as the main prompts would (the engine and the parity gates are the main prompts' alone)."""
+    from dflash_pipeline.evaluation.lossless import LosslessError, failure_message
+    from dflash_pipeline.evaluation.metrics import metrics_document
+    from dflash_pipeline.evaluation.prompts import read_eval_prompts
+
+    options = replace(options, split=None, simulated_tau=None)
+    for path in paths:
+        prompts = read_eval_prompts(path, options.limit, options.split)
+        results, sections, _ = run_transformers_loop(target, drafter, prompts, options, load_proposer, model)
+        extra = metrics_document(results, {}, **sections)
+        document["prompt_sets"].update(extra["prompt_sets"])
+        document["per_prompt"] += extra["per_prompt"]
+        lossless = sections["lossless"]
+        if lossless.get("checked") and not lossless["passed"]:
+            raise LosslessError(f"loop ({path}): {failure_message(lossless)}")
 
 
 def generation_config_of(target: str | Path):
@@ -243,95 +290,43 @@ def evaluate_job(
     engines: dict | None = None,
     tracker: tuple[dict, str] | None = None,
 ) -> dict:
-    """What the `evaluate` rule runs: the simulated tau on held-out tokenized rows, the loop on
-    the held-out prompts (gated on losslessness and parity), then the extra prompt sets; one
-    target load for all of it, of the drafter exported as ``drafter_config`` (its folder's
-    config.json). A failed job's metrics are kept at ``failed_copy`` (Snakemake removes the
-    output of a failed job); a serving engine's logs and raw counters go to ``runtime_dir``.
-    ``tracker`` (the ``train`` section and the run root) is the experiment tracker that gets
-    the headline figures, a failed gate's too: the metrics JSON is written before a gate fails."""
+    """What the `evaluate` rule runs (``run_evaluation``): the simulated tau on held-out tokenized
+    rows, the loop on the held-out prompts (gated on losslessness and parity), then the extra
+    prompt sets; one target load for all of it, of the drafter exported as ``drafter_config``
+    (its folder's config.json). A failed job's metrics are kept at ``failed_copy`` (Snakemake
+    removes the output of a failed job); a serving engine's logs and raw counters go to
+    ``runtime_dir``. ``tracker`` (the ``train`` section and the run root) is the experiment
+    tracker that gets the headline figures, a failed gate's too: the metrics JSON is written
+    before a gate fails."""
+    import shutil
+
+    options = eval_options(
+        settings,
+        thinking=thinking,
+        split="heldout",
+        runtime_dir=None if runtime_dir is None else str(runtime_dir),
+        engines=engines,
+    )
     try:
-        drafter_dir = str(Path(drafter_config).parent)
-        return _evaluate(
-            target, drafter_dir, prompts, heldout, out, settings, thinking, failed_copy, runtime_dir, engines
+        return run_evaluation(
+            target,
+            str(Path(drafter_config).parent),
+            prompts,
+            out,
+            options,
+            heldout=heldout,
+            simulated_rows=settings["simulated_rows"],
+            benchmark_prompts=settings["benchmark_prompts"],
         )
+    except Exception:
+        if Path(out).exists():
+            shutil.copyfile(out, failed_copy)
+        raise
     finally:
         if tracker is not None:
             from dflash_pipeline.training.tracker import log_evaluation
 
             log_evaluation(*tracker, out)
-
-
-def _evaluate(
-    target: str,
-    drafter_dir: str,
-    prompts: str,
-    heldout: list[str],
-    out: str | Path,
-    settings: dict,
-    thinking: bool,
-    failed_copy: str | Path,
-    runtime_dir: str | Path | None,
-    engines: dict | None,
-) -> dict:
-    import shutil
-
-    from dflash_pipeline.evaluation.simulated import simulated_tau
-    from dflash_pipeline.model.target import load_target
-
-    out = Path(out)
-    # Before any engine or target loads: a drafter trained against other weights is refused here
-    # (evaluate.target_mismatch) rather than measured at a fraction of its acceptance.
-    identity = check_at_evaluate(
-        Path(drafter_dir) / "model.safetensors", target, settings.get("target_mismatch", "refuse")
-    )
-    options = EvalOptions(
-        max_new_tokens=settings["max_new_tokens"],
-        temperature=settings["temperature"],
-        thinking=thinking,
-        lossless_margin=settings["lossless_margin"],
-        engine=settings["engine"],
-        limit=settings["max_prompts"],
-        split="heldout",
-        parity_tolerance=settings["parity_tolerance"],
-        engine_parity_tolerance=settings["engine_parity_tolerance"],
-        engine_mem_fraction=settings["engine_mem_fraction"],
-        engine_extra_args=tuple(settings["engine_extra_args"]),
-        runtime_dir=None if runtime_dir is None else str(runtime_dir),
-        engines=engines,
-        engine_reference_url=settings["engine_reference_url"],
-    )
-    # The engine first: it wants the GPU's memory, which the target loaded here would hold.
-    engine_section = None
-    if options.engine in ENGINES:
-        engine_section = measure_engine(target, drafter_dir, prompts, options, out)
-    # One copy of the target serves the simulated tau and the loop.
-    model = load_target(target, *resolve_device_dtype(options))
-    simulated = simulated_tau(drafter_dir, target, heldout, max_rows=settings["simulated_rows"], target=model)
-    print(f"simulated (teacher-forced, held-out) acceptance length: {simulated}")
-    options.simulated_tau = simulated["tau"]
-    try:
-        document = run_evaluation(
-            target, drafter_dir, prompts, out, options, target_model=model, engine_section=engine_section
-        )
-        with tempfile.TemporaryDirectory() as tmp:
-            for path in settings["benchmark_prompts"]:
-                extra_options = EvalOptions(
-                    **{**options.__dict__, "split": None, "simulated_tau": None, "engine": "transformers"}
-                )
-                extra = run_evaluation(
-                    target, drafter_dir, path, Path(tmp) / "extra.json", extra_options, target_model=model
-                )
-                document["prompt_sets"].update(extra["prompt_sets"])
-                document["per_prompt"] += extra["per_prompt"]
-        document["simulated"] = simulated
-        document["target_weights"] = identity
-        _write_json(out, document)
-    except Exception:
-        if out.exists():
-            shutil.copyfile(out, failed_copy)
-        raise
-    return document
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -380,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_float,
         help="logit margin under which a greedy divergence counts as rounding (default 0 in fp32, 0.25 in bf16)",
     )
-    parser.add_argument("--limit", type=positive_int, help="evaluate only the first N prompts")
+    parser.add_argument("--limit", dest="max_prompts", type=positive_int, help="evaluate only the first N prompts")
     parser.add_argument("--simulated-tau", type=positive_float, help="training's simulated tau (parity gate)")
     parser.add_argument("--parity-tolerance", type=non_negative_float, default=EvalOptions.parity_tolerance)
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up decode")
@@ -395,7 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--engine-mem-fraction", type=float_range(0.0, 1.0, low_open=True), help="the engine's GPU memory share"
     )
-    parser.add_argument("--engine-arg", action="append", default=[], help="extra engine argument (repeatable)")
+    parser.add_argument(
+        "--engine-arg",
+        dest="engine_extra_args",
+        action="append",
+        default=[],
+        help="extra engine argument (repeatable)",
+    )
     parser.add_argument("--runtime-dir", help="engine log/pid folder (default: beside --out)")
     parser.add_argument(
         "--engine-python",
@@ -431,29 +432,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --engine-env: expected KEY=VALUE, got {shown(bad_env[0])}")
     env = dict(item.partition("=")[::2] for item in args.engine_env)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    options = EvalOptions(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        block_size=args.block_size,
+    options = eval_options(
+        vars(args),
         thinking=args.thinking == "on",
-        seed=args.seed,
-        device=args.device,
-        dtype=args.dtype,
-        lossless_margin=args.lossless_margin,
-        engine=args.engine,
-        limit=args.limit,
-        split=args.split,
-        simulated_tau=args.simulated_tau,
-        parity_tolerance=args.parity_tolerance,
         warmup=not args.no_warmup,
-        engine_parity_tolerance=args.engine_parity_tolerance,
-        engine_port=args.engine_port,
-        engine_tp=args.engine_tp,
-        engine_mem_fraction=args.engine_mem_fraction,
-        engine_extra_args=tuple(args.engine_arg),
-        runtime_dir=args.runtime_dir,
         engines={args.engine: {"python": args.engine_python, "env": env}},
-        engine_reference_url=args.engine_reference_url,
     )
     from dflash_pipeline.engines.environments import EngineSetupError
     from dflash_pipeline.engines.limits import EngineUnsupportedError
@@ -463,7 +446,6 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_pipeline.evaluation.parity import EngineParityError
 
     try:
-        check_at_evaluate(Path(args.drafter) / "model.safetensors", args.target, args.target_mismatch)
         run_evaluation(args.target, args.drafter, args.prompts, args.out, options)
     except (
         TargetMismatch,

@@ -169,26 +169,9 @@ def taps_server(
         yield {**client.address(), "tap_ids": list(tap_ids)}
 
 
-def parse_shard_paths(values: list[str]) -> dict[str, str]:
-    """``SHARD=PATH`` pairs."""
-    pairs = {}
-    for value in values:
-        shard, sep, path = value.partition("=")
-        if not sep:
-            raise SystemExit(f"expected SHARD=PATH, got {value!r}")
-        pairs[shard] = path
-    return pairs
-
-
 def main(argv: list[str] | None = None) -> int:
     from dflash_pipeline.core.run_cli import add_configfile_argument, read_configfiles
-    from dflash_pipeline.stages.cli import (
-        json_file,
-        model_dir,
-        non_negative_int,
-        shard_file,
-        shard_file_of,
-    )
+    from dflash_pipeline.stages.cli import existing_file, json_file, model_dir, non_negative_int, shard_lists, shard_of
 
     parser = argparse.ArgumentParser(prog="python -m dflash_pipeline.stages.train", description=__doc__)
     parser.add_argument("--run-url", required=True, help="run root (local folder or s3://bucket/prefix)")
@@ -198,14 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     given.add_argument("--settings", type=json_file, help="JSON file with the config's `train` section")
     parser.add_argument("--target", type=model_dir, required=True, help="target model folder")
     parser.add_argument(
-        "--tokenized", type=shard_file_of("tokenize", "train"), nargs="+", default=[], metavar="SHARD=PATH"
-    )
-    parser.add_argument("--hidden", type=shard_file, nargs="*", default=[], metavar="SHARD=MANIFEST")
-    parser.add_argument(
         "--shards",
-        type=json_file,
-        default=None,
-        help='JSON file {"tokenized": {SHARD: PATH}, "hidden": {SHARD: MANIFEST}} (instead of --tokenized/--hidden)',
+        type=shard_lists("tokenized", {"tokenized": shard_of("tokenize", "train"), "hidden": existing_file}),
+        required=True,
+        help='JSON file {"tokenized": {SHARD: PATH}, "hidden": {SHARD: MANIFEST}} (hidden: offline mode only)',
     )
     parser.add_argument("--manifest", required=True, help="where to write the segment manifest")
     parser.add_argument("--device", default=None)
@@ -219,13 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with open(args.settings) as fh:
             settings = json.load(fh)
-    if args.shards:
-        with open(args.shards) as fh:
-            listed = json.load(fh)
-        args.tokenized = [f"{k}={v}" for k, v in sorted(listed.get("tokenized", {}).items())]
-        args.hidden = [f"{k}={v}" for k, v in sorted(listed.get("hidden", {}).items())]
-    if not args.tokenized:
-        parser.error("no tokenized shards: give --tokenized SHARD=PATH ... or --shards FILE")
     with job_logging(None, copies=args.log):
         try:
             run_segment(args, settings)
@@ -237,14 +209,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_segment(args: argparse.Namespace, settings: dict) -> None:
+    with open(args.shards) as fh:
+        listed = json.load(fh)
     with engine_tap_source(args.taps_server, settings) if args.taps_server else nullcontext() as tap_source:
         SegmentJob(
             run_url=args.run_url,
             segment=args.segment,
             settings=settings,
             target_dir=args.target,
-            tokenized=parse_shard_paths(args.tokenized),
-            hidden=parse_shard_paths(args.hidden),
+            tokenized=listed["tokenized"],
+            hidden=listed.get("hidden", {}),
             manifest_path=args.manifest,
             device=args.device,
             tap_source=tap_source,
