@@ -74,3 +74,39 @@ def test_a_drafter_of_fp8_taps_served_against_the_full_precision_target_is_a_nam
     assert quantized_identity(digest, None) == digest and quantized_identity(None, "fp8") is None
     assert comparison(trained, digest)["match"] is False
     assert comparison(trained, quantized_identity(digest, "fp8"))["match"] is True
+
+
+def test_evaluate_compares_the_drafter_with_the_target_quantized_as_evaluate_says(tmp_path):
+    from dflash_pipeline.model.target_identity import TargetMismatch, check_at_evaluate, weights_digest
+    from dflash_pipeline.stages.evaluate import evaluate_job
+    from tests.test_target_identity import drafter_recording, tiny_target
+
+    target = tiny_target(tmp_path / "target")
+    digest = weights_digest(target)
+    fp8_drafter = drafter_recording(tmp_path / "fp8", quantized_identity(digest, "fp8"))
+    assert check_at_evaluate(fp8_drafter, target, "refuse", "fp8")["match"] is True
+    with pytest.raises(TargetMismatch):
+        check_at_evaluate(fp8_drafter, target, "refuse")
+    # A drafter of full-precision taps against the FP8 target: the other cross, named the same way.
+    plain_drafter = drafter_recording(tmp_path / "plain", digest)
+    with pytest.raises(TargetMismatch, match=r"\+fp8\) are not those"):
+        check_at_evaluate(plain_drafter, target, "refuse", "fp8")
+    # The job passes its setting to the check, before anything loads (no prompts exist here).
+    with pytest.raises(TargetMismatch, match=r"\+fp8\) are not those"):
+        evaluate_job(
+            str(target), str(plain_drafter.parent / "config.json"), str(tmp_path / "none.parquet"), [],
+            tmp_path / "metrics.json", {"target_mismatch": "refuse", "target_quantization": "fp8"}, False,
+            tmp_path / "failed.json",
+        )  # fmt: skip
+
+
+def test_evaluates_quantization_defines_its_metrics_and_is_refused_with_a_serving_engine():
+    plain, fp8 = validate_config({}), validate_config({"evaluate": {"target_quantization": "fp8"}})
+    assert rule_params(fp8, "evaluate")["target_quantization"] == "fp8"
+    assert rule_params(plain, "evaluate")["target_quantization"] is None
+    with pytest.raises(ConfigError) as err:
+        validate_config({"evaluate": {"target_quantization": "fp8", "engine": "vllm"}})
+    assert [line.strip() for line in str(err.value).splitlines()][1:] == [
+        "evaluate.target_quantization: fp8 applies to the project's loop only; evaluate.engine vllm would "
+        "serve the checkpoint's own weights (set engine: transformers)"
+    ]

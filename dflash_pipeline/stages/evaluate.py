@@ -282,8 +282,9 @@ def _evaluate(
     out = Path(out)
     # Before any engine or target loads: a drafter trained against other weights is refused here
     # (evaluate.target_mismatch) rather than measured at a fraction of its acceptance.
+    quantization = settings.get("target_quantization")
     identity = check_at_evaluate(
-        Path(drafter_dir) / "model.safetensors", target, settings.get("target_mismatch", "refuse")
+        Path(drafter_dir) / "model.safetensors", target, settings.get("target_mismatch", "refuse"), quantization
     )
     options = EvalOptions(
         max_new_tokens=settings["max_new_tokens"],
@@ -305,8 +306,9 @@ def _evaluate(
     engine_section = None
     if options.engine in ENGINES:
         engine_section = measure_engine(target, drafter_dir, prompts, options, out)
-    # One copy of the target serves the simulated tau and the loop.
-    model = load_target(target, *resolve_device_dtype(options))
+    # One copy of the target serves the simulated tau and the loop, quantized where
+    # evaluate.target_quantization says (the loop and the simulated tau take the model given).
+    model = load_target(target, *resolve_device_dtype(options), quantization)
     simulated = simulated_tau(drafter_dir, target, heldout, max_rows=settings["simulated_rows"], target=model)
     print(f"simulated (teacher-forced, held-out) acceptance length: {simulated}")
     options.simulated_tau = simulated["tau"]
@@ -326,6 +328,7 @@ def _evaluate(
                 document["per_prompt"] += extra["per_prompt"]
         document["simulated"] = simulated
         document["target_weights"] = identity
+        document["target_quantization"] = quantization
         _write_json(out, document)
     except Exception:
         if out.exists():
