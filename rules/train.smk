@@ -1,6 +1,7 @@
 # Train: the drafter as a chain of checkpoint segments, then its export (dflash_pipeline.training).
 # Offline mode first stores the target's taps per shard (rule `extract`).
 
+from dflash_pipeline.evaluation.segment_tau import segment_tau_settings
 from dflash_pipeline.model import speculators_format
 
 
@@ -96,12 +97,7 @@ rule segment_tau:
         ingested=lambda wildcards: f"{RUN_URL}/{layout.INGESTED_PROMPTS}",
         model=config["target"]["model"],
         thinking=config["generation"]["thinking"],
-        # What defines the record: the budget and the loop's temperature (evaluate's).
-        settings={
-            "prompts": config["train"]["segment_eval"]["prompts"],
-            "max_new_tokens": config["train"]["segment_eval"]["max_new_tokens"],
-            "temperature": config["evaluate"]["temperature"],
-        },
+        settings=segment_tau_settings(config),
     script:
         "../scripts/segment_tau.py"
 

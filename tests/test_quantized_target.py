@@ -52,6 +52,11 @@ def test_the_quantization_defines_the_taps_and_reaches_the_taps_servers_command_
     for rule in ("train", "extract"):
         assert rule_params(fp8, rule)["target_quantization"] == "fp8"
         assert rule_params(fp8, rule) != rule_params(plain, rule)
+    # Each segment's τ is measured against the target the segment trained against.
+    from dflash_pipeline.evaluation.segment_tau import segment_tau_settings
+
+    assert segment_tau_settings(fp8)["target_quantization"] == "fp8"
+    assert segment_tau_settings(plain)["target_quantization"] is None
     engine = {"python": "/engine/bin/python", "env": {}}
     args = taps_server_spec("/models/t", [1], 8000, tmp_path, quantization="fp8", **engine).extra_args
     assert args[args.index("--quantization") + 1] == "fp8"
@@ -74,3 +79,53 @@ def test_a_drafter_of_fp8_taps_served_against_the_full_precision_target_is_a_nam
     assert quantized_identity(digest, None) == digest and quantized_identity(None, "fp8") is None
     assert comparison(trained, digest)["match"] is False
     assert comparison(trained, quantized_identity(digest, "fp8"))["match"] is True
+
+
+def test_evaluate_compares_the_drafter_with_the_target_quantized_as_evaluate_says(tmp_path):
+    from dflash_pipeline.model.target_identity import TargetMismatch, check_at_evaluate, weights_digest
+    from dflash_pipeline.core.config import schema_defaults
+    from dflash_pipeline.stages.evaluate import evaluate_job
+    from tests.test_target_identity import drafter_recording, tiny_target
+
+    target = tiny_target(tmp_path / "target")
+    digest = weights_digest(target)
+    fp8_drafter = drafter_recording(tmp_path / "fp8", quantized_identity(digest, "fp8"))
+    assert check_at_evaluate(fp8_drafter, target, "refuse", "fp8")["match"] is True
+    with pytest.raises(TargetMismatch):
+        check_at_evaluate(fp8_drafter, target, "refuse")
+    # A drafter of full-precision taps against the FP8 target: the other cross, named the same way.
+    plain_drafter = drafter_recording(tmp_path / "plain", digest)
+    with pytest.raises(TargetMismatch, match=r"\+fp8\) are not those"):
+        check_at_evaluate(plain_drafter, target, "refuse", "fp8")
+    # The job passes its setting to the check, before anything loads (no prompts exist here).
+    with pytest.raises(TargetMismatch, match=r"\+fp8\) are not those"):
+        evaluate_job(
+            str(target), str(plain_drafter.parent / "config.json"), str(tmp_path / "none.parquet"), [],
+            tmp_path / "metrics.json", {**schema_defaults("evaluate"), "target_quantization": "fp8"}, False,
+            tmp_path / "failed.json",
+        )  # fmt: skip
+
+
+def test_evaluates_quantization_defines_its_metrics_and_is_refused_with_a_serving_engine(tmp_path, capsys):
+    plain, fp8 = validate_config({}), validate_config({"evaluate": {"target_quantization": "fp8"}})
+    assert rule_params(fp8, "evaluate")["target_quantization"] == "fp8"
+    assert rule_params(plain, "evaluate")["target_quantization"] is None
+    with pytest.raises(ConfigError) as err:
+        validate_config({"evaluate": {"target_quantization": "fp8", "engine": "vllm"}})
+    assert [line.strip() for line in str(err.value).splitlines()][1:] == [
+        "evaluate.target_quantization: fp8 applies to the project's loop only; evaluate.engine vllm would "
+        "serve the checkpoint's own weights (set engine: transformers)"
+    ]
+    # The command line alike, in one line naming the flag.
+    from dflash_pipeline.stages.evaluate import main
+
+    for folder in ("target", "drafter"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text("{}")
+    (tmp_path / "prompts.jsonl").write_text("")
+    argv = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
+    argv += ["--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "m.json")]
+    with pytest.raises(SystemExit):
+        main([*argv, "--engine", "vllm", "--target-quantization", "fp8"])
+    err = capsys.readouterr().err
+    assert "argument --target-quantization: applies to the project's loop only, not --engine vllm" in err

@@ -223,6 +223,12 @@ def _cross_key_problems(config: dict) -> list[str]:
     order = target_layer_order_problem(train.get("target_layer_ids") or [])
     if order:
         problems.append(f"train.target_layer_ids: {order}")
+    evaluate = config.get("evaluate") or {}
+    if evaluate.get("target_quantization") and evaluate.get("engine", "transformers") != "transformers":
+        problems.append(
+            f"evaluate.target_quantization: {evaluate['target_quantization']} applies to the project's loop only; "
+            f"evaluate.engine {evaluate['engine']} would serve the checkpoint's own weights (set engine: transformers)"
+        )
     return problems
 
 
@@ -435,6 +441,8 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "parity_tolerance",
             "simulated_rows",
             "benchmark_prompts",
+            # The target measured against: an FP8 one computes other logits and taps.
+            "target_quantization",
         },
         # target_mismatch: whether a mismatch fails the job, never what is measured.
         "operational": {"engine_mem_fraction", "engine_extra_args", "engine_reference_url", "target_mismatch"},

@@ -36,6 +36,18 @@ class SegmentTauError(ValueError):
     """A segment's record cannot be read or holds no valid τ; the message names the object."""
 
 
+def segment_tau_settings(config: dict) -> dict:
+    """What defines a segment's τ record (rule segment_tau's param): the budget
+    (``train.segment_eval``), the loop's temperature (evaluate's) and the target the segment
+    trained against (``train.target_quantization``: its taps were the quantized target's)."""
+    return {
+        "prompts": config["train"]["segment_eval"]["prompts"],
+        "max_new_tokens": config["train"]["segment_eval"]["max_new_tokens"],
+        "temperature": config["evaluate"]["temperature"],
+        "target_quantization": config["train"]["target_quantization"],
+    }
+
+
 def checkpoint_proposer(storage, manifest: dict, manifest_path: str, target_model):
     """The drafter of the segment ``manifest`` describes, from its checkpoint's weights in the run
     root ``storage``, as the loop's proposer beside ``target_model`` (its embedding and LM head,
@@ -143,7 +155,9 @@ def run_segment_tau(
     # default), its temperature, the device's dtype; no warm-up, nothing here is timed.
     options = eval_options(settings, thinking=thinking, device=device, warmup=False)
     prompts = read_eval_prompts(prompts_url, settings["prompts"], split="heldout")
-    model = load_target(target_dir, *resolve_device_dtype(options))
+    # The target the segment trained against: its taps came from the quantized one where
+    # train.target_quantization says (the rule passes it in the settings).
+    model = load_target(target_dir, *resolve_device_dtype(options), options.target_quantization)
     proposer = checkpoint_proposer(open_storage(run_url), manifest, manifest_path, model)
     results = measure(target_dir, model, proposer, prompts, options)
     record = segment_record(segment, manifest, results, settings, time.monotonic() - started)

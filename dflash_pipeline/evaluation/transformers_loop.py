@@ -47,6 +47,8 @@ class EvalOptions:
     engine_reference_url: str | None = DEFAULTS["engine_reference_url"]
     # A drafter exported against other target weights: refuse, or warn and evaluate.
     target_mismatch: str = DEFAULTS["target_mismatch"]
+    # The target measured against, quantized as training's can be (model.quantized).
+    target_quantization: str | None = DEFAULTS["target_quantization"]
 
 
 # The `evaluate` section's names that differ from the options'.

@@ -138,14 +138,20 @@ def mismatch_line(record: dict, drafter: str, target: str, policy: str) -> str:
     )
 
 
-def check_at_evaluate(drafter_weights: str | Path, target_dir: str | Path, policy: str = "refuse") -> dict:
+def check_at_evaluate(
+    drafter_weights: str | Path, target_dir: str | Path, policy: str = "refuse", quantization: str | None = None
+) -> dict:
     """Compare the weights digest the exported drafter records (its safetensors metadata) with the
-    target's: a mismatch raises TargetMismatch (``policy`` refuse) or is logged as a warning
-    (warn), in one line. Returns the comparison the metrics record. A drafter exported before
-    digests were recorded, or a target without weight files here, is compared with nothing."""
+    target's, quantized as ``quantization`` (``evaluate.target_quantization``) says: a mismatch
+    raises TargetMismatch (``policy`` refuse) or is logged as a warning (warn), in one line.
+    Returns the comparison the metrics record. A drafter exported before digests were recorded,
+    or a target without weight files here, is compared with nothing."""
+    from dflash_pipeline.model.quantized import quantized_identity
+
     if policy not in ("refuse", "warn"):
         raise ValueError(f"evaluate.target_mismatch is {policy!r}, not refuse or warn")
-    record = comparison(recorded_in_safetensors(drafter_weights), weights_digest(target_dir))
+    current = quantized_identity(weights_digest(target_dir), quantization)
+    record = comparison(recorded_in_safetensors(drafter_weights), current)
     if record["match"] is False:
         line = mismatch_line(record, str(Path(drafter_weights).parent), str(target_dir), policy)
         if policy == "refuse":

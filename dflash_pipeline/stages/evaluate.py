@@ -102,10 +102,13 @@ def run_evaluation(
     out = Path(out)
     # A drafter trained against other weights is refused here rather than measured at a
     # fraction of its acceptance.
-    identity = check_at_evaluate(Path(drafter) / "model.safetensors", target, options.target_mismatch)
+    identity = check_at_evaluate(
+        Path(drafter) / "model.safetensors", target, options.target_mismatch, options.target_quantization
+    )
     engine_section = measure_engine(target, drafter, prompts_path, options, out) if options.engine in ENGINES else None
     prompts = read_eval_prompts(prompts_path, options.limit, options.split)
-    model = load_target(target, *resolve_device_dtype(options))
+    # One copy of the target for all that follows, quantized where evaluate.target_quantization says.
+    model = load_target(target, *resolve_device_dtype(options), options.target_quantization)
     simulated = None
     if heldout:
         from dflash_pipeline.evaluation.simulated import simulated_tau
@@ -137,6 +140,7 @@ def run_evaluation(
     if simulated is not None:
         document["simulated"] = simulated
     document["target_weights"] = identity
+    document["target_quantization"] = options.target_quantization
     _write_json(out, document)
     overall = document["overall"]
     log.info(
@@ -419,6 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="refuse",
         help="when the drafter's export records other target weights than --target's: refuse, or warn in one line",
     )
+    parser.add_argument(
+        "--target-quantization",
+        choices=("fp8",),
+        default=None,
+        help="measure against the target quantized as train.target_quantization does it (the project's loop only)",
+    )
     return parser
 
 
@@ -431,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
 
         parser.error(f"argument --engine-env: expected KEY=VALUE, got {shown(bad_env[0])}")
     env = dict(item.partition("=")[::2] for item in args.engine_env)
+    if args.target_quantization and args.engine != "transformers":
+        # The engine would serve the checkpoint's weights, not the quantized ones the loop runs.
+        parser.error(f"argument --target-quantization: applies to the project's loop only, not --engine {args.engine}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     options = eval_options(
         vars(args),
