@@ -1,7 +1,7 @@
 # Train: the drafter as a chain of checkpoint segments, then its export (dflash_pipeline.training).
 # Offline mode first stores the target's taps per shard (rule `extract`).
 
-from dflash_pipeline.evaluation.segment_tau import segment_tau_settings
+from dflash_pipeline.stages.segment_tau import segment_tau_settings
 from dflash_pipeline.model import speculators_format
 
 

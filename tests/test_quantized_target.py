@@ -53,7 +53,7 @@ def test_the_quantization_defines_the_taps_and_reaches_the_taps_servers_command_
         assert rule_params(fp8, rule)["target_quantization"] == "fp8"
         assert rule_params(fp8, rule) != rule_params(plain, rule)
     # Each segment's τ is measured against the target the segment trained against.
-    from dflash_pipeline.evaluation.segment_tau import segment_tau_settings
+    from dflash_pipeline.stages.segment_tau import segment_tau_settings
 
     assert segment_tau_settings(fp8)["target_quantization"] == "fp8"
     assert segment_tau_settings(plain)["target_quantization"] is None

@@ -36,18 +36,6 @@ class SegmentTauError(ValueError):
     """A segment's record cannot be read or holds no valid τ; the message names the object."""
 
 
-def segment_tau_settings(config: dict) -> dict:
-    """What defines a segment's τ record (rule segment_tau's param): the budget
-    (``train.segment_eval``), the loop's temperature (evaluate's) and the target the segment
-    trained against (``train.target_quantization``: its taps were the quantized target's)."""
-    return {
-        "prompts": config["train"]["segment_eval"]["prompts"],
-        "max_new_tokens": config["train"]["segment_eval"]["max_new_tokens"],
-        "temperature": config["evaluate"]["temperature"],
-        "target_quantization": config["train"]["target_quantization"],
-    }
-
-
 def checkpoint_proposer(storage, manifest: dict, manifest_path: str, target_model):
     """The drafter of the segment ``manifest`` describes, from its checkpoint's weights in the run
     root ``storage``, as the loop's proposer beside ``target_model`` (its embedding and LM head,

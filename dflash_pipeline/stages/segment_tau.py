@@ -18,6 +18,18 @@ from dflash_pipeline.evaluation.segment_tau import run_segment_tau
 log = logging.getLogger(__name__)
 
 
+def segment_tau_settings(config: dict) -> dict:
+    """What defines a segment's τ record (rule segment_tau's param): the budget
+    (``train.segment_eval``), the loop's temperature (evaluate's) and the target the segment
+    trained against (``train.target_quantization``: its taps were the quantized target's)."""
+    return {
+        "prompts": config["train"]["segment_eval"]["prompts"],
+        "max_new_tokens": config["train"]["segment_eval"]["max_new_tokens"],
+        "temperature": config["evaluate"]["temperature"],
+        "target_quantization": config["train"]["target_quantization"],
+    }
+
+
 def segment_tau_job(
     run_url: str,
     segment: int,
