@@ -12,7 +12,10 @@ How the descendants are counted:
   test's start and end, so a module's server alive through the test counts only what it did then;
 - descendants that escape the tree (their parent died first, so they were handed to init and
   nobody here reaps them: a server killed by its process group) are followed by a sampler thread
-  (every ``SAMPLE_S``) and counted up to their last sample.
+  (every ``SAMPLE_S``) and counted up to their last sample. Only a process seen outside the tree
+  counts so: one that ends inside it is in its parent's reaped times, and one that its parent
+  reaps just before dying itself (a shell and its command) is in the parent's, then in
+  ``RUSAGE_CHILDREN``. A descendant orphaned and ended between two samples is missed.
 
 Each test appends one tab-separated line to ``<path>`` (one write, O_APPEND, so xdist workers can
 share the file): node id, wall seconds, the pytest process's CPU, its descendants' CPU, the sum.
@@ -50,7 +53,8 @@ class DescendantSampler:
     def __init__(self, root: psutil.Process):
         self.root = root
         self.lock = threading.Lock()
-        self.seen: dict[int, tuple[psutil.Process, float, int]] = {}  # pid -> (proc, cpu, ppid)
+        # pid -> (proc, CPU, whether it was outside the tree: handed to init, nobody here reaps it)
+        self.seen: dict[int, tuple[psutil.Process, float, bool]] = {}
         self.at_start: dict[int, float] = {}
         self.escaped_cpu = 0.0  # CPU of tracked processes that vanished outside our accounting
         self.stop_event = threading.Event()
@@ -61,28 +65,25 @@ class DescendantSampler:
         except psutil.Error:
             current = []
         with self.lock:
-            procs = {p.pid: p for p in current}
+            in_tree = {p.pid: p for p in current}
+            procs = dict(in_tree)
             for pid, (proc, _, _) in self.seen.items():
                 procs.setdefault(pid, proc)  # keep following those that left the tree
             live_pids = set()
             for pid, proc in procs.items():
                 try:
                     cpu = _own_and_reaped(proc)
-                    ppid = proc.ppid()
                     if not proc.is_running():
                         raise psutil.NoSuchProcess(pid)
                 except psutil.Error:
                     continue
                 live_pids.add(pid)
-                self.seen[pid] = (proc, cpu, ppid)
+                self.seen[pid] = (proc, cpu, pid not in in_tree)
             for pid in list(self.seen):
-                if pid in live_pids:
-                    continue
-                _, cpu, ppid = self.seen.pop(pid)
-                # Reaped by this process (RUSAGE_CHILDREN has it) or by a descendant still alive
-                # (its children times have it): counted there. Otherwise it escaped.
-                if ppid != self.root.pid and ppid not in self.seen:
-                    self.escaped_cpu += cpu - self.at_start.get(pid, 0.0)
+                if pid not in live_pids:
+                    _, cpu, escaped = self.seen.pop(pid)
+                    if escaped:  # nobody here reaped it: its CPU is nowhere else
+                        self.escaped_cpu += cpu - self.at_start.get(pid, 0.0)
 
     def begin(self) -> None:
         self.sample()
