@@ -100,6 +100,11 @@ FIRST_GROUPS = ("vllm", "slurm", "vllm_taps")
 
 def pytest_configure(config):
     config.option.loadscopereorder = False  # the suite orders its collection itself (below)
+    # CPU seconds per test, the pytest process's and its descendants' (tests/support/cpu_log.py)
+    if os.environ.get("DFLASH_TEST_CPU_LOG"):
+        from tests.support.cpu_log import CpuLog
+
+        config.pluginmanager.register(CpuLog(os.environ["DFLASH_TEST_CPU_LOG"]), "dflash_cpu_log")
 
 
 def order_for_the_scheduler(items) -> None:

@@ -468,6 +468,11 @@ def demo_data(demo_model, tmp_path_factory):
     return workflow
 
 
+# The segment's τ in the loop (rule segment_tau) has nothing to do with where the taps come from
+# (tests/test_workflow.py checks it): not measured in these runs.
+NO_SEGMENT_TAU = {"enabled": False}
+
+
 def from_demo_data(demo_data, folder, **config):
     """A copy of the shared data's workflow with ``config`` on top; its data stages are done."""
     import shutil
@@ -497,6 +502,7 @@ def test_the_demo_trains_a_drafter_with_taps_from_the_engine(demo_model, demo_da
             "segments": 1, "steps_per_segment": 3, "checkpoint_every_steps": 2, "batch_size": 2,
             "taps_from": "engine",
             "taps_server": {"mem_fraction": VLLM_CPU_MEM_FRACTION, "max_model_len": 512},
+            "segment_eval": NO_SEGMENT_TAU,
         },
     )  # fmt: skip
     workflow.snakemake()
@@ -569,6 +575,7 @@ def test_the_demo_extracts_offline_taps_from_the_engine(demo_model, demo_data, t
         train={
             "mode": "offline", "hidden_dtype": "float32", "segments": 1, "steps_per_segment": 2,
             "batch_size": 2, "taps_server": {"mem_fraction": VLLM_CPU_MEM_FRACTION, "max_model_len": 512},
+            "segment_eval": NO_SEGMENT_TAU,
         },
     )  # fmt: skip
     workflow.snakemake()

@@ -281,9 +281,12 @@ def test_scancel_and_the_time_limit_are_resumed_from_parts_and_checkpoints_on_gp
         ]
 
     log = workflow.root / "driver.log"
+    # Training on one thread (two by default): its attempts run to their 1-minute limit whatever
+    # they do, so a second thread only doubled the CPU they burn meanwhile.
     driver = start(
-        workflow, slurm_cluster, "--profile", "profiles/slurm", "--set-resources", "train:runtime=1", log=log
-    )
+        workflow, slurm_cluster, "--profile", "profiles/slurm", "--set-resources", "train:runtime=1",
+        "--set-threads", "train=1", log=log,
+    )  # fmt: skip
     try:
 
         def running(rule):
@@ -345,6 +348,7 @@ def test_scancel_and_the_time_limit_are_resumed_from_parts_and_checkpoints_on_gp
     for job in rules["train"] + rules["tokenize"]:
         assert tres(job, "gres/gpu") is None and job["Partition"] == "cpu", job
     assert all(job["Timelimit"] == "00:01:00" for job in rules["train"]), rules["train"]
+    assert all(int(job["ReqCPUS"]) == 1 for job in rules["train"]), rules["train"]  # --set-threads
     line = next(x for x in out.splitlines() if x.startswith("SLURM cluster dflashtest:"))
     assert f"gpu ({slurm_cluster.cpus} CPUs, {slurm_cluster.gpus} GPU(s)" in line, line
     # The devices the wrapper leased are ones Slurm gave (the node's are 0..gpus-1).
