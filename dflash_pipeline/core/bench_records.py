@@ -127,7 +127,7 @@ def read_train_benchmarks(bench_dir: Path) -> list[dict]:
 IN_PROCESS = "in-process target"
 IN_PROCESS_FP8 = "in-process target, FP8 (train.target_quantization: fp8)"
 ENGINE_FED = "taps from an engine on the training GPUs (train.taps_from: engine)"
-OFFLINE = "offline: stored taps (extract, then train.mode: offline)"
+OFFLINE = "offline: stored taps (extract, then train.mode: offline; later epochs at the drafter step's rate)"
 
 
 def training_options(
