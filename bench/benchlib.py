@@ -71,6 +71,20 @@ def copy_workflow(dest: Path, extra: tuple[str, ...] = ()) -> Path:
     return dest
 
 
+def run_snakemake(workdir: Path, args: list[str], log: Path, what: str) -> float:
+    """``snakemake ARGS`` in ``workdir`` (a ``copy_workflow`` folder) with this checkout's package
+    first on the path, its output in ``log``; the seconds it took. A failed run stops the
+    benchmark in one line naming ``what`` and the log."""
+    command = [sys.executable, "-m", "snakemake", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    started = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.run(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise SystemExit(f"the {what} failed (exit {proc.returncode}); see {log}")
+    return time.perf_counter() - started
+
+
 def cpu_model() -> str:
     """The CPU's model name, for records of CPU benchmarks."""
     try:

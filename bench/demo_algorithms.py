@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchlib import REPO, cpu_model, copy_workflow, emit, provenance  # noqa: E402
+from benchlib import cpu_model, copy_workflow, emit, provenance, run_snakemake  # noqa: E402
 
 from dflash_pipeline.core import layout  # noqa: E402
 
@@ -36,14 +34,8 @@ def copy_checkout(workdir: Path) -> None:
 
 
 def run_workflow(workdir: Path, algorithm: str, cores: str, log: Path) -> float:
-    command = [sys.executable, "-m", "snakemake", "--cores", cores, "--config", f"train={{algorithm: {algorithm}}}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    started = time.perf_counter()
-    with log.open("w") as out:
-        proc = subprocess.run(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
-    if proc.returncode:
-        raise SystemExit(f"the {algorithm} run failed (exit {proc.returncode}); see {log}")
-    return time.perf_counter() - started
+    config = ["--config", f"train={{algorithm: {algorithm}}}"]
+    return run_snakemake(workdir, ["--cores", cores, *config], log, f"{algorithm} run")
 
 
 def evaluation_summary(workdir: Path) -> dict:

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchlib import REPO, copy_workflow, cpu_model, emit, provenance, require_success  # noqa: E402
+from benchlib import copy_workflow, cpu_model, emit, provenance, require_success, run_snakemake  # noqa: E402
 
 from dflash_pipeline.core import layout  # noqa: E402
 
@@ -54,17 +53,10 @@ TARGETS = {"full": None, "fp8": "fp8"}
 
 
 def run_workflow(workdir: Path, name: str, cores: str) -> float:
-    log = workdir / f"snakemake-{name}.log"
-    command = [sys.executable, "-m", "snakemake", "--cores", cores]
-    if RUNS[name]:
-        command += ["--config", *RUNS[name]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    started = time.perf_counter()
-    with log.open("w") as out:
-        proc = subprocess.run(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
-    if proc.returncode:
-        raise SystemExit(f"the {name} training run failed (exit {proc.returncode}); see {log}")
-    return time.perf_counter() - started
+    config = ["--config", *RUNS[name]] if RUNS[name] else []
+    return run_snakemake(
+        workdir, ["--cores", cores, *config], workdir / f"snakemake-{name}.log", f"{name} training run"
+    )
 
 
 def keep_run(workdir: Path, name: str) -> tuple[Path, dict]:
