@@ -128,4 +128,7 @@ def test_evaluates_quantization_defines_its_metrics_and_is_refused_with_a_servin
     with pytest.raises(SystemExit):
         main([*argv, "--engine", "vllm", "--target-quantization", "fp8"])
     err = capsys.readouterr().err
-    assert "argument --target-quantization: applies to the project's loop only, not --engine vllm" in err
+    assert (
+        "argument --target-quantization: fp8 applies to the project's loop only; --engine vllm would serve the "
+        "checkpoint's own weights" in err
+    )

@@ -224,12 +224,22 @@ def _cross_key_problems(config: dict) -> list[str]:
     if order:
         problems.append(f"train.target_layer_ids: {order}")
     evaluate = config.get("evaluate") or {}
-    if evaluate.get("target_quantization") and evaluate.get("engine", "transformers") != "transformers":
-        problems.append(
-            f"evaluate.target_quantization: {evaluate['target_quantization']} applies to the project's loop only; "
-            f"evaluate.engine {evaluate['engine']} would serve the checkpoint's own weights (set engine: transformers)"
-        )
+    quantized = quantized_engine_problem(
+        evaluate.get("engine", "transformers"), evaluate.get("target_quantization"), "evaluate.engine"
+    )
+    if quantized:
+        problems.append(f"evaluate.target_quantization: {quantized} (set engine: transformers)")
     return problems
+
+
+def quantized_engine_problem(engine: str, quantization: str | None, engine_key: str) -> str | None:
+    """Why ``quantization`` cannot be evaluated through ``engine`` (None: it can), ``engine_key``
+    naming where the engine was chosen: a serving engine serves the checkpoint's own weights, so
+    only the project's loop measures a quantized target. The config check and evaluate's command
+    line both ask here."""
+    if not quantization or engine == "transformers":
+        return None
+    return f"{quantization} applies to the project's loop only; {engine_key} {engine} would serve the checkpoint's own weights"
 
 
 def target_layer_order_problem(ids: Sequence[int]) -> str | None:

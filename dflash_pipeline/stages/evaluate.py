@@ -33,6 +33,7 @@ from pathlib import Path
 
 from dflash_pipeline.core.storage import write_atomically
 from dflash_pipeline.evaluation.serving import ENGINES
+from dflash_pipeline.core.config import quantized_engine_problem
 from dflash_pipeline.model.target_identity import TargetMismatch, check_at_evaluate
 from dflash_pipeline.evaluation.transformers_loop import (
     DEFAULTS,
@@ -441,9 +442,9 @@ def main(argv: list[str] | None = None) -> int:
 
         parser.error(f"argument --engine-env: expected KEY=VALUE, got {shown(bad_env[0])}")
     env = dict(item.partition("=")[::2] for item in args.engine_env)
-    if args.target_quantization and args.engine != "transformers":
-        # The engine would serve the checkpoint's weights, not the quantized ones the loop runs.
-        parser.error(f"argument --target-quantization: applies to the project's loop only, not --engine {args.engine}")
+    quantized = quantized_engine_problem(args.engine, args.target_quantization, "--engine")
+    if quantized:
+        parser.error(f"argument --target-quantization: {quantized}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     options = eval_options(
         vars(args),
