@@ -150,14 +150,18 @@ def json_object(value: str) -> dict:
     return _parse_object(value, shown(value))
 
 
-def json_file(value: str) -> str:
-    """A local file holding one JSON object; returns the path (the stage reads it)."""
+def _read_json_object(value: str) -> dict:
     existing_file(value)
     try:
         text = Path(value).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         _fail(f"{shown(value)} cannot be read: {err}")
-    _parse_object(text, shown(value))
+    return _parse_object(text, shown(value))
+
+
+def json_file(value: str) -> str:
+    """A local file holding one JSON object; returns the path (the stage reads it)."""
+    _read_json_object(value)
     return value
 
 
@@ -184,9 +188,8 @@ def shard_lists(required: str, checks: dict[str, Callable[[str], str]]) -> Calla
     (the stage reads it). A job's lists go in a file: at 10,000 shards they are past argv's limit."""
 
     def check(value: str) -> str:
-        json_file(value)
+        listed = _read_json_object(value)  # read once: at 10,000 shards the file is large
         where = shown(value)
-        listed = json.loads(Path(value).read_text(encoding="utf-8"))
         unknown = sorted(set(listed) - set(checks))
         if unknown:
             _fail(f"{where}: unknown key {shown(unknown[0])} (the lists are {', '.join(checks)})")
