@@ -111,23 +111,31 @@ def fewer_layers(case: dict, layers: int) -> dict:
     return {**case, "target": {**case["target"], "num_hidden_layers": layers}, "drafter": {"target_layer_ids": taps}}
 
 
-def whole_depth(points: list[tuple[int, float]], depth: int) -> float:
+def whole_depth(points: list[tuple[int, float]], depth: int) -> tuple[float, str]:
     """A time measured at fewer decoder layers, at the target's whole ``depth``. One point scales
     in proportion: every cost grows with depth, an overestimate where part of the time does not
     (the taps file's copy, write and read, the request: one 27B-shaped sequence waited 0.359 s at 8
     layers and 0.406 s at 16 on an H100, so proportional scaling put 64 layers at 2.87 s from one
     and 1.62 s from the other). Two or more points: the least-squares line through them, a fixed
-    cost plus one per layer."""
-    if len(points) == 1:
-        layers, seconds = points[0]
-        return seconds * depth / layers
-    n = len(points)
-    mean_l = sum(layer for layer, _ in points) / n
-    mean_t = sum(t for _, t in points) / n
-    slope = sum((layer - mean_l) * (t - mean_t) for layer, t in points) / sum(
-        (layer - mean_l) ** 2 for layer, _ in points
-    )
-    return mean_t + slope * (depth - mean_l)
+    cost plus one per layer, unless that line does not rise with depth or puts the whole target
+    below the deepest time measured: then the depths were bound by a cost that does not grow with
+    them (vLLM 0.34.0 captured a 27B-shaped target at 28,056 tokens/s at 8 layers and 29,191 at 16,
+    both at the taps output's ~1.5 GB/s, and 18,827 at 32), and the deepest point alone, in
+    proportion, is the bound that holds. Returns the time and how it was found."""
+    deepest = max(points)
+    if len(points) > 1:
+        n = len(points)
+        mean_l = sum(layer for layer, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        slope = sum((layer - mean_l) * (t - mean_t) for layer, t in points) / sum(
+            (layer - mean_l) ** 2 for layer, _ in points
+        )
+        fitted = mean_t + slope * (depth - mean_l)
+        if slope > 0 and fitted >= deepest[1]:
+            return fitted, "fixed + per-layer cost, least squares"
+    layers, seconds = deepest
+    how = "in proportion to depth" if len(points) == 1 else f"in proportion to the deepest ({layers} layers): no fit rising with depth"
+    return seconds * depth / layers, how
 
 
 def at_whole_depth(records: list[dict], full_layers: int) -> dict:
@@ -137,8 +145,8 @@ def at_whole_depth(records: list[dict], full_layers: int) -> dict:
     failed = [r for r in records if "capture_tokens_per_s" not in r]
     if failed:  # its error, and no figure a reader could take for the whole target's
         return {**failed[0], "whole_target_layers": full_layers, "depths": records}
-    tokens_per_s = whole_depth([(r["target_layers"], 1 / r["capture_tokens_per_s"]) for r in done], full_layers)
-    latency = whole_depth([(r["target_layers"], r["latency_s"]) for r in done], full_layers)
+    tokens_per_s, how = whole_depth([(r["target_layers"], 1 / r["capture_tokens_per_s"]) for r in done], full_layers)
+    latency, latency_how = whole_depth([(r["target_layers"], r["latency_s"]) for r in done], full_layers)
     per_depth = (
         "target_layers",
         "tap_ids",
@@ -152,7 +160,8 @@ def at_whole_depth(records: list[dict], full_layers: int) -> dict:
         **{key: value for key, value in done[-1].items() if key not in per_depth},
         "target_layers": [r["target_layers"] for r in done],
         "whole_target_layers": full_layers,
-        "extrapolation": "in proportion to depth" if len(done) == 1 else "fixed + per-layer cost, least squares",
+        "extrapolation": how,
+        "latency_extrapolation": latency_how,
         "capture_tokens_per_s": round(1 / tokens_per_s, 1),
         "latency_s": round(latency, 4),
         "depths": [{key: r[key] for key in per_depth if key in r} for r in done],

@@ -325,9 +325,15 @@ def test_the_taps_bench_extrapolates_a_cut_target_with_a_fixed_and_a_per_layer_c
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     import engine_taps
 
-    assert engine_taps.whole_depth([(8, 0.3)], 64) == pytest.approx(2.4)
-    assert engine_taps.whole_depth([(8, 0.3), (16, 0.34)], 64) == pytest.approx(0.26 + 64 * 0.005)
-    assert engine_taps.whole_depth([(8, 1.0), (12, 2.0), (16, 3.0)], 64) == pytest.approx(15.0)
+    assert engine_taps.whole_depth([(8, 0.3)], 64) == (pytest.approx(2.4), "in proportion to depth")
+    fitted = "fixed + per-layer cost, least squares"
+    assert engine_taps.whole_depth([(8, 0.3), (16, 0.34)], 64) == (pytest.approx(0.26 + 64 * 0.005), fitted)
+    assert engine_taps.whole_depth([(8, 1.0), (12, 2.0), (16, 3.0)], 64) == (pytest.approx(15.0), fitted)
+    # Depths bound by a cost that does not grow with them (the taps output): a line that falls
+    # with depth would put the whole target faster than any depth measured; the deepest point
+    # alone, in proportion, is used (vLLM 0.34.0's 27B-shaped runs: 8 and 16 layers, then 32).
+    falling = engine_taps.whole_depth([(8, 1 / 28056.2), (16, 1 / 29190.7)], 64)
+    assert falling == (pytest.approx(4 / 29190.7), "in proportion to the deepest (16 layers): no fit rising with depth")
 
     def depth(layers, tokens_per_s, latency):
         return {"case": "qwen3.6-27b", "seq_len": 4096, "target_layers": layers, "tap_ids": [0, layers - 1],
@@ -337,6 +343,7 @@ def test_the_taps_bench_extrapolates_a_cut_target_with_a_fixed_and_a_per_layer_c
     # 1/16000 s a token at 8 layers, 1/8000 at 16: 1/16000 more per 8 layers, no fixed part.
     whole = engine_taps.at_whole_depth([depth(8, 16000.0, 0.3), depth(16, 8000.0, 0.34)], 64)
     assert whole["capture_tokens_per_s"] == 2000.0 and whole["latency_s"] == pytest.approx(0.58)
+    assert whole["extrapolation"] == "fixed + per-layer cost, least squares"
     assert whole["target_layers"] == [8, 16] and whole["whole_target_layers"] == 64
     assert [d["capture_tokens_per_s"] for d in whole["depths"]] == [16000.0, 8000.0]
     failed = {key: value for key, value in depth(16, 0, 0).items() if key not in ("capture_tokens_per_s", "latency_s")}

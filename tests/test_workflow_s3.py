@@ -78,7 +78,8 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
     workflow.snakemake(*s3_args, *data_only, env=env)
     assert workflow.planned_jobs(*s3_args, *data_only, env=env) == {}
 
-    workflow.snakemake(*data_only)  # the same config on local storage
+    # The same config on local storage, up to the stages compared below.
+    workflow.snakemake("--config", "until=generate")
     for key in shard_keys:
         remote = client.get_object(Bucket=s3_server.bucket, Key=f"{prefix}/{key}")["Body"].read()
         assert remote == (workflow.root / key).read_bytes(), key
