@@ -134,7 +134,11 @@ def whole_depth(points: list[tuple[int, float]], depth: int) -> tuple[float, str
         if slope > 0 and fitted >= deepest[1]:
             return fitted, "fixed + per-layer cost, least squares"
     layers, seconds = deepest
-    how = "in proportion to depth" if len(points) == 1 else f"in proportion to the deepest ({layers} layers): no fit rising with depth"
+    how = (
+        "in proportion to depth"
+        if len(points) == 1
+        else f"in proportion to the deepest ({layers} layers): no fit rising with depth"
+    )
     return seconds * depth / layers, how
 
 
