@@ -265,11 +265,7 @@ class Workflow:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return "data/few.jsonl"
 
-    def snakemake(
-        self, *args: str, env: dict | None = None, check: bool = True, timeout=2400, rule_threads: bool = False
-    ):
-        """snakemake in the copy, with the tests' one torch thread unless ``rule_threads`` (a test
-        of the threads the rules ask for)."""
+    def snakemake(self, *args: str, env: dict | None = None, check: bool = True, timeout=2400):
         run_env = dict(os.environ)
         # Shell rules call `python -m ...`: the interpreter running the tests must come first.
         run_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{run_env.get('PATH', '')}"
@@ -279,7 +275,7 @@ class Workflow:
         # In its own process group, so a run past the timeout is stopped with its jobs and the
         # servers they launched, instead of leaving them to load the machine for later tests.
         with subprocess.Popen(
-            [sys.executable, "-m", "snakemake", "--cores", "2", *args, *(() if rule_threads else ONE_TORCH_THREAD)],
+            [sys.executable, "-m", "snakemake", "--cores", "2", *args, *ONE_TORCH_THREAD],
             cwd=self.root,
             env=run_env,
             stdout=subprocess.PIPE,

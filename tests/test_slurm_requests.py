@@ -263,7 +263,7 @@ def test_the_pool_warning_still_prints_for_a_local_run(workflow, demo_model):
     """A local run whose `--resources gpu=N` exceeds the pool: its GPU jobs would wait. The
     demo (gpus_per_job 0) plans as before: CPU jobs keep their threads."""
     workflow.write_config(target={"model": str(demo_model), "build_demo": False}, gpus=0)
-    proc = workflow.snakemake("--resources", "gpu=8", "-n", rule_threads=True)
+    proc = workflow.snakemake("--resources", "gpu=8", "-n")
     assert POOL_WARNING in proc.stdout + proc.stderr
     jobs = job_resources(proc.stdout)
     # Threads as the rules say (4 for tokenize), scaled to the tests' --cores 2.
