@@ -233,8 +233,8 @@ def store(request, tmp_path):
 # size their threads themselves) run on one thread in the tests. The suite's second pass keeps
 # both cores busy with three workers and their jobs, so a second torch thread only competes with
 # another process for a core: two such processes at once took 7.1 s each with two passive OpenMP
-# threads and 5.8 s with one (the section on OpenMP in docs/internals.md). Last on the command
-# line: the option takes every word after it, so a target (`tune`) must come before it.
+# threads and 5.8 s with one (the section on OpenMP in docs/internals.md). A test's own
+# --set-threads comes later on the command line and replaces this one.
 ONE_TORCH_THREAD = ("--set-threads", "extract=1", "train=1", "evaluate=1")
 
 
@@ -275,7 +275,7 @@ class Workflow:
         # In its own process group, so a run past the timeout is stopped with its jobs and the
         # servers they launched, instead of leaving them to load the machine for later tests.
         with subprocess.Popen(
-            [sys.executable, "-m", "snakemake", "--cores", "2", *args, *ONE_TORCH_THREAD],
+            [sys.executable, "-m", "snakemake", "--cores", "2", *ONE_TORCH_THREAD, *args],
             cwd=self.root,
             env=run_env,
             stdout=subprocess.PIPE,
