@@ -229,15 +229,6 @@ def store(request, tmp_path):
     return open_storage(f"s3://{server.bucket}/unit-{uuid.uuid4().hex[:8]}")
 
 
-# The rules whose jobs compute with torch in their own process (the engines of generate and tune
-# size their threads themselves) run on one thread in the tests. The suite's second pass keeps
-# both cores busy with three workers and their jobs, so a second torch thread only competes with
-# another process for a core: two such processes at once took 7.1 s each with two passive OpenMP
-# threads and 5.8 s with one (the section on OpenMP in docs/internals.md). A test's own
-# --set-threads comes later on the command line and replaces this one.
-ONE_TORCH_THREAD = ("--set-threads", "extract=1", "train=1", "evaluate=1")
-
-
 class Workflow:
     """A copy of the workflow in a temp folder, with helpers to run snakemake in it."""
 
@@ -275,7 +266,7 @@ class Workflow:
         # In its own process group, so a run past the timeout is stopped with its jobs and the
         # servers they launched, instead of leaving them to load the machine for later tests.
         with subprocess.Popen(
-            [sys.executable, "-m", "snakemake", "--cores", "2", *ONE_TORCH_THREAD, *args],
+            [sys.executable, "-m", "snakemake", "--cores", "2", *args],
             cwd=self.root,
             env=run_env,
             stdout=subprocess.PIPE,
