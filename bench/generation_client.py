@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from dflash_pipeline.demo.build_model import build_demo_model  # noqa: E402
 from dflash_pipeline.demo.task import prompt_messages, sample_problem  # noqa: E402
-from dflash_pipeline.engines.client import EngineClient, Sampling, make_adapter  # noqa: E402
+from dflash_pipeline.engines.client import EngineClient, HttpPools, Sampling, make_adapter  # noqa: E402
 from dflash_pipeline.engines.environments import installed_engine  # noqa: E402
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec  # noqa: E402
 from dflash_pipeline.engines.regenerate import GenerationSettings, ShardGenerator, generate_shard  # noqa: E402
@@ -99,28 +99,34 @@ def prompts(n: int) -> list[dict]:
 
 
 class LoopLag:
-    """How late the client's event loop runs a 5 ms timer, measured beside the requests: a
-    blocking step in the client (a part written, a tokenizer call, telemetry) delays every
-    request's next send and read by as much, which at high concurrency costs throughput where
-    the client's total CPU time would not show it."""
+    """How late the client's event loop runs a timer due every 20 ms, measured beside the
+    requests: a blocking step in the client (a part written, a tokenizer call, telemetry) delays
+    every request's next send and read by as much, which at high concurrency costs throughput
+    where the client's total CPU time would not show it. The timer is a plain callback and fires
+    50 times a second: each firing costs the process CPU time (a loop turn), and a 5 ms task
+    timer used to add ~12 ms to every request's CPU figure at concurrency 1 (~0.6 s a request)."""
+
+    TICK_S = 0.020
 
     def __init__(self):
         self.lags: list[float] = []
-        self._task = None
+        self._handle = None
 
-    async def _watch(self):
-        while True:
-            start = time.perf_counter()
-            await asyncio.sleep(0.005)
-            self.lags.append(time.perf_counter() - start - 0.005)
+    def _tick(self, due: float) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self.lags.append(max(0.0, now - due))
+        self._handle = loop.call_at(now + self.TICK_S, self._tick, now + self.TICK_S)
 
     def __enter__(self):
-        self._task = asyncio.get_running_loop().create_task(self._watch())
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.TICK_S
+        self._handle = loop.call_at(due, self._tick, due)
         self.cpu0 = time.process_time()
         return self
 
     def __exit__(self, *exc):
-        self._task.cancel()
+        self._handle.cancel()
         self.cpu = time.process_time() - self.cpu0
 
     def figures(self, requests: int) -> dict:
@@ -142,10 +148,11 @@ async def load_generator(
     sem = asyncio.Semaphore(concurrency)
     tokens = 0
     sampling = Sampling(max_new, 0.0)
-    # One connection per in-flight request, as the pipeline's client keeps (httpx's default pool
-    # of 100 would cap a concurrency of 256 and flatter the pipeline).
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+    # The pipeline's connection pools (one connection per in-flight request, in pools of 16): one
+    # httpx pool of hundreds of connections costs more CPU per request than the engine's
+    # decoding at high concurrency, and would measure the pool instead of the server.
+    pools = HttpPools(600)
+    try:
 
         async def one(text, ids):
             nonlocal tokens
@@ -153,7 +160,8 @@ async def load_generator(
             async with sem:
                 for attempt in range(3):  # a dropped keep-alive connection is retried, as ours does
                     try:
-                        r = await http.post(url + path, json=body)
+                        with pools.lease() as http:
+                            r = await http.post(url + path, json=body)
                         break
                     except httpx.TransportError:
                         if attempt == 2:
@@ -165,6 +173,8 @@ async def load_generator(
         with LoopLag() as lag:
             await asyncio.gather(*(one(text, ids) for text, ids in prompts))
         wall = time.perf_counter() - t0
+    finally:
+        await pools.aclose()
     return {
         "tokens": tokens,
         "seconds": round(wall, 2),
@@ -186,11 +196,14 @@ async def pipeline(url, engine, model, tokenizer, rows, concurrency, max_new, ru
     )
     progress = ShardProgress(open_storage(run_dir), "generate", 0)
     progress.clear_parts()
+    # Built before the clock, as the stage has its shard before it sends: the first Arrow table
+    # of a process imports pandas (~0.6 s of CPU), which counted in the first run's figures.
+    prompt_table = pa.Table.from_pylist(rows)
     async with EngineClient([url], make_adapter(engine, model)) as client:
         gen = ShardGenerator(tokenizer, client, settings, "bench")
         t0 = time.perf_counter()
         with LoopLag() as lag:
-            table = await generate_shard(pa.Table.from_pylist(rows), gen, progress, lambda: {})
+            table = await generate_shard(prompt_table, gen, progress, lambda: {})
         wall = time.perf_counter() - t0
     tokens = sum(table.column("completion_tokens").to_pylist())
     return {

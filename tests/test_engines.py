@@ -12,6 +12,7 @@ from dflash_pipeline.data.chat import split_reasoning
 from dflash_pipeline.engines.client import (
     CompletionsAdapter,
     EngineClient,
+    HttpPools,
     RequestFailed,
     Sampling,
     SglangAdapter,
@@ -150,6 +151,24 @@ def test_client_spreads_requests_and_reports_unreachable_servers():
 
     with pytest.raises(RequestFailed, match="gave up after 2 attempts: ConnectError"):
         asyncio.run(attempt())
+
+
+def test_http_pools_lend_the_least_busy_client_and_open_another_when_all_are_full():
+    async def lend() -> None:
+        pools = HttpPools(5, per_pool=2)
+        with pools.lease() as first, pools.lease() as second:
+            assert first is second  # one client until it is full
+            with pools.lease() as third:
+                assert third is not first and pools.in_flight == [2, 1]
+            with pools.lease() as fourth:
+                assert fourth is third  # the least busy
+        assert pools.in_flight == [0, 0]
+        with pools.lease() as again:
+            assert again is pools.clients[0] and len(pools.clients) == 2
+        await pools.aclose()
+        assert all(client.is_closed for client in pools.clients)
+
+    asyncio.run(lend())
 
 
 def test_shared_client_path_against_a_real_transformers_server(transformers_server, demo_model):
