@@ -29,7 +29,7 @@ from benchlib import emit, provenance
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from generation_client import load_generator, pipeline, prompts  # noqa: E402
+from generation_client import load_generator, measure_pair, pipeline, prompts  # noqa: E402
 
 from dflash_pipeline.demo.build_model import build_demo_model  # noqa: E402
 from dflash_pipeline.engines.client import make_adapter  # noqa: E402
@@ -134,22 +134,10 @@ def main() -> None:
             for concurrency in args.concurrency:
                 count = max(args.prompts_per_slot * concurrency, 16)
                 for _ in range(args.repeats):
-                    base = asyncio.run(load_generator(url, adapter, requests[:count], concurrency, args.max_new_tokens))
-                    ours = asyncio.run(
-                        pipeline(
-                            url,
-                            args.engine,
-                            MODEL_NAME,
-                            tokenizer,
-                            rows[:count],
-                            concurrency,
-                            args.max_new_tokens,
-                            str(tmp / "run"),
-                        )
-                    )
                     runs.append(
-                        {"concurrency": concurrency, "prompts": count, "load_generator": base, "pipeline": ours}
-                    )
+                        measure_pair(url, args.engine, MODEL_NAME, adapter, tokenizer, requests[:count],
+                                     rows[:count], concurrency, args.max_new_tokens, str(tmp / "run"))
+                    )  # fmt: skip
                     print(json.dumps(runs[-1]), flush=True)
         finally:
             server.terminate()

@@ -183,6 +183,19 @@ async def load_generator(
     }
 
 
+def measure_pair(url, engine, model, adapter, tokenizer, requests, rows, concurrency, max_new, run_dir) -> dict:
+    """One run of each client against the server, the load generator first, and their ratio."""
+    base = asyncio.run(load_generator(url, adapter, requests, concurrency, max_new))
+    ours = asyncio.run(pipeline(url, engine, model, tokenizer, rows, concurrency, max_new, run_dir))
+    return {
+        "concurrency": concurrency,
+        "prompts": len(rows),
+        "load_generator": base,
+        "pipeline": ours,
+        "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 3),
+    }
+
+
 async def pipeline(url, engine, model, tokenizer, rows, concurrency, max_new, run_dir) -> dict:
     import pyarrow as pa
 
@@ -278,30 +291,10 @@ def main() -> None:
             for concurrency in args.concurrency:
                 count = max(args.prompts_per_slot * concurrency, 16) if args.prompts_per_slot else len(rows)
                 for _ in range(args.repeats):
-                    base = asyncio.run(
-                        load_generator(spec.url, adapter, requests[:count], concurrency, args.max_new_tokens)
-                    )
-                    ours = asyncio.run(
-                        pipeline(
-                            spec.url,
-                            args.engine,
-                            str(model),
-                            tokenizer,
-                            rows[:count],
-                            concurrency,
-                            args.max_new_tokens,
-                            str(tmp / "run"),
-                        )
-                    )
                     runs.append(
-                        {
-                            "concurrency": concurrency,
-                            "prompts": count,
-                            "load_generator": base,
-                            "pipeline": ours,
-                            "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 3),
-                        }
-                    )
+                        measure_pair(spec.url, args.engine, str(model), adapter, tokenizer, requests[:count],
+                                     rows[:count], concurrency, args.max_new_tokens, str(tmp / "run"))
+                    )  # fmt: skip
                     print(json.dumps(runs[-1]), flush=True)
             log_tail = server.log_tail(5)
     gpu = (
