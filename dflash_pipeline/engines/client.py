@@ -22,12 +22,13 @@ log = logging.getLogger(__name__)
 
 TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
 
-# Connections per httpx client of ``HttpPools``. httpcore's pool walks all its connections (a
-# socket check for each idle one), and for every idle one counts them all again, each time a
-# request starts or ends: with 256 connections in one pool that was ~15 ms of CPU per request on
-# the event loop, which capped a client near 40 requests/s. Pools of 4 keep that walk short at
-# any concurrency (16 per pool cost twice the CPU per request of 4 at concurrency 256; 1 to 4 the
-# same).
+# Connections per httpx client of ``HttpPools``. httpcore's pool (1.0.9,
+# ``AsyncConnectionPool._assign_requests_to_connections``, run each time a request starts or ends)
+# walks all its connections, and for every idle one builds a list of them all again
+# (``len([connection.is_idle() for connection in self._connections])``): with 256 connections in
+# one pool that was ~15 ms of CPU per request on the event loop, which capped a client near 40
+# requests/s. Pools of 4 keep that walk short at any concurrency (16 per pool cost twice the CPU
+# per request of 4 at concurrency 256; 1 to 4 the same).
 CONNECTIONS_PER_POOL = 4
 
 

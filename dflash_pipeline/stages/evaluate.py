@@ -31,9 +31,9 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from dflash_pipeline.core.config import quantized_engine_problem
 from dflash_pipeline.core.storage import write_atomically
 from dflash_pipeline.evaluation.serving import ENGINES
-from dflash_pipeline.core.config import quantized_engine_problem
 from dflash_pipeline.model.target_identity import TargetMismatch, check_at_evaluate
 from dflash_pipeline.evaluation.transformers_loop import (
     DEFAULTS,
