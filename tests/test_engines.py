@@ -153,6 +153,50 @@ def test_client_spreads_requests_and_reports_unreachable_servers():
         asyncio.run(attempt())
 
 
+def test_a_hung_server_times_out_every_request_across_the_pools_and_frees_them():
+    """A server that accepts connections and never answers (a stalled engine, not a dead one):
+    more requests at once than one pool holds each time out and are retried, then fail naming
+    the timeout; no pool is left counting a request in flight."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held = []
+    stop = threading.Event()
+
+    def accept_and_hold():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept_and_hold, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def attempt():
+        async with EngineClient([url], make_adapter("endpoint", "m"), timeout=1, max_retries=1, backoff=0.05) as c:
+            results = await asyncio.gather(
+                *(c.complete("p", [], Sampling(4, 0.0)) for _ in range(6)), return_exceptions=True
+            )
+            return results, list(c.http.in_flight), len(c.http.clients)
+
+    try:
+        results, in_flight, clients = asyncio.run(attempt())
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        listener.close()
+    assert all(isinstance(r, RequestFailed) and "ReadTimeout" in str(r) for r in results), results
+    assert clients >= 2 and in_flight == [0] * clients  # six at once spread over pools of four
+
+
 def test_http_pools_lend_the_least_busy_client_and_open_another_when_all_are_full():
     async def lend() -> None:
         pools = HttpPools(5, per_pool=2)
