@@ -12,6 +12,7 @@ from dflash_pipeline.core.config import (
     RULE_KEYS,
     ConfigError,
     job_settings,
+    SCHEMA_PATH,
     load_schema,
     rule_params,
     split_section,
@@ -369,3 +370,12 @@ def test_one_predicate_says_whether_training_takes_taps_from_an_engine(train, ex
     from dflash_pipeline.core.config import trains_from_engine_taps
 
     assert trains_from_engine_taps(train) is expected
+
+
+def test_the_schema_is_parsed_once_as_pure_python_yaml_reads_it_and_each_caller_gets_its_own_copy():
+    first = load_schema()
+    assert first == yaml.load(SCHEMA_PATH.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    first["properties"]["train"]["properties"].clear()
+    first["properties"].pop("evaluate")
+    second = load_schema()
+    assert second["properties"]["train"]["properties"] and "evaluate" in second["properties"]
