@@ -84,27 +84,23 @@ demo: setup ## set up, then run every stage on the CPU demo (config.yaml) with t
 	@echo "Plan of what remains: $(SNAKEMAKE) -n"
 
 # The real-vLLM tests need the engine environment (built once, ~2 minutes); the SGLang argument
-# tests SGLang's parser (~1 minute more). Two pytest-xdist workers (CI has 2 cores; the suite's
-# time is mostly waiting on subprocesses); tests sharing one resource (the Slurm cluster, a lane
-# of vLLM servers, a module's expensive fixture) carry an xdist_group and run on one worker
-# (tests/conftest.py, which also puts the longest groups first). -ra lists every skip with its reason; --durations=30 keeps the slowest.
-# Two passes: the tests that do not need the demo target run while it trains in the background
-# (2-4 minutes on 2 cores when its cache misses, its OpenMP threads passive; a copy otherwise),
-# then those that do (marker `demo`, set in tests/conftest.py). A failure of the first pass still
-# runs the second.
-# The second pass takes three workers: its tests wait on subprocesses (Snakemake, engine servers,
-# Slurm) about a third of their time (measured: 1,168 s with three, 1,244 s with two, 2 cores).
-PYTEST_WORKERS ?= 2
-PYTEST_DEMO_WORKERS ?= 3
+# tests SGLang's parser (~1 minute more). One pytest session on three xdist workers (CI has 2
+# cores; the suite's tests wait on subprocesses, Snakemake, engine servers, Slurm, about a third of
+# their time); tests sharing one resource (the Slurm cluster, a lane of vLLM servers, a module's
+# expensive fixture) carry an xdist_group and run on one worker. tests/conftest.py orders the
+# collection: the three longest lanes, the other groups, the tests that need the demo target
+# (marker `demo`), then the short ones, which fill the workers left idle by the long ones' waits.
+# The demo target trains in the background meanwhile (2-4 minutes on 2 cores when its cache misses,
+# its OpenMP threads passive; a copy otherwise); its tests wait for it at the cache entry's lock.
+# -ra lists every skip with its reason; --durations=30 keeps the slowest.
+PYTEST_WORKERS ?= 3
 PYTEST := $(PY) -m pytest --dist loadgroup -ra --durations=30
 test: setup vllm-env sglang-args-envs ## the test suite (sets up .venv, .venv-vllm and the SGLang parsers first)
 	@demo_dir=$$(mktemp -d); \
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m dflash_pipeline.demo.build_model --out $$demo_dir/demo-target >$$demo_dir/build.log 2>&1 & build=$$!; \
-	$(PYTEST) -n $(PYTEST_WORKERS) -m "not demo"; first=$$?; \
+	$(PYTEST) -n $(PYTEST_WORKERS); status=$$?; \
 	if ! wait $$build; then cat $$demo_dir/build.log; exit 1; fi; \
-	tail -n 1 $$demo_dir/build.log; rm -rf $$demo_dir; \
-	$(PYTEST) -n $(PYTEST_DEMO_WORKERS) -m demo; second=$$?; \
-	exit $$(( first || second ))
+	rm -rf $$demo_dir; exit $$status
 
 vllm-env: $(VLLM_STAMP) ## vLLM's CPU build in .venv-vllm (what the tests serve with)
 

@@ -109,7 +109,9 @@ def pytest_configure(config):
 
 def order_for_the_scheduler(items) -> None:
     """FIRST_GROUPS first, then the other groups, most tests first (the order xdist's own
-    reordering gives), then the single tests in their collection's order."""
+    reordering gives), then the single tests that need the demo target (workflow runs of a minute
+    or so), then the other single tests (unit tests, mostly under a second), each kind in its
+    collection's order: the long work starts first and the short fills the workers at the end."""
     groups = [
         next((str(m.args[0] if m.args else m.kwargs.get("name")) for m in item.iter_markers("xdist_group")), None)
         for item in items
@@ -120,7 +122,9 @@ def order_for_the_scheduler(items) -> None:
         group = pair[1]
         if group in FIRST_GROUPS:
             return (0, FIRST_GROUPS.index(group), "")
-        return (1, -sizes[group], group) if group else (2, 0, "")
+        if group:
+            return (1, -sizes[group], group)
+        return (2, 0 if pair[0].get_closest_marker("demo") else 1, "")
 
     items[:] = [item for item, _ in sorted(zip(items, groups), key=rank)]
 
@@ -159,8 +163,8 @@ DEMO_FIXTURES = {"demo_model", "workflow"}
 
 
 def needs_demo_target(item) -> bool:
-    """Whether a test waits for the demo target: `make test` runs the others first, while the
-    target trains in the background (marker `demo`)."""
+    """Whether a test waits for the demo target (marker `demo`): `pytest -m "not demo"` runs the
+    others alone, without it."""
     return (
         item.path.name == "test_demo_model.py"
         or bool(DEMO_FIXTURES & set(getattr(item, "fixturenames", ())))
