@@ -406,6 +406,21 @@ def transformers_server(demo_model, tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture
+def session_endpoint(transformers_server, demo_model) -> dict:
+    """Config overrides (``workflow.write_config(**session_endpoint)``) that generate through the
+    session's `transformers serve` (``generation.engine: endpoint``) instead of a server started
+    per generate job, for workflow tests whose subject is not the engine's launch, log or death:
+    each start costs ~7 CPU seconds before the first token. The target is the model folder the
+    server preloaded: a request names ``target.model`` as its model, and `transformers serve`
+    loads any other name as a second copy. ``write_config`` merges a section one level deep, so
+    these keys join the test's own generation settings, before or after them."""
+    return {
+        "target": {"model": str(demo_model), "build_demo": False},
+        "generation": {"engine": "endpoint", "endpoints": [transformers_server.spec.url]},
+    }
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real single-node Slurm cluster with accounting (tests.support.slurm_cluster), for the

@@ -223,10 +223,11 @@ def test_endpoint_that_keeps_failing_stops_the_job_with_a_clear_error(workflow, 
     assert "ConnectError" in log_text
 
 
-def test_adding_data_regenerates_only_the_new_prompts(workflow, demo_model, tmp_path):
+def test_adding_data_regenerates_only_the_new_prompts(workflow, demo_model, tmp_path, session_endpoint):
     import json
 
     configure(workflow, demo_model, tmp_path, prompts=8, max_new_tokens=48, concurrency=8, part_every_samples=64)
+    workflow.write_config(**session_endpoint)  # reuse is the subject, not the engine's launch
     workflow.snakemake()
     before = pq.read_table(workflow.root / GENERATED)
     data = workflow.root / "data/few.jsonl"
@@ -290,7 +291,7 @@ def test_a_job_whose_driver_is_sigkilled_stops_after_its_part_and_the_next_run_r
     assert generated == pq.read_table(workflow.root / PROMPTS).column("id").to_pylist()
 
 
-def test_a_hung_s3_server_during_generate_is_ridden_out(workflow, demo_model, tmp_path, monkeypatch):
+def test_a_hung_s3_server_during_generate_is_ridden_out(workflow, demo_model, tmp_path, monkeypatch, session_endpoint):
     """SeaweedFS frozen (SIGSTOP, as a stalled gateway: connections are accepted, nothing is
     answered) for 120 s while a generate job writes its parts and the driver beats its lease
     every 2 s, twice botocore's default read timeout (60 s, which the run keeps): requests time
@@ -304,6 +305,7 @@ def test_a_hung_s3_server_during_generate_is_ridden_out(workflow, demo_model, tm
         # 16 prompts: 12 left to generate after the first part, while the server is frozen.
         configure(workflow, demo_model, tmp_path, prompts=16, max_new_tokens=48)
         workflow.write_config(lease={"ttl_s": 8})  # a beat every 2 s: some fall in the freeze
+        workflow.write_config(**session_endpoint)  # storage is the subject, not the engine's launch
         prefix = f"s3://{server.bucket}/outage"
         args = ("--profile", "profiles/s3", "--default-storage-prefix", prefix)
         for key, value in server.env.items():  # this test's own reads

@@ -53,10 +53,10 @@ def flip_a_byte(store, key: str) -> None:
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_damaged_prepare_shard_fails_its_generate_job_once_and_leaves_the_other_shard(
-    where, workflow, demo_model, tmp_path, request
+    where, workflow, demo_model, tmp_path, request, session_endpoint
 ):
     configure(workflow, demo_model, tmp_path, prompts=4, max_new_tokens=8, retries=2)
-    workflow.write_config(num_shards=2, until="generate")
+    workflow.write_config(num_shards=2, until="generate", **session_endpoint)
     args, env, run_url = run_in(where, workflow, request)
     store = open_storage(run_url)
     # Both prepare shards and shard 0's generation, not shard 1's: the failing job below is then
@@ -103,10 +103,10 @@ SHARD1_KEPT = [
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_rerun_refused_for_a_damaged_input_keeps_the_outputs_it_made_before(
-    where, workflow, demo_model, tmp_path, request
+    where, workflow, demo_model, tmp_path, request, session_endpoint
 ):
     configure(workflow, demo_model, tmp_path, prompts=4, max_new_tokens=8, retries=2)
-    workflow.write_config(num_shards=2, until="generate")
+    workflow.write_config(num_shards=2, until="generate", **session_endpoint)
     args, env, run_url = run_in(where, workflow, request)
     store = open_storage(run_url)
     workflow.snakemake(*args, env=env)  # both shards generated

@@ -306,10 +306,13 @@ def test_choosing_reads_whole_rows_only_for_the_wanted_ones():
 
 
 @pytest.mark.workflow
-def test_editing_a_prompt_under_its_id_regenerates_it_and_reuses_the_rest(workflow, demo_model, tmp_path):
+def test_editing_a_prompt_under_its_id_regenerates_it_and_reuses_the_rest(
+    workflow, demo_model, tmp_path, session_endpoint
+):
     from tests.test_generate_workflow import GENERATED, configure
 
     configure(workflow, demo_model, tmp_path, prompts=6, max_new_tokens=48, concurrency=6, part_every_samples=64)
+    workflow.write_config(**session_endpoint)  # reuse is the subject, not the engine's launch
     workflow.snakemake()
     before = {r["id"]: r for r in pq.read_table(workflow.root / GENERATED).to_pylist()}
     data = workflow.root / "data/few.jsonl"

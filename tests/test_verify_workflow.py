@@ -30,9 +30,10 @@ def run_verify(workflow, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_deleted_intermediate_is_found_and_only_its_chain_rebuilt(workflow, demo_model, tmp_path):
+def test_a_deleted_intermediate_is_found_and_only_its_chain_rebuilt(workflow, demo_model, tmp_path, session_endpoint):
     configure(workflow, demo_model, tmp_path, prompts=12, max_new_tokens=16)
-    workflow.write_config(num_shards=2)
+    # Verification and repair are the subject, not the engine's launch.
+    workflow.write_config(num_shards=2, **session_endpoint)
     workflow.snakemake()
     outputs = workflow.root / "results/demo/outputs"
     records = workflow.root / "results/demo/_progress/checksums/outputs"

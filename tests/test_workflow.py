@@ -86,7 +86,7 @@ def test_demo_config_plans_the_demo_model(workflow):
     assert workflow.planned_jobs()["build_demo_model"] == 1
 
 
-def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model):
+def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model, session_endpoint):
     # This test is about planning. The demo's greedy generation changes with CPU batching under
     # load and may hold a degenerate sample or two; whether a shard passes is the gate's business
     # (tests/test_tokenize.py), so the limit here leaves room for them. 36 prompts (about 11 a
@@ -97,6 +97,7 @@ def test_run_then_nothing_to_do_then_only_the_deleted_shard(workflow, demo_model
         tokenize={"max_degenerate_fraction": 0.5},
         **use_built_demo_model(demo_model),
     )
+    workflow.write_config(**session_endpoint)  # planning is the subject, not the engine's launch
     workflow.snakemake()
     shards = workflow.root / "results/demo/outputs"
     names = sorted(p.name for p in shards.glob("prepare-*"))

@@ -19,7 +19,7 @@ def s3_client(server):
     return server.client()
 
 
-def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_server, demo_model):
+def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_server, demo_model, session_endpoint):
     workflow.write_config(
         num_shards=NUM_SHARDS,
         # Storage is this test's business, not the demo's answers: a few prompts, short turns
@@ -34,6 +34,8 @@ def test_s3_run_completes_replans_one_shard_and_matches_local(workflow, s3_serve
         # Thinking traces cut at 32 tokens; the gate is tests/test_tokenize.py's business.
         tokenize={"max_degenerate_fraction": 1.0},
     )
+    # Storage is the subject, not the engine's launch: five generate jobs through one server.
+    workflow.write_config(**session_endpoint)
     prefix = f"run-{uuid.uuid4().hex[:8]}"
     s3_args = ("--profile", "profiles/s3", "--default-storage-prefix", f"s3://{s3_server.bucket}/{prefix}")
     env = s3_server.env
