@@ -473,17 +473,19 @@ def demo_data(demo_model, tmp_path_factory):
 NO_SEGMENT_TAU = {"enabled": False}
 
 
-def from_demo_data(demo_data, folder, **config):
-    """A copy of the shared data's workflow with ``config`` on top; its data stages are done."""
+def run_from_demo_data(demo_data, folder, **config):
+    """A copy of the shared data's workflow with ``config`` on top, run: its data stages were
+    done (not one of them in the run's own job table: no dry run first, a Snakemake start more)."""
     import shutil
 
-    from tests.conftest import Workflow
+    from tests.conftest import Workflow, parse_job_table
 
     workflow = Workflow(folder)
     shutil.copytree(demo_data.root, workflow.root, symlinks=True)
     workflow.write_config(**config)
-    planned = workflow.planned_jobs()
-    assert planned and not {"ingest", "prepare", "generate", "tokenize"} & set(planned), planned
+    proc = workflow.snakemake()
+    ran = parse_job_table(proc.stdout + proc.stderr)
+    assert ran and not {"ingest", "prepare", "generate", "tokenize"} & set(ran), ran
     return workflow
 
 
@@ -494,7 +496,7 @@ def test_the_demo_trains_a_drafter_with_taps_from_the_engine(demo_model, demo_da
     from dflash_pipeline.core import layout
     from tests.support.engine_envs import VLLM_CPU_MEM_FRACTION
 
-    workflow = from_demo_data(
+    workflow = run_from_demo_data(
         demo_data,
         tmp_path / "wf",
         until="train",
@@ -505,7 +507,6 @@ def test_the_demo_trains_a_drafter_with_taps_from_the_engine(demo_model, demo_da
             "segment_eval": NO_SEGMENT_TAU,
         },
     )  # fmt: skip
-    workflow.snakemake()
     run = workflow.root / "results/demo"
     manifest = json.loads((run / layout.segment_manifest_key(0)).read_text())
     assert manifest["steps"] == [0, 3]
@@ -567,7 +568,7 @@ def test_the_demo_extracts_offline_taps_from_the_engine(demo_model, demo_data, t
     from dflash_pipeline.core import layout
     from tests.support.engine_envs import VLLM_CPU_MEM_FRACTION
 
-    workflow = from_demo_data(
+    workflow = run_from_demo_data(
         demo_data,
         tmp_path / "wf",
         until="train",
@@ -578,7 +579,6 @@ def test_the_demo_extracts_offline_taps_from_the_engine(demo_model, demo_data, t
             "segment_eval": NO_SEGMENT_TAU,
         },
     )  # fmt: skip
-    workflow.snakemake()
     run = workflow.root / "results/demo"
     manifest = json.loads((run / layout.shard_key("extract", "00000")).read_text())
     assert (manifest["taps_from"], manifest["compute_dtype"]) == ("engine", "float32")
@@ -597,52 +597,23 @@ def test_the_limits_table_says_which_engines_serve_taps():
     assert "not to stream a training run's taps" in taps_refusal("sglang", "0.5.23", "gpu")
 
 
-def test_the_connector_finds_a_blocks_tokens_in_either_releases_cache_layout(tmp_path):
-    """vLLM 0.26 (the GPU pin) keeps the hidden-state cache as [blocks, tokens, layers, hidden],
-    0.32 as [blocks, layers, tokens, hidden]; the connector read 0.32's only and asked for a layout
-    0.26's attention backends refuse (the first GPU start died at "Unknown cache layout format")."""
-    import subprocess
+# Programs run by the vLLM environment's Python with the connector's modules on its path (the
+# connector imports vLLM); ``connector_programs`` runs them all in one process.
+CACHE_LAYOUT_PROGRAM = """
+from dflash_taps_connector import DFlashTapsConnector, token_axis
+print(token_axis((9, 16, 5, 64), 16, 5), token_axis((9, 5, 16, 64), 16, 5), token_axis((9, 4, 4, 8), 4, 4))
+print(DFlashTapsConnector.get_required_kvcache_layout(None))
+try:
+    token_axis((9, 3, 7, 64), 16, 5)
+except ValueError as exc:
+    print('refused:', exc)
+from types import SimpleNamespace as N
+from dflash_taps_connector import _group_block_size
+hybrid = N(kv_cache_groups=[N(kv_cache_spec=N(block_size=528)), N(kv_cache_spec=N(block_size=44))])
+print(_group_block_size(hybrid, 1, 16), _group_block_size(None, 0, 16))
+"""
 
-    from dflash_pipeline.engines.engine_taps import install_connector
-    from tests.support.engine_envs import vllm_python
-
-    python = str(vllm_python())
-    folder = install_connector(tmp_path)
-    program = (
-        "from dflash_taps_connector import DFlashTapsConnector, token_axis\n"
-        "print(token_axis((9, 16, 5, 64), 16, 5), token_axis((9, 5, 16, 64), 16, 5), token_axis((9, 4, 4, 8), 4, 4))\n"
-        "print(DFlashTapsConnector.get_required_kvcache_layout(None))\n"
-        "try:\n    token_axis((9, 3, 7, 64), 16, 5)\nexcept ValueError as exc:\n    print('refused:', exc)\n"
-        "from types import SimpleNamespace as N\n"
-        "from dflash_taps_connector import _group_block_size\n"
-        "hybrid = N(kv_cache_groups=[N(kv_cache_spec=N(block_size=528)), N(kv_cache_spec=N(block_size=44))])\n"
-        "print(_group_block_size(hybrid, 1, 16), _group_block_size(None, 0, 16))\n"
-    )
-    env = {"PYTHONPATH": str(folder), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([python, "-c", program], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().splitlines()[-4:]
-    # A tie (as many taps as tokens a block) goes by the installed release's own shape rule: 0.32 here.
-    assert lines[0] == "1 2 2"
-    assert lines[1] == "NHD"  # the name 0.26 and 0.32 both know (0.32 reads it as LBNHC)
-    assert lines[2].startswith("refused: hidden-state cache of shape (9, 3, 7, 64)")
-    # vLLM 0.34 sizes each cache group's blocks on a hybrid target: the hidden states' group's
-    # size, not cache_config.block_size, counts the scheduler's block ids there.
-    assert lines[3] == "44 16"
-
-
-def test_the_connector_writes_files_in_the_background_a_few_at_a_time_and_a_failed_write_stops_it(tmp_path):
-    """The engine's step loop no longer waits for each taps file (a 126 MB one took ~56 ms to
-    /dev/shm): the writes go to a thread, at most a few in flight (each holds its rows in host
-    memory), in order; a failed write raises at the connector's next call, so the engine stops
-    and its clients see a dead server instead of waiting for a file that never comes."""
-    import subprocess
-
-    from dflash_pipeline.engines.engine_taps import install_connector
-    from tests.support.engine_envs import vllm_python
-
-    folder = install_connector(tmp_path / "connector")
-    program = """
+BACKGROUND_WRITES_PROGRAM = """
 import os, sys, threading
 import torch
 from safetensors.torch import load_file
@@ -681,12 +652,77 @@ try:
 except AttributeError:
     print("failed:", sorted(os.listdir(os.path.dirname(path))), open(path + ".failed").read().split(":")[0])
 """
+
+CONNECTOR_PROGRAMS = {"cache_layout": CACHE_LAYOUT_PROGRAM, "background_writes": BACKGROUND_WRITES_PROGRAM}
+
+# Each program in a namespace of its own, its output after a line naming it; one that raises
+# prints its traceback there, and the next runs all the same.
+RUN_PROGRAMS = """
+import json, sys, traceback
+for name, source in json.loads(sys.argv[2]).items():
+    print(f"=== {name}", flush=True)
+    try:
+        exec(compile(source, name, "exec"), {"__name__": name})
+    except BaseException:
+        traceback.print_exc(file=sys.stdout)
+    sys.stdout.flush()
+"""
+
+
+@pytest.fixture(scope="module")
+def connector_programs(tmp_path_factory) -> dict[str, list[str]]:
+    """Each of ``CONNECTOR_PROGRAMS``' output lines, run in one process of the vLLM environment
+    (one import of vLLM and torch for all) from a copy of the connector's modules; a scratch
+    folder is the programs' ``sys.argv[1]``."""
+    import subprocess
+
+    from dflash_pipeline.engines.engine_taps import install_connector
+    from tests.support.engine_envs import vllm_python
+
+    root = tmp_path_factory.mktemp("connector")
+    folder = install_connector(root / "connector")
     env = {"PYTHONPATH": str(folder), "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
-        [str(vllm_python()), "-c", program, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
-    )
+        [str(vllm_python()), "-c", RUN_PROGRAMS, str(root), json.dumps(CONNECTOR_PROGRAMS)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().splitlines()[-5:]
+    sections: dict[str, list[str]] = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("=== ") and line[4:] in CONNECTOR_PROGRAMS:
+            sections[line[4:]] = []
+        elif sections:
+            sections[list(sections)[-1]].append(line)
+    assert set(sections) == set(CONNECTOR_PROGRAMS), out.stdout[-2000:] + out.stderr[-2000:]
+    return sections
+
+
+def test_the_connector_finds_a_blocks_tokens_in_either_releases_cache_layout(connector_programs):
+    """vLLM 0.26 (the GPU pin) keeps the hidden-state cache as [blocks, tokens, layers, hidden],
+    0.32 as [blocks, layers, tokens, hidden]; the connector read 0.32's only and asked for a layout
+    0.26's attention backends refuse (the first GPU start died at "Unknown cache layout format")."""
+    output = connector_programs["cache_layout"]
+    assert "Traceback (most recent call last):" not in output, "\n".join(output)
+    lines = output[-4:]
+    # A tie (as many taps as tokens a block) goes by the installed release's own shape rule: 0.32 here.
+    assert lines[0] == "1 2 2"
+    assert lines[1] == "NHD"  # the name 0.26 and 0.32 both know (0.32 reads it as LBNHC)
+    assert lines[2].startswith("refused: hidden-state cache of shape (9, 3, 7, 64)")
+    # vLLM 0.34 sizes each cache group's blocks on a hybrid target: the hidden states' group's
+    # size, not cache_config.block_size, counts the scheduler's block ids there.
+    assert lines[3] == "44 16"
+
+
+def test_the_connector_writes_files_in_the_background_a_few_at_a_time_and_a_failed_write_stops_it(
+    connector_programs,
+):
+    """The engine's step loop no longer waits for each taps file (a 126 MB one took ~56 ms to
+    /dev/shm): the writes go to a thread, at most a few in flight (each holds its rows in host
+    memory), in order; a failed write raises at the connector's next call, so the engine stops
+    and its clients see a dead server instead of waiting for a file that never comes."""
+    output = connector_programs["background_writes"]
+    assert "Traceback (most recent call last):" not in output, "\n".join(output)
+    lines = output[-5:]
     assert lines[0] == "third waits for a slot: True"
     assert lines[1] == "written in order: [0, 1, 2]"
     assert lines[2] == "raised: [Errno 28] No space left on device: 'x.safetensors'"
