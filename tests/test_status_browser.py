@@ -144,7 +144,7 @@ def wait_for(read, done, poll_s: float = 0.5):
 
 
 def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_section(
-    workflow, demo_model, tmp_path, browser
+    workflow, demo_model, tmp_path, browser, session_endpoint
 ):
     workflow.write_config(
         num_shards=NUM_SHARDS,
@@ -170,6 +170,7 @@ def test_status_page_follows_a_demo_run_to_100_percent_and_the_report_has_every_
         # A degenerate demo sample or two (CPU batching changes greedy output) is not this test's.
         tokenize={"max_degenerate_fraction": 0.5},
     )
+    workflow.write_config(**session_endpoint)  # the page is the subject, not the engine's launch
     run_root = workflow.root / "results/demo"
     source = RunSource(
         ReadOnlyStorage.open(str(run_root)),
