@@ -655,17 +655,20 @@ except AttributeError:
 
 CONNECTOR_PROGRAMS = {"cache_layout": CACHE_LAYOUT_PROGRAM, "background_writes": BACKGROUND_WRITES_PROGRAM}
 
-# Each program in a namespace of its own, its output after a line naming it; one that raises
-# prints its traceback there, and the next runs all the same.
+# Each program in a namespace of its own, its output kept apart (a traceback in it if it raises,
+# and the next runs all the same); the last line printed is every program's output as JSON.
 RUN_PROGRAMS = """
-import json, sys, traceback
+import contextlib, io, json, sys, traceback
+outputs = {}
 for name, source in json.loads(sys.argv[2]).items():
-    print(f"=== {name}", flush=True)
-    try:
-        exec(compile(source, name, "exec"), {"__name__": name})
-    except BaseException:
-        traceback.print_exc(file=sys.stdout)
-    sys.stdout.flush()
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        try:
+            exec(compile(source, name, "exec"), {"__name__": name})
+        except BaseException:
+            traceback.print_exc(file=sys.stdout)
+    outputs[name] = buffer.getvalue().splitlines()
+print(json.dumps(outputs))
 """
 
 
@@ -687,14 +690,7 @@ def connector_programs(tmp_path_factory) -> dict[str, list[str]]:
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    sections: dict[str, list[str]] = {}
-    for line in out.stdout.splitlines():
-        if line.startswith("=== ") and line[4:] in CONNECTOR_PROGRAMS:
-            sections[line[4:]] = []
-        elif sections:
-            sections[list(sections)[-1]].append(line)
-    assert set(sections) == set(CONNECTOR_PROGRAMS), out.stdout[-2000:] + out.stderr[-2000:]
-    return sections
+    return json.loads(out.stdout.splitlines()[-1])
 
 
 def test_the_connector_finds_a_blocks_tokens_in_either_releases_cache_layout(connector_programs):

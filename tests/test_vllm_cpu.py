@@ -279,12 +279,20 @@ def parity_runs(vllm_generated, vllm_reference, vllm_engines, tmp_path_factory) 
         # The jobs the run made, from its own job table (a dry run first would cost a Snakemake
         # start of its own).
         proc = workflow.snakemake()
-        runs[drafter] = {"workflow": workflow, "ran": parse_job_table(proc.stdout + proc.stderr)}
-    folders = {drafter: run["workflow"].root / RUN / speculators_format.RUN_CONFIG for drafter, run in runs.items()}
-    checked = speculators_check([f.parent for f in folders.values()], vllm_engines, tmp_path_factory.mktemp("check"))
-    for drafter, run in runs.items():
-        run["speculators"] = folders[drafter].parent
-        run["check"] = checked
+        speculators = (workflow.root / RUN / speculators_format.RUN_CONFIG).parent
+        runs[drafter] = {
+            "workflow": workflow,
+            "ran": parse_job_table(proc.stdout + proc.stderr),
+            "speculators": speculators,
+        }
+    checked = speculators_check(
+        [run["speculators"] for run in runs.values()], vllm_engines, tmp_path_factory.mktemp("check")
+    )
+    for run in runs.values():
+        run["check"] = {
+            "speculators": checked[str(run["speculators"])],
+            "zlab": checked[str(run["speculators"].parent)],
+        }
     return runs
 
 
@@ -315,7 +323,7 @@ def test_vllm_serves_the_trained_drafter_at_parity_with_the_loop_losslessly(
     # The speculative server's log is the job's; the reference was served once for the module.
     bundle = (workflow.root / f"{RUN}/logs/evaluate-engine.log").read_text()
     assert "vllm-speculative.log" in bundle and "vllm-plain.log" not in bundle
-    assert_speculators_export(run["check"], run["speculators"])
+    assert_speculators_export(run["check"])
     if drafter == "full":
         serve_speculators_export(run["speculators"], workflow.root, metrics, vllm_reference, tmp_path)
 
@@ -334,22 +342,25 @@ def speculators_check(folders, vllm_engines, tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
-def assert_speculators_export(result, folder):
+def assert_speculators_export(check):
     """The speculators-format export beside the z-lab one loads in the speculators package's own
     DFlash class without missing or unexpected weights, and vLLM reads from it the drafter it
-    reads from the z-lab export (``result``: ``speculators_check``'s)."""
-    loading = result[str(folder)]["loading"]
+    reads from the z-lab export (``check``: ``speculators_check``'s entries of both folders)."""
+    loading = check["speculators"]["loading"]
     assert loading["class"] == "DFlashDraftModel"
     assert not (loading["missing"] or loading["unexpected"] or loading["mismatched"] or loading["errors"])
-    assert loading["differing"] == [] and result[str(folder)]["official"]["differing"] == []
-    # Copies: the result is shared by both drafters' tests.
-    views = [{**result[str(f)]["vllm"], "dflash_config": dict(result[str(f)]["vllm"]["dflash_config"])}
-             for f in (folder, folder.parent)]  # fmt: skip
-    for view in views:
-        view.pop("config_class")
-        view["dflash_config"].pop("use_aux_hidden_state")
-    assert views[0].pop("speculative_config")["method"] == "dflash"
-    assert views[0] == views[1]
+    assert loading["differing"] == [] and check["speculators"]["official"]["differing"] == []
+    exported, zlab = check["speculators"]["vllm"], check["zlab"]["vllm"]
+    assert exported["speculative_config"]["method"] == "dflash" and "speculative_config" not in zlab
+
+    def view(seen: dict) -> dict:
+        # All but the keys in which the two formats' configs may differ.
+        assert "config_class" in seen and "use_aux_hidden_state" in seen["dflash_config"], seen
+        dflash = {k: v for k, v in seen["dflash_config"].items() if k != "use_aux_hidden_state"}
+        rest = {k: v for k, v in seen.items() if k not in ("config_class", "speculative_config", "dflash_config")}
+        return {**rest, "dflash_config": dflash}
+
+    assert view(exported) == view(zlab)
 
 
 def serve_speculators_export(folder, root, metrics, vllm_reference, tmp_path):
