@@ -12,11 +12,13 @@ from dflash_pipeline.data.chat import split_reasoning
 from dflash_pipeline.engines.client import (
     CompletionsAdapter,
     EngineClient,
+    EngineError,
     HttpPools,
     RequestFailed,
     Sampling,
     SglangAdapter,
     make_adapter,
+    watch_for_hang,
 )
 from dflash_pipeline.engines.launch import ServerSpec, server_command
 from dflash_pipeline.engines.regenerate import sampling_from_config
@@ -195,6 +197,51 @@ def test_a_hung_server_times_out_every_request_across_the_pools_and_frees_them()
         listener.close()
     assert all(isinstance(r, RequestFailed) and "ReadTimeout" in str(r) for r in results), results
     assert clients >= 2 and in_flight == [0] * clients  # six at once spread over pools of four
+
+
+def test_the_hang_watch_names_the_server_that_stopped_answering_and_not_the_one_that_answers(tmp_path):
+    """Two real HTTP servers (answering 404 to the health path: any answer counts); one is then
+    stopped (SIGSTOP: it accepts connections and answers nothing, as a hung engine). The watch
+    raises once that one has been silent for hung_after_s, naming it, and only it."""
+    import signal
+    import subprocess
+
+    import httpx
+
+    servers, urls = [], []
+    for _ in range(2):
+        port = free_port()
+        servers.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                cwd=tmp_path,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        urls.append(f"http://127.0.0.1:{port}")
+
+    def answering(url: str) -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=5).status_code == 404
+        except httpx.HTTPError:
+            return False
+
+    try:
+        for url in urls:
+            wait_until(lambda url=url: answering(url), 60, f"{url} answering")
+        servers[1].send_signal(signal.SIGSTOP)
+        with pytest.raises(EngineError) as caught:
+            asyncio.run(asyncio.wait_for(watch_for_hang(urls, hung_after_s=4), timeout=300))
+    finally:
+        for server in servers:
+            server.send_signal(signal.SIGCONT)
+            server.kill()
+            server.wait()
+    message = str(caught.value)
+    assert f"the engine server at {urls[1]} has answered nothing for " in message, message
+    assert "(generation.hung_after_s)" in message and "ReadTimeout" in message
+    assert urls[0] not in message
 
 
 def test_http_pools_lend_the_least_busy_client_and_open_another_when_all_are_full():

@@ -179,28 +179,41 @@ def test_engine_that_fails_to_start_names_its_log(workflow, demo_model, tmp_path
 
 def test_engine_dying_mid_shard_fails_the_job_and_keeps_finished_parts(workflow, demo_model, tmp_path):
     configure(workflow, demo_model, tmp_path, retries=0)  # a retry would resume and succeed
-    progress = kill_engine_after_a_part(workflow, tmp_path / "locks")
+    progress, job_log = signal_engine_after_a_part(workflow, tmp_path / "locks", signal.SIGKILL)
+    assert "the engine process died" in job_log
     assert progress.read_telemetry()["state"] == "failed"
 
 
-def kill_engine_after_a_part(workflow, lock_dir) -> ShardProgress:
-    """Run the workflow (generate with retries 0), SIGKILL shard 0's engine server once a
-    progress part is saved: the job fails naming the engine's log, the part stays."""
+def test_a_hung_engine_stops_the_job_within_hung_after_s_and_keeps_finished_parts(workflow, demo_model, tmp_path):
+    """The engine server stopped (SIGSTOP: alive, accepting connections, answering nothing), as a
+    deadlocked or stalled engine: its requests would each wait request_timeout_s (1,800 s, kept)
+    six times over. The hang watch stops the job after generation.hung_after_s of silence, naming
+    the server; the job stops the server it started, the part stays."""
+    configure(workflow, demo_model, tmp_path, retries=0, hung_after_s=8)
+    _, job_log = signal_engine_after_a_part(workflow, tmp_path / "locks", signal.SIGSTOP)
+    said = r"the engine server at http://\S+ has answered nothing for \d+ s \(generation.hung_after_s\)"
+    assert re.search(said, job_log), job_log[-3000:]
+    assert not list((tmp_path / "locks").glob("server-*.pid"))  # stopped by the job, not left hung
+
+
+def signal_engine_after_a_part(workflow, lock_dir, sig: signal.Signals) -> tuple[ShardProgress, str]:
+    """Run the workflow (generate with retries 0), send ``sig`` to shard 0's engine server once a
+    progress part is saved: the job fails naming the engine's log, the part stays. Returns the
+    shard's progress and the job's log."""
     progress = ShardProgress(open_storage(workflow.root / "results/demo"), "generate", 0)
     run = start_snakemake(workflow)
     try:
         wait_until(lambda: len(progress.part_keys()) >= 1, SLOW, "a progress part")
         pid_file = next(lock_dir.glob("server-*.pid"))
-        os.killpg(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+        os.killpg(int(pid_file.read_text().split()[0]), sig)
         assert run.wait(timeout=SLOW) != 0
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
-    log_text = (workflow.root / "results/demo/logs/generate/00000.log").read_text()
-    assert "the engine process died" in log_text
-    assert "Engine log: results/demo/logs/generate-engine/00000.log" in log_text
+    job_log = (workflow.root / "results/demo/logs/generate/00000.log").read_text()
+    assert "Engine log: results/demo/logs/generate-engine/00000.log" in job_log
     assert len(progress.part_keys()) >= 1
-    return progress
+    return progress, job_log
 
 
 def test_endpoint_that_keeps_failing_stops_the_job_with_a_clear_error(workflow, demo_model, tmp_path):

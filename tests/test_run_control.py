@@ -28,6 +28,7 @@ OPERATIONAL_CHANGES = {
         "gpus_per_job": 1,
         "concurrency": 3,
         "request_timeout_s": 60,
+        "hung_after_s": 120,
         "max_retries": 1,
         "max_consecutive_failures": 2,
         "max_error_fraction": 0.5,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import time
 
@@ -33,7 +34,7 @@ from dflash_pipeline.stages.evaluate import main as evaluate_main
 from tests.conftest import Workflow, copy_workflow, parse_job_table
 from tests.support.engine_envs import REPO, VLLM_CPU_ENV, VLLM_CPU_MEM_FRACTION, vllm_python
 from tests.test_evaluate_cli import export_untrained_drafter
-from tests.test_generate_workflow import SLOW, kill_engine_after_a_part
+from tests.test_generate_workflow import SLOW, signal_engine_after_a_part
 
 pytestmark = pytest.mark.workflow
 
@@ -233,7 +234,8 @@ def test_a_killed_vllm_server_fails_the_job_naming_its_log_and_the_rerun_resumes
     configure_vllm_generation(
         workflow, demo_model, vllm_engines, tmp_path, retries=0, dataset={"paths": ["data/first.jsonl"]}
     )
-    kill_engine_after_a_part(workflow, tmp_path / "locks")  # the job fails naming the engine log
+    _, job_log = signal_engine_after_a_part(workflow, tmp_path / "locks", signal.SIGKILL)  # names the log
+    assert "the engine process died" in job_log
     workflow.snakemake()
     resumed = _by_id(workflow.root / SHARD)
     whole = {k: row for k, row in _by_id(vllm_generated.root / SHARD).items() if k in ids}

@@ -426,6 +426,7 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "gpus_per_job",
             "concurrency",
             "request_timeout_s",
+            "hung_after_s",
             "max_retries",
             "max_consecutive_failures",
             "max_error_fraction",

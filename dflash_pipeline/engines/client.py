@@ -14,6 +14,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Iterator
+from typing import NoReturn
 from dataclasses import dataclass
 
 import httpx
@@ -242,3 +243,40 @@ class EngineClient:
                 log.warning("request failed (%s); retry %d in %.1f s", last_error, attempt + 1, delay)
                 await asyncio.sleep(delay)
         raise RequestFailed(f"gave up after {self.max_retries + 1} attempts: {last_error}")
+
+
+HEALTH_PATH = "/health"  # vLLM's, SGLang's and transformers serve's; any answer of another server counts too
+
+
+async def watch_for_hang(urls: list[str], hung_after_s: float, setting: str = "generation.hung_after_s") -> NoReturn:
+    """Probes each server until one has answered nothing for ``hung_after_s``, then raises
+    ``EngineError`` naming it; runs until cancelled. A hung server (process alive, stopped or
+    deadlocked; a stalled gateway) accepts connections and never answers: without this every
+    request would wait its whole timeout, times its retries, before a sample counted as failed
+    (hours at the defaults). An answer of any HTTP status counts (the server is there); timeouts
+    and refused connections do not (a dead endpoint is as useless as a hung one)."""
+    interval = max(0.5, min(30.0, hung_after_s / 4))
+    loop = asyncio.get_running_loop()
+    last_answer = dict.fromkeys(urls, loop.time())
+    last_error = dict.fromkeys(urls, "")
+    # Its own connections: a probe never queues behind the requests of the pools.
+    async with httpx.AsyncClient(timeout=httpx.Timeout(interval)) as http:
+
+        async def probe(url: str) -> None:
+            try:
+                await http.get(url.rstrip("/") + HEALTH_PATH)
+                last_answer[url] = loop.time()
+            except httpx.HTTPError as err:
+                last_error[url] = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+        while True:
+            started = loop.time()
+            await asyncio.gather(*(probe(url) for url in urls))
+            for url in urls:
+                silent = loop.time() - last_answer[url]
+                if silent >= hung_after_s:
+                    raise EngineError(
+                        f"the engine server at {url} has answered nothing for {silent:.0f} s ({setting}): "
+                        f"hung, or gone; its health check {HEALTH_PATH} got no HTTP answer (last: {last_error[url]})"
+                    )
+            await asyncio.sleep(max(0.0, interval - (loop.time() - started)))

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from dflash_pipeline.core.credentials import confine_child, confinement_problem, protect_storage_credentials
-from dflash_pipeline.engines.client import EngineError
+from dflash_pipeline.engines.client import HEALTH_PATH, EngineError
 from dflash_pipeline.engines.environments import engine_env, engine_python, server_module_command
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,6 @@ def transformers_command(spec: ServerSpec) -> list[str]:
 
 
 COMMANDS = {"sglang": sglang_command, "vllm": vllm_command, "transformers": transformers_command}
-HEALTH_PATHS = {"sglang": "/health", "vllm": "/health", "transformers": "/health"}
 
 
 def server_command(spec: ServerSpec) -> list[str]:
@@ -313,7 +312,7 @@ class ManagedServer:
 
     def healthy(self) -> bool:
         try:
-            resp = httpx.get(self.spec.url + HEALTH_PATHS[self.spec.engine], timeout=5)
+            resp = httpx.get(self.spec.url + HEALTH_PATH, timeout=5)
             return resp.status_code == 200
         except httpx.HTTPError:
             return False
@@ -342,6 +341,8 @@ class ManagedServer:
         if died is None:
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)
+                # A stopped server (SIGSTOP, a debugger) would hold the signal until the timeout.
+                os.killpg(self.process.pid, signal.SIGCONT)
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 how = f"SIGTERM, then SIGKILL after {timeout:.0f} s"

@@ -20,8 +20,10 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -281,8 +283,11 @@ async def generate_shard(
     progress: ShardProgress,
     engine_info,
     health_check=lambda: True,
+    hang_watch: Coroutine[Any, Any, NoReturn] | None = None,
 ) -> pa.Table:
-    """Generate every prompt not already in a saved part; returns the shard in prompt order."""
+    """Generate every prompt not already in a saved part; returns the shard in prompt order.
+    ``hang_watch`` (``client.watch_for_hang``) runs beside the requests: its error stops the job
+    like any engine error, the finished samples saved."""
     settings = generator.settings
     rows = prompts.to_pylist()
     wanted: dict[str, Wanted] = {}
@@ -342,9 +347,13 @@ async def generate_shard(
     raise_if_halted(progress.run, f"generate shard {progress.shard:05d}")
     reporter = asyncio.create_task(report_forever())
     tasks = [asyncio.create_task(one(r)) for r in todo]
+    watch = asyncio.create_task(hang_watch or asyncio.Event().wait())  # ends only by raising
     try:
-        for next_done in asyncio.as_completed(tasks):
-            result = await next_done
+        # The watch among the awaited: a hung server stops the loop at once, not after the
+        # requests' timeouts. It never returns, so the tasks' results are the first len(tasks).
+        completions = asyncio.as_completed([*tasks, watch])
+        for _ in tasks:
+            result = await next(completions)
             telemetry.done += 1
             telemetry.tokens += result["completion_tokens"]
             if result["error"] is None:
@@ -379,6 +388,7 @@ async def generate_shard(
         raise
     finally:
         reporter.cancel()
+        watch.cancel()
         if telemetry.state == "failed":
             await asyncio.to_thread(lambda: telemetry.write(engine=engine_info()))
     errors = [r for r in done.values() if r["error"] is not None]

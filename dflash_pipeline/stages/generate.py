@@ -28,7 +28,7 @@ from dflash_pipeline.core.config import schema_defaults
 from dflash_pipeline.core.lease import DriverGone
 from dflash_pipeline.core.storage import open_storage, write_atomically
 from dflash_pipeline.data.shard_kinds import ShardKindError, require_file_kind
-from dflash_pipeline.engines.client import EngineClient, EngineError, make_adapter
+from dflash_pipeline.engines.client import EngineClient, EngineError, make_adapter, watch_for_hang
 from dflash_pipeline.engines.environments import EngineSetupError, engine_version
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec, server_port
 from dflash_pipeline.engines.tuning import TunedChoice, apply_choice, read_tune_result, tune_defining, tune_key
@@ -108,7 +108,8 @@ def run_job(
         health = server.alive if server else (lambda: True)
         async with EngineClient(urls, adapter, gen["request_timeout_s"], gen["max_retries"], alive=health) as client:
             generator = ShardGenerator(tokenizer, client, settings, fp)
-            return await generate_shard(prompts, generator, progress, engine_info, health)
+            watch = watch_for_hang(urls, gen["hung_after_s"])
+            return await generate_shard(prompts, generator, progress, engine_info, health, watch)
 
     try:
         if server:
