@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
+import subprocess
 import sys
+from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from dflash_pipeline.data.chat import split_reasoning
@@ -199,49 +204,57 @@ def test_a_hung_server_times_out_every_request_across_the_pools_and_frees_them()
     assert clients >= 2 and in_flight == [0] * clients  # six at once spread over pools of four
 
 
-def test_the_hang_watch_names_the_server_that_stopped_answering_and_not_the_one_that_answers(tmp_path):
-    """Two real HTTP servers (answering 404 to the health path: any answer counts); one is then
-    stopped (SIGSTOP: it accepts connections and answers nothing, as a hung engine). The watch
-    raises once that one has been silent for hung_after_s, naming it, and only it."""
-    import signal
-    import subprocess
-
-    import httpx
-
+@contextlib.contextmanager
+def http_servers(count: int, folder) -> Iterator[tuple[list[subprocess.Popen], list[str]]]:
+    """``count`` real HTTP servers (Python's; 404 to an engine's paths), answering when yielded;
+    a test may stop one (SIGSTOP: it accepts connections and answers nothing, as a hung engine)."""
     servers, urls = [], []
-    for _ in range(2):
-        port = free_port()
-        servers.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                cwd=tmp_path,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-        urls.append(f"http://127.0.0.1:{port}")
-
-    def answering(url: str) -> bool:
-        try:
-            return httpx.get(url + "/health", timeout=5).status_code == 404
-        except httpx.HTTPError:
-            return False
-
     try:
+        for _ in range(count):
+            port = free_port()
+            command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+            servers.append(subprocess.Popen(command, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
-            wait_until(lambda url=url: answering(url), 60, f"{url} answering")
-        servers[1].send_signal(signal.SIGSTOP)
-        with pytest.raises(EngineError) as caught:
-            asyncio.run(asyncio.wait_for(watch_for_hang(urls, hung_after_s=4), timeout=300))
+            wait_until(lambda url=url: answers(url), 60, f"{url} answering")
+        yield servers, urls
     finally:
         for server in servers:
             server.send_signal(signal.SIGCONT)
             server.kill()
             server.wait()
+
+
+def answers(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=5)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def test_the_hang_watch_names_the_server_that_stopped_answering_and_not_the_one_that_answers(tmp_path):
+    """Two servers (any HTTP answer counts, a 404 too); one is stopped. The watch raises once that
+    one has been silent for hung_after_s, naming it, and only it."""
+    with http_servers(2, tmp_path) as (servers, urls):
+        servers[1].send_signal(signal.SIGSTOP)
+        with pytest.raises(EngineError) as caught:
+            asyncio.run(asyncio.wait_for(watch_for_hang(urls, hung_after_s=4), timeout=300))
     message = str(caught.value)
     assert f"the engine server at {urls[1]} has answered nothing for " in message, message
     assert "(generation.hung_after_s)" in message and "ReadTimeout" in message
     assert urls[0] not in message
+
+
+def test_an_evaluation_against_a_hung_server_stops_naming_it_instead_of_waiting_out_its_requests(tmp_path):
+    """evaluate's requests (here the plain reference's) to a stopped server: each would wait 600 s
+    six times over; the evaluation stops after evaluate.engine_hung_after_s, naming the server."""
+    from dflash_pipeline.evaluation.engine_requests import request_plain
+
+    with http_servers(1, tmp_path) as (servers, urls):
+        servers[0].send_signal(signal.SIGSTOP)
+        with pytest.raises(EngineError, match=r"has answered nothing for \d+ s \(evaluate.engine_hung_after_s\)"):
+            request_plain("vllm", urls[0], [("p0", "heldout", [1, 2, 3])], model="m", max_new_tokens=4, hung_after_s=4)
 
 
 def test_http_pools_lend_the_least_busy_client_and_open_another_when_all_are_full():

@@ -67,6 +67,7 @@ OPERATIONAL_CHANGES = {
     "evaluate": {
         "engine_mem_fraction": 0.5,
         "engine_extra_args": ["--enforce-eager"],
+        "engine_hung_after_s": 120,
         "engine_reference_url": "http://127.0.0.1:9",
         "target_mismatch": "warn",
     },

@@ -471,7 +471,13 @@ RULE_KEYS: dict[str, dict[str, Any]] = {
             "target_quantization",
         },
         # target_mismatch: whether a mismatch fails the job, never what is measured.
-        "operational": {"engine_mem_fraction", "engine_extra_args", "engine_reference_url", "target_mismatch"},
+        "operational": {
+            "engine_mem_fraction",
+            "engine_extra_args",
+            "engine_hung_after_s",
+            "engine_reference_url",
+            "target_mismatch",
+        },
     },
 }
 

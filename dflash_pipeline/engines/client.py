@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Iterator
-from typing import NoReturn
+from collections.abc import Awaitable, Iterator
+from typing import NoReturn, TypeVar
 from dataclasses import dataclass
 
 import httpx
@@ -245,6 +245,8 @@ class EngineClient:
         raise RequestFailed(f"gave up after {self.max_retries + 1} attempts: {last_error}")
 
 
+T = TypeVar("T")
+
 HEALTH_PATH = "/health"  # vLLM's, SGLang's and transformers serve's; any answer of another server counts too
 
 
@@ -280,3 +282,20 @@ async def watch_for_hang(urls: list[str], hung_after_s: float, setting: str = "g
                         f"hung, or gone; its health check {HEALTH_PATH} got no HTTP answer (last: {last_error[url]})"
                     )
             await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
+
+
+async def unless_hung(work: Awaitable[T], urls: list[str], hung_after_s: float, setting: str) -> T:
+    """``work``'s result, or ``watch_for_hang``'s error as soon as a server of ``urls`` has
+    answered nothing for ``hung_after_s`` (``work`` is then cancelled: only requests, nothing
+    that writes, may be in it)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(watch_for_hang(urls, hung_after_s, setting))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch.done():
+            watch.result()  # raises: the watch ends only so
+        return task.result()
+    finally:
+        watch.cancel()
+        task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from dflash_pipeline.engines.client import CompletionsAdapter, EngineClient, Sampling, SglangAdapter
+from dflash_pipeline.core.config import schema_defaults
+from dflash_pipeline.engines.client import CompletionsAdapter, EngineClient, Sampling, SglangAdapter, unless_hung
 from dflash_pipeline.evaluation.engine_counters import (
     EngineResponseError,
     SpecAcceptance,
@@ -28,6 +29,9 @@ from dflash_pipeline.evaluation.engine_counters import (
 from dflash_pipeline.evaluation.metrics import PromptResult
 
 log = logging.getLogger(__name__)
+
+# A server silent this long stops the evaluation (the `evaluate` section's default).
+HUNG_AFTER_S = schema_defaults("evaluate")["engine_hung_after_s"]
 
 
 def prompt_result(
@@ -187,11 +191,12 @@ async def _decode_all(
     counters: bool,
     concurrency: int,
     alive,
+    hung_after_s: float,
     raw_metrics_dir: Path | None = None,
     margins: bool = False,
 ) -> list[_Reply]:
     """Send every prompt; with ``counters`` read vLLM's /metrics around each request (then one
-    at a time: the counters are server-wide)."""
+    at a time: the counters are server-wide). A server silent for ``hung_after_s`` stops it."""
     if counters and concurrency != 1:
         raise ValueError("vLLM's counters are server-wide: measure with concurrency 1")
     gate = asyncio.Semaphore(concurrency)
@@ -216,7 +221,8 @@ async def _decode_all(
                         await _read_counters(http, url, keep("after"))
                 return reply
 
-        return await asyncio.gather(*(one(i, p[2]) for i, p in enumerate(prompts)))
+        every = asyncio.gather(*(one(i, p[2]) for i, p in enumerate(prompts)))
+        return await unless_hung(every, [url], hung_after_s, "evaluate.engine_hung_after_s")
 
 
 def _sampling_for(max_new_tokens: int, temperature: float, seed: int | None):
@@ -244,6 +250,7 @@ def request_acceptance(
     seed: int | None = None,
     concurrency: int = 1,
     alive=None,
+    hung_after_s: float = HUNG_AFTER_S,
     raw_metrics_dir: Path | None = None,
 ) -> tuple[list[PromptResult], dict[str, list[int]]]:
     """Send every (id, prompt_set, prompt_ids) to a running speculative server and read each
@@ -259,6 +266,7 @@ def request_acceptance(
             counters=engine == "vllm",
             concurrency=concurrency,
             alive=alive,
+            hung_after_s=hung_after_s,
             raw_metrics_dir=raw_metrics_dir,
         )
     )
@@ -285,6 +293,7 @@ def request_plain(
     max_new_tokens: int,
     seed: int | None = None,
     alive=None,
+    hung_after_s: float = HUNG_AFTER_S,
 ) -> tuple[dict[str, list[int]], dict[str, float], dict[str, list[float | None]]]:
     """Greedy-decode every prompt on a server without the drafter: token ids, seconds and the
     target's logit margin at every generated token (``top2_margins``), by prompt id."""
@@ -298,6 +307,7 @@ def request_plain(
             counters=False,
             concurrency=1,
             alive=alive,
+            hung_after_s=hung_after_s,
             margins=True,
         )
     )

@@ -22,7 +22,7 @@ import httpx
 from dflash_pipeline.engines.environments import EngineInstall
 from dflash_pipeline.engines.launch import ManagedServer, ServerSpec
 from dflash_pipeline.engines.limits import DrafterShape, EngineUnsupportedError, downgrades, refusals
-from dflash_pipeline.evaluation.engine_requests import request_acceptance, request_plain
+from dflash_pipeline.evaluation.engine_requests import HUNG_AFTER_S, request_acceptance, request_plain
 from dflash_pipeline.evaluation.lossless import compare_greedy, default_margin_tolerance, lossless_summary
 from dflash_pipeline.evaluation.metrics import PromptResult
 from dflash_pipeline.evaluation.engine_counters import (
@@ -301,13 +301,14 @@ def measure_in_engine(
     reference_url: str | None = None,
     dtype: str | None = None,
     margin_tolerance: float | None = None,
+    hung_after_s: float = HUNG_AFTER_S,
 ) -> EngineMeasurement:
     """Launch the speculative server (``install``: the engine environment it runs from), check
     that the version it reports serves the drafter, measure every prompt, stop it; in greedy mode
     decode the same prompts on a plain server (``reference_url``: one already running with the
     same target, else launched on the same port) and compare, a divergence tolerated where the
     target's margin there is at most ``margin_tolerance`` (None: the dtype's default, as the
-    loop's)."""
+    loop's). A server silent for ``hung_after_s`` (not even its health check answers) stops it."""
     fields = drafter_fields(drafter)
     configured = fields["dflash_config.block_size"] or fields["block_size"]
     if configured and configured != block_size:
@@ -350,6 +351,7 @@ def measure_in_engine(
             temperature=temperature,
             seed=seed,
             alive=server.alive,
+            hung_after_s=hung_after_s,
             raw_metrics_dir=log_dir,
         )
     plain_outputs: dict[str, list[int]] = {}
@@ -369,6 +371,7 @@ def measure_in_engine(
             log_dir,
             startup_timeout,
             reference_url,
+            hung_after_s,
         )
         if margin_tolerance is None:
             margin_tolerance = default_margin_tolerance(dtype)
@@ -392,6 +395,7 @@ def _plain_reference(
     log_dir,
     startup_timeout,
     reference_url,
+    hung_after_s,
 ) -> tuple[dict[str, list[int]], dict[str, float], dict[str, list[float | None]]]:
     """Greedy outputs (and seconds, margins) of the target without the drafter: from the running server at
     ``reference_url`` (it must serve the same target), else from a plain server launched here."""
@@ -408,6 +412,7 @@ def _plain_reference(
             model=str(target),
             max_new_tokens=max_new_tokens,
             seed=seed,
+            hung_after_s=hung_after_s,
         )
     with ManagedServer(plain, log_dir / f"{engine}-plain.log", log_dir, startup_timeout=startup_timeout) as server:
         return request_plain(
@@ -418,4 +423,5 @@ def _plain_reference(
             max_new_tokens=max_new_tokens,
             seed=seed,
             alive=server.alive,
+            hung_after_s=hung_after_s,
         )

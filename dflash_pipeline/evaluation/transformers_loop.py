@@ -40,6 +40,7 @@ class EvalOptions:
     engine_tp: int = 1
     engine_mem_fraction: float | None = DEFAULTS["engine_mem_fraction"]
     engine_extra_args: tuple[str, ...] = tuple(DEFAULTS["engine_extra_args"])
+    engine_hung_after_s: float = DEFAULTS["engine_hung_after_s"]
     runtime_dir: str | None = None  # the engine's log and pid files (default: beside --out)
     # How the serving engine is launched: the `engines` config section ({engine: {python, env}}).
     engines: dict | None = None

@@ -258,6 +258,7 @@ def measure_engine(target, drafter, prompts_path, options: EvalOptions, out: str
         reference_url=options.engine_reference_url,
         dtype=dtype,
         margin_tolerance=options.lossless_margin,
+        hung_after_s=options.engine_hung_after_s,
     )
     stop = target_stop_token_ids(tokenizer, generation_config_of(target))
     for result in measured.results:
@@ -401,6 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="extra engine argument (repeatable)",
+    )
+    parser.add_argument(
+        "--engine-hung-after-s",
+        type=positive_float,
+        default=EvalOptions.engine_hung_after_s,
+        help="stop when the engine's server has answered nothing (not even /health) for this long",
     )
     parser.add_argument("--runtime-dir", help="engine log/pid folder (default: beside --out)")
     parser.add_argument(
