@@ -204,16 +204,37 @@ def test_a_hung_server_times_out_every_request_across_the_pools_and_frees_them()
     assert clients >= 2 and in_flight == [0] * clients  # six at once spread over pools of four
 
 
+# A server whose health check says it is unhealthy, as an engine's does (SGLang's stuck scheduler,
+# vLLM's dead engine core): 503 to every GET.
+UNHEALTHY_SERVER = """
+import http.server, sys
+class Unhealthy(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(503)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Unhealthy).serve_forever()
+"""
+
+
 @contextlib.contextmanager
-def http_servers(count: int, folder) -> Iterator[tuple[list[subprocess.Popen], list[str]]]:
-    """``count`` real HTTP servers (Python's; 404 to an engine's paths), answering when yielded;
-    a test may stop one (SIGSTOP: it accepts connections and answers nothing, as a hung engine)."""
+def http_servers(folder, *kinds: str) -> Iterator[tuple[list[subprocess.Popen], list[str]]]:
+    """Real HTTP servers, answering when yielded: per kind "plain" (Python's: 404 to an engine's
+    paths) or "unhealthy" (503). A test may stop one (SIGSTOP: it accepts connections and answers
+    nothing, as a hung engine)."""
     servers, urls = [], []
     try:
-        for _ in range(count):
+        for kind in kinds:
             port = free_port()
-            command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
-            servers.append(subprocess.Popen(command, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            serve = (
+                ["-m", "http.server", str(port), "--bind", "127.0.0.1"]
+                if kind == "plain"
+                else ["-c", UNHEALTHY_SERVER, str(port)]
+            )
+            servers.append(
+                subprocess.Popen(
+                    [sys.executable, *serve], cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
             wait_until(lambda url=url: answers(url), 60, f"{url} answering")
@@ -234,16 +255,24 @@ def answers(url: str) -> bool:
 
 
 def test_the_hang_watch_names_the_server_that_stopped_answering_and_not_the_one_that_answers(tmp_path):
-    """Two servers (any HTTP answer counts, a 404 too); one is stopped. The watch raises once that
-    one has been silent for hung_after_s, naming it, and only it."""
-    with http_servers(2, tmp_path) as (servers, urls):
+    """Two servers (an answer below 500 counts as healthy, a 404 too); one is stopped. The watch
+    raises once that one has given no healthy answer for hung_after_s, naming it, and only it."""
+    with http_servers(tmp_path, "plain", "plain") as (servers, urls):
         servers[1].send_signal(signal.SIGSTOP)
         with pytest.raises(EngineError) as caught:
-            asyncio.run(asyncio.wait_for(watch_for_hang(urls, hung_after_s=4), timeout=300))
+            asyncio.run(asyncio.wait_for(watch_for_hang(urls, hung_after_s=8), timeout=300))
     message = str(caught.value)
-    assert f"the engine server at {urls[1]} has answered nothing for " in message, message
+    assert f"the engine server at {urls[1]} has given no healthy answer for " in message, message
     assert "(generation.hung_after_s)" in message and "ReadTimeout" in message
     assert urls[0] not in message
+
+
+def test_the_hang_watch_names_a_server_whose_health_check_says_unhealthy(tmp_path):
+    """A 5xx from the health check is the engine saying it cannot serve (SGLang's scheduler
+    stuck, vLLM's engine core dead), however fast it comes: as no answer."""
+    with http_servers(tmp_path, "unhealthy") as (_, urls):
+        with pytest.raises(EngineError, match=r"has given no healthy answer .* last got HTTP 503"):
+            asyncio.run(asyncio.wait_for(watch_for_hang(urls, hung_after_s=2), timeout=300))
 
 
 def test_an_evaluation_against_a_hung_server_stops_naming_it_instead_of_waiting_out_its_requests(tmp_path):
@@ -251,9 +280,11 @@ def test_an_evaluation_against_a_hung_server_stops_naming_it_instead_of_waiting_
     six times over; the evaluation stops after evaluate.engine_hung_after_s, naming the server."""
     from dflash_pipeline.evaluation.engine_requests import request_plain
 
-    with http_servers(1, tmp_path) as (servers, urls):
+    with http_servers(tmp_path, "plain") as (servers, urls):
         servers[0].send_signal(signal.SIGSTOP)
-        with pytest.raises(EngineError, match=r"has answered nothing for \d+ s \(evaluate.engine_hung_after_s\)"):
+        with pytest.raises(
+            EngineError, match=r"has given no healthy answer for \d+ s \(evaluate.engine_hung_after_s\)"
+        ):
             request_plain("vllm", urls[0], [("p0", "heldout", [1, 2, 3])], model="m", max_new_tokens=4, hung_after_s=4)
 
 

@@ -247,46 +247,62 @@ class EngineClient:
 
 T = TypeVar("T")
 
-HEALTH_PATH = "/health"  # vLLM's, SGLang's and transformers serve's; any answer of another server counts too
+HEALTH_PATH = "/health"  # vLLM's, SGLang's and transformers serve's
+
+# How long one health probe may take. SGLang 0.5.23's /health generates a token and waits up to
+# 20 s (SGLANG_HEALTH_CHECK_TIMEOUT) for its scheduler to answer anything, then says 503.
+PROBE_TIMEOUT_S = 30.0
 
 
 async def watch_for_hang(urls: list[str], hung_after_s: float, setting: str = "generation.hung_after_s") -> NoReturn:
-    """Probes each server until one has answered nothing for ``hung_after_s``, then raises
-    ``EngineError`` naming it; runs until cancelled. A hung server (process alive, stopped or
-    deadlocked; a stalled gateway) accepts connections and never answers: without this every
-    request would wait its whole timeout, times its retries, before a sample counted as failed
-    (hours at the defaults). An answer of any HTTP status counts (the server is there); timeouts
-    and refused connections do not (a dead endpoint is as useless as a hung one)."""
+    """Probes each server's health until one has given no healthy answer for ``hung_after_s``,
+    then raises ``EngineError`` naming it; runs until cancelled. A hung server (process alive,
+    stopped or deadlocked; a stalled gateway) accepts connections and never answers: without this
+    every request would wait its whole timeout, times its retries, before a sample counted as
+    failed (hours at the defaults). Any answer below 500 counts as healthy (a 404: a server
+    without that path is there); a 5xx (the engine says it is unhealthy: SGLang's stuck
+    scheduler, vLLM's dead engine core), a timeout or a refused connection does not."""
     interval = max(0.5, min(30.0, hung_after_s / 4))
     loop = asyncio.get_running_loop()
-    last_answer = dict.fromkeys(urls, loop.time())
-    last_error = dict.fromkeys(urls, "")
-    # Its own connections: a probe never queues behind the requests of the pools.
-    async with httpx.AsyncClient(timeout=httpx.Timeout(interval)) as http:
 
-        async def probe(url: str) -> None:
-            try:
-                await http.get(url.rstrip("/") + HEALTH_PATH)
-                last_answer[url] = loop.time()
-            except httpx.HTTPError as err:
-                last_error[url] = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-
+    async def watch(url: str, http: httpx.AsyncClient) -> NoReturn:
+        # One loop per server: a probe waiting out its timeout on one never delays another's.
+        last_healthy, problem = loop.time(), ""
         while True:
             started = loop.time()
-            await asyncio.gather(*(probe(url) for url in urls))
-            for url in urls:
-                silent = loop.time() - last_answer[url]
-                if silent >= hung_after_s:
-                    raise EngineError(
-                        f"the engine server at {url} has answered nothing for {silent:.0f} s ({setting}): "
-                        f"hung, or gone; its health check {HEALTH_PATH} got no HTTP answer (last: {last_error[url]})"
-                    )
+            try:
+                resp = await http.get(url.rstrip("/") + HEALTH_PATH)
+            except httpx.HTTPError as err:
+                problem = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            else:
+                if resp.status_code < 500:
+                    last_healthy = loop.time()
+                else:
+                    problem = f"HTTP {resp.status_code}"
+            silent = loop.time() - last_healthy
+            if silent >= hung_after_s:
+                raise EngineError(
+                    f"the engine server at {url} has given no healthy answer for {silent:.0f} s ({setting}): "
+                    f"hung, gone or unhealthy; its health check {HEALTH_PATH} last got {problem}"
+                )
             await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
+
+    # Its own connections: a probe never queues behind the requests of the pools.
+    async with httpx.AsyncClient(timeout=httpx.Timeout(min(PROBE_TIMEOUT_S, hung_after_s))) as http:
+        watches = [asyncio.create_task(watch(url, http)) for url in urls]
+        try:
+            done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_EXCEPTION)
+            next(iter(done)).result()  # raises: a watch ends only so
+        finally:
+            for task in watches:
+                task.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
+    raise AssertionError("unreachable")  # for the type checker: the result() above raised
 
 
 async def unless_hung(work: Awaitable[T], urls: list[str], hung_after_s: float, setting: str) -> T:
     """``work``'s result, or ``watch_for_hang``'s error as soon as a server of ``urls`` has
-    answered nothing for ``hung_after_s`` (``work`` is then cancelled: only requests, nothing
+    given no healthy answer for ``hung_after_s`` (``work`` is then cancelled: only requests, nothing
     that writes, may be in it)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.create_task(watch_for_hang(urls, hung_after_s, setting))

@@ -407,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-hung-after-s",
         type=positive_float,
         default=EvalOptions.engine_hung_after_s,
-        help="stop when the engine's server has answered nothing (not even /health) for this long",
+        help="stop when the engine's server has given no healthy answer (to /health: none, or a 5xx) for this long",
     )
     parser.add_argument("--runtime-dir", help="engine log/pid folder (default: beside --out)")
     parser.add_argument(
