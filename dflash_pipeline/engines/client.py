@@ -14,8 +14,8 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Iterator
-from typing import NoReturn, TypeVar
 from dataclasses import dataclass
+from typing import NoReturn, TypeVar
 
 import httpx
 

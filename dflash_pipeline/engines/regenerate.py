@@ -20,7 +20,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -283,11 +283,11 @@ async def generate_shard(
     progress: ShardProgress,
     engine_info,
     health_check=lambda: True,
-    hang_watch: Coroutine[Any, Any, NoReturn] | None = None,
+    hang_watch: Callable[[], Coroutine[Any, Any, NoReturn]] | None = None,
 ) -> pa.Table:
     """Generate every prompt not already in a saved part; returns the shard in prompt order.
-    ``hang_watch`` (``client.watch_for_hang``) runs beside the requests: its error stops the job
-    like any engine error, the finished samples saved."""
+    ``hang_watch()`` (``client.watch_for_hang`` with its servers) runs beside the requests: its
+    error stops the job like any engine error, the finished samples saved."""
     settings = generator.settings
     rows = prompts.to_pylist()
     wanted: dict[str, Wanted] = {}
@@ -347,7 +347,7 @@ async def generate_shard(
     raise_if_halted(progress.run, f"generate shard {progress.shard:05d}")
     reporter = asyncio.create_task(report_forever())
     tasks = [asyncio.create_task(one(r)) for r in todo]
-    watch = asyncio.create_task(hang_watch or asyncio.Event().wait())  # ends only by raising
+    watch = asyncio.create_task(hang_watch() if hang_watch else asyncio.Event().wait())  # ends only by raising
     try:
         # The watch among the awaited: a hung server stops the loop at once, not after the
         # requests' timeouts. It never returns, so the tasks' results are the first len(tasks).

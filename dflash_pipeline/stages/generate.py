@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from functools import partial
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -108,7 +109,7 @@ def run_job(
         health = server.alive if server else (lambda: True)
         async with EngineClient(urls, adapter, gen["request_timeout_s"], gen["max_retries"], alive=health) as client:
             generator = ShardGenerator(tokenizer, client, settings, fp)
-            watch = watch_for_hang(urls, gen["hung_after_s"])
+            watch = partial(watch_for_hang, urls, gen["hung_after_s"])
             return await generate_shard(prompts, generator, progress, engine_info, health, watch)
 
     try:
