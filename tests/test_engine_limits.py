@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -224,6 +225,58 @@ def test_every_row_of_the_table_agrees_with_the_code_of_the_installed_engines(na
     release = installed_release(engine, root)
     assert name.startswith(f"{engine} {release.version}")
     assert disagreements(engine, release) == []
+
+
+# What the hang watch (``engines.client.watch_for_hang``) takes from each engine's /health: an
+# answer within its probe timeout, and a 5xx when the engine cannot serve.
+HEALTH_EVIDENCE = {
+    "vllm": (
+        Evidence(
+            "vllm/entrypoints/serve/instrumentator/health.py",
+            r'@router\.get\("/health"[\s\S]*except EngineDeadError:\s*return Response\(status_code=503\)',
+        ),
+    ),
+    "sglang": (
+        # /health is the generating check: 503 once the scheduler has answered nothing for
+        # HEALTH_CHECK_TIMEOUT (20 s by default), below the watch's probe timeout.
+        Evidence("sglang/srt/entrypoints/http_server.py", r'@app\.get\("/health"\)\s*@app\.get\("/health_generate"\)'),
+        Evidence(
+            "sglang/srt/entrypoints/http_server.py",
+            r'HEALTH_CHECK_TIMEOUT = int\(os\.getenv\("SGLANG_HEALTH_CHECK_TIMEOUT", 20\)\)',
+        ),
+        Evidence(
+            "sglang/srt/entrypoints/http_server.py",
+            r"server_status = ServerStatus\.UnHealthy\s*return Response\(status_code=503\)",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INSTALLED))
+def test_the_engines_health_check_says_5xx_when_the_engine_cannot_serve(name):
+    """The hang watch counts a 5xx from /health as no healthy answer; SGLang's check waits for
+    its scheduler up to 20 s, inside the watch's 30 s probe timeout. Read from the installed
+    engines' code (transformers serve's: 503 when its batching worker is dead)."""
+    from dflash_pipeline.engines.client import PROBE_TIMEOUT_S
+
+    engine, root = INSTALLED[name]
+    release = installed_release(engine, root)
+    for evidence in HEALTH_EVIDENCE[engine]:
+        assert release.shows(evidence), f"{name}: {evidence.describe()}"
+    assert PROBE_TIMEOUT_S > 20
+
+
+def test_transformers_serves_health_says_503_when_its_batching_worker_is_dead():
+    import transformers
+
+    release = Release(Path(transformers.__file__).parent.parent, "transformers")
+    assert release.shows(
+        Evidence(
+            "transformers/cli/serving/server.py",
+            r'@app\.get\("/health"\)\s*def health\(\):\s*if not generation_state\.is_cb_alive\(\):\s*'
+            r"return JSONResponse\([^)]*status_code=503\)",
+        )
+    )
 
 
 def test_a_row_the_code_contradicts_is_named_with_the_file_and_the_pattern(tmp_path):

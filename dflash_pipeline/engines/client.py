@@ -252,7 +252,8 @@ HEALTH_PATH = "/health"  # vLLM's, SGLang's and transformers serve's
 # How long one health probe may take. SGLang 0.5.23's /health generates a token and waits up to
 # 20 s (SGLANG_HEALTH_CHECK_TIMEOUT) for its scheduler to answer anything, then says 503
 # (sglang/srt/entrypoints/http_server.py, health_generate); vLLM 0.34.0's says 503 on
-# EngineDeadError (vllm/entrypoints/serve/instrumentator/health.py).
+# EngineDeadError (vllm/entrypoints/serve/instrumentator/health.py), transformers serve's when its
+# batching worker is dead. tests/test_engine_limits.py holds these to the installed engines' code.
 PROBE_TIMEOUT_S = 30.0
 
 
